@@ -1,0 +1,428 @@
+"""The one typed configuration of moesys: dataclass schemas and their cross-field validation.
+
+The CLI composes these with Hydra; torchrun workers rebuild them from the run directory's
+config.yaml with `config_from_dict`, so workers never import Hydra or OmegaConf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the user: names the dotted key and what is allowed."""
+
+
+@dataclass
+class ModelConfig:
+    """The transformer and its MoE layers (seed 004 section 5; Mixtral for the SwiGLU/RoPE family)."""
+
+    hidden_size: int = 128
+    """Model width D."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Attention (query) heads."""
+    num_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention; None means num_heads."""
+    vocab_size: int = 256
+    """Vocabulary V (the byte tokenizer needs at least 256)."""
+    ffn_hidden_size: Optional[int] = None
+    """Expert / dense FFN width F; None means 4 x hidden_size."""
+    num_experts: int = 8
+    """Experts per MoE layer E."""
+    top_k: int = 2
+    """Experts each token is routed to (1 = Switch, 2 = GShard)."""
+    expert_type: str = "gelu"
+    """FFN kind: gelu (GPT) or swiglu (Mixtral)."""
+    moe_layer_freq: int = 1
+    """Every k-th block is an MoE block (1 = all)."""
+    max_seq_len: int = 256
+    """Longest sequence; sizes learned positions and the RoPE table."""
+    norm: str = "layernorm"
+    """layernorm or rmsnorm."""
+    norm_eps: float = 1e-5
+    """Epsilon of the norms."""
+    bias: bool = True
+    """Biases in linear layers and LayerNorm."""
+    position: str = "learned"
+    """learned positions or rope."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output head."""
+    capacity_factor: float = 0.0
+    """Expert capacity = factor x tokens x top_k / experts; 0 means dropless."""
+    drop_policy: str = "cut"
+    """Which tokens an over-full expert drops: cut (latest), random, routing_weight (lowest weight)."""
+    router_jitter: float = 0.0
+    """Multiplicative jitter epsilon on router inputs while training."""
+    router_input_dropout: float = 0.0
+    """Dropout on router inputs while training."""
+    router_gumbel: bool = False
+    """Gumbel-max sampling of the second..k-th expert while training."""
+    normalize_top_k: bool = True
+    """Renormalise the top-k routing weights to sum to 1 (Mixtral)."""
+    aux_loss_weight: float = 0.01
+    """Weight of the Switch load-balancing loss."""
+    z_loss_weight: float = 0.0
+    """Weight of the router z-loss."""
+    sparsity_loss_weight: float = 0.0
+    """Weight of the L1 sparsity loss on routing probabilities."""
+    importance_loss_weight: float = 0.0
+    """Weight of the mean-importance loss."""
+    embedding_partition: bool = False
+    """Split the [V, H] embedding column-wise over data-parallel ranks (seed 004 section 4.3)."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Block `index` (0-based) is an MoE block when it is the last of each group of moe_layer_freq."""
+        return self.num_experts > 0 and index % self.moe_layer_freq == self.moe_layer_freq - 1
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+
+@dataclass
+class TopologyConfig:
+    """The machines: nodes, GPUs and memory per node (a node is the paper's 'device')."""
+
+    nodes: int = 1
+    """Nodes N."""
+    gpus_per_node: int = 0
+    """GPUs per node; 0 runs on CPU."""
+    gpu_memory_gb: float = 0.0
+    """Memory of one GPU in GB."""
+    cpu_memory_gb: float = 16.0
+    """Host memory of one node in GB."""
+    ssd_gb: float = 100.0
+    """SSD space of one node in GB."""
+    expert_parallel: int = 1
+    """Ranks the experts of a layer are split over."""
+    nproc_per_node: int = 2
+    """Processes per node for local runs."""
+    detect: bool = False
+    """Fill gpus_per_node, gpu_memory_gb, cpu_memory_gb and ssd_gb from this machine."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+
+@dataclass
+class StorageConfig:
+    """Where expert states live (seed 004 section 3.2, Eq. 1 and Algorithm 2)."""
+
+    alpha: float = 1.0
+    """Probability that a sparse parameter is activated."""
+    offload: str = "none"
+    """none, cpu, ssd, or auto (placement from Eq. 1)."""
+    ssd_path: str = "./moesys_ssd"
+    """Directory of the on-disk expert state store."""
+    cpu_cache_experts: int = 0
+    """Experts held in the CPU cache; 0 means from the plan."""
+    hit_threshold: int = 1
+    """Hits an entry needs before it may be evicted (Algorithm 2)."""
+    decay_beta: float = 0.5
+    """Hit counts are multiplied by this every decay_every steps."""
+    decay_every: int = 10
+    """Steps between hit-count decays."""
+    dense_shard: bool = False
+    """Shard dense parameters and optimizer states over data-parallel ranks (Algorithm 1)."""
+    prefetch_depth: int = 1
+    """Layers fetched ahead of the one computing."""
+
+
+@dataclass
+class ParallelConfig:
+    """How ranks communicate."""
+
+    alltoall: str = "flat"
+    """flat or hierarchical (intra-node, then inter-node)."""
+    bucket_mb: float = 25.0
+    """Size of a dense gradient bucket in MB."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop and its run directory."""
+
+    max_steps: int = 100
+    """Optimizer steps."""
+    micro_batch_size: int = 8
+    """Sequences per rank per step."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+    seed: int = 1234
+    """Seed of parameters, data order and routing noise."""
+    checkpoint_every: int = 50
+    """Steps between checkpoints; 0 keeps only the final one."""
+    max_restarts: int = 3
+    """Times torchrun restarts failed workers."""
+    run_dir: Optional[str] = None
+    """Run directory; None makes one under ./outputs/."""
+    data: Optional[str] = None
+    """A text file or directory of text files; None uses the corpus shipped with moesys."""
+    precision: str = "fp32"
+    """fp32, bf16 or fp16 compute (fp32 master weights)."""
+    log_every: int = 1
+    """Steps between metrics lines."""
+
+
+@dataclass
+class InferConfig:
+    """Generation."""
+
+    max_new_tokens: int = 32
+    """Tokens generated per prompt."""
+    prompt: Optional[str] = None
+    """Prompt text."""
+    prompt_ids: Optional[List[int]] = None
+    """Prompt as token ids, for checkpoints without a tokenizer."""
+    temperature: float = 0.0
+    """0 is greedy."""
+    top_k: int = 0
+    """Sample from the k most likely tokens; 0 means all."""
+    seed: int = 0
+    """Sampling seed."""
+    ring_slots: int = 2
+    """Device slots K of the ring memory."""
+    offload: str = "ring"
+    """ring, ondemand or none."""
+
+
+@dataclass
+class LauncherConfig:
+    """How `moesys train` starts its processes."""
+
+    name: str = "local"
+    """local, multinode or slurm."""
+    nnodes: int = 1
+    """Nodes of a multinode or SLURM job."""
+    node_rank: int = 0
+    """This node's rank (multinode)."""
+    rdzv_endpoint: str = "localhost:29500"
+    """c10d rendezvous host:port (multinode)."""
+    rdzv_id: str = "moesys"
+    """Rendezvous job id (multinode)."""
+    partition: Optional[str] = None
+    """SLURM partition."""
+    time: str = "24:00:00"
+    """SLURM time limit."""
+    master_port: int = 29500
+    """Rendezvous port on the SLURM head node."""
+
+
+@dataclass
+class TaskConfig:
+    """One task of a multi-task load (seed 004 section 4.1)."""
+
+    batch_size: int = 1
+    """Samples per step."""
+    data: Optional[str] = None
+    """The task's text data; None uses the shipped corpus."""
+    cost_per_sample: float = 1.0
+    """Relative compute cost of one sample."""
+    gpus: int = 0
+    """GPUs allocated to the task; 0 means decided by `moesys rebalance`."""
+
+
+@dataclass
+class MoesysConfig:
+    """Everything a verb needs; composed from conf/ and a recipe."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    infer: InferConfig = field(default_factory=InferConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    tasks: Dict[str, TaskConfig] = field(default_factory=dict)
+    recipe: Optional[str] = None
+    """Name of the recipe this config came from."""
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.expert_type": ("gelu", "swiglu"),
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.position": ("learned", "rope"),
+    "model.drop_policy": ("cut", "random", "routing_weight"),
+    "storage.offload": ("none", "cpu", "ssd", "auto"),
+    "parallel.alltoall": ("flat", "hierarchical"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+    "infer.offload": ("ring", "ondemand", "none"),
+    "launcher.name": ("local", "multinode", "slurm"),
+}
+
+
+def validate(cfg: MoesysConfig) -> None:
+    """Check every cross-field rule and raise one ConfigError that lists all problems."""
+    problems: list[str] = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        need(value in allowed, f"{key}={value!r} is not one of {', '.join(allowed)}")
+
+    m, t, s = cfg.model, cfg.topology, cfg.storage
+    for key in ("hidden_size", "num_layers", "num_heads", "vocab_size", "max_seq_len", "moe_layer_freq"):
+        need(getattr(m, key) > 0, f"model.{key} must be positive (got {getattr(m, key)})")
+    for key in ("num_kv_heads", "ffn_hidden_size"):
+        value = getattr(m, key)
+        need(value is None or value > 0, f"model.{key} must be positive or null (got {value})")
+    need(m.num_experts >= 0, f"model.num_experts must be >= 0 (got {m.num_experts})")
+    need(m.top_k > 0, f"model.top_k must be positive (got {m.top_k})")
+    if m.num_experts > 0:
+        need(m.top_k <= m.num_experts, f"model.top_k={m.top_k} exceeds model.num_experts={m.num_experts}")
+    if m.num_heads > 0:
+        need(m.hidden_size % m.num_heads == 0,
+             f"model.num_heads={m.num_heads} must divide model.hidden_size={m.hidden_size}")
+        if m.kv_heads > 0:
+            need(m.num_heads % m.kv_heads == 0,
+                 f"model.num_kv_heads={m.kv_heads} must divide model.num_heads={m.num_heads}")
+        if m.position == "rope":
+            need(m.head_dim % 2 == 0, f"model.position=rope needs an even head dim (got {m.head_dim})")
+    need(m.capacity_factor >= 0, f"model.capacity_factor must be >= 0 (got {m.capacity_factor})")
+    for key in ("router_jitter", "router_input_dropout", "aux_loss_weight", "z_loss_weight",
+                "sparsity_loss_weight", "importance_loss_weight"):
+        need(getattr(m, key) >= 0, f"model.{key} must be >= 0 (got {getattr(m, key)})")
+
+    for key in ("nodes", "expert_parallel", "nproc_per_node"):
+        need(getattr(t, key) > 0, f"topology.{key} must be positive (got {getattr(t, key)})")
+    for key in ("gpus_per_node", "gpu_memory_gb", "cpu_memory_gb", "ssd_gb"):
+        need(getattr(t, key) >= 0, f"topology.{key} must be >= 0 (got {getattr(t, key)})")
+    if t.expert_parallel > 0 and m.num_experts > 0:
+        need(m.num_experts % t.expert_parallel == 0,
+             f"model.num_experts={m.num_experts} is not divisible by topology.expert_parallel={t.expert_parallel}")
+    if t.expert_parallel > 0 and t.nodes > 0 and t.nproc_per_node > 0:
+        need(t.world_size % t.expert_parallel == 0,
+             f"topology.expert_parallel={t.expert_parallel} must divide the world size "
+             f"(nodes x nproc_per_node = {t.world_size})")
+
+    need(0 < s.alpha <= 1, f"storage.alpha must be in (0, 1] (got {s.alpha})")
+    need(s.cpu_cache_experts >= 0, f"storage.cpu_cache_experts must be >= 0 (got {s.cpu_cache_experts})")
+    need(s.hit_threshold >= 0, f"storage.hit_threshold must be >= 0 (got {s.hit_threshold})")
+    need(0 < s.decay_beta <= 1, f"storage.decay_beta must be in (0, 1] (got {s.decay_beta})")
+    need(s.decay_every > 0, f"storage.decay_every must be positive (got {s.decay_every})")
+    need(s.prefetch_depth >= 0, f"storage.prefetch_depth must be >= 0 (got {s.prefetch_depth})")
+    need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb must be positive (got {cfg.parallel.bucket_mb})")
+
+    tr = cfg.train
+    for key in ("max_steps", "micro_batch_size", "seq_len", "log_every"):
+        need(getattr(tr, key) > 0, f"train.{key} must be positive (got {getattr(tr, key)})")
+    for key in ("checkpoint_every", "max_restarts", "warmup_steps", "grad_clip", "weight_decay"):
+        need(getattr(tr, key) >= 0, f"train.{key} must be >= 0 (got {getattr(tr, key)})")
+    need(tr.lr > 0, f"train.lr must be positive (got {tr.lr})")
+    need(tr.seq_len <= m.max_seq_len,
+         f"train.seq_len={tr.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+
+    inf = cfg.infer
+    need(inf.max_new_tokens > 0, f"infer.max_new_tokens must be positive (got {inf.max_new_tokens})")
+    need(inf.temperature >= 0, f"infer.temperature must be >= 0 (got {inf.temperature})")
+    need(inf.top_k >= 0, f"infer.top_k must be >= 0 (got {inf.top_k})")
+    need(inf.ring_slots >= 1, f"infer.ring_slots must be >= 1 (got {inf.ring_slots})")
+    need(cfg.launcher.nnodes > 0, f"launcher.nnodes must be positive (got {cfg.launcher.nnodes})")
+
+    for name, task in cfg.tasks.items():
+        need(task.batch_size > 0, f"tasks.{name}.batch_size must be positive (got {task.batch_size})")
+        need(task.cost_per_sample > 0,
+             f"tasks.{name}.cost_per_sample must be positive (got {task.cost_per_sample})")
+        need(task.gpus >= 0, f"tasks.{name}.gpus must be >= 0 (got {task.gpus})")
+
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+# ---- plain-data round trip (workers and checkpoints read configs without Hydra) ----
+
+def config_to_dict(cfg: Any) -> Any:
+    """A dataclass tree as plain dicts and lists (YAML/JSON ready)."""
+    return dataclasses.asdict(cfg)
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], key)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping (got {value!r})")
+        return _build(tp, value, key)
+    if origin in (dict, Dict):
+        return {k: _convert(v, args[1], f"{key}.{k}") for k, v in (value or {}).items()}
+    if origin in (list, List):
+        return [_convert(v, args[0], key) for v in value]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and not isinstance(value, tp):
+        raise ConfigError(f"{key}={value!r} is not a {tp.__name__}")
+    return value
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown config key {dotted}{hint}")
+        kwargs[key] = _convert(value, hints[key], dotted)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict) -> MoesysConfig:
+    """Rebuild and validate a MoesysConfig from plain data (the inverse of config_to_dict)."""
+    cfg = _build(MoesysConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def schema_keys(cls: type = MoesysConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of a schema (dict-valued fields end at their name)."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}{f.name}"
+        keys.append(dotted)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(schema_keys(hints[f.name], dotted + "."))
+    return keys
