@@ -1,0 +1,129 @@
+"""Decoder-only transformer for both families (GPT: learned positions, LayerNorm, gelu, tied head; Mixtral: RoPE,
+RMSNorm, SwiGLU, GQA), with MoE blocks every cfg.moe_layer_freq (seed 004 section 5; Mixtral of Experts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.config import ModelConfig
+from runtime.model.attention import Attention, KVCache, rope_cos_sin
+from runtime.model.ffn import DenseFFN
+from runtime.model.norms import RMSNorm, build_norm
+
+INIT_STD = 0.02
+
+
+@dataclass
+class ModelOutput:
+    """logits [B, S, V]; aux_loss: weighted MoE losses summed over MoE layers (scalar); moe_stats: one per MoE layer."""
+
+    logits: torch.Tensor
+    aux_loss: torch.Tensor
+    moe_stats: list[Any] = field(default_factory=list)
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attention(attention_norm(x)), then h + ffn(ffn_norm(h)); ffn is DenseFFN or MoELayer."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.is_moe = cfg.is_moe_layer(index)
+        self.attention_norm = build_norm(cfg)
+        self.attention = Attention(cfg, index)
+        self.ffn_norm = build_norm(cfg)
+        if self.is_moe:
+            from runtime.moe.layer import MoELayer
+
+            self.ffn = MoELayer(cfg)
+        else:
+            self.ffn = DenseFFN(cfg)
+
+    def forward(self, x, rope=None, cache: Optional[KVCache] = None, start_pos: int = 0):
+        """x [B, S, D] -> (y [B, S, D], MoEStats or None)."""
+        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
+        if self.is_moe:
+            y, stats = self.ffn(self.ffn_norm(h))
+            return h + y, stats
+        return h + self.ffn(self.ffn_norm(h)), None
+
+
+class Transformer(nn.Module):
+    """tokens [B, S] -> ModelOutput; one code path for every ModelConfig, single device."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos_embeddings = (
+            nn.Embedding(cfg.max_seq_len, cfg.hidden_size) if cfg.position == "learned" else None
+        )
+        if cfg.position not in ("learned", "rope"):
+            raise ValueError(f"model.position={cfg.position!r} is not one of learned, rope")
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = build_norm(cfg)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def moe_layers(self) -> list[nn.Module]:
+        """The MoE layers in block order (their dispatcher or experts can be swapped from outside)."""
+        return [block.ffn for block in self.layers if block.is_moe]
+
+    def new_cache(self, max_len: Optional[int] = None) -> KVCache:
+        """An empty KV cache for incremental decoding with this model."""
+        return KVCache(len(self.layers), max_len)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 style: normal(0, 0.02) weights of linears and embeddings, zero biases, unit norm weights.
+
+        MoE layers initialise their own router and experts.
+        """
+        moe = set()
+        for layer in self.moe_layers():
+            moe.update(id(m) for m in layer.modules())
+        for module in self.modules():
+            if id(module) in moe:
+                continue
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, 0.0, INIT_STD)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, start_pos: int = 0) -> ModelOutput:
+        """tokens [B, S] at positions start_pos..start_pos+S-1 (start_pos > 0 needs the cache of the prefix)."""
+        B, S = tokens.shape
+        end = start_pos + S
+        if end > self.cfg.max_seq_len:
+            raise ValueError(f"positions up to {end} exceed model.max_seq_len={self.cfg.max_seq_len}")
+        if start_pos and cache is None:
+            raise ValueError("start_pos > 0 needs the KV cache of the earlier positions")
+        positions = torch.arange(start_pos, end, device=tokens.device)
+        h = self.tok_embeddings(tokens)
+        rope = None
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(positions)
+        else:
+            rope = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        stats = []
+        for block in self.layers:
+            h, layer_stats = block(h, rope, cache, start_pos)
+            if layer_stats is not None:
+                stats.append(layer_stats)
+        h = self.norm(h)
+        logits = self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+        aux = sum((s.aux_loss for s in stats), h.new_zeros(()))
+        return ModelOutput(logits=logits, aux_loss=aux, moe_stats=stats)
