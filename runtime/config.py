@@ -13,8 +13,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from runtime.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A configuration problem, phrased for the user: names the dotted key and what is allowed."""
 
 

@@ -1,0 +1,3 @@
+from moesys_cli.app import main
+
+main()

@@ -1,0 +1,50 @@
+"""The `moesys` command: one Typer app, one small module per verb. Bad input exits 2 with a one-line error."""
+
+from __future__ import annotations
+
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated, Optional
+
+import typer
+
+from moesys_cli import plan as plan_cmd
+from moesys_cli.render import error
+from runtime.errors import UserError
+
+app = typer.Typer(
+    name="moesys",
+    help="Train and serve Mixture-of-Experts models whose experts outgrow GPU memory.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    add_completion=False,
+)
+CONTEXT = {"allow_extra_args": False}
+
+app.command("plan", context_settings=CONTEXT)(plan_cmd.plan)
+
+
+def _version(value: bool) -> None:
+    if value:
+        try:
+            typer.echo(f"moesys {version('moesys')}")
+        except PackageNotFoundError:
+            typer.echo("moesys (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                         help="Print the version and exit.")] = None,
+) -> None:
+    """moesys: plan, train, infer, rebalance and benchmark MoE models (SE-MoE / MoESys on PyTorch)."""
+
+
+def main() -> None:
+    """Console entry point: library errors become one line on stderr and exit code 2."""
+    try:
+        app(standalone_mode=True)
+    except UserError as exc:
+        error(str(exc))
+        sys.exit(2)

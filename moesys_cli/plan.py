@@ -1,0 +1,63 @@
+"""`moesys plan`: parameter counts, Eq. 1 per tier, placement and a per-rank estimate, with a verdict."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from moesys_cli.options import Json, Overrides
+from moesys_cli.render import console, human_bytes, human_count, print_json
+from moesys_cli.resolve import resolve_config
+from runtime.storage.placement import plan_placement, plan_to_dict
+
+
+def plan(overrides: Overrides = None, json_out: Json = False) -> None:
+    """Check memory budgets (Eq. 1) and say where each kind of state lives. Exit 0 fits, 1 does not, 2 bad input."""
+    cfg = resolve_config(overrides or [])
+    result = plan_to_dict(plan_placement(cfg))
+    if json_out:
+        print_json({"recipe": cfg.recipe, **result})
+    else:
+        _render(cfg.recipe, result)
+    raise typer.Exit(0 if result["feasible"] else 1)
+
+
+def _render(recipe: str | None, r: dict) -> None:
+    p = r["params"]
+    console.print(f"[bold]moesys plan[/] recipe={recipe}: {human_count(p['total'])} parameters "
+                  f"(dense D {human_count(p['dense'])}, sparse S {human_count(p['sparse'])}, "
+                  f"active/token {human_count(p['active'])}, embedding {human_count(p['embedding'])})")
+    b = r["budget"]
+    eq1 = Table(title=f"Eq. 1  (alpha={b['alpha']}, L={b['layers']} MoE layers, N={b['nodes']} nodes)")
+    for col in ("tier", "inequality", "required", "capacity", "holds"):
+        eq1.add_column(col)
+    for name, t in b["tiers"].items():
+        eq1.add_row(name.upper(), t["formula"], human_bytes(t["required_bytes"]), human_bytes(t["capacity_bytes"]),
+                    "[green]yes[/]" if t["ok"] else "[red]no[/]")
+    console.print(eq1)
+    pl, pr = r["placement"], r["per_rank"]
+    rank = Table(title=f"Per rank ({pr['world_size']} ranks) with storage.offload={pl['offload']}: dense on "
+                       f"{pl['dense'].upper()}, experts on {pl['sparse'].upper()}")
+    rank.add_column("state")
+    rank.add_column("bytes", justify="right")
+    for name, n in pr["device"].items():
+        rank.add_row(f"device: {name}", human_bytes(n))
+    rank.add_row("[bold]device total[/]", f"{human_bytes(pr['device_total'])} / {human_bytes(pr['device_capacity'])}")
+    rank.add_row("host (expert cache)", f"{human_bytes(pr['host'])} / {human_bytes(pr['host_capacity'])}")
+    rank.add_row("ssd (expert store)", human_bytes(pr["ssd"]))
+    if pl["offload"] == "ssd":
+        rank.add_row("CPU cache", f"{pl['cpu_cache_experts']} of {pl['local_experts']} local experts")
+    console.print(rank)
+    inf = r["inference"]
+    console.print(f"inference (ring memory): dense {human_bytes(inf['dense_bytes'])} resident, "
+                  f"{human_bytes(inf['expert_layer_bytes'])} per MoE layer's experts -> largest infer.ring_slots "
+                  f"that fits: {inf['max_ring_slots']}")
+    for a in r["assumptions"]:
+        console.print(f"  [dim]assumes {a}[/]")
+    if r["feasible"]:
+        console.print("[bold green]fits[/]")
+    else:
+        for problem in r["problems"]:
+            console.print(f"[red]does not fit:[/] {problem}")
+        for s in r["suggestions"]:
+            console.print(f"[yellow]try:[/] {s}")

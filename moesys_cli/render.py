@@ -1,0 +1,35 @@
+"""Small rendering helpers shared by the verbs: byte sizes, JSON output, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rich.console import Console
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def human_count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(int(n))
+
+
+def print_json(obj: object) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def error(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)

@@ -1,0 +1,139 @@
+"""Resolve `recipe=NAME key=value ...` into one validated MoesysConfig with Hydra's Compose API.
+
+The schema dataclasses are registered in the ConfigStore, so a misspelled key fails at compose time; recipes/*.yaml
+are registered as the `recipe` group (package _global_). Every verb calls `resolve_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from runtime.config import ConfigError, MoesysConfig, validate
+from runtime.topology import detect_machine
+
+GROUPS = ("model", "topology", "storage", "train", "infer", "launcher", "recipe")
+
+
+def _data_dir(name: str) -> Path:
+    """conf/ or recipes/: inside the installed package, or beside moesys_cli/ in a source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / name, here.parent / name):
+        if candidate.is_dir():
+            return candidate
+    raise ConfigError(f"moesys is installed without its {name}/ directory; reinstall with `pip install moesys`")
+
+
+def conf_dir() -> Path:
+    return _data_dir("conf")
+
+
+def recipes_dir() -> Path:
+    return _data_dir("recipes")
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+def group_options(group: str) -> list[str]:
+    if group == "recipe":
+        return available_recipes()
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def _register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="moesys_schema", node=MoesysConfig)
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        node = yaml.safe_load(path.read_text()) or {}
+        cs.store(group="recipe", name=path.stem, node=node, package="_global_")
+
+
+def _field_type(cls: type, name: str):
+    hints = typing.get_type_hints(cls)
+    return hints.get(name)
+
+
+def check_override(override: str) -> None:
+    """Reject an unknown dotted key or group option with the closest valid names, before Hydra sees it."""
+    key, sep, value = override.partition("=")
+    if not sep:
+        raise ConfigError(f"override {override!r} is not key=value (e.g. model.num_experts=16)")
+    key = key.lstrip("+~")
+    if key in GROUPS:
+        options = group_options(key)
+        if value not in options:
+            close = difflib.get_close_matches(value, options, n=3)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise ConfigError(f"unknown {key} {value!r}; {hint}available: {', '.join(options)}")
+        return
+    cls: typing.Any = MoesysConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        origin = typing.get_origin(cls)
+        if origin is dict:
+            cls = typing.get_args(cls)[1]
+            continue
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"unknown config key {key}: {'.'.join(parts[:i])} has no sub-keys")
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            prefix = ".".join(parts[:i])
+            full = [f"{prefix}.{n}" if prefix else n for n in names]
+            close = difflib.get_close_matches(part, names, n=3)
+            hint = f"did you mean {', '.join(full[names.index(c)] for c in close)}?" if close else \
+                f"valid keys: {', '.join(full)}"
+            raise ConfigError(f"unknown config key {key}; {hint}")
+        cls = _field_type(cls, part)
+        if typing.get_origin(cls) is typing.Union:
+            cls = next(a for a in typing.get_args(cls) if a is not type(None))
+
+
+def _one_line(exc: BaseException) -> str:
+    """Hydra wraps the useful message (e.g. a type error) as the cause; keep the first line of each."""
+    lines = [str(e).strip().splitlines()[0] for e in (exc, exc.__cause__) if e is not None and str(e).strip()]
+    return ": ".join(lines) or type(exc).__name__
+
+
+def resolve_config(overrides: list[str] | tuple[str, ...] = ()) -> MoesysConfig:
+    """Compose conf/ + recipe + overrides, convert to dataclasses, fill machine facts, validate once."""
+    overrides = list(overrides)
+    for override in overrides:
+        check_override(override)
+    _register()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name="moesys"):
+            composed = compose(config_name="config", overrides=overrides)
+        cfg = OmegaConf.to_object(composed)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_one_line(exc)) from None
+    assert isinstance(cfg, MoesysConfig)
+    if cfg.topology.detect:
+        _apply_machine(cfg)
+    validate(cfg)
+    return cfg
+
+
+def _apply_machine(cfg: MoesysConfig) -> None:
+    machine = detect_machine(cfg.storage.ssd_path)
+    t = cfg.topology
+    t.gpus_per_node = machine.gpus
+    t.gpu_memory_gb = machine.gpu_memory_gb
+    t.cpu_memory_gb = machine.cpu_memory_gb
+    t.ssd_gb = machine.ssd_free_gb
+    t.nproc_per_node = machine.gpus or t.nproc_per_node
+    t.detect = False
+
+
+def config_yaml(cfg: MoesysConfig) -> str:
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)

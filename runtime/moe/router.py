@@ -1,0 +1,104 @@
+"""Top-k gating in fp32 (Switch k=1, GShard k=2) with the ORT MoE gating utilities: multiplicative jitter,
+input dropout and Gumbel-max sampling (seed 003 "Gating Utilities"; Switch Transformers section 2.2).
+
+Legend: T tokens, D model dim, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from runtime.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One routing decision. Column 0 of the [T, K] tensors is each token's first choice."""
+
+    expert_ids_TK: Tensor
+    """Chosen experts (int64), distinct within a row."""
+    weights_TK: Tensor
+    """Combine weights (fp32, differentiable): softmax over all experts gathered at the choice, renormalised
+    to sum 1 when normalize_top_k."""
+    probs_TE: Tensor
+    """Softmax over all experts (fp32, differentiable)."""
+    logits_TE: Tensor
+    """Router logits (fp32, differentiable), without the Gumbel noise used for selection."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.expert_ids_TK.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.expert_ids_TK.shape[1]
+
+    @property
+    def num_experts(self) -> int:
+        return self.probs_TE.shape[1]
+
+
+def gumbel_like(t: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Standard Gumbel noise -log(-log U) with the shape of t."""
+    u = torch.rand(t.shape, dtype=t.dtype, device=t.device, generator=generator)
+    tiny = torch.finfo(t.dtype).tiny
+    return -torch.log(-torch.log(u.clamp_min(tiny)).clamp_min(tiny))
+
+
+def select_top_k(logits_TE: Tensor, k: int, gumbel: bool = False,
+                 generator: torch.Generator | None = None) -> Tensor:
+    """Experts chosen per token. With gumbel, the first choice stays the argmax and the 2nd..k-th are drawn
+    without replacement from the softmax of the remaining experts (Gumbel-top-k trick, as GShard samples its
+    second expert); the noise only affects the selection, never the weights."""
+    if not gumbel or k == 1:
+        return torch.topk(logits_TE, k, dim=-1, sorted=True).indices
+    first_T1 = logits_TE.argmax(dim=-1, keepdim=True)
+    noisy_TE = logits_TE + gumbel_like(logits_TE, generator)
+    noisy_TE = noisy_TE.scatter(1, first_T1, float("-inf"))
+    rest_TK = torch.topk(noisy_TE, k - 1, dim=-1, sorted=True).indices
+    return torch.cat([first_T1, rest_TK], dim=1)
+
+
+def routing_weights(probs_TE: Tensor, expert_ids_TK: Tensor, normalize: bool) -> Tensor:
+    """Mixtral semantics: softmax over all experts, gather the chosen ones, divide by their sum."""
+    weights_TK = probs_TE.gather(1, expert_ids_TK)
+    if normalize:
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    return weights_TK
+
+
+class Router(nn.Module):
+    """Linear gate D -> E (no bias) computed in fp32 whatever the input dtype."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.top_k
+        self.jitter = cfg.router_jitter
+        self.input_dropout = cfg.router_input_dropout
+        self.gumbel = cfg.router_gumbel
+        self.normalize_top_k = cfg.normalize_top_k
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+
+    def forward(self, x_TD: Tensor, generator: torch.Generator | None = None) -> Routing:
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            x_TD = x_TD.float()
+            if self.training and self.jitter > 0:
+                u_TD = torch.rand(x_TD.shape, device=x_TD.device, generator=generator)
+                x_TD = x_TD * (1.0 - self.jitter + 2.0 * self.jitter * u_TD)
+            if self.training and self.input_dropout > 0:
+                if generator is None:
+                    x_TD = F.dropout(x_TD, self.input_dropout, training=True)
+                else:  # F.dropout takes no generator: build the same mask from it
+                    keep = torch.rand(x_TD.shape, device=x_TD.device, generator=generator) >= self.input_dropout
+                    x_TD = x_TD * keep / (1.0 - self.input_dropout)
+            logits_TE = F.linear(x_TD, self.gate.weight.float())
+            probs_TE = torch.softmax(logits_TE, dim=-1)
+            with torch.no_grad():
+                expert_ids_TK = select_top_k(logits_TE, self.top_k, self.training and self.gumbel, generator)
+            weights_TK = routing_weights(probs_TE, expert_ids_TK, self.normalize_top_k)
+        return Routing(expert_ids_TK, weights_TK, probs_TE, logits_TE)

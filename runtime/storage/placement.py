@@ -1,0 +1,214 @@
+"""Placement of dense and sparse states over device, host and SSD tiers, and a per-rank memory estimate.
+
+`plan_placement(cfg) -> Plan` is pure: it reads the config, counts parameters, evaluates Eq. 1 (budget.py),
+picks where expert states live (storage.offload, or the first mode that fits for auto) and says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from runtime.config import MoesysConfig
+from runtime.model.params import ParamCounts, count_parameters
+from runtime.storage.budget import (ACTIVE_SPARSE_BYTES, CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
+                                    STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
+
+MODES = ("none", "cpu", "ssd")
+SPARSE_HOME = {"none": "gpu", "cpu": "cpu", "ssd": "ssd"}
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    """Bytes one rank needs on each tier for one placement mode."""
+
+    device: dict[str, int]
+    host: int
+    ssd: int
+    device_capacity: int
+    host_capacity: int
+    cache_experts: int
+    local_experts: int
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def ok(self) -> bool:
+        return self.device_total <= self.device_capacity and self.host <= self.host_capacity
+
+
+@dataclass(frozen=True)
+class Plan:
+    params: ParamCounts
+    budget: Eq1Budget
+    mode: str
+    per_rank: RankEstimate
+    world_size: int
+    feasible: bool
+    problems: list[str] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
+    inference: dict[str, int] = field(default_factory=dict)
+
+
+def world_size(cfg: MoesysConfig) -> int:
+    t = cfg.topology
+    return t.nodes * (t.gpus_per_node or t.nproc_per_node)
+
+
+def _activation_bytes(cfg: MoesysConfig) -> int:
+    """Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer at 16 bits; the FFN share (19 sbh at F = 4h)
+    scales with F/4h and, in MoE layers, with top_k; plus fp32 logits and their gradient."""
+    m, tr = cfg.model, cfg.train
+    s, b, h = tr.seq_len, tr.micro_batch_size, m.hidden_size
+    sbh = s * b * h
+    attention = sbh * (15 + 5 * m.num_heads * s / h)
+    ffn = 19 * sbh * m.ffn_size / (4 * h)
+    total = sum(attention + ffn * (m.top_k if m.is_moe_layer(i) else 1) for i in range(m.num_layers))
+    scale = 2 if tr.precision == "fp32" else 1
+    return int(total * scale + 2 * 4 * s * b * m.vocab_size)
+
+
+def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate:
+    t, st = cfg.topology, cfg.storage
+    world = world_size(cfg)
+    ep = t.expert_parallel
+    local_experts = p.moe_layers * cfg.model.num_experts // ep
+    local_sparse = local_experts * p.per_expert
+    layer_sparse = p.per_expert * cfg.model.num_experts // ep
+    dense_share = p.dense / world if st.dense_shard else p.dense
+    device = {"dense_states": int(DENSE_STATE_BYTES * dense_share), "activations": _activation_bytes(cfg)}
+    if st.dense_shard:
+        largest_layer = max(p.dense - p.embedding, 0) / max(cfg.model.num_layers, 1)
+        device["dense_gather_buffers"] = int(2 * largest_layer * (1 + st.prefetch_depth))
+    host = ssd = 0
+    cache_experts = 0
+    ranks_per_node = t.gpus_per_node or t.nproc_per_node
+    host_capacity = int(t.cpu_memory_gb * GB / ranks_per_node)
+    if mode == "none":
+        device["expert_states"] = int(DENSE_STATE_BYTES * local_sparse)
+    else:
+        active_layer = st.alpha * layer_sparse
+        device["expert_buffers"] = int(ACTIVE_SPARSE_BYTES * active_layer * (1 + st.prefetch_depth))
+        if mode == "cpu":
+            host = int(CACHED_SPARSE_BYTES * local_sparse)
+            cache_experts = local_experts
+        else:
+            ssd = int(STORED_SPARSE_BYTES * local_sparse)
+            fit = host_capacity // max(CACHED_SPARSE_BYTES * p.per_expert, 1)
+            cache_experts = st.cpu_cache_experts or int(min(local_experts, fit))
+            host = int(CACHED_SPARSE_BYTES * cache_experts * p.per_expert)
+    device_capacity = int(t.gpu_memory_gb * GB if t.gpus_per_node else t.cpu_memory_gb * GB / t.nproc_per_node)
+    return RankEstimate(device=device, host=host, ssd=ssd, device_capacity=device_capacity,
+                        host_capacity=host_capacity, cache_experts=cache_experts, local_experts=local_experts)
+
+
+def _fits(cfg: MoesysConfig, budget: Eq1Budget, est: RankEstimate, mode: str) -> list[str]:
+    """Every reason the mode does not fit; empty when it fits."""
+    problems = []
+    if not est.device_total <= est.device_capacity:
+        problems.append(f"per-rank device memory {est.device_total / GB:.2f} GB > {est.device_capacity / GB:.2f} GB")
+    if not est.host <= est.host_capacity:
+        problems.append(f"per-rank host memory {est.host / GB:.2f} GB > {est.host_capacity / GB:.2f} GB")
+    # Eq. 1's GPU inequality is a floor for every mode; its CPU and SSD ones describe the SSD placement.
+    tiers = budget.tiers.items() if mode == "ssd" else [("gpu", budget.gpu)]
+    problems += [f"Eq. 1 {name.upper()} tier fails: {tier.formula} "
+                 f"({tier.required_bytes / GB:.2f} GB > {tier.capacity_bytes / GB:.2f} GB)"
+                 for name, tier in tiers if not tier.ok]
+        if est.ssd * world_size(cfg) > cfg.topology.ssd_gb * GB * cfg.topology.nodes:
+            problems.append("SSD tier cannot hold every rank's expert store")
+    if mode != "none" and est.cache_experts * budget.layers and budget.alpha * est.local_experts > est.cache_experts:
+        problems.append(f"CPU cache of {est.cache_experts} experts is smaller than the {budget.alpha} x "
+                        f"{est.local_experts} experts a step activates")
+    return problems
+
+
+def _inference(cfg: MoesysConfig, p: ParamCounts) -> dict[str, int]:
+    """Ring memory (seed 004 section 3.3.2): fp16 dense weights resident, K slots of one MoE layer's experts."""
+    t = cfg.topology
+    device = int(t.gpu_memory_gb * GB if t.gpus_per_node else t.cpu_memory_gb * GB / t.nproc_per_node)
+    dense = 2 * p.dense
+    layer = 2 * p.per_expert * cfg.model.num_experts
+    slots = max(0, (device - dense) // layer) if layer else 0
+    return {"dense_bytes": dense, "expert_layer_bytes": layer, "device_bytes": device,
+            "max_ring_slots": int(min(slots, p.moe_layers))}
+
+
+def plan_placement(cfg: MoesysConfig) -> Plan:
+    p = count_parameters(cfg.model)
+    budget = eq1_budget(cfg, p)
+    requested = cfg.storage.offload
+    candidates = MODES if requested == "auto" else (requested,)
+    chosen, est, problems = candidates[-1], None, []
+    for mode in candidates:
+        est = _rank_estimate(cfg, p, mode)
+        problems = _fits(cfg, budget, est, mode)
+        chosen = mode
+        if not problems:
+            break
+    assert est is not None
+    suggestions = [] if not problems else _suggest(cfg, budget, chosen)
+    return Plan(params=p, budget=budget, mode=chosen, per_rank=est, world_size=world_size(cfg),
+                feasible=not problems, problems=problems, suggestions=suggestions,
+                assumptions=_assumptions(cfg), inference=_inference(cfg, p))
+
+
+def _suggest(cfg: MoesysConfig, budget: Eq1Budget, mode: str) -> list[str]:
+    """The cheapest changes that make the run fit: another offload mode, or the fewest nodes."""
+    p = budget.params
+    out = [f"storage.offload={m} fits" for m in MODES
+           if m != mode and not _fits(cfg, budget, _rank_estimate(cfg, p, m), m)][:1]
+    if not cfg.storage.dense_shard:
+        sharded = replace(cfg, storage=replace(cfg.storage, dense_shard=True))
+        if not _fits(sharded, budget, _rank_estimate(sharded, p, mode), mode):
+            out.append("storage.dense_shard=true fits")
+    start = max(cfg.topology.nodes + 1, budget.min_nodes())
+    for nodes in range(start, 8 * start + 1):
+        trial = replace(cfg, topology=replace(cfg.topology, nodes=nodes))
+        if not _fits(trial, eq1_budget(trial, p), _rank_estimate(trial, p, mode), mode):
+            out.append(f"topology.nodes={nodes} fits (storage.offload={mode})")
+            break
+    return out or ["no node count or offload mode makes this fit: shrink the model, micro-batch or sequence"]
+
+
+def _assumptions(cfg: MoesysConfig) -> list[str]:
+    t = cfg.topology
+    out = [
+        "bytes per parameter follow Eq. 1: 16 for dense states, 4 for an active expert's fp16 param+grad, "
+        "16 for a cached expert, 12 for an expert on SSD",
+        f"experts split over topology.expert_parallel={t.expert_parallel} ranks; "
+        f"dense states {'sharded over' if cfg.storage.dense_shard else 'replicated on'} the {world_size(cfg)} "
+        "data-parallel ranks",
+        "activations: Korthikanti et al. 2022 (no recomputation), FFN part scaled by top_k in MoE layers",
+        f"prefetch buffers hold {cfg.storage.prefetch_depth} layer(s) ahead",
+        f"storage.alpha={cfg.storage.alpha}: share of expert parameters activated per step",
+    ]
+    if not t.gpus_per_node:
+        out.append("no GPU: the device tier is a pool in host RAM (topology.cpu_memory_gb / nproc_per_node per rank)")
+    return out
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    """The plan as plain data: the public `moesys plan --json` contract."""
+    p, b, r = plan.params, plan.budget, plan.per_rank
+    return {
+        "params": {"total": p.total, "dense": p.dense, "sparse": p.sparse, "active": p.active,
+                   "embedding": p.embedding, "per_expert": p.per_expert, "moe_layers": p.moe_layers},
+        "budget": {
+            "alpha": b.alpha, "layers": b.layers, "nodes": b.nodes, "ok": b.ok,
+            "tiers": {name: {"required_bytes": t.required_bytes, "capacity_bytes": t.capacity_bytes,
+                             "ok": t.ok, "formula": t.formula} for name, t in b.tiers.items()},
+            "min_nodes": b.min_nodes(),
+        },
+        "placement": {"offload": plan.mode, "dense": "gpu", "sparse": SPARSE_HOME[plan.mode],
+                      "cpu_cache_experts": r.cache_experts, "local_experts": r.local_experts},
+        "per_rank": {"world_size": plan.world_size, "device": r.device, "device_total": r.device_total,
+                     "device_capacity": r.device_capacity, "host": r.host, "host_capacity": r.host_capacity,
+                     "ssd": r.ssd, "ok": r.ok},
+        "inference": plan.inference,
+        "feasible": plan.feasible,
+        "problems": plan.problems,
+        "suggestions": plan.suggestions,
+        "assumptions": plan.assumptions,
+    }

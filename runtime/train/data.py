@@ -1,0 +1,157 @@
+"""Training data: a tokenised text corpus cut into fixed windows, sharded deterministically by rank.
+
+The global batch of step s is a pure function of (seed, step), and rank r of W takes its contiguous slice, so
+one process with micro batch W x mbs sees exactly what W ranks see together, and resuming needs only the step.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+
+from runtime.train.tokenizer import ByteTokenizer
+
+CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
+DOC_SEPARATOR = b"\n\n"
+
+
+class DataError(ValueError):
+    """Training data that cannot be used; the message names the path."""
+
+
+def read_text_bytes(path: Optional[str | Path] = None, key: str = "train.data") -> bytes:
+    """The bytes of a text file, or of a directory's *.txt files (sorted, joined by a blank line).
+
+    None reads the corpus shipped with moesys; `key` is the config key named in errors.
+    """
+    source = CORPUS_DIR if path is None else Path(path).expanduser()
+    if not source.exists():
+        raise DataError(f"{key}={source} does not exist")
+    if source.is_dir():
+        files = sorted(p for p in source.glob("*.txt") if p.is_file())
+        if not files:
+            raise DataError(f"{key}={source} holds no *.txt files")
+        parts = [p.read_bytes().strip() for p in files]
+        data = DOC_SEPARATOR.join(p for p in parts if p)
+    else:
+        data = source.read_bytes().strip()
+    if not data:
+        raise DataError(f"{key}={source} is empty")
+    return data
+
+
+class TokenDataset:
+    """A flat token stream cut into windows of seq_len + 1 tokens (input and target shifted by one).
+
+    Window i starts at token i * seq_len. Samples are drawn epoch by epoch from a permutation of the windows
+    seeded by (seed, epoch); sample number n of the whole run is window perm[epoch][n % num_windows].
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0, name: str = "data"):
+        if seq_len <= 0:
+            raise DataError(f"{name}: seq_len must be positive (got {seq_len})")
+        tokens = tokens.reshape(-1)
+        if tokens.numel() < seq_len + 1:
+            raise DataError(f"{name} holds {tokens.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.seed = seed
+        self.name = name
+        self.num_windows = (tokens.numel() - 1) // seq_len
+        self._perms: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def from_path(cls, path: Optional[str | Path], seq_len: int, seed: int = 0,
+                  tokenizer: Optional[ByteTokenizer] = None, key: str = "train.data") -> "TokenDataset":
+        """Tokenise a text file, a directory of *.txt files, or (path None) the shipped corpus."""
+        tokenizer = tokenizer or ByteTokenizer()
+        tokens = tokenizer.encode_bytes(read_text_bytes(path, key))
+        name = "shipped corpus" if path is None else f"{key}={path}"
+        return cls(tokens, seq_len, seed, name)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.numel()
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (2**63))
+            perm = torch.randperm(self.num_windows, generator=gen)
+            if len(self._perms) >= 4:
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[epoch] = perm
+        return perm
+
+    def windows(self, first_sample: int, count: int) -> torch.Tensor:
+        """Samples first_sample .. first_sample + count - 1 of the run, as [count, seq_len + 1] int64."""
+        rows = []
+        for n in range(first_sample, first_sample + count):
+            epoch, pos = divmod(n, self.num_windows)
+            start = int(self._perm(epoch)[pos]) * self.seq_len
+            rows.append(self.tokens[start:start + self.seq_len + 1])
+        return torch.stack(rows).to(torch.int64)
+
+    def global_batch(self, step: int, global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each [global_batch_size, seq_len], of `step` for all ranks together."""
+        if step < 0 or global_batch_size <= 0:
+            raise DataError(f"{self.name}: need step >= 0 and a positive batch (got {step}, {global_batch_size})")
+        seqs = self.windows(step * global_batch_size, global_batch_size)
+        return seqs[:, :-1], seqs[:, 1:]
+
+    def rank_batch(self, step: int, rank: int, world_size: int,
+                   micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank `rank`'s contiguous slice [rank * mbs, (rank + 1) * mbs) of the global batch of `step`."""
+        if not 0 <= rank < world_size or micro_batch_size <= 0 or step < 0:
+            raise DataError(f"{self.name}: bad shard rank={rank} world_size={world_size} "
+                            f"micro_batch_size={micro_batch_size} step={step}")
+        first = step * world_size * micro_batch_size + rank * micro_batch_size
+        seqs = self.windows(first, micro_batch_size)
+        return seqs[:, :-1], seqs[:, 1:]
+
+
+class BatchIterator:
+    """One rank's batches, step after step; its state (step, seed) goes into checkpoints."""
+
+    def __init__(self, dataset: TokenDataset, micro_batch_size: int, rank: int = 0, world_size: int = 1,
+                 step: int = 0):
+        self.dataset = dataset
+        self.micro_batch_size = micro_batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.step = step
+
+    def __iter__(self) -> "BatchIterator":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.dataset.rank_batch(self.step, self.rank, self.world_size, self.micro_batch_size)
+        self.step += 1
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "seed": self.dataset.seed, "num_tokens": self.dataset.num_tokens,
+                "seq_len": self.dataset.seq_len}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at state["step"]; refuses a state saved with another seed, data or seq_len."""
+        for key in ("seed", "num_tokens", "seq_len"):
+            mine = self.state_dict()[key]
+            if key in state and int(state[key]) != mine:
+                raise DataError(f"{self.dataset.name}: checkpoint data {key}={state[key]} differs from {mine}")
+        self.step = int(state["step"])
+
+
+def task_seed(seed: int, task: str) -> int:
+    """A per-task data seed derived from the run seed and the task name (stable across processes)."""
+    return (seed * 1_000_003 + zlib.crc32(task.encode("utf-8"))) % (2**63)
+
+
+def build_task_datasets(task_data: Mapping[str, Optional[str]], seq_len: int,
+                        seed: int) -> dict[str, TokenDataset]:
+    """One dataset per task, each from its own path (None: the shipped corpus), each with its own order."""
+    return {name: TokenDataset.from_path(path, seq_len, task_seed(seed, name), key=f"tasks.{name}.data")
+            for name, path in task_data.items()}
