@@ -1,0 +1,41 @@
+"""Multi-process (gloo, CPU) tests of runtime/parallel, started with torchrun the way users start jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_worker_parallel.py")
+
+EXPECTED_CHECKS = {
+    "groups_w4_ep2_npn2", "flat_ep2_subgroup", "grad_buckets_match_allreduce",
+    "grad_buckets_launch_during_backward", "flat_w4_zero_rows", "flat_w4_all_empty", "flat_w4_random",
+    "hier_2x2_trial0", "hier_2x2_trial1", "hier_2x2_trial2", "hier_2x2_all_empty", "hier_4x1_random",
+    "hier_empty_shape",
+}
+
+
+def run_torchrun(nproc: int, worker: Path, out: Path, timeout: float = 90) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(worker), "--out", str(out)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_parallel_world4(tmp_path):
+    proc = run_torchrun(4, WORKER, tmp_path)
+    reports = {}
+    for r in range(4):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no report\n{proc.stderr[-4000:]}"
+        reports[r] = json.loads(path.read_text())["checks"]
+    failed = {r: {k: v["detail"] for k, v in c.items() if not v["ok"]} for r, c in reports.items()}
+    assert not any(failed.values()), f"failed checks: {failed}"
+    for r, c in reports.items():
+        assert set(c) == EXPECTED_CHECKS, f"rank {r} ran {sorted(c)}"
+    assert proc.returncode == 0, proc.stderr[-4000:]
