@@ -44,11 +44,11 @@ def exchange_counts(send_counts: Counts, group: ProcessGroup, device: torch.devi
 
     send_counts may be [n] (one count per peer) or [n, k] (k counts per peer; the result is [n, k]).
     """
-    send = torch.as_tensor(send_counts, dtype=torch.int64).to(device)
+    send = torch.as_tensor(send_counts, dtype=torch.int64).to(device).contiguous()
     if group_size(group) == 1:
         return send.clone()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send.contiguous(), group=group)
+    dist.all_to_all_single(recv, send, group=group)
     return recv
 
 

@@ -161,8 +161,9 @@ def _suggest(cfg: MoesysConfig, budget: Eq1Budget, mode: str) -> list[str]:
     start = max(cfg.topology.nodes + 1, budget.min_nodes())
     for nodes in range(start, 8 * start + 1):
         trial = replace(cfg, topology=replace(cfg.topology, nodes=nodes))
-        if not _fits(trial, eq1_budget(trial, p), _rank_estimate(trial, p, mode), mode):
-            out.append(f"topology.nodes={nodes} fits (storage.offload={mode})")
+        fitting = [m for m in (mode, *MODES) if not _fits(trial, eq1_budget(trial, p), _rank_estimate(trial, p, m), m)]
+        if fitting:
+            out.append(f"topology.nodes={nodes} with storage.offload={fitting[0]} fits")
             break
     return out or ["no node count or offload mode makes this fit: shrink the model, micro-batch or sequence"]
 
