@@ -1,0 +1,163 @@
+"""Merged experts: all local experts' FFNs computed together on rows grouped by expert (ORT MoE "merged
+experts", seed 003; MegaBlocks-style grouped GEMM), plus the plain per-expert loop used as the reference.
+
+Legend: R routed rows, D model dim, F ffn dim, e local experts, T tokens, K top-k.
+Weights follow nn.Linear's [out, in] layout: w1 [e, F, D], w2 [e, D, F], w3 [e, F, D], b1 [e, F], b2 [e, D].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+EXPERT_TYPES = ("gelu", "swiglu")
+IMPLS = ("auto", "grouped_mm", "bmm", "loop")
+
+
+def _grouped_mm_ok(*tensors: Tensor) -> bool:
+    """torch._grouped_mm needs 16-byte aligned strides (CPU and sm90+ CUDA in torch 2.13)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    dev = tensors[0].device
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (9, 0):
+        return False
+    if dev.type not in ("cpu", "cuda"):
+        return False
+    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+
+
+def _contiguous_grad(t: Tensor) -> Tensor:
+    """_grouped_mm's backward rejects expanded (stride 0) gradients, e.g. from y.sum(); make them dense."""
+    if t.requires_grad:
+        t.register_hook(lambda g: g.contiguous())
+    return t
+
+
+def _ffn_grouped_mm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
+    """Rows stay packed; one _grouped_mm per projection; biases gathered per row."""
+    offs_e = torch.cumsum(counts_e, 0, dtype=torch.int32)
+    row_e_R = None
+    if b1 is not None:
+        row_e_R = torch.repeat_interleave(torch.arange(counts_e.numel(), device=x_RD.device), counts_e,
+                                          output_size=x_RD.shape[0])
+
+    def proj(a, w, b):
+        out = _contiguous_grad(torch._grouped_mm(a, w.transpose(-2, -1), offs=offs_e))
+        return out if b is None else out + b.index_select(0, row_e_R)
+
+    h_RF = proj(x_RD, w1, b1)
+    h_RF = F.gelu(h_RF) if kind == "gelu" else F.silu(h_RF) * proj(x_RD, w3, b3)
+    return proj(h_RF, w2, b2)
+
+
+def _ffn_bmm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
+    """Pad every expert to the largest row count, run the FFN as batched matmuls, then unpad."""
+    num_e, rows = counts_e.numel(), x_RD.shape[0]
+    cap = int(counts_e.max()) if num_e else 0
+    slot_eC = torch.arange(cap, device=x_RD.device).expand(num_e, cap)
+    valid_eC = slot_eC < counts_e[:, None]
+    dest_R = (slot_eC + torch.arange(num_e, device=x_RD.device)[:, None] * cap)[valid_eC]
+    x_eCD = x_RD.new_zeros(num_e * cap, x_RD.shape[1]).index_copy(0, dest_R, x_RD).view(num_e, cap, -1)
+
+    def proj(a, w, b):
+        return torch.bmm(a, w.transpose(1, 2)) if b is None else torch.baddbmm(b[:, None, :], a, w.transpose(1, 2))
+
+    h = proj(x_eCD, w1, b1)
+    h = F.gelu(h) if kind == "gelu" else F.silu(h) * proj(x_eCD, w3, b3)
+    y_eCD = proj(h, w2, b2)
+    return y_eCD.reshape(num_e * cap, -1).index_select(0, dest_R) if rows else y_eCD.new_zeros(0, w2.shape[1])
+
+
+def ffn_one(x_ND: Tensor, w1, w2, w3=None, b1=None, b2=None, b3=None, kind: str = "gelu") -> Tensor:
+    """One expert's FFN: gelu: w2(gelu(w1 x + b1)) + b2; swiglu: w2(silu(w1 x + b1) * (w3 x + b3)) + b2."""
+    h = F.linear(x_ND, w1, b1)
+    h = F.gelu(h) if kind == "gelu" else F.silu(h) * F.linear(x_ND, w3, b3)
+    return F.linear(h, w2, b2)
+
+
+def _ffn_loop(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
+    pick = lambda t, i: None if t is None else t[i]  # noqa: E731
+    chunks = x_RD.split(counts_e.tolist(), dim=0)
+    return torch.cat([ffn_one(c, w1[i], w2[i], pick(w3, i), pick(b1, i), pick(b2, i), pick(b3, i), kind)
+                      for i, c in enumerate(chunks)], dim=0)
+
+
+def expert_ffn(x_RD: Tensor, tokens_per_expert_e: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None,
+               b1: Tensor | None = None, b2: Tensor | None = None, b3: Tensor | None = None,
+               kind: str = "gelu", impl: str = "auto") -> Tensor:
+    """All experts' FFNs on rows grouped by expert (row counts tokens_per_expert_e) -> y_RD.
+
+    A pure function so offloading can pass weights it fetched. impl: auto (grouped_mm when the shapes
+    allow, else bmm), grouped_mm, bmm (pad to the largest expert), loop (reference, one expert at a time).
+    Weights are cast to x's dtype.
+    """
+    if kind not in EXPERT_TYPES:
+        raise ValueError(f"model.expert_type={kind!r} is not one of {', '.join(EXPERT_TYPES)}")
+    if kind == "swiglu" and w3 is None:
+        raise ValueError("swiglu experts need w3")
+    cast = lambda t: None if t is None else t.to(x_RD.dtype)  # noqa: E731
+    w1, w2, w3, b1, b2, b3 = map(cast, (w1, w2, w3, b1, b2, b3))
+    if kind == "gelu":
+        w3 = b3 = None
+    counts_e = tokens_per_expert_e.to(device=x_RD.device, dtype=torch.long)
+    if impl == "auto":
+        impl = "grouped_mm" if _grouped_mm_ok(x_RD, w1) else "bmm"
+    fn = {"grouped_mm": _ffn_grouped_mm, "bmm": _ffn_bmm, "loop": _ffn_loop}[impl]
+    return fn(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind)
+
+
+class GroupedExperts(nn.Module):
+    """num_experts FFNs stored as stacked weights and run together by `expert_ffn`."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, expert_type: str = "gelu", bias: bool = True,
+                 impl: str = "auto"):
+        super().__init__()
+        if expert_type not in EXPERT_TYPES:
+            raise ValueError(f"model.expert_type={expert_type!r} is not one of {', '.join(EXPERT_TYPES)}")
+        if impl not in IMPLS:
+            raise ValueError(f"impl={impl!r} is not one of {', '.join(IMPLS)}")
+        self.num_experts, self.hidden, self.ffn = num_experts, hidden, ffn
+        self.expert_type, self.impl = expert_type, impl
+        swiglu = expert_type == "swiglu"
+        self.w1 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        self.w3 = nn.Parameter(torch.empty(num_experts, ffn, hidden)) if swiglu else None
+        self.b1 = nn.Parameter(torch.empty(num_experts, ffn)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        self.b3 = nn.Parameter(torch.empty(num_experts, ffn)) if bias and swiglu else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default init, per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+        for name, param in self.named_parameters(recurse=False):
+            fan_in = self.ffn if name in ("w2", "b2") else self.hidden
+            nn.init.uniform_(param, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+
+    def weights(self) -> dict[str, Tensor | None]:
+        return {"w1": self.w1, "w2": self.w2, "w3": self.w3, "b1": self.b1, "b2": self.b2, "b3": self.b3}
+
+    def forward(self, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
+        return expert_ffn(x_RD, tokens_per_expert_e, **self.weights(), kind=self.expert_type, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden={self.hidden}, ffn={self.ffn}, "
+                f"expert_type={self.expert_type}, bias={self.b1 is not None}")
+
+
+def reference_moe_forward(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor,
+                          w3: Tensor | None = None, b1: Tensor | None = None, b2: Tensor | None = None,
+                          b3: Tensor | None = None, kind: str = "gelu", keep_TK: Tensor | None = None) -> Tensor:
+    """The plain MoE: for each expert, index its tokens, run its FFN, index_add the weighted output."""
+    keep_TK = torch.ones_like(expert_ids_TK, dtype=torch.bool) if keep_TK is None else keep_TK
+    y_TD = torch.zeros_like(x_TD)
+    for e in range(w1.shape[0]):
+        tok, slot = torch.nonzero((expert_ids_TK == e) & keep_TK, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        pick = lambda t: None if t is None else t[e]  # noqa: E731
+        y_ND = ffn_one(x_TD[tok], w1[e], w2[e], pick(w3), pick(b1), pick(b2), pick(b3), kind)
+        y_TD = y_TD.index_add(0, tok, y_ND * weights_TK[tok, slot].to(y_ND.dtype).unsqueeze(1))
+    return y_TD

@@ -1,0 +1,87 @@
+"""The MoE layer: router -> capacity -> dispatch -> experts -> combine, plus aux losses and gate metrics
+(GShard section 2.2; Switch Transformers section 2; the production feature list of seed 003).
+
+Legend: T tokens, D model dim, E experts, e local experts, K top-k, R routed rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from runtime.config import ModelConfig
+from runtime.moe.capacity import expert_capacity, keep_mask
+from runtime.moe.dispatch import LocalDispatcher
+from runtime.moe.experts import GroupedExperts
+from runtime.moe.losses import router_losses
+from runtime.moe.metrics import gate_metrics
+from runtime.moe.router import Router
+
+EXPERT_PARAM_NAMES = ("w1", "w2", "w3", "b1", "b2", "b3")
+
+
+@dataclass(frozen=True)
+class MoEStats:
+    """What one MoE layer reports besides its output."""
+
+    aux_loss: Tensor
+    """Config-weighted sum of the router losses: a differentiable scalar to add to the training loss."""
+    losses: dict[str, Tensor] = field(default_factory=dict)
+    """Unweighted, detached router losses by name (load_balancing, z, sparsity, importance)."""
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    """Detached gate metrics by name (see runtime.moe.metrics.gate_metrics)."""
+
+
+class MoELayer(nn.Module):
+    """A drop-in FFN replacement: x [..., D] -> (y [..., D], MoEStats).
+
+    num_local_experts: experts held by this process (default: all E); fewer needs an expert-parallel
+    dispatcher that returns rows for those experts only.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_local_experts: int | None = None, dispatcher=None):
+        super().__init__()
+        if cfg.num_experts <= 0:
+            raise ValueError(f"model.num_experts must be positive for an MoE layer (got {cfg.num_experts})")
+        local = cfg.num_experts if num_local_experts is None else num_local_experts
+        if dispatcher is None and local != cfg.num_experts:
+            raise ValueError(f"num_local_experts={local} != model.num_experts={cfg.num_experts} needs an "
+                             "expert-parallel dispatcher")
+        self.cfg = cfg
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(local, cfg.hidden_size, cfg.ffn_size, cfg.expert_type, cfg.bias)
+        self.dispatcher = LocalDispatcher(cfg.num_experts) if dispatcher is None else dispatcher
+
+    def forward(self, x: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, MoEStats]:
+        """generator seeds the router noise and the random drop policy (global RNG when None)."""
+        cfg = self.cfg
+        x_TD = x.reshape(-1, x.shape[-1])
+        routing = self.router(x_TD, generator)
+        capacity = expert_capacity(x_TD.shape[0], cfg.num_experts, cfg.top_k, cfg.capacity_factor)
+        keep_TK = None
+        if capacity is not None:
+            keep_TK = keep_mask(routing.expert_ids_TK, routing.weights_TK, cfg.num_experts, capacity,
+                                cfg.drop_policy, generator)
+        x_RD, tokens_per_expert, meta = self.dispatcher.dispatch(x_TD, routing, keep_TK)
+        y_RD = self.experts(x_RD, tokens_per_expert)
+        y_TD = self.dispatcher.combine(y_RD, meta)
+        aux_loss, losses = router_losses(routing, cfg)
+        stats = MoEStats(aux_loss, losses, gate_metrics(routing, keep_TK))
+        return y_TD.view(x.shape), stats
+
+
+def is_expert_param(name: str) -> bool:
+    """True for a parameter name (from named_parameters) of a GroupedExperts module held as `experts`."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in EXPERT_PARAM_NAMES
+
+
+def expert_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """(name, parameter) for every parameter that belongs to a GroupedExperts inside module."""
+    for mod_name, mod in module.named_modules():
+        if isinstance(mod, GroupedExperts):
+            for name, param in mod.named_parameters(recurse=False):
+                yield (f"{mod_name}.{name}" if mod_name else name), param
