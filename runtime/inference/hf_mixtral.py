@@ -244,9 +244,8 @@ def hf_state_dict(model: Transformer, cfg: ModelConfig) -> dict[str, torch.Tenso
 def save_hf_mixtral(model: Transformer, cfg: ModelConfig, path: PathLike) -> None:
     """Write config.json + model.safetensors (classic layout) atomically: a temp dir, fsync, then rename."""
     path = Path(path)
+    config = config_to_hf(cfg, model.tok_embeddings.weight.dtype)  # refuses non-Mixtral models before any write
     tensors = hf_state_dict(model, cfg)
-    dtype = next(iter(tensors.values())).dtype
-    config = config_to_hf(cfg, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_dir() and ((path / INDEX).exists() or any(p.name != "model.safetensors"
                                                           for p in path.glob("*.safetensors"))):

@@ -14,6 +14,7 @@ from runtime.config import ModelConfig
 from runtime.model.attention import Attention, KVCache, rope_cos_sin
 from runtime.model.ffn import DenseFFN
 from runtime.model.norms import RMSNorm, build_norm
+from runtime.moe.layer import MoELayer
 
 INIT_STD = 0.02
 
@@ -37,12 +38,7 @@ class Block(nn.Module):
         self.attention_norm = build_norm(cfg)
         self.attention = Attention(cfg, index)
         self.ffn_norm = build_norm(cfg)
-        if self.is_moe:
-            from runtime.moe.layer import MoELayer
-
-            self.ffn = MoELayer(cfg)
-        else:
-            self.ffn = DenseFFN(cfg)
+        self.ffn = MoELayer(cfg) if self.is_moe else DenseFFN(cfg)
 
     def forward(self, x, rope=None, cache: Optional[KVCache] = None, start_pos: int = 0):
         """x [B, S, D] -> (y [B, S, D], MoEStats or None)."""
