@@ -46,7 +46,8 @@ def gumbel_like(t: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """Standard Gumbel noise -log(-log U) with the shape of t."""
     u = torch.rand(t.shape, dtype=t.dtype, device=t.device, generator=generator)
     tiny = torch.finfo(t.dtype).tiny
-    return -torch.log(-torch.log(u.clamp_min(tiny)).clamp_min(tiny))
+    exp_noise = -torch.log(u.clamp_min(tiny))
+    return -torch.log(exp_noise.clamp_min(tiny))
 
 
 def select_top_k(logits_TE: Tensor, k: int, gumbel: bool = False,
