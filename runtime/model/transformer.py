@@ -14,7 +14,7 @@ from runtime.config import ModelConfig
 from runtime.model.attention import Attention, KVCache, rope_cos_sin
 from runtime.model.ffn import DenseFFN
 from runtime.model.norms import RMSNorm, build_norm
-from runtime.moe.layer import MoELayer
+from runtime.moe.layer import MoELayer, expert_parameters
 
 INIT_STD = 0.02
 
@@ -80,16 +80,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 style: normal(0, 0.02) weights of linears and embeddings, zero biases, unit norm weights.
-
-        MoE layers initialise their own router and experts.
-        """
-        moe = set()
-        for layer in self.moe_layers():
-            moe.update(id(m) for m in layer.modules())
+        """GPT-2 style: normal(0, 0.02) for every linear, embedding and expert weight; zero biases; unit norms."""
         for module in self.modules():
-            if id(module) in moe:
-                continue
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, 0.0, INIT_STD)
                 if getattr(module, "bias", None) is not None:
@@ -98,6 +90,12 @@ class Transformer(nn.Module):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+        for layer in self.moe_layers():
+            for name, param in expert_parameters(layer):  # stacked w1/w2/w3 [e, ., .] and biases b1/b2/b3
+                if name.rsplit(".", 1)[-1].startswith("b"):
+                    nn.init.zeros_(param)
+                else:
+                    nn.init.normal_(param, 0.0, INIT_STD)
 
     def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, start_pos: int = 0) -> ModelOutput:
         """tokens [B, S] at positions start_pos..start_pos+S-1 (start_pos > 0 needs the cache of the prefix)."""

@@ -156,6 +156,9 @@ def test_initialisation_is_deterministic_and_gpt2_style():
     assert torch.count_nonzero(sd["layers.0.attention.wq.bias"]) == 0
     assert torch.equal(sd["layers.1.ffn_norm.weight"], torch.ones(32))
     assert torch.count_nonzero(sd["norm.bias"]) == 0
+    assert abs(sd["layers.0.ffn.experts.w2"].std().item() - 0.02) < 2e-3
+    assert abs(sd["layers.1.ffn.router.gate.weight"].std().item() - 0.02) < 6e-3
+    assert torch.count_nonzero(sd["layers.0.ffn.experts.b1"]) == 0
     assert not torch.equal(build("gpt", seed=8).tok_embeddings.weight, sd["tok_embeddings.weight"])
 
 
