@@ -52,18 +52,22 @@ def exchange_counts(send_counts: Counts, group: ProcessGroup, device: torch.devi
     return recv
 
 
-def all_to_all_rows(x_RD: torch.Tensor, send_counts: Counts,
-                    group: ProcessGroup = None) -> tuple[torch.Tensor, list[int]]:
+def all_to_all_rows(x_RD: torch.Tensor, send_counts: Counts, group: ProcessGroup = None,
+                    recv_counts: Counts | None = None) -> tuple[torch.Tensor, list[int]]:
     """Send send_counts[i] consecutive rows of x_RD to rank i of `group`; return the rows received and counts.
 
     The received rows are ordered by source rank; recv_counts[i] came from rank i. Differentiable.
+    Pass recv_counts when already known (e.g. exchanged with the routing) to skip the count exchange.
     """
     n = group_size(group)
     send = _as_list(send_counts)
     _check_counts(x_RD, send, n)
     if n == 1:
         return x_RD, send
-    recv = exchange_counts(send, group, x_RD.device).tolist()
+    if recv_counts is None:
+        recv = exchange_counts(send, group, x_RD.device).tolist()
+    else:
+        recv = _as_list(recv_counts)
     return _AllToAllRows.apply(x_RD, send, recv, group), recv
 
 

@@ -7,7 +7,8 @@ collectives in the same order.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,16 +76,19 @@ class GradBucketReducer:
             for k, p in enumerate(bucket.params):
                 self._where[id(p)] = (b, k)
         self._next = 0
+        self._sync = True
         self._handles = []
         if self.world > 1:
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._sync:
+            return
         b, k = self._where[id(p)]
         bucket = self.buckets[b]
         if bucket.launched:
             raise RuntimeError("a gradient arrived for a bucket already reduced this step; call finish() after "
-                               "each backward (gradient accumulation across backwards is not supported)")
+                               "each synced backward and run accumulation backwards inside no_sync()")
         bucket.view(k).copy_(p.grad)
         bucket.ready.add(k)
         self._launch_ready()
@@ -121,6 +125,15 @@ class GradBucketReducer:
         self._next = 0
 
     wait = finish
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate into p.grad locally; the next backward outside reduces the sum."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
 
     def remove(self) -> None:
         """Unregister the hooks."""

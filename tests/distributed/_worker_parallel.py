@@ -75,10 +75,11 @@ def check_hierarchical(name: str, seed: int, counts: list[list[int]], groups) ->
     record(name, ok, f"recv flat {ra} hierarchical {rb}")
 
 
-def random_counts(seed: int, n: int, zero_rank: int | None = None) -> list[list[int]]:
+def random_counts(seed: int, n: int, zero_rank: int | None = None, p_zero: float = 0.2) -> list[list[int]]:
+    """Counts in 1..4, each zeroed with probability p_zero; row zero_rank (sends nothing) all zero."""
     gen = torch.Generator().manual_seed(seed)
-    c = torch.randint(0, 4, (n, n), generator=gen)
-    c[torch.rand(n, n, generator=gen) < 0.3] = 0
+    c = torch.randint(1, 5, (n, n), generator=gen)
+    c[torch.rand(n, n, generator=gen) < p_zero] = 0
     if zero_rank is not None:
         c[zero_rank] = 0
     return c.tolist()
@@ -98,6 +99,10 @@ def check_groups(world: int, rank: int) -> None:
     # Flat AlltoAll inside each expert-parallel pair; pair {2, 3} has rank 2 sending nothing at all.
     counts = [[1, 2], [0, 3]] if g.ep_ranks == [0, 1] else [[0, 0], [2, 1]]
     check_flat("flat_ep2_subgroup", 7 + g.ep_ranks[0], counts, g.ep_group, g.ep_rank)
+    x = inputs(5, counts)[g.ep_rank]
+    recv = [counts[s][g.ep_rank] for s in range(2)]
+    y, _ = all_to_all_rows(x, counts[g.ep_rank], g.ep_group, recv_counts=recv)
+    record("flat_known_recv_counts", torch.equal(y, expected_flat(5, counts, g.ep_rank)[0]))
     check_buckets(g, rank)
 
 
@@ -133,6 +138,25 @@ def check_buckets(g, rank: int) -> None:
         detail += f"step {step}: max err {max((pa.grad - pb.grad).abs().max().item() for pa, pb in zip(a, b))}; "
         for p in a + b + [expert_a, expert_b]:
             p.grad = None
+    # Gradient accumulation: the first backward inside no_sync stays local, the second reduces the sum.
+    for params, ex in ((a, expert_a), (b, expert_b)):
+        for micro in range(2):
+            gen = torch.Generator().manual_seed(77 + 10 * micro + rank)
+            loss = sum((p.sin() * torch.randn(p.shape, generator=gen)).sum() for p in params[2:])
+            loss = loss + (ex * (rank + micro)).sum()
+            if params is a and micro == 0:
+                with dense.no_sync(), expert.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        if params is a:
+            dense.finish()
+            expert.finish()
+        else:
+            allreduce_grads(b, g.dp_group)
+            allreduce_grads([expert_b], g.edp_group)
+    ok &= all(torch.allclose(pa.grad, pb.grad, rtol=1e-6, atol=1e-7) for pa, pb in zip(a, b))
+    ok &= torch.allclose(expert_a.grad, expert_b.grad, rtol=1e-6, atol=1e-7)
     record("grad_buckets_match_allreduce", ok, detail)
     record("grad_buckets_launch_during_backward", all(n >= 1 for n in early), f"launched early {early}")
 
@@ -155,6 +179,7 @@ def main() -> None:
         for trial in range(3):
             check_hierarchical(f"hier_2x2_trial{trial}", 10 + trial,
                                random_counts(10 + trial, 4, zero_rank=trial), flat)
+        check_hierarchical("hier_2x2_no_zeros", 15, random_counts(15, 4, p_zero=0.0), flat)
         check_hierarchical("hier_2x2_all_empty", 20, [[0] * 4 for _ in range(4)], flat)
         four_nodes = build_groups(world, rank, expert_parallel=4, nproc_per_node=1)
         check_hierarchical("hier_4x1_random", 30, random_counts(30, 4), four_nodes)
