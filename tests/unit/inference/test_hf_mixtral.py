@@ -61,6 +61,13 @@ def test_saved_checkpoint_loads_with_equal_logits_and_round_trips(hf_dir, tmp_pa
     reloaded = transformers.MixtralForCausalLM.from_pretrained(out).eval()
     torch.testing.assert_close(hf_logits(reloaded, TOKENS), expected, rtol=1e-5, atol=1e-5)
 
+    with torch.no_grad():
+        model.norm.weight.mul_(2)
+    save_hf_mixtral(model, cfg, out)  # over an existing checkpoint: files replaced one by one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    _, again = load_hf_mixtral(out)
+    torch.testing.assert_close(again.norm.weight, model.norm.weight, rtol=0, atol=0)
+
 
 def test_fused_expert_layout_of_the_module_state_dict_loads_too(hf_dir, tmp_path):
     hf_model, path = hf_dir
