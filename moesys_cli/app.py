@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from moesys_cli import plan as plan_cmd
+from moesys_cli import train as train_cmd
 from moesys_cli.render import error
 from runtime.errors import UserError
 
@@ -22,6 +23,7 @@ app = typer.Typer(
 CONTEXT = {"allow_extra_args": False}
 
 app.command("plan", context_settings=CONTEXT)(plan_cmd.plan)
+app.command("train", context_settings=CONTEXT)(train_cmd.train)
 
 
 def _version(value: bool) -> None:

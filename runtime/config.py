@@ -160,6 +160,9 @@ class ParallelConfig:
     """flat or hierarchical (intra-node, then inter-node)."""
     bucket_mb: float = 25.0
     """Size of a dense gradient bucket in MB."""
+    ranks_per_node: int = 0
+    """Ranks that share a node for hierarchical AlltoAll; 0 means the launcher's processes per node. Set it
+    smaller to treat one machine as several nodes (tests, benchmarks)."""
 
 
 @dataclass
@@ -339,6 +342,8 @@ def validate(cfg: MoesysConfig) -> None:
     need(0 < s.decay_beta <= 1, f"storage.decay_beta must be in (0, 1] (got {s.decay_beta})")
     need(s.decay_every > 0, f"storage.decay_every must be positive (got {s.decay_every})")
     need(s.prefetch_depth >= 0, f"storage.prefetch_depth must be >= 0 (got {s.prefetch_depth})")
+    need(cfg.parallel.ranks_per_node >= 0,
+         f"parallel.ranks_per_node must be >= 0 (got {cfg.parallel.ranks_per_node})")
     need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb must be positive (got {cfg.parallel.bucket_mb})")
 
     tr = cfg.train

@@ -1,0 +1,72 @@
+"""The run directory: resolved config, metrics.jsonl, checkpoints/, logs/ (one place for every path name)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import yaml
+
+from runtime.config import MoesysConfig, config_from_dict
+from runtime.io import atomic_write_text
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+CHECKPOINTS = "checkpoints"
+LOGS = "logs"
+
+
+def default_run_dir(cfg: MoesysConfig) -> Path:
+    return Path("outputs") / f"{cfg.recipe or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def prepare_run_dir(cfg: MoesysConfig) -> Path:
+    """Create the run directory (absolute) and write the resolved config the workers will read."""
+    run_dir = Path(cfg.train.run_dir or default_run_dir(cfg)).resolve()
+    cfg.train.run_dir = str(run_dir)
+    (run_dir / LOGS).mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / CONFIG)
+    return run_dir
+
+
+def save_config(cfg: MoesysConfig, path: Path) -> None:
+    atomic_write_text(path, yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+
+
+def load_config(run_dir: str | Path) -> MoesysConfig:
+    return config_from_dict(yaml.safe_load((Path(run_dir) / CONFIG).read_text()))
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """Every complete line of metrics.jsonl (a line being written is skipped)."""
+    path = Path(run_dir) / METRICS
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def run_summary(run_dir: str | Path) -> dict:
+    """The `moesys train --json` summary: losses from metrics, steady-state speed, the newest checkpoint."""
+    run_dir = Path(run_dir)
+    metrics = [m for m in read_metrics(run_dir) if "loss" in m]
+    summary_file = run_dir / SUMMARY
+    worker = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    steady = sorted(m["tokens_per_s"] for m in metrics[1:]) or [m["tokens_per_s"] for m in metrics]
+    return {
+        "run_dir": str(run_dir),
+        "steps": metrics[-1]["step"] if metrics else 0,
+        "initial_loss": metrics[0]["loss"] if metrics else None,
+        "final_loss": metrics[-1]["loss"] if metrics else None,
+        "tokens_per_s": steady[len(steady) // 2] if steady else None,
+        "checkpoint": worker.get("checkpoint"),
+        "stopped_early": worker.get("stopped_early", False),
+    }

@@ -1,0 +1,80 @@
+"""Build what a training worker needs: the expert-parallel model, AdamW, gradient reducers and data.
+
+Every rank builds the full model from one seed and then keeps its block of experts, so expert g starts with
+the same weights for any expert-parallel size (seed 004 section 2: expert + data parallelism).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime.config import MoesysConfig
+from runtime.errors import UserError
+from runtime.model.transformer import Transformer
+from runtime.moe.layer import is_expert_param
+from runtime.parallel.alltoall import make_all_to_all
+from runtime.parallel.expert_parallel import shard_experts
+from runtime.parallel.grad_buckets import GradBucketReducer
+from runtime.parallel.groups import ParallelGroups
+from runtime.train.data import TokenDataset
+from runtime.train.tokenizer import ByteTokenizer
+
+MB = 2**20
+
+
+@dataclass
+class Components:
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    dense_params: list[nn.Parameter]
+    expert_params: list[nn.Parameter]
+    dense_reducer: GradBucketReducer
+    """Averages dense gradients over all data-parallel ranks."""
+    expert_reducer: GradBucketReducer
+    """Averages expert gradients over the replicas of the same experts only."""
+    data: TokenDataset
+
+
+def build_model(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Transformer:
+    torch.manual_seed(cfg.train.seed)
+    model = Transformer(cfg.model)
+    shard_experts(model, groups.ep_size, groups.ep_rank, groups.ep_group,
+                  make_all_to_all(cfg.parallel.alltoall, groups))
+    return model.to(device)
+
+
+def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(dense, expert) parameters, in registration order."""
+    dense, experts = [], []
+    for name, p in model.named_parameters():
+        (experts if is_expert_param(name) else dense).append(p)
+    return dense, experts
+
+
+def build_optimizer(model: nn.Module, cfg: MoesysConfig) -> torch.optim.Optimizer:
+    """AdamW on the fp32 parameters (the master weights); no decay on biases, norms and other 1-D tensors."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Components:
+    if cfg.model.vocab_size < ByteTokenizer.vocab_size:
+        raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
+                        f"{ByteTokenizer.vocab_size} tokens; set model.vocab_size>={ByteTokenizer.vocab_size}")
+    model = build_model(cfg, groups, device)
+    dense, experts = split_params(model)
+    bucket = int(cfg.parallel.bucket_mb * MB)
+    data = TokenDataset.from_path(Path(cfg.train.data) if cfg.train.data else None, cfg.train.seq_len,
+                                  cfg.train.seed)
+    return Components(
+        model=model, optimizer=build_optimizer(model, cfg), dense_params=dense, expert_params=experts,
+        dense_reducer=GradBucketReducer(dense, groups.dp_group, bucket),
+        expert_reducer=GradBucketReducer(experts, groups.edp_group, bucket),
+        data=data,
+    )

@@ -1,0 +1,177 @@
+"""Checkpoints that survive faults and reshard: safetensors files keyed by *global* expert index.
+
+checkpoints/step_00000020/
+  dense.safetensors        model.NAME, exp_avg.NAME, exp_avg_sq.NAME, step.NAME for every non-expert parameter
+  experts-ep{p}.safetensors the same keys per global expert g: model.NAME.{g} ... (written by expert-parallel rank p)
+  rng-rank{r}.safetensors  each rank's RNG state
+  meta.json                step, world and expert-parallel sizes, the config
+checkpoints/latest         name of the newest complete checkpoint
+A checkpoint is written into .tmp-step_N, fsynced, then renamed: a killed job never leaves a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from runtime.config import MoesysConfig
+from runtime.errors import UserError
+from runtime.io import atomic_write_json, atomic_write_text, fsync_dir, fsync_file
+from runtime.moe.layer import is_expert_param
+from runtime.parallel.groups import ParallelGroups
+from runtime.run_dir import CHECKPOINTS
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete or does not match the model."""
+
+
+def _barrier(groups: ParallelGroups) -> None:
+    if groups.world_size > 1:
+        dist.barrier()
+
+
+def _param_state(name: str, param: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """model/optimizer tensors of one parameter, keyed by kind."""
+    out = {"model": param.detach()}
+    state = optimizer.state.get(param, {})
+    for key in STATE_KEYS:
+        out[key] = state[key] if key in state else torch.zeros_like(param)
+    step = state.get("step", torch.tensor(0.0))
+    out["step"] = torch.as_tensor(step, dtype=torch.float32).reshape(1)
+    return out
+
+
+def _local_to_global(groups: ParallelGroups, local_experts: int) -> list[int]:
+    return [groups.ep_rank * local_experts + j for j in range(local_experts)]
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    groups: ParallelGroups, cfg: MoesysConfig, keep: int = 2) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    root = Path(run_dir) / CHECKPOINTS
+    name = f"step_{step:08d}"
+    tmp = root / f".tmp-{name}"
+    if groups.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(groups)
+    dense: dict[str, torch.Tensor] = {}
+    experts: dict[str, torch.Tensor] = {}
+    for pname, param in model.named_parameters():
+        tensors = _param_state(pname, param, optimizer)
+        if is_expert_param(pname):
+            for g, j in zip(_local_to_global(groups, param.shape[0]), range(param.shape[0])):
+                for kind, t in tensors.items():
+                    experts[f"{kind}.{pname}.{g}"] = (t if kind == "step" else t[j]).contiguous().clone()
+        else:
+            for kind, t in tensors.items():
+                dense[f"{kind}.{pname}"] = t.contiguous()
+    files = []
+    if groups.rank == 0:
+        files.append(_save(tmp / "dense.safetensors", dense))
+    if groups.edp_rank == 0:
+        files.append(_save(tmp / f"experts-ep{groups.ep_rank}.safetensors", experts))
+    files.append(_save(tmp / f"rng-rank{groups.rank}.safetensors", _rng_state()))
+    _barrier(groups)
+    final = root / name
+    if groups.rank == 0:
+        meta = {"step": step, "world_size": groups.world_size, "expert_parallel": groups.ep_size,
+                "num_experts": cfg.model.num_experts, "config": asdict(cfg)}
+        atomic_write_json(tmp / "meta.json", meta)
+        fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        fsync_dir(root)
+        atomic_write_text(root / "latest", name + "\n")
+        for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier(groups)
+    return final
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(path))
+    fsync_file(path)
+    return path
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint, or None. Temporary directories of killed writes are ignored."""
+    root = Path(run_dir) / CHECKPOINTS
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    path = root / pointer.read_text().strip()
+    return path if (path / "meta.json").exists() else None
+
+
+class _Reader:
+    """Finds a tensor by key across the checkpoint's safetensors files (memory-mapped, read lazily)."""
+
+    def __init__(self, path: Path):
+        self.where: dict[str, Path] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            if file.name.startswith("rng-"):
+                continue
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    self.where[key] = file
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.where:
+            raise CheckpointError(f"checkpoint has no tensor {key}; was it written by a different model config?")
+        with safe_open(str(self.where[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    groups: ParallelGroups, restore_rng: bool = True) -> int:
+    """Load model (and optimizer) state for this rank's experts, whatever EP size wrote it. Returns the step."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path / 'meta.json'}: {exc}") from None
+    reader = _Reader(path)
+    for pname, param in model.named_parameters():
+        if is_expert_param(pname):
+            globals_ = _local_to_global(groups, param.shape[0])
+            tensors = {kind: [reader.get(f"{kind}.{pname}.{g}") for g in globals_] for kind in ("model", *STATE_KEYS)}
+            values = {kind: torch.stack(ts) for kind, ts in tensors.items()}
+            step = reader.get(f"step.{pname}.{globals_[0]}")
+        else:
+            values = {kind: reader.get(f"{kind}.{pname}") for kind in ("model", *STATE_KEYS)}
+            step = reader.get(f"step.{pname}")
+        if values["model"].shape != param.shape:
+            raise CheckpointError(f"{pname} has shape {tuple(values['model'].shape)} in {path}, "
+                                  f"the model expects {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(values["model"])
+        if optimizer is not None and float(step) > 0:
+            optimizer.state[param] = {"step": step.reshape(()).clone(),
+                                      **{k: values[k].to(param.device, param.dtype) for k in STATE_KEYS}}
+    rng_file = path / f"rng-rank{groups.rank}.safetensors"
+    if restore_rng and meta["world_size"] == groups.world_size and rng_file.exists():
+        with safe_open(str(rng_file), framework="pt") as f:
+            torch.set_rng_state(f.get_tensor("cpu"))
+            if torch.cuda.is_available() and "cuda" in f.keys():
+                torch.cuda.set_rng_state(f.get_tensor("cuda"))
+    return int(meta["step"])

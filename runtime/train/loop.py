@@ -1,0 +1,137 @@
+"""The training loop: forward, backward, bucketed gradient reduction, AdamW, metrics and checkpoints.
+
+Dense gradients are averaged over every rank; an expert's gradient is summed over the ranks that sent it tokens
+(the AlltoAll backward does that) and averaged over its replicas, so the update equals single-process training
+on the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from runtime.config import MoesysConfig, TrainConfig
+from runtime.parallel.groups import ParallelGroups
+from runtime.train.build import Components, build_components
+from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from runtime.train.metrics import MetricsWriter, memory_bytes, step_stats
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def lr_at(step: int, tr: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to min_lr at max_steps."""
+    if step < tr.warmup_steps:
+        return tr.lr * (step + 1) / tr.warmup_steps
+    progress = (step - tr.warmup_steps) / max(1, tr.max_steps - tr.warmup_steps)
+    return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+class StopRequest:
+    """SIGTERM / SIGINT set a flag; the loop checkpoints at the end of the step and exits cleanly."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self, groups: ParallelGroups) -> bool:
+        """True on every rank once any rank was asked to stop."""
+        flag = torch.tensor([1.0 if self.requested else 0.0])
+        if groups.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _autocast(device: torch.device, precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+
+
+def train_step(c: Components, cfg: MoesysConfig, groups: ParallelGroups, step: int, device: torch.device,
+               scaler: torch.amp.GradScaler | None) -> tuple[torch.Tensor, object, float]:
+    """One optimizer step on this rank's micro-batch. Returns (lm loss, model output, grad norm)."""
+    tr = cfg.train
+    inputs, targets = c.data.rank_batch(step, groups.rank, groups.world_size, tr.micro_batch_size)
+    inputs, targets = inputs.to(device), targets.to(device)
+    for group in c.optimizer.param_groups:
+        group["lr"] = lr_at(step, tr)
+    with _autocast(device, tr.precision):
+        out = c.model(inputs)
+    lm_loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
+    loss = lm_loss + out.aux_loss.float()
+    (scaler.scale(loss) if scaler else loss).backward()
+    c.dense_reducer.finish()
+    c.expert_reducer.finish()
+    if groups.ep_size > 1:
+        for p in c.expert_params:
+            if p.grad is not None:
+                p.grad.div_(groups.ep_size)
+    if scaler:
+        scaler.unscale_(c.optimizer)
+    norm = grad_norm(c, groups)
+    if tr.grad_clip > 0 and math.isfinite(norm) and norm > tr.grad_clip:
+        for p in c.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(tr.grad_clip / (norm + 1e-6))
+    if scaler:
+        scaler.step(c.optimizer)
+        scaler.update()
+    else:
+        c.optimizer.step()
+    c.optimizer.zero_grad(set_to_none=True)
+    return lm_loss.detach(), out, norm
+
+
+def grad_norm(c: Components, groups: ParallelGroups) -> float:
+    """Global L2 norm: dense gradients are identical on every rank; expert blocks are summed over the EP group."""
+    def sq(params):
+        return sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None), torch.zeros(()))
+    expert_sq = sq(c.expert_params).reshape(1)
+    if groups.ep_size > 1:
+        dist.all_reduce(expert_sq, group=groups.ep_group)
+    return math.sqrt(float(sq(c.dense_params)) + float(expert_sq))
+
+
+def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torch.device) -> dict:
+    """Train until train.max_steps or a stop request; resume from the run directory's latest checkpoint."""
+    stop = StopRequest()
+    c = build_components(cfg, groups, device)
+    start = 0
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        start = load_checkpoint(ckpt, c.model, c.optimizer, groups)
+    else:
+        torch.manual_seed(cfg.train.seed + 1 + groups.rank)  # router noise differs per rank
+    scaler = torch.amp.GradScaler(device.type) if cfg.train.precision == "fp16" else None
+    writer = MetricsWriter(run_dir, start) if groups.rank == 0 else None
+    tr = cfg.train
+    tokens_per_step = groups.world_size * tr.micro_batch_size * tr.seq_len
+    step, last_ckpt = start, ckpt
+    for step in range(start + 1, tr.max_steps + 1):
+        began = time.perf_counter()
+        lm_loss, out, norm = train_step(c, cfg, groups, step - 1, device, scaler)
+        stats = step_stats(lm_loss, out, groups, memory_bytes(device))
+        elapsed = time.perf_counter() - began
+        stopping = stop.agreed(groups)
+        if writer:
+            writer.write({"step": step, "max_steps": tr.max_steps, **stats, "grad_norm": norm,
+                          "lr": lr_at(step - 1, tr), "tokens_per_s": tokens_per_step / elapsed,
+                          "step_time_s": elapsed})
+        if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.max_steps or stopping:
+            last_ckpt = save_checkpoint(run_dir, step, c.model, c.optimizer, groups, cfg)
+        if stopping:
+            break
+    return {"steps": step, "stopped_early": step < tr.max_steps,
+            "checkpoint": str(last_ckpt) if last_ckpt else None}

@@ -1,0 +1,67 @@
+"""Per-step metrics: one all-reduce of the loss, router losses and per-layer expert load; JSON lines on rank 0."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from runtime.io import atomic_write_text
+from runtime.parallel.groups import ParallelGroups
+from runtime.run_dir import METRICS
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Peak device memory on CUDA, resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(psutil.Process(os.getpid()).memory_info().rss)
+
+
+def step_stats(lm_loss: torch.Tensor, out, groups: ParallelGroups, memory: int) -> dict:
+    """Global means over ranks of the losses and expert load; memory per rank."""
+    stats = out.moe_stats
+    loss_names = sorted(stats[0].losses) if stats else []
+    parts = [lm_loss.float().reshape(1), out.aux_loss.detach().float().reshape(1)]
+    parts += [torch.stack([s.losses[n].float() for s in stats]).mean().reshape(1) for n in loss_names]
+    parts += [s.metrics["expert_routed_fraction"].float().reshape(-1) for s in stats]
+    mem = torch.zeros(groups.world_size, dtype=torch.float64)
+    mem[groups.rank] = memory
+    flat = torch.cat([p.cpu() for p in parts]).double()
+    if groups.world_size > 1:
+        dist.all_reduce(flat)
+        dist.all_reduce(mem)
+        flat /= groups.world_size
+    values = flat.tolist()
+    out_stats = {"loss": values[0], "aux_loss": values[1]}
+    out_stats.update({f"{n}_loss": v for n, v in zip(loss_names, values[2:2 + len(loss_names)])})
+    loads, offset = [], 2 + len(loss_names)
+    for s in stats:
+        e = s.metrics["expert_routed_fraction"].numel()
+        loads.append([round(v, 5) for v in values[offset:offset + e]])
+        offset += e
+    out_stats["expert_load"] = loads
+    out_stats["expert_load_max_over_mean"] = (
+        sum(max(layer) / (sum(layer) / len(layer)) for layer in loads) / len(loads) if loads and loads[0] else 1.0)
+    out_stats["memory_bytes_per_rank"] = [int(m) for m in mem.tolist()]
+    return out_stats
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to run_dir/metrics.jsonl; on resume drops lines past the checkpoint."""
+
+    def __init__(self, run_dir: Path, resume_step: int):
+        self.path = Path(run_dir) / METRICS
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        self.file = open(self.path, "a", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()

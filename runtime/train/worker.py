@@ -1,0 +1,53 @@
+"""torchrun entry point: `torchrun ... -m runtime.train.worker RUN_DIR`. Parse, build, train, close."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from runtime.io import atomic_write_json
+from runtime.parallel.groups import build_groups
+from runtime.run_dir import SUMMARY, load_config
+from runtime.train.loop import train
+
+
+def init_distributed() -> tuple[int, int, int, torch.device]:
+    """(rank, world size, processes on this node, device) from torchrun's environment; NCCL on GPUs, gloo on CPU."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(minutes=10))
+    return rank, world, local_world, device
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir = Path(argv[0])
+    cfg = load_config(run_dir)
+    rank, world, local_world, device = init_distributed()
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    groups = build_groups(world, rank, cfg.topology.expert_parallel, cfg.parallel.ranks_per_node or local_world)
+    try:
+        summary = train(cfg, run_dir, groups, device)
+        if rank == 0:
+            atomic_write_json(run_dir / SUMMARY, summary)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
