@@ -228,9 +228,7 @@ class LauncherConfig:
     """How `moesys train` starts its processes."""
 
     name: str = "local"
-    """local, multinode or slurm."""
-    nnodes: int = 1
-    """Nodes of a multinode or SLURM job."""
+    """local, multinode or slurm; the number of nodes is topology.nodes."""
     node_rank: int = 0
     """This node's rank (multinode)."""
     rdzv_endpoint: str = "localhost:29500"
@@ -360,7 +358,6 @@ def validate(cfg: MoesysConfig) -> None:
     need(inf.temperature >= 0, f"infer.temperature must be >= 0 (got {inf.temperature})")
     need(inf.top_k >= 0, f"infer.top_k must be >= 0 (got {inf.top_k})")
     need(inf.ring_slots >= 1, f"infer.ring_slots must be >= 1 (got {inf.ring_slots})")
-    need(cfg.launcher.nnodes > 0, f"launcher.nnodes must be positive (got {cfg.launcher.nnodes})")
 
     for name, task in cfg.tasks.items():
         need(task.batch_size > 0, f"tasks.{name}.batch_size must be positive (got {task.batch_size})")

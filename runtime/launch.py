@@ -52,7 +52,7 @@ def build_launch(cfg: MoesysConfig, run_dir: Path) -> LaunchSpec:
         argv = [*torchrun_prefix(), "--standalone", "--nnodes=1", *common, *worker]
         return LaunchSpec(argv=argv, nproc_per_node=nproc)
     if launcher.name == "multinode":
-        argv = [*torchrun_prefix(), f"--nnodes={launcher.nnodes}", f"--node_rank={launcher.node_rank}",
+        argv = [*torchrun_prefix(), f"--nnodes={cfg.topology.nodes}", f"--node_rank={launcher.node_rank}",
                 "--rdzv_backend=c10d", f"--rdzv_endpoint={launcher.rdzv_endpoint}", f"--rdzv_id={launcher.rdzv_id}",
                 *common, *worker]
         return LaunchSpec(argv=argv, nproc_per_node=nproc)
@@ -66,7 +66,7 @@ def slurm_script(cfg: MoesysConfig, run_dir: Path, nproc: int) -> str:
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name=moesys-{cfg.recipe or 'run'}",
-        f"#SBATCH --nodes={launcher.nnodes}",
+        f"#SBATCH --nodes={cfg.topology.nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --time={launcher.time}",
         f"#SBATCH --output={run_dir / 'logs' / 'slurm-%j.out'}",
