@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
+from runtime.errors import UserError
 
 # A task's workload: (batch_size in samples per step, relative cost of one sample).
 Workload = tuple[int, float]
 
 
-class AllocationError(ValueError):
+class AllocationError(UserError):
     """A workload or GPU count that cannot be allocated; the message is one line."""
 
 

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from runtime.errors import UserError
 from runtime.config import ModelConfig
 from runtime.model.transformer import Transformer
 
@@ -25,7 +26,7 @@ INDEX = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 
 
-class HFCheckpointError(ValueError):
+class HFCheckpointError(UserError):
     """A Hugging Face checkpoint moesys cannot read or write; the message names the file or tensor."""
 
 

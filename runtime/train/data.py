@@ -12,13 +12,14 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from runtime.errors import UserError
 from runtime.train.tokenizer import ByteTokenizer
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 DOC_SEPARATOR = b"\n\n"
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Training data that cannot be used; the message names the path."""
 
 
