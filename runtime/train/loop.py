@@ -59,14 +59,12 @@ def _autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
-def train_step(c: Components, cfg: MoesysConfig, groups: ParallelGroups, step: int, device: torch.device,
-               scaler: torch.amp.GradScaler | None) -> tuple[torch.Tensor, object, float]:
-    """One optimizer step on this rank's micro-batch. Returns (lm loss, model output, grad norm)."""
+def forward_backward(c: Components, cfg: MoesysConfig, groups: ParallelGroups, step: int, device: torch.device,
+                     scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, object]:
+    """Loss and reduced gradients of this rank's micro-batch of `step`. Returns (lm loss, model output)."""
     tr = cfg.train
     inputs, targets = c.data.rank_batch(step, groups.rank, groups.world_size, tr.micro_batch_size)
     inputs, targets = inputs.to(device), targets.to(device)
-    for group in c.optimizer.param_groups:
-        group["lr"] = lr_at(step, tr)
     with _autocast(device, tr.precision):
         out = c.model(inputs)
     lm_loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
@@ -78,6 +76,13 @@ def train_step(c: Components, cfg: MoesysConfig, groups: ParallelGroups, step: i
         for p in c.expert_params:
             if p.grad is not None:
                 p.grad.div_(groups.ep_size)
+    return lm_loss.detach(), out
+
+
+def optimizer_step(c: Components, cfg: MoesysConfig, groups: ParallelGroups, step: int,
+                   scaler: torch.amp.GradScaler | None = None) -> float:
+    """Clip by the global gradient norm and apply AdamW with the scheduled learning rate. Returns the norm."""
+    tr = cfg.train
     if scaler:
         scaler.unscale_(c.optimizer)
     norm = grad_norm(c, groups)
@@ -85,13 +90,15 @@ def train_step(c: Components, cfg: MoesysConfig, groups: ParallelGroups, step: i
         for p in c.model.parameters():
             if p.grad is not None:
                 p.grad.mul_(tr.grad_clip / (norm + 1e-6))
+    for group in c.optimizer.param_groups:
+        group["lr"] = lr_at(step, tr)
     if scaler:
         scaler.step(c.optimizer)
         scaler.update()
     else:
         c.optimizer.step()
     c.optimizer.zero_grad(set_to_none=True)
-    return lm_loss.detach(), out, norm
+    return norm
 
 
 def grad_norm(c: Components, groups: ParallelGroups) -> float:
@@ -121,7 +128,8 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
     step, last_ckpt = start, ckpt
     for step in range(start + 1, tr.max_steps + 1):
         began = time.perf_counter()
-        lm_loss, out, norm = train_step(c, cfg, groups, step - 1, device, scaler)
+        lm_loss, out = forward_backward(c, cfg, groups, step - 1, device, scaler)
+        norm = optimizer_step(c, cfg, groups, step - 1, scaler)
         stats = step_stats(lm_loss, out, groups, memory_bytes(device))
         elapsed = time.perf_counter() - began
         stopping = stop.agreed(groups)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from runtime.errors import UserError
 from runtime.io import atomic_write_json
 from runtime.parallel.groups import build_groups
 from runtime.run_dir import SUMMARY, load_config
@@ -33,7 +34,14 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    run_dir = Path(argv[0])
+    try:
+        return run(Path(argv[0]))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(run_dir: Path) -> int:
     cfg = load_config(run_dir)
     rank, world, local_world, device = init_distributed()
     if device.type == "cpu":
