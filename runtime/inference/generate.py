@@ -1,0 +1,183 @@
+"""Generation with a KV cache: greedy or temperature/top-k sampling, several prompts per batch, prefill and decode
+timed apart; `run_inference` is what `moesys infer` calls (load, offload per seed 004 section 3.3.2, generate).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from runtime.inference.load import InferError, load_model, resolve_infer_config
+from runtime.inference.offload import Offloader
+from runtime.inference.ring import make_offloader
+from runtime.model.transformer import Transformer
+from runtime.moe.layer import is_expert_param
+
+
+@dataclass
+class Generation:
+    """New token ids per prompt (prompt order), timings and, when asked, the logits of every new token."""
+
+    tokens: list[list[int]]
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    kv_cache_bytes: int = 0
+    logits: list[Tensor] = field(default_factory=list)
+    """Per prompt [max_new_tokens, V] (fp32, CPU), only with keep_logits."""
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int, max_seq_len: int) -> None:
+    """One-line InferError for an empty batch, an empty prompt, an id outside the vocab or too long a sequence."""
+    if not prompts:
+        raise InferError('no prompt: give prompt="..." or infer.prompt_ids=[1,2,3]')
+    if max_new_tokens < 1:
+        raise InferError(f"infer.max_new_tokens must be positive (got {max_new_tokens})")
+    for ids in prompts:
+        if not ids:
+            raise InferError("a prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InferError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
+        if len(ids) + max_new_tokens > max_seq_len:
+            raise InferError(f"prompt of {len(ids)} tokens + infer.max_new_tokens={max_new_tokens} exceeds "
+                             f"model.max_seq_len={max_seq_len}; shorten the prompt or generate fewer tokens")
+
+
+def sample_next(logits_BV: Tensor, temperature: float, top_k: int, generator: Optional[torch.Generator]) -> Tensor:
+    """Next ids [B]: argmax when temperature is 0, else a draw from softmax(logits / temperature) over the top k."""
+    if temperature <= 0:
+        return logits_BV.argmax(dim=-1)
+    logits_BV = logits_BV.float() / temperature
+    if 0 < top_k < logits_BV.shape[-1]:
+        kth = logits_BV.topk(top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
+    return torch.multinomial(logits_BV.softmax(dim=-1), 1, generator=generator).squeeze(1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, seed: int = 0, offloader: Optional[Offloader] = None,
+             keep_logits: bool = False) -> Generation:
+    """Prompts of equal length run as one batch (no padding, so batching never changes a result); each batch is
+    one prefill forward, then max_new_tokens - 1 single-token forwards against the KV cache."""
+    cfg = model.cfg
+    check_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_seq_len)
+    device = model.tok_embeddings.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        by_length.setdefault(len(ids), []).append(i)
+    out = Generation(tokens=[[] for _ in prompts])
+    logits_of: list[list[Tensor]] = [[] for _ in prompts]
+    for length, members in by_length.items():
+        if offloader is not None:
+            offloader.reset()
+        tokens_BS = torch.tensor([prompts[i] for i in members], dtype=torch.long, device=device)
+        cache = model.new_cache(max_len=length + max_new_tokens)
+        new: list[Tensor] = []
+        _sync(device)
+        began = time.perf_counter()
+        for step in range(max_new_tokens):
+            if step == 0:
+                logits_BV = model(tokens_BS, cache, 0).logits[:, -1]
+            else:
+                logits_BV = model(new[-1][:, None], cache, length + step - 1).logits[:, -1]
+            new.append(sample_next(logits_BV, temperature, top_k, generator))
+            if keep_logits:
+                for row, i in enumerate(members):
+                    logits_of[i].append(logits_BV[row].float().cpu())
+            if step == 0:
+                _sync(device)
+                now = time.perf_counter()
+                out.prefill_s += now - began
+                out.prefill_tokens += tokens_BS.numel()
+                began = now
+        _sync(device)
+        out.decode_s += time.perf_counter() - began
+        out.decode_tokens += len(members) * (max_new_tokens - 1)
+        out.kv_cache_bytes = max(out.kv_cache_bytes, sum(t.numel() * t.element_size()
+                                                         for t in cache.keys + cache.values if t is not None))
+        ids_BN = torch.stack(new, dim=1).cpu()
+        for row, i in enumerate(members):
+            out.tokens[i] = ids_BN[row].tolist()
+    if keep_logits:
+        out.logits = [torch.stack(rows) for rows in logits_of]
+    return out
+
+
+def _fingerprint(path: Path) -> str:
+    """The checkpoint's identity for the expert-store cache: its weight files' names, sizes and mtimes."""
+    files = sorted(path.rglob("*.safetensors"))
+    return str(path.resolve()) + "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+
+
+def _prompt_ids(loaded, cfg, prompts: Optional[list[str]], prompt_ids: Optional[list[list[int]]]) -> list[list[int]]:
+    texts = list(prompts or []) or ([cfg.infer.prompt] if cfg.infer.prompt is not None else [])
+    ids = [list(p) for p in (prompt_ids or [])] or ([list(cfg.infer.prompt_ids)] if cfg.infer.prompt_ids else [])
+    if texts and loaded.tokenizer is None:
+        raise InferError(f"checkpoint={loaded.path} has no tokenizer; give the prompt as ids: infer.prompt_ids=[1,2,3]")
+    return [loaded.tokenizer.encode(t) for t in texts] + ids
+
+
+def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any]] = None,
+                  prompts: Optional[list[str]] = None, prompt_ids: Optional[list[list[int]]] = None,
+                  offload: Optional[str] = None, device: Optional[str | torch.device] = None,
+                  cache_dir: Optional[Path] = None) -> dict[str, Any]:
+    """Load a checkpoint, apply infer.* overrides (offload overrides infer.offload), generate; a JSON-ready dict."""
+    loaded = load_model(checkpoint)
+    overrides = dict(infer_overrides or {})
+    if offload is not None:
+        overrides["offload"] = offload
+    cfg = resolve_infer_config(loaded.config_data, overrides)
+    inf = cfg.infer
+    ids = _prompt_ids(loaded, cfg, prompts, prompt_ids)
+    check_prompts(ids, inf.max_new_tokens, cfg.model.vocab_size, cfg.model.max_seq_len)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = loaded.model
+    dense_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not is_expert_param(n))
+    offloader = make_offloader(model, inf.offload, device, inf.ring_slots, cache_dir, _fingerprint(loaded.path))
+    try:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        gen = generate(model, ids, inf.max_new_tokens, inf.temperature, inf.top_k, inf.seed, offloader)
+        stats = offloader.stats()
+    finally:
+        offloader.close()
+    new_tokens = sum(len(t) for t in gen.tokens)
+    device_peak = {"dense": dense_bytes, "experts": stats["expert_device_bytes"], "kv_cache": gen.kv_cache_bytes}
+    device_peak["total"] = sum(device_peak.values())
+    if device.type == "cuda":
+        device_peak["allocated_peak"] = torch.cuda.max_memory_allocated(device)
+    tok = loaded.tokenizer
+    return {
+        "checkpoint": str(loaded.path), "kind": loaded.kind, "device": str(device), "offload": inf.offload,
+        "ring_slots": inf.ring_slots if inf.offload == "ring" else None, "moe_layers": stats["moe_layers"],
+        "prompt_tokens": ids, "tokens": gen.tokens,
+        "text": [tok.decode(t) for t in gen.tokens] if tok is not None else None,
+        "prefill_tokens_per_s": gen.prefill_tokens_per_s, "decode_tokens_per_s": gen.decode_tokens_per_s,
+        "prefill_tokens": gen.prefill_tokens, "decode_tokens": gen.decode_tokens,
+        "peak_bytes": {"device": device_peak, "host": {"experts": stats["expert_host_bytes"]}},
+        "copied_bytes": stats["copied_bytes"],
+        "copied_bytes_per_token": stats["copied_bytes"] / new_tokens if new_tokens else 0.0,
+        "copy_s": stats["copy_s"], "copy_hidden_share": stats["copy_hidden_share"],
+    }

@@ -1,0 +1,278 @@
+"""Expert offloading for inference (seed 004 section 3.3.2, fig. 5): the host-tier expert store (one safetensors
+file per MoE layer, memory-mapped; pinned on CUDA), device slots that MoE layers compute from, copy/compute
+timelines, and the `none` and `ondemand` modes. The ring itself is in runtime/inference/ring.py.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from runtime.inference.load import InferError
+from runtime.model.transformer import Transformer
+from runtime.moe.experts import GroupedExperts, expert_ffn
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+MODES = ("ring", "ondemand", "none")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One stacked expert weight inside a layer's byte region: bytes [begin, end) as dtype, shape."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size)), 8 + size
+
+
+class ExpertStore:
+    """The host tier: every MoE layer's stacked experts as one contiguous byte region per layer.
+
+    On disk: DIR/layer{m}.safetensors (m = MoE layer order). CPU reads them memory-mapped (the page cache is the
+    host tier); on CUDA each layer is read once into pinned memory so copies to the device are asynchronous.
+    """
+
+    def __init__(self, directory: Path, num_layers: int, pin: bool = False):
+        self.directory, self.num_layers = Path(directory), num_layers
+        self._maps: list[mmap.mmap] = []
+        self.regions: list[Tensor] = []
+        self.fields: dict[str, Field] = {}
+        for m in range(num_layers):
+            path = self.directory / f"layer{m}.safetensors"
+            header, start = _header(path)
+            header.pop("__metadata__", None)
+            fields = {k: Field(DTYPES[v["dtype"]], tuple(v["shape"]), *v["data_offsets"]) for k, v in header.items()}
+            if m == 0:
+                self.fields = fields
+            elif fields != self.fields:
+                raise InferError(f"{path}: layout differs from layer0 (MoE layers must have equal shapes)")
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: pages shared, never written
+            self._maps.append(mm)
+            region = torch.frombuffer(mm, dtype=torch.uint8, count=self.layer_bytes, offset=start)
+            self.regions.append(region.pin_memory() if pin else region)
+        for name, f in self.fields.items():
+            if f.begin % f.dtype.itemsize:
+                raise InferError(f"expert store field {name} is not aligned for {f.dtype}")
+
+    @property
+    def layer_bytes(self) -> int:
+        return max(f.end for f in self.fields.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return self.layer_bytes * self.num_layers
+
+    def views(self, region: Tensor) -> dict[str, Tensor]:
+        """Typed weight views (w1 [E, F, D], ...) of a layer-sized byte buffer (a slot or a store region)."""
+        return {k: region[f.begin:f.end].view(f.dtype).view(f.shape) for k, f in self.fields.items()}
+
+    @staticmethod
+    def export(layers: list[GroupedExperts], directory: Path, fingerprint: str = "") -> None:
+        """Write each layer's stacked expert weights once; files whose fingerprint matches are kept."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for m, experts in enumerate(layers):
+            path = directory / f"layer{m}.safetensors"
+            tensors = {k: v.detach().cpu().contiguous() for k, v in experts.weights().items() if v is not None}
+            if path.is_file() and fingerprint and _matches(path, tensors, fingerprint):
+                continue
+            tmp = directory / f".layer{m}.{os.getpid()}.tmp"
+            save_file(tensors, str(tmp), metadata={"fingerprint": fingerprint})
+            os.replace(tmp, path)
+
+
+def _matches(path: Path, tensors: dict[str, Tensor], fingerprint: str) -> bool:
+    try:
+        header, _ = _header(path)
+    except (OSError, ValueError):
+        return False
+    meta = header.pop("__metadata__", {}) or {}
+    return meta.get("fingerprint") == fingerprint and {k: tuple(v["shape"]) for k, v in header.items()} == {
+        k: tuple(t.shape) for k, t in tensors.items()}
+
+
+# ---- timelines: when copies ran, when compute ran, when compute waited ----
+
+def overlap_s(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total time covered by both interval lists (each list's intervals are disjoint)."""
+    a, b = sorted(a), sorted(b)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+class Timeline:
+    """Timestamps from host clocks (CPU) or CUDA events on a given stream (resolved when read)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.base = self.mark()
+        self.spans: dict[str, list[tuple[Any, Any]]] = {"copy": [], "compute": [], "wait": []}
+
+    def mark(self, stream: Optional[torch.cuda.Stream] = None) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def add(self, kind: str, start: Any, end: Any) -> None:
+        self.spans[kind].append((start, end))
+
+    def seconds(self, kind: str) -> list[tuple[float, float]]:
+        if not self.cuda:
+            return list(self.spans[kind])
+        torch.cuda.synchronize()
+        return [(self.base.elapsed_time(s) / 1e3, self.base.elapsed_time(e) / 1e3) for s, e in self.spans[kind]]
+
+    def clear(self) -> None:
+        for spans in self.spans.values():
+            spans.clear()
+
+
+# ---- offloaders ----
+
+class SlotExperts(nn.Module):
+    """Stands in for a layer's GroupedExperts: computes on the weights its offloader puts in a device slot."""
+
+    def __init__(self, offloader: "Offloader", index: int, expert_type: str):
+        super().__init__()
+        self.offloader, self.index, self.expert_type = offloader, index, expert_type
+
+    def forward(self, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
+        weights = self.offloader.acquire(self.index)
+        y_RD = expert_ffn(x_RD, tokens_per_expert_e, **weights, kind=self.expert_type)
+        self.offloader.release(self.index)
+        return y_RD
+
+
+class Offloader:
+    """Base: counts device/host bytes and copies; marks compute spans with hooks around the model's forward."""
+
+    mode = "none"
+
+    def __init__(self, model: Transformer, device: torch.device):
+        self.model, self.device = model, device
+        self.num_layers = len(model.moe_layers())
+        self.timeline = Timeline(device)
+        self.copied_bytes = 0
+        self.copies = 0
+        self._started: Any = None
+        self.scratch_dir: Optional[Path] = None
+        self._hooks = [model.register_forward_pre_hook(self._begin), model.register_forward_hook(self._end)]
+
+    def _begin(self, module, args) -> None:
+        self._started = self.timeline.mark()
+
+    def _end(self, module, args, output) -> None:
+        self.timeline.add("compute", self._started, self.timeline.mark())
+
+    @property
+    def expert_device_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for layer in self.model.moe_layers()
+                   for p in layer.experts.parameters())
+
+    @property
+    def expert_host_bytes(self) -> int:
+        return 0
+
+    def reset(self) -> None:
+        """Before a generation: the next forward starts at MoE layer 0."""
+
+    def reset_stats(self) -> None:
+        self.timeline.clear()
+        self.copied_bytes = self.copies = 0
+
+    def stats(self) -> dict[str, Any]:
+        copies = self.timeline.seconds("copy")
+        copy_s = sum(e - s for s, e in copies)
+        hidden = overlap_s(copies, self.timeline.seconds("compute")) - overlap_s(copies, self.timeline.seconds("wait"))
+        return {
+            "offload": self.mode, "moe_layers": self.num_layers, "slots": getattr(self, "num_slots", None),
+            "expert_device_bytes": self.expert_device_bytes, "expert_host_bytes": self.expert_host_bytes,
+            "copied_bytes": self.copied_bytes, "copies": self.copies, "copy_s": copy_s,
+            "copy_hidden_s": max(0.0, hidden), "copy_hidden_share": max(0.0, hidden) / copy_s if copy_s > 0 else None,
+        }
+
+    def close(self) -> None:
+        """Wait for copies in flight and take the timing hooks off the model."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.scratch_dir is not None:
+            shutil.rmtree(self.scratch_dir, ignore_errors=True)
+
+
+class SlotOffloader(Offloader):
+    """Experts live in an ExpertStore; `num_slots` device buffers of one layer each, allocated once."""
+
+    def __init__(self, model: Transformer, device: torch.device, store: ExpertStore, num_slots: int):
+        super().__init__(model, device)
+        if store.num_layers != self.num_layers:
+            raise InferError(f"expert store has {store.num_layers} layers, the model {self.num_layers} MoE layers")
+        self.store, self.num_slots = store, num_slots
+        self.slots = [torch.empty(store.layer_bytes, dtype=torch.uint8, device=device) for _ in range(num_slots)]
+        self.slot_views = [store.views(s) for s in self.slots]
+        self.slot_layer: list[Optional[int]] = [None] * num_slots
+        for m, layer in enumerate(model.moe_layers()):  # the resident experts go; the store holds them now
+            layer.experts = SlotExperts(self, m, layer.experts.expert_type)
+
+    @property
+    def expert_device_bytes(self) -> int:
+        return self.num_slots * self.store.layer_bytes
+
+    @property
+    def expert_host_bytes(self) -> int:
+        return self.store.host_bytes
+
+    def copy_now(self, slot: int, layer: int, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """Copy layer's experts into slot, timed (on `stream` when given, else the current one)."""
+        start = self.timeline.mark(stream)
+        self.slots[slot].copy_(self.store.regions[layer], non_blocking=stream is not None)
+        self.timeline.add("copy", start, self.timeline.mark(stream))
+        self.slot_layer[slot] = layer
+        self.copied_bytes += self.store.layer_bytes
+        self.copies += 1
+
+
+class OnDemandOffloader(SlotOffloader):
+    """The baseline: one slot; each layer's experts are copied synchronously just before the layer runs."""
+
+    mode = "ondemand"
+
+    def __init__(self, model: Transformer, device: torch.device, store: ExpertStore):
+        super().__init__(model, device, store, 1)
+
+    def acquire(self, layer: int) -> dict[str, Tensor]:
+        if self.slot_layer[0] != layer:
+            start = self.timeline.mark()
+            self.copy_now(0, layer)
+            self.timeline.add("wait", start, self.timeline.mark())  # compute stood still for the copy
+        return self.slot_views[0]
+
+    def release(self, layer: int) -> None:
+        pass

@@ -1,0 +1,157 @@
+"""Ring-memory expert offloading (seed 004 section 3.3.2, fig. 5; seed 000 section 3.2).
+
+N MoE layers' experts sit in the host tier; K device slots are allocated once and reused round-robin. The ring
+turns over *uses*, not layers: use u (layer u mod N, wrapping into the next token's forward) computes from slot
+u mod K; when it is done the slot is released and use u+K's layer is copied into it asynchronously (a CUDA copy
+stream with events, or a background copy thread on CPU) while uses u+1..u+K-1 compute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from runtime.inference.load import InferError
+from runtime.inference.offload import MODES, ExpertStore, OnDemandOffloader, Offloader, SlotOffloader
+from runtime.model.transformer import Transformer
+
+
+class RingOffloader(SlotOffloader):
+    """K slots; after use u computes, use u+K's layer is fetched into its slot behind the next K-1 layers."""
+
+    mode = "ring"
+
+    def __init__(self, model: Transformer, device: torch.device, store: ExpertStore, num_slots: int):
+        check_ring_slots(num_slots, len(model.moe_layers()))
+        super().__init__(model, device, store, num_slots)
+        self.use = 0
+        self.ready: list[Any] = [None] * num_slots  # Future (CPU) or torch.cuda.Event: the slot's copy is done
+        if device.type == "cuda":
+            self.stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device)
+            self.pool = None
+        else:
+            self.stream = None
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesys-ring-copy")
+        self.reset()
+
+    # ---- the ring ----
+
+    def acquire(self, layer: int) -> dict[str, Tensor]:
+        expected = self.use % self.num_layers
+        if layer != expected:
+            raise RuntimeError(f"ring out of step: MoE layer {layer} ran, layer {expected} was next (call reset())")
+        slot = self.use % self.num_slots
+        self._wait(slot)
+        assert self.slot_layer[slot] == layer
+        return self.slot_views[slot]
+
+    def release(self, layer: int) -> None:
+        """Layer's compute is done (queued, on CUDA): refill its slot with the layer needed K uses later."""
+        slot = self.use % self.num_slots
+        ahead = (self.use + self.num_slots) % self.num_layers
+        self.use += 1
+        if self.slot_layer[slot] != ahead:  # K = N: every layer keeps its slot, nothing moves
+            self._schedule(slot, ahead)
+
+    def _schedule(self, slot: int, layer: int) -> None:
+        self.slot_layer[slot] = layer
+        if self.stream is None:
+            self.ready[slot] = self.pool.submit(self.copy_now, slot, layer)
+            return
+        freed = torch.cuda.Event()
+        freed.record()  # the compute stream's last use of the slot
+        self.stream.wait_event(freed)
+        with torch.cuda.stream(self.stream):
+            self.copy_now(slot, layer, self.stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.ready[slot] = done
+
+    def _wait(self, slot: int) -> None:
+        pending = self.ready[slot]
+        if pending is None:
+            return
+        self.ready[slot] = None
+        if isinstance(pending, Future):
+            if pending.done():
+                pending.result()  # re-raises a failed copy
+                return
+            start = self.timeline.mark()
+            pending.result()
+        else:
+            start = self.timeline.mark()
+            torch.cuda.current_stream().wait_event(pending)
+        self.timeline.add("wait", start, self.timeline.mark())
+
+    def _drain(self) -> None:
+        for slot in range(self.num_slots):
+            self._wait(slot)
+
+    def reset(self) -> None:
+        """Finish copies in flight; make the next K uses' layers resident, starting from MoE layer 0."""
+        self._drain()
+        if self.use % self.num_layers:  # a forward stopped half way
+            self.use += self.num_layers - self.use % self.num_layers
+        for use in range(self.use, self.use + self.num_slots):
+            slot, layer = use % self.num_slots, use % self.num_layers
+            if self.slot_layer[slot] != layer:
+                self.copy_now(slot, layer)
+
+    def close(self) -> None:
+        self._drain()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        super().close()
+
+
+def check_ring_slots(slots: int, moe_layers: int) -> None:
+    if moe_layers < 1:
+        raise InferError("the model has no MoE layers to offload; use --offload none")
+    if not 1 <= slots <= moe_layers:
+        raise InferError(f"infer.ring_slots={slots} must be between 1 and the model's {moe_layers} MoE layers")
+
+
+def default_cache_dir(fingerprint: str) -> Path:
+    """Where a checkpoint's per-layer expert store is exported (reused while the checkpoint is unchanged)."""
+    digest = hashlib.sha1(fingerprint.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "moesys-experts" / digest
+
+
+def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slots: int = 2,
+                   cache_dir: Optional[Path] = None, fingerprint: str = "") -> Offloader:
+    """Move `model` (CPU, all experts resident) onto `device` under offload mode ring, ondemand or none.
+
+    ring/ondemand export the experts into the on-disk store (cache_dir; default from the fingerprint), drop them
+    from the model, and leave only dense weights and the slots on the device.
+    """
+    if mode not in MODES:
+        raise InferError(f"--offload {mode!r} is not one of {', '.join(MODES)}")
+    device = torch.device(device)
+    moe = model.moe_layers()
+    if mode == "none":
+        return Offloader(model.to(device), device)
+    if mode == "ring":
+        check_ring_slots(ring_slots, len(moe))
+    elif not moe:
+        raise InferError("the model has no MoE layers to offload; use --offload none")
+    scratch = cache_dir is None and not fingerprint  # nothing to key a reusable store on: a private temp dir
+    if cache_dir is not None:
+        cache = Path(cache_dir)
+    else:
+        cache = Path(tempfile.mkdtemp(prefix="moesys-experts-")) if scratch else default_cache_dir(fingerprint)
+    ExpertStore.export([layer.experts for layer in moe], cache, fingerprint)
+    store = ExpertStore(cache, len(moe), pin=device.type == "cuda")
+    if mode == "ondemand":
+        offloader: SlotOffloader = OnDemandOffloader(model, device, store)
+    else:
+        offloader = RingOffloader(model, device, store, ring_slots)
+    if scratch:
+        offloader.scratch_dir = cache  # removed by close(); the mapped pages stay valid until unmapped
+    model.to(device)
+    return offloader
