@@ -38,8 +38,12 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
         (run_dir / "job.sbatch").write_text(spec.script)
     log = open(run_dir / LOGS / "launcher.log", "ab")
     proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT)
-    code = _follow(proc, run_dir, cfg.train.max_steps, quiet=json_out)
+    code, interrupted = _follow(proc, run_dir, cfg.train.max_steps, quiet=json_out)
     summary = run_summary(run_dir)
+    if interrupted:
+        error(f"stopped at step {summary['steps']} with checkpoint {summary['checkpoint']}; "
+              f"resume with: moesys train {shlex.join(overrides or [])} train.run_dir={run_dir}")
+        raise typer.Exit(130)
     if code != 0:
         error(f"training failed with exit code {code}: {_last_error(run_dir)} (logs in {run_dir / LOGS})")
         raise typer.Exit(code)
@@ -52,8 +56,10 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     raise typer.Exit(0)
 
 
-def _follow(proc: subprocess.Popen, run_dir: Path, max_steps: int, quiet: bool) -> int:
-    """Show step, loss, tokens/s and expert load balance until the job ends; Ctrl-C reaches the job too."""
+def _follow(proc: subprocess.Popen, run_dir: Path, max_steps: int, quiet: bool) -> tuple[int, bool]:
+    """Show step, loss, tokens/s and expert load balance until the job ends; Ctrl-C reaches the job too,
+    whose workers checkpoint and exit. Returns (exit code, whether the user interrupted)."""
+    interrupted = False
     columns = [TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
     with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
@@ -64,6 +70,7 @@ def _follow(proc: subprocess.Popen, run_dir: Path, max_steps: int, quiet: bool) 
             except subprocess.TimeoutExpired:
                 code = None
             except KeyboardInterrupt:
+                interrupted = True
                 progress.update(task, info="stopping: workers checkpoint and exit")
                 code = proc.wait()
             metrics = read_metrics(run_dir)
@@ -73,7 +80,7 @@ def _follow(proc: subprocess.Popen, run_dir: Path, max_steps: int, quiet: bool) 
                                 info=f"loss {m['loss']:.3f}  {m['tokens_per_s']:.0f} tok/s  "
                                      f"load max/mean {m['expert_load_max_over_mean']:.2f}")
             if code is not None:
-                return code
+                return code, interrupted
 
 
 def _last_error(run_dir: Path) -> str:
