@@ -1,0 +1,86 @@
+"""The sparse (vertical) half of 2D prefetch: while layer i computes, the states of the experts that layer i+1..i+depth
+will route to move SSD -> CPU on a background thread (seed 004 section 3.2.2; seed 002 section 4.2).
+
+The routing of layer i+1 is not known while layer i computes, so the request is the one the paper uses: the
+experts each layer activated in the previous step ("recorded expert selection results"), which needs no extra
+communication. Prefetched states wait in a staging area; the cache takes them on the real request, so Algorithm 2's
+hit counts see only real requests. States of experts that were not requested are dropped at the end of the step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Hashable
+
+Key = Hashable
+
+
+class SparsePrefetcher:
+    """Stages states of predicted experts. `read(key)` reads from SSD; `cached(key)` says the CPU cache holds it;
+    `ready(layer)` blocks until the layer's states on SSD are final (its optimizer step finished)."""
+
+    def __init__(self, read: Callable[[Key], object], cached: Callable[[Key], bool],
+                 ready: Callable[[int], None], depth: int, lock: threading.RLock):
+        self.read, self.cached, self.ready = read, cached, ready
+        self.depth = depth
+        self.lock = lock
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesys-prefetch")
+        self.staged: dict[Key, object] = {}
+        self.futures: dict[int, Future] = {}
+        self.history: dict[int, list[Key]] = {}
+        self.prefetched = 0
+
+    def record(self, layer: int, keys: list[Key]) -> None:
+        """The experts `layer` activated this step: next step's prediction."""
+        self.history[layer] = list(keys)
+
+    def schedule(self, layers: list[int]) -> None:
+        """Start staging the predicted experts of `layers` (each at most once per step)."""
+        for layer in layers:
+            if layer in self.futures or layer not in self.history:
+                continue
+            self.futures[layer] = self.pool.submit(self._stage, layer, list(self.history[layer]))
+
+    def _stage(self, layer: int, keys: list[Key]) -> None:
+        self.ready(layer)
+        for key in keys:
+            with self.lock:
+                if self.cached(key) or key in self.staged:
+                    continue
+            state = self.read(key)
+            with self.lock:
+                if not self.cached(key):
+                    self.staged[key] = state
+                    self.prefetched += 1
+
+    def wait(self, layer: int) -> float:
+        """Block until `layer`'s staging finished; returns the seconds spent waiting (the stall)."""
+        future = self.futures.get(layer)
+        if future is None or future.done():
+            if future is not None:
+                future.result()
+            return 0.0
+        began = time.perf_counter()
+        future.result()
+        return time.perf_counter() - began
+
+    def take(self, key: Key):
+        """The staged states of `key` (removed from staging), or None."""
+        with self.lock:
+            return self.staged.pop(key, None)
+
+    def end_step(self) -> list:
+        """Wait for outstanding staging, forget this step's schedule and return the staged states nobody
+        requested (dropped)."""
+        for future in self.futures.values():
+            future.result()
+        with self.lock:
+            unused = list(self.staged.values())
+            self.staged.clear()
+            self.futures.clear()
+        return unused
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

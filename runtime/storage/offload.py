@@ -1,0 +1,382 @@
+"""Training with expert states off the device: SSD store -> LFU CPU cache -> device, CPU AdamW where the states live
+(seed 004 section 3.2, Algorithm 2 and the sparse half of 2D prefetch; seed 002 section 4.2: fetch only experts
+that receive tokens, write back and step only those).
+
+`install_offload(model, ...)` swaps every MoE layer's GroupedExperts for an OffloadedExperts (same call signature)
+that fetches the active experts' fp32 weights through the cache, runs `expert_ffn` on them and keeps the device
+copies as autograd leaves; after backward the trainer calls `finish_backward()`, `grad_sq()` and `step(lr, coef)`.
+Legend: R routed rows, D model dim, e local experts, a active local experts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim.adam import adam
+
+from runtime.moe.experts import GroupedExperts, expert_ffn
+from runtime.moe.layer import EXPERT_PARAM_NAMES
+from runtime.prefetch.sparse import SparsePrefetcher
+from runtime.storage.cache import LFUCache
+from runtime.storage.expert_store import ExpertKey, ExpertState, ExpertStore, new_state, state_bytes
+from runtime.storage.tiers import Tiers
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One offloaded MoE layer: which global experts this rank holds and how to run them."""
+
+    index: int
+    num_local: int
+    first_global: int
+    names: tuple[str, ...]
+    kind: str
+    impl: str
+    expert_bytes: int
+
+    def key(self, local: int) -> ExpertKey:
+        return (self.index, self.first_global + local)
+
+
+@dataclass
+class _Live:
+    """A layer's fetched experts this step: keys, their CPU states and the device leaves autograd fills."""
+
+    keys: list[ExpertKey]
+    states: list[ExpertState]
+    leaves: dict[str, Tensor]
+    device_bytes: int
+
+
+@dataclass(frozen=True)
+class AdamWHyper:
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    """Every expert tensor decays: the resident model stacks them ([e, ...], two or more dims)."""
+
+
+class OffloadedExperts(nn.Module):
+    """Replaces MoELayer.experts: forward(x_RD, tokens_per_expert_e) -> y_RD, weights fetched per call."""
+
+    def __init__(self, manager: "OffloadManager", spec: LayerSpec):
+        super().__init__()
+        self.manager, self.spec = manager, spec
+        self.num_experts = spec.num_local
+
+    def forward(self, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
+        return self.manager.run_layer(self.spec.index, x_RD, tokens_per_expert_e)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.spec.index}, num_experts={self.spec.num_local}, offloaded"
+
+
+class OffloadManager:
+    """Owns the store, the cache, the prefetcher, the tiers and the CPU optimizer of every offloaded layer."""
+
+    def __init__(self, specs: list[LayerSpec], store: ExpertStore, cache_experts: int, hit_threshold: float,
+                 decay_beta: float, decay_every: int, prefetch_depth: int, device: torch.device,
+                 adamw: AdamWHyper = AdamWHyper(), tiers: Tiers | None = None, groups=None,
+                 fetch_all: bool = False):
+        self.specs = {s.index: s for s in specs}
+        self.order = [s.index for s in specs]
+        self.store, self.device, self.adamw = store, device, adamw
+        self.tiers = tiers or Tiers.with_budgets()
+        self.groups = groups
+        self.fetch_all = fetch_all
+        self.cache: LFUCache[ExpertKey, ExpertState] = LFUCache(
+            cache_experts, hit_threshold, decay_beta, decay_every, self._load, self._write_back)
+        self.prefetcher = SparsePrefetcher(self._read, lambda k: k in self.cache, self._wait_updated,
+                                           prefetch_depth, self.cache.lock)
+        self._opt_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesys-cpu-adamw")
+        self._opt_future: Future | None = None
+        self._updated = {i: threading.Event() for i in self.order}
+        self._in_memory = {i: threading.Event() for i in self.order}
+        for event in (*self._updated.values(), *self._in_memory.values()):
+            event.set()
+        self._live: dict[int, _Live] = {}
+        self._grads: dict[ExpertKey, dict[str, Tensor]] = {}
+        self._states: dict[ExpertKey, ExpertState] = {}
+        self._on_host: dict[int, int] = {}
+        self._host_lock = threading.Lock()
+        self._stall = 0.0
+        self._active = 0
+        self._ssd_read0 = self._ssd_written0 = 0
+
+    # ---- SSD callbacks (host tier accounting) ----
+
+    def _read(self, key: ExpertKey) -> ExpertState:
+        state = self.store.read(key)
+        nbytes = state_bytes(state)
+        with self._host_lock:
+            self.tiers.host.allocate(nbytes)
+            self._on_host[id(state)] = nbytes
+        self.tiers.host.moved(nbytes)
+        return state
+
+    def _drop_host(self, state: ExpertState) -> None:
+        """The states left host memory (evicted, written back after a bypass, or unused); idempotent."""
+        with self._host_lock:
+            nbytes = self._on_host.pop(id(state), 0)
+            self.tiers.host.release(nbytes)
+
+    def _load(self, key: ExpertKey) -> ExpertState:
+        staged = self.prefetcher.take(key)
+        return staged if staged is not None else self._read(key)
+
+    def _write_back(self, key: ExpertKey, state: ExpertState) -> None:
+        self._in_memory[key[0]].wait()  # never write a half-updated expert
+        self.store.write(key, state)
+        self.tiers.ssd.moved(state_bytes(state))
+        in_use = key in self._states or any(key in live.keys for live in self._live.values())
+        if key not in self.cache.entries and not in_use:  # evicted, and no pending update will write it
+            self._drop_host(state)
+
+    def _wait_updated(self, layer: int) -> None:
+        self._updated[layer].wait()
+
+    # ---- forward ----
+
+    def run_layer(self, layer: int, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
+        spec = self.specs[layer]
+        pos = self.order.index(layer)
+        self.prefetcher.schedule(self.order[pos + 1: pos + 1 + self.prefetcher.depth])
+        counts_e = tokens_per_expert_e.detach().to("cpu", torch.long)
+        active = list(range(spec.num_local)) if self.fetch_all else torch.nonzero(counts_e).flatten().tolist()
+        keys = [spec.key(j) for j in active]
+        self.prefetcher.record(layer, keys)
+        self._active += len(active) if not self.fetch_all else int((counts_e > 0).sum())
+        if not active:
+            return x_RD.new_zeros(0, x_RD.shape[1])
+        began = time.perf_counter()
+        self._updated[layer].wait()
+        self.prefetcher.wait(layer)
+        self._stall += time.perf_counter() - began
+        states = [self.cache.request(k)[0] for k in keys]
+        leaves = {}
+        for name in spec.names:
+            stacked = torch.stack([s[f"param.{name}"] for s in states]).to(self.device)
+            leaves[name] = stacked.requires_grad_(torch.is_grad_enabled())
+        nbytes = sum(t.numel() * t.element_size() for t in leaves.values())
+        self.tiers.device.allocate(nbytes)
+        self.tiers.device.moved(nbytes)
+        if torch.is_grad_enabled():
+            self._live[layer] = _Live(keys, states, leaves, nbytes)
+        else:
+            self.tiers.device.release(nbytes)
+            self._release_bypassed(keys, states)
+        counts_a = counts_e[active].to(x_RD.device)
+        return expert_ffn(x_RD, counts_a, **leaves, kind=spec.kind, impl=spec.impl)
+
+    def _release_bypassed(self, keys: list[ExpertKey], states: list[ExpertState]) -> None:
+        with self.cache.lock:
+            for key, state in zip(keys, states):
+                if self.cache.entries.get(key) is not state:
+                    self._drop_host(state)
+
+    # ---- backward -> gradients on the host ----
+
+    def finish_backward(self) -> None:
+        """Move the active experts' gradients to the host (averaged over expert replicas) and free the device copies."""
+        for layer, live in self._live.items():
+            for i, (key, state) in enumerate(zip(live.keys, live.states)):
+                grads = {}
+                for name, leaf in live.leaves.items():
+                    g = leaf.grad[i] if leaf.grad is not None else torch.zeros_like(leaf[i])
+                    grads[name] = g.detach().to("cpu", torch.float32).contiguous()
+                    self.tiers.host.moved(grads[name].numel() * 4)
+                self._grads[key] = grads
+                self._states[key] = state
+            self.tiers.device.release(live.device_bytes)
+        self._live.clear()
+        g = self.groups
+        if g is not None and g.edp_size > 1:
+            self._reduce_over_replicas(g)
+        if g is not None and g.ep_size > 1:
+            for grads in self._grads.values():
+                for t in grads.values():
+                    t.div_(g.ep_size)
+
+    def _reduce_over_replicas(self, g) -> None:
+        """Replicas of an expert may route different tokens: agree on the union of active experts, average grads."""
+        all_keys = [s.key(j) for s in self.specs.values() for j in range(s.num_local)]
+        mask = torch.tensor([k in self._grads for k in all_keys], dtype=torch.float32)
+        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=g.edp_group)
+        union = [k for k, m in zip(all_keys, mask.tolist()) if m > 0]
+        for key in union:
+            if key not in self._grads:
+                state = self.cache.request(key)[0]
+                self._states[key] = state
+                self._grads[key] = {n: torch.zeros_like(state[f"param.{n}"]) for n in self.specs[key[0]].names}
+        flat = [t for k in union for t in self._grads[k].values()]
+        if flat:
+            buf = torch.cat([t.flatten() for t in flat])
+            dist.all_reduce(buf, group=g.edp_group)
+            buf.div_(g.edp_size)
+            for t, new in zip(flat, torch._utils._unflatten_dense_tensors(buf, flat)):
+                t.copy_(new)
+
+    def grad_sq(self) -> Tensor:
+        """Sum of squared expert gradients held by this rank (add before the EP all-reduce of the global norm)."""
+        return sum((t.pow(2).sum() for grads in self._grads.values() for t in grads.values()), torch.zeros(()))
+
+    # ---- CPU AdamW, overlapped with the next step's device work ----
+
+    def step(self, lr: float, clip_coef: float | None = None) -> None:
+        """Start the AdamW step of every expert that got a gradient, on the CPU thread, layer by layer."""
+        self.wait_step()
+        self._end_prefetch()
+        grads, states = self._grads, self._states
+        self._grads, self._states = {}, {}
+        layers = sorted({k[0] for k in grads})
+        for layer in layers:
+            self._updated[layer].clear()
+            self._in_memory[layer].clear()
+        self._opt_future = self._opt_pool.submit(self._step_job, layers, grads, states, lr, clip_coef)
+        self.cache.end_step()
+        self.prefetcher.schedule(self.order[: self.prefetcher.depth])
+
+    def _step_job(self, layers, grads, states, lr, clip_coef) -> None:
+        h = self.adamw
+        try:
+            for layer in layers:
+                keys = [k for k in grads if k[0] == layer]
+                for key in keys:
+                    state, names = states[key], self.specs[layer].names
+                    g = [grads[key][n] for n in names]
+                    if clip_coef is not None:
+                        for t in g:
+                            t.mul_(clip_coef)
+                    steps = [state["step"].clone() for _ in names]
+                    adam([state[f"param.{n}"] for n in names], g, [state[f"exp_avg.{n}"] for n in names],
+                         [state[f"exp_avg_sq.{n}"] for n in names], [], steps, foreach=False,
+                         decoupled_weight_decay=True, amsgrad=False, beta1=h.betas[0], beta2=h.betas[1], lr=lr,
+                         weight_decay=h.weight_decay, eps=h.eps, maximize=False)
+                    state["step"] = steps[0]
+                self._in_memory[layer].set()
+                with self.cache.lock:
+                    for key in keys:
+                        if self.cache.entries.get(key) is states[key]:
+                            self.cache.mark_dirty(key)
+                        else:  # bypassed or evicted meanwhile: SSD is its home
+                            self.store.write(key, states[key])
+                            self.tiers.ssd.moved(state_bytes(states[key]))
+                            self._drop_host(states[key])
+                self._updated[layer].set()
+        finally:
+            for layer in layers:
+                self._in_memory[layer].set()
+                self._updated[layer].set()
+
+    def wait_step(self) -> None:
+        if self._opt_future is not None:
+            self._opt_future.result()
+            self._opt_future = None
+
+    # ---- metrics, checkpoints ----
+
+    def step_metrics(self) -> dict[str, float]:
+        """Per-step numbers for metrics.jsonl (counters reset)."""
+        c = self.cache.counters.snapshot_and_reset()
+        requests = c["hits"] + c["misses"]
+        out = {"experts_active": self._active, "cache_hit_rate": c["hits"] / requests if requests else 1.0,
+               **{f"cache_{k}": v for k, v in c.items()}, "fetch_stall_s": self._stall,
+               "ssd_read_bytes": self.store.bytes_read - self._ssd_read0,
+               "ssd_write_bytes": self.store.bytes_written - self._ssd_written0,
+               "prefetched_experts": self.prefetcher.prefetched, **self.tiers.step_metrics()}
+        self._ssd_read0, self._ssd_written0 = self.store.bytes_read, self.store.bytes_written
+        self._active, self._stall, self.prefetcher.prefetched = 0, 0.0, 0
+        return {f"offload/{k}": v for k, v in out.items()}
+
+    def save(self, version: int, keep: int = 3) -> None:
+        """Make the store hold exactly this step's states and publish them as `version` (= checkpoint step)."""
+        self.wait_step()
+        self.cache.flush()
+        self.store.snapshot(version)
+        self.store.prune(keep)
+
+    def load(self, version: int) -> None:
+        """Restore the store to `version` and drop cached states (resume from the checkpoint of that step)."""
+        self.wait_step()
+        self._end_prefetch()
+        self.cache.clear()
+        with self._host_lock:
+            self._on_host.clear()
+            self.tiers.host.used = 0
+        self.store.restore(version)
+
+    def _end_prefetch(self) -> None:
+        for state in self.prefetcher.end_step():
+            self._drop_host(state)
+
+    def close(self) -> None:
+        self.wait_step()
+        self._end_prefetch()
+        self.prefetcher.close()
+        self._opt_pool.shutdown(wait=True)
+
+
+def layer_specs(model: nn.Module, ep_rank: int = 0) -> list[tuple[nn.Module, LayerSpec]]:
+    """(MoE layer, spec) for every MoE layer of `model`, in forward order."""
+    out = []
+    for index, layer in enumerate(model.moe_layers()):
+        experts: GroupedExperts = layer.experts
+        names = tuple(n for n in EXPERT_PARAM_NAMES if getattr(experts, n, None) is not None)
+        nbytes = 3 * 4 * sum(getattr(experts, n)[0].numel() for n in names) + 4
+        out.append((layer, LayerSpec(index, experts.num_experts, ep_rank * experts.num_experts, names,
+                                     experts.expert_type, experts.impl, nbytes)))
+    return out
+
+
+def install_offload(model: nn.Module, store: ExpertStore, device: torch.device, *, cache_experts: int,
+                    hit_threshold: float = 1, decay_beta: float = 0.5, decay_every: int = 10,
+                    prefetch_depth: int = 1, adamw: AdamWHyper = AdamWHyper(), tiers: Tiers | None = None,
+                    groups=None, fetch_all: bool = False, write_initial: bool = True) -> OffloadManager:
+    """Move every MoE layer's experts into `store` (fp32 master + zero moments) and swap in OffloadedExperts."""
+    pairs = layer_specs(model, groups.ep_rank if groups is not None else 0)
+    manager = OffloadManager([s for _, s in pairs], store, cache_experts, hit_threshold, decay_beta, decay_every,
+                             prefetch_depth, device, adamw, tiers, groups, fetch_all)
+    for layer, spec in pairs:
+        experts = layer.experts
+        if write_initial:
+            for j in range(spec.num_local):
+                store.write(spec.key(j), new_state({n: getattr(experts, n)[j] for n in spec.names}))
+        manager.tiers.ssd.allocate(spec.num_local * spec.expert_bytes)
+        layer.experts = OffloadedExperts(manager, spec)
+    store.bytes_written = 0
+    return manager
+
+
+def offload_from_config(model: nn.Module, cfg, groups, device: torch.device) -> OffloadManager | None:
+    """The offload runtime storage.offload asks for (auto: the mode `plan_placement` picks), or None for none.
+
+    The cache holds storage.cpu_cache_experts experts (0: the plan's number; all local experts for cpu); tier
+    budgets are the plan's per-rank capacities. Each expert-data-parallel replica keeps its own store under
+    storage.ssd_path/edp{rank}, keyed by global expert, so any expert-parallel size reads it.
+    """
+    from pathlib import Path
+
+    from runtime.storage.budget import GB
+    from runtime.storage.placement import plan_placement
+
+    st = cfg.storage
+    plan = plan_placement(cfg)
+    mode = plan.mode if st.offload == "auto" else st.offload
+    if mode not in ("cpu", "ssd"):
+        return None
+    local = plan.per_rank.local_experts
+    cache = local if mode == "cpu" else (st.cpu_cache_experts or plan.per_rank.cache_experts)
+    ranks_per_node = cfg.topology.gpus_per_node or cfg.topology.nproc_per_node
+    tiers = Tiers.with_budgets(plan.per_rank.device_capacity, plan.per_rank.host_capacity,
+                               int(cfg.topology.ssd_gb * GB / ranks_per_node))
+    edp_rank = groups.edp_rank if groups is not None else 0
+    store = ExpertStore(Path(st.ssd_path) / f"edp{edp_rank}")
+    return install_offload(model, store, device, cache_experts=min(cache, local), hit_threshold=st.hit_threshold,
+                           decay_beta=st.decay_beta, decay_every=st.decay_every, prefetch_depth=st.prefetch_depth,
+                           adamw=AdamWHyper(weight_decay=cfg.train.weight_decay), tiers=tiers, groups=groups)
