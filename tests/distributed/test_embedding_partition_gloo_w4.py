@@ -1,0 +1,9 @@
+"""The embedding partition on four gloo ranks (see test_embedding_partition_gloo.py for two)."""
+
+from __future__ import annotations
+
+from test_embedding_partition_gloo import check_world
+
+
+def test_embedding_partition_matches_replicated_4_ranks(tmp_path):
+    check_world(4, tmp_path)
