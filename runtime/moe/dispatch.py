@@ -17,14 +17,41 @@ from runtime.moe.router import Routing
 
 @dataclass(frozen=True)
 class DispatchMeta:
-    """What combine needs to undo dispatch: row r of x_RD is token token_idx_R[r], weighted by weights_R[r]."""
+    """What combine needs to undo dispatch. Assignment n = t * K + k is token t's k-th choice."""
 
     token_idx_R: Tensor
     """Source token of each routed row (int64), rows grouped by expert, token order inside a group."""
-    weights_R: Tensor
-    """Combine weight of each routed row (fp32, differentiable back to the router)."""
-    num_tokens: int
-    """T, the number of rows combine returns."""
+    slot_of_row_R: Tensor
+    """Assignment n of each routed row (the kept prefix of the stable argsort)."""
+    row_of_slot_TK: Tensor
+    """Routed row of each assignment; 0 (any valid row) for a dropped one, whose weight is 0."""
+    weights_TK: Tensor
+    """Combine weights (differentiable back to the router), zero where dropped."""
+    dropless: bool
+    """Every assignment was kept, so each token has exactly K rows."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.weights_TK.shape[0]
+
+
+class _GatherRows(torch.autograd.Function):
+    """out = src[index] whose backward is a gather too: row s of src was copied to the rows inverse_SN[s]
+    (exactly N of them; or fewer, with the others' gradient known to be 0). Gathers parallelise where the
+    scatter-add of index_select's own backward does not."""
+
+    @staticmethod
+    def forward(ctx, src: Tensor, index: Tensor, inverse_SN: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse_SN)
+        return src.index_select(0, index)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        (inverse_SN,) = ctx.saved_tensors
+        rows, n = inverse_SN.shape
+        picked = grad.index_select(0, inverse_SN.reshape(-1))
+        return (picked if n == 1 else picked.view(rows, n, -1).sum(1)), None, None
 
 
 class LocalDispatcher:
@@ -58,19 +85,31 @@ class LocalDispatcher:
         """The local sort: one stable argsort of the flat [T*K] expert ids (dropped ones sort last)."""
         num_tokens, top_k = expert_ids_TK.shape
         ids_N = expert_ids_TK.reshape(-1)
-        if keep_TK is not None:
+        dropless = keep_TK is None or bool(keep_TK.all())
+        if not dropless:
             ids_N = ids_N.masked_fill(~keep_TK.reshape(-1), self.num_experts)
+            weights_TK = weights_TK * keep_TK
         order_N = torch.argsort(ids_N, stable=True)
         tokens_per_expert_E = torch.bincount(ids_N, minlength=self.num_experts + 1)[: self.num_experts]
-        if keep_TK is not None:
-            order_N = order_N[: int(tokens_per_expert_E.sum())]
-        token_idx_R = order_N // top_k if top_k > 1 else order_N
-        x_RD = x_TD.index_select(0, token_idx_R)
-        weights_R = weights_TK.reshape(-1).index_select(0, order_N)
-        return x_RD, tokens_per_expert_E, DispatchMeta(token_idx_R, weights_R, num_tokens)
+        rows = ids_N.numel() if dropless else int(tokens_per_expert_E.sum())
+        row_of_slot_N = torch.empty_like(order_N)
+        row_of_slot_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+        slot_of_row_R = order_N[:rows]
+        token_idx_R = slot_of_row_R // top_k if top_k > 1 else slot_of_row_R
+        if dropless:
+            x_RD = _GatherRows.apply(x_TD, token_idx_R, row_of_slot_N.view(num_tokens, top_k))
+        else:
+            x_RD = x_TD.index_select(0, token_idx_R)
+            row_of_slot_N = row_of_slot_N.masked_fill(row_of_slot_N >= rows, 0)
+        meta = DispatchMeta(token_idx_R, slot_of_row_R, row_of_slot_N.view(num_tokens, top_k), weights_TK,
+                            dropless)
+        return x_RD, tokens_per_expert_E, meta
 
     def unpermute(self, y_RD: Tensor, meta: DispatchMeta) -> Tensor:
-        """The inverse of permute: one index_add of the weighted rows."""
-        weighted_RD = y_RD * meta.weights_R.to(y_RD.dtype).unsqueeze(1)
-        out_TD = y_RD.new_zeros(meta.num_tokens, y_RD.shape[1])
-        return out_TD.index_add(0, meta.token_idx_R, weighted_RD)
+        """The inverse of permute: gather each token's K rows, then one batched [1, K] x [K, D] product."""
+        num_tokens, top_k = meta.weights_TK.shape
+        if y_RD.shape[0] == 0:
+            return y_RD.new_zeros(num_tokens, y_RD.shape[1])
+        y_TKD = _GatherRows.apply(y_RD, meta.row_of_slot_TK.reshape(-1), meta.slot_of_row_R.unsqueeze(1))
+        weights_T1K = meta.weights_TK.to(y_RD.dtype).unsqueeze(1)
+        return torch.bmm(weights_T1K, y_TKD.view(num_tokens, top_k, -1)).squeeze(1)

@@ -37,16 +37,18 @@ def _contiguous_grad(t: Tensor) -> Tensor:
 
 
 def _ffn_grouped_mm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
-    """Rows stay packed; one _grouped_mm per projection; biases gathered per row."""
+    """Rows stay packed; one _grouped_mm per projection. Biases are added as addmm(h, onehot_Re, b_eF):
+    its backward is a small GEMM (onehot^T @ grad) instead of index_select's scatter-add."""
     offs_e = torch.cumsum(counts_e, 0, dtype=torch.int32)
-    row_e_R = None
+    onehot_Re = None
     if b1 is not None:
         row_e_R = torch.repeat_interleave(torch.arange(counts_e.numel(), device=x_RD.device), counts_e,
                                           output_size=x_RD.shape[0])
+        onehot_Re = F.one_hot(row_e_R, counts_e.numel()).to(x_RD.dtype)
 
     def proj(a, w, b):
         out = _contiguous_grad(torch._grouped_mm(a, w.transpose(-2, -1), offs=offs_e))
-        return out if b is None else out + b.index_select(0, row_e_R)
+        return out if b is None else torch.addmm(out, onehot_Re, b)
 
     h_RF = proj(x_RD, w1, b1)
     h_RF = F.gelu(h_RF) if kind == "gelu" else F.silu(h_RF) * proj(x_RD, w3, b3)
