@@ -1,0 +1,101 @@
+"""Composition of conf/ + recipes with Hydra, and the one validation of the typed config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from moesys_cli.resolve import available_recipes, group_options, resolve_config
+from runtime.config import ConfigError, MoesysConfig, config_from_dict, config_to_dict
+
+GROUPS = ("model", "topology", "storage", "train", "infer", "launcher")
+
+
+@pytest.mark.parametrize("recipe", available_recipes())
+def test_every_recipe_composes_and_round_trips(recipe):
+    cfg = resolve_config([f"recipe={recipe}"])
+    assert isinstance(cfg, MoesysConfig) and cfg.recipe == recipe
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in group_options(g)])
+def test_every_group_option_composes(group, option):
+    overrides = [f"{group}={option}"]
+    if group == "model" and option != "tiny":
+        overrides.append("topology.expert_parallel=1")
+    cfg = resolve_config(overrides)
+    if group == "launcher":
+        assert cfg.launcher.name == option
+
+
+def test_recipes_required_by_the_paper_exist():
+    assert {"tiny", "gpt-moe-13b", "gpt-moe-26b", "gpt-moe-52b", "gpt-moe-104b", "gpt-moe-207b",
+            "ufo-multitask"} <= set(available_recipes())
+
+
+def test_gpt_moe_recipes_follow_table_1():
+    for name, experts in (("13b", 8), ("26b", 16), ("52b", 32), ("104b", 64), ("207b", 128)):
+        cfg = resolve_config([f"recipe=gpt-moe-{name}"])
+        m, t = cfg.model, cfg.topology
+        assert (m.num_heads, m.hidden_size, m.vocab_size, m.num_layers) == (64, 4096, 50304, 12)
+        assert m.num_experts == experts and t.nodes * t.gpus_per_node == experts
+        assert t.nodes * t.gpus_per_node * cfg.train.micro_batch_size == experts  # batch = GPUs in Table 1
+
+
+def test_overrides_reach_every_section():
+    cfg = resolve_config(["recipe=gpt-moe-13b", "model.num_experts=16", "topology.nodes=2",
+                          "topology.expert_parallel=16", "storage.offload=ssd", "train.lr=0.5"])
+    assert (cfg.model.num_experts, cfg.topology.nodes, cfg.storage.offload, cfg.train.lr) == (16, 2, "ssd", 0.5)
+
+
+def test_ufo_multitask_tasks_and_override():
+    cfg = resolve_config(["recipe=ufo-multitask", "tasks.task1.batch_size=600"])
+    assert [t.batch_size for t in cfg.tasks.values()] == [600, 256, 128, 128]
+
+
+def test_defaults_fill_derived_sizes():
+    m = resolve_config(["model.num_kv_heads=null", "model.ffn_hidden_size=null"]).model
+    assert m.kv_heads == m.num_heads and m.ffn_size == 4 * m.hidden_size
+
+
+def test_topology_local_measures_this_machine():
+    t = resolve_config(["topology=local"]).topology
+    assert t.cpu_memory_gb > 0 and t.ssd_gb > 0 and not t.detect
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.num_expert=4"], "unknown config key model.num_expert; did you mean model.num_experts"),
+    (["trian.lr=1"], "unknown config key trian.lr; did you mean train"),
+    (["recipe=gpt-moe-14b"], "unknown recipe 'gpt-moe-14b'; did you mean gpt-moe-104b, gpt-moe-13b"),
+    (["model=gpt"], "unknown model 'gpt'"),
+    (["model.top_k=9"], "model.top_k=9 exceeds model.num_experts=8"),
+    (["model.num_heads=3"], "model.num_heads=3 must divide model.hidden_size=128"),
+    (["model.num_kv_heads=3"], "model.num_kv_heads=3 must divide model.num_heads=4"),
+    (["model.num_experts=5"], "model.num_experts=5 is not divisible by topology.expert_parallel=2"),
+    (["model.hidden_size=0"], "model.hidden_size must be positive"),
+    (["train.max_steps=-1"], "train.max_steps must be positive"),
+    (["model.hidden_size=abc"], "could not be converted to Integer"),
+    (["model.norm=batchnorm"], "model.norm='batchnorm' is not one of layernorm, rmsnorm"),
+    (["storage.alpha=2"], "storage.alpha must be in (0, 1]"),
+    (["notakey"], "is not key=value"),
+])
+def test_bad_input_is_one_clear_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        resolve_config(overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_validation_reports_every_problem_at_once():
+    with pytest.raises(ConfigError) as err:
+        resolve_config(["model.top_k=9", "model.hidden_size=-4"])
+    assert "model.top_k=9" in str(err.value) and "model.hidden_size must be positive" in str(err.value)
+
+
+def test_worker_side_rebuild_rejects_unknown_keys():
+    data = config_to_dict(MoesysConfig())
+    data["model"]["hiden_size"] = 3
+    with pytest.raises(ConfigError, match="unknown config key model.hiden_size; did you mean hidden_size"):
+        config_from_dict(data)
+    assert dataclasses.asdict(config_from_dict(config_to_dict(MoesysConfig()))) == config_to_dict(MoesysConfig())
