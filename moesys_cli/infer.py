@@ -1,0 +1,104 @@
+"""`moesys infer`: generate from a moesys run directory or a Hugging Face Mixtral directory with ring-memory expert
+offloading (seed 004 section 3.3.2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, List, Optional
+
+import typer
+import yaml
+from rich.table import Table
+
+from moesys_cli.options import Json
+from moesys_cli.render import console, human_bytes, print_json
+from runtime.errors import UserError
+from runtime.inference.generate import run_inference
+
+InferArgs = Annotated[
+    Optional[List[str]],
+    typer.Argument(help='checkpoint=DIR, prompt="text" (repeat for a batch), prompt_ids=[1,2,3] and infer.* '
+                        "overrides, e.g. infer.max_new_tokens=16 infer.ring_slots=2", show_default=False),
+]
+Offload = Annotated[Optional[str], typer.Option("--offload", help="ring, ondemand or none (overrides infer.offload).",
+                                                show_default=False)]
+USAGE = "moesys infer takes checkpoint=DIR, prompt=TEXT, prompt_ids=[..] and infer.KEY=VALUE"
+
+
+@dataclass
+class InferRequest:
+    checkpoint: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    prompts: list[str] = field(default_factory=list)
+    prompt_ids: list[list[int]] = field(default_factory=list)
+
+
+def _ids(key: str, value: str) -> list[int]:
+    try:
+        ids = yaml.safe_load(value)
+    except yaml.YAMLError:
+        ids = None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise UserError(f"{key}={value!r} is not a list of token ids like [1,2,3]")
+    return ids
+
+
+def parse_infer_args(args: list[str]) -> InferRequest:
+    """Split `checkpoint=`, `prompt=`, `prompt_ids=` and `infer.*` arguments; values of infer.* are YAML scalars."""
+    checkpoint = None
+    request = InferRequest(checkpoint="")
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise UserError(f"argument {arg!r} is not key=value; {USAGE}")
+        if key == "checkpoint":
+            checkpoint = value
+        elif key in ("prompt", "infer.prompt"):
+            request.prompts.append(value)  # text stays text, even "123"
+        elif key in ("prompt_ids", "infer.prompt_ids"):
+            request.prompt_ids.append(_ids(key, value))
+        elif key.startswith("infer.") and key.count(".") == 1:
+            try:
+                request.overrides[key[len("infer."):]] = yaml.safe_load(value) if value else None
+            except yaml.YAMLError:
+                request.overrides[key[len("infer."):]] = value
+        else:
+            raise UserError(f"unknown argument {key!r}; {USAGE}")
+    if not checkpoint:
+        raise UserError(f"no checkpoint given; {USAGE}")
+    request.checkpoint = checkpoint
+    return request
+
+
+def infer(args: InferArgs = None, offload: Offload = None, json_out: Json = False) -> None:
+    """Generate tokens; prints prefill/decode tokens/s, peak bytes per tier and the copy time hidden by compute."""
+    request = parse_infer_args(args or [])
+    result = run_inference(request.checkpoint, request.overrides, request.prompts, request.prompt_ids, offload)
+    if json_out:
+        print_json(result)
+    else:
+        _render(result)
+
+
+def _render(r: dict) -> None:
+    ring = f" K={r['ring_slots']} of N={r['moe_layers']}" if r["ring_slots"] else f" (N={r['moe_layers']} MoE layers)"
+    console.print(f"[bold]moesys infer[/] {r['kind']} checkpoint {r['checkpoint']} on {r['device']}, "
+                  f"--offload {r['offload']}{ring}")
+    for i, tokens in enumerate(r["tokens"]):
+        shown = repr(r["text"][i]) if r["text"] is not None else str(tokens)
+        console.print(f"[dim]{i}:[/] {shown}", highlight=False)
+    table = Table(show_header=False)
+    dev, host = r["peak_bytes"]["device"], r["peak_bytes"]["host"]
+    hidden = r["copy_hidden_share"]
+    rows = [
+        ("prefill", f"{r['prefill_tokens_per_s']:.1f} tokens/s ({r['prefill_tokens']} tokens)"),
+        ("decode", f"{r['decode_tokens_per_s']:.1f} tokens/s ({r['decode_tokens']} tokens)"),
+        ("device peak", f"{human_bytes(dev['total'])} (dense {human_bytes(dev['dense'])}, experts "
+                        f"{human_bytes(dev['experts'])}, KV cache {human_bytes(dev['kv_cache'])})"),
+        ("host experts", human_bytes(host["experts"])),
+        ("copied per token", human_bytes(r["copied_bytes_per_token"])),
+        ("copy time hidden", "no copies" if hidden is None else f"{100 * hidden:.0f}% of {r['copy_s'] * 1e3:.1f} ms"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)

@@ -1,0 +1,136 @@
+"""Generation: sampling, batching and the KV cache against a cache-free reference; `run_inference` on a moesys
+run directory trained in-process (every offload mode matches none); bad input as one-line errors."""
+
+import json
+
+import pytest
+import torch
+
+from runtime.config import ModelConfig, MoesysConfig, TrainConfig
+from runtime.errors import UserError
+from runtime.inference.generate import generate, run_inference, sample_next
+from runtime.inference.load import InferError, load_model
+from runtime.model.transformer import Transformer
+from runtime.parallel.groups import build_groups
+from runtime.run_dir import prepare_run_dir
+from runtime.train.loop import train
+
+TINY = ModelConfig(hidden_size=32, num_layers=3, num_heads=2, vocab_size=256, ffn_hidden_size=64, num_experts=4,
+                   top_k=2, max_seq_len=48)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A real moesys run directory: 2 training steps of a 3-layer MoE, single process."""
+    cfg = MoesysConfig(model=TINY, train=TrainConfig(max_steps=2, micro_batch_size=2, seq_len=32, warmup_steps=1,
+                                                     run_dir=str(tmp_path_factory.mktemp("run"))))
+    cfg.topology.nproc_per_node = 1
+    path = prepare_run_dir(cfg)
+    train(cfg, path, build_groups(1, 0, 1, 1), torch.device("cpu"))
+    return path
+
+
+def _reference_greedy(model, prompt, n):
+    """Recompute the whole sequence for every new token (no cache)."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_kv_cache_and_batching_match_a_cache_free_reference():
+    torch.manual_seed(0)
+    model = Transformer(TINY).eval()
+    prompts = [[5, 6, 7], [70, 80, 90, 100], [1, 2, 3], [200]]
+    gen = generate(model, prompts, 5)
+    with torch.no_grad():
+        assert gen.tokens == [_reference_greedy(model, p, 5) for p in prompts]
+    assert gen.prefill_tokens == sum(map(len, prompts)) and gen.decode_tokens == 4 * len(prompts)
+    assert gen.prefill_tokens_per_s > 0 and gen.decode_tokens_per_s > 0
+
+
+def test_sampling_greedy_top_k_and_seed():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 4.0]])
+    assert sample_next(logits, 0.0, 0, None).tolist() == [1, 0]
+    assert sample_next(logits, 1.0, 1, torch.Generator().manual_seed(0)).tolist() == [1, 0]
+    draws = torch.stack([sample_next(logits, 5.0, 2, torch.Generator().manual_seed(s)) for s in range(200)])
+    assert set(draws[:, 0].tolist()) == {1, 3}  # only the top 2, both of them at a high temperature
+    again = torch.stack([sample_next(logits, 5.0, 2, torch.Generator().manual_seed(s)) for s in range(200)])
+    assert torch.equal(draws, again)
+
+
+def test_bad_prompts_are_one_line_errors():
+    model = Transformer(TINY).eval()
+    cases = [([], "no prompt"), ([[]], "empty"), ([[1, 999]], "outside the vocabulary"),
+             ([[1] * 40], "exceeds model.max_seq_len=48")]
+    for prompts, message in cases:
+        with pytest.raises(InferError, match=message) as exc:
+            generate(model, prompts, 10)
+        assert "\n" not in str(exc.value)
+
+
+PROMPTS = ["the weather", "a machine"]
+
+
+@pytest.fixture(scope="module")
+def resident(run_dir):
+    return run_inference(run_dir, {"max_new_tokens": 6}, prompts=PROMPTS, offload="none")
+
+
+@pytest.mark.parametrize("offload,slots", [("ondemand", 1), ("ring", 1), ("ring", 3)])
+def test_moesys_checkpoint_offload_modes_match_none(run_dir, resident, offload, slots):
+    ref = resident
+    got = run_inference(run_dir, {"max_new_tokens": 6, "ring_slots": slots}, prompts=PROMPTS, offload=offload)
+    assert got["tokens"] == ref["tokens"] and got["text"] == ref["text"]
+    assert got["prompt_tokens"][0] == list(b"the weather")
+    dev = got["peak_bytes"]["device"]
+    assert dev["experts"] * 3 == ref["peak_bytes"]["device"]["experts"] * slots
+    assert got["peak_bytes"]["host"]["experts"] == ref["peak_bytes"]["device"]["experts"]
+    assert json.loads(json.dumps(got)) == got  # JSON-ready
+
+
+def test_moesys_checkpoint_logits_match(run_dir):
+    from runtime.inference.ring import make_offloader
+    ref_model = load_model(run_dir).model
+    ring_model = load_model(run_dir).model
+    off = make_offloader(ring_model, "ring", torch.device("cpu"), 2)
+    prompts = [list(b"history of"), list(b"weather")]
+    ref = generate(ref_model, prompts, 4, keep_logits=True)
+    got = generate(ring_model, prompts, 4, offloader=off, keep_logits=True)
+    off.close()
+    assert got.tokens == ref.tokens
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_checkpoints_and_inputs(run_dir, tmp_path):
+    cases = [
+        (tmp_path / "nowhere", {}, "no such directory"),
+        (run_dir, {"ring_slots": 4}, "infer.ring_slots=4 must be between 1 and the model's 3 MoE layers"),
+        (run_dir, {"ring_slots": 0}, "infer.ring_slots must be >= 1"),
+        (run_dir, {"max_new_tokens": 40}, "exceeds model.max_seq_len=48"),
+        (run_dir, {"max_new_tokens": 4, "prompt": None}, "no prompt"),
+        (run_dir, {"ring_sots": 2}, "did you mean ring_slots"),
+    ]
+    for path, overrides, message in cases:
+        prompts = None if "prompt" in overrides else ["hello world"]
+        with pytest.raises(UserError, match=message) as exc:
+            run_inference(path, overrides, prompts=prompts)
+        assert "\n" not in str(exc.value)
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    (empty / "config.yaml").write_text((run_dir / "config.yaml").read_text())
+    with pytest.raises(InferError, match="no complete checkpoint"):
+        run_inference(empty, prompts=["x"])
+
+
+def test_corrupt_checkpoint(run_dir, tmp_path):
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(run_dir, broken)
+    step = next((broken / "checkpoints").glob("step_*"))
+    experts = step / "experts-ep0.safetensors"
+    experts.write_bytes(experts.read_bytes()[:100])
+    with pytest.raises(InferError, match="corrupt safetensors file") as exc:
+        run_inference(broken, prompts=["x"])
+    assert "\n" not in str(exc.value)
