@@ -1,0 +1,126 @@
+"""Training steps/s with expert states resident (offload=none), on SSD behind a 25% LFU CPU cache fetching only
+active experts (seed 004 section 3.2, Algorithm 2; seed 002 section 4.2), and fetch-everything (every expert
+fetched, stepped and written back each step, as ZeRO-3 offload does), side by side in one run.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from runtime.config import ModelConfig, MoesysConfig, TrainConfig
+from runtime.model.params import count_parameters
+from runtime.parallel.groups import build_groups
+from runtime.storage.expert_store import ExpertStore
+from runtime.storage.offload import AdamWHyper, install_offload
+from runtime.train.build import build_model, build_optimizer
+from runtime.train.loop import lr_at
+
+
+class _Trainer:
+    """Model + AdamW (+ offload manager), stepped like runtime.train.loop.train_step."""
+
+    def __init__(self, cfg: MoesysConfig, mode: str, store_dir: Path | None, cache_experts: int, skew: float):
+        self.cfg = cfg
+        self.model = build_model(cfg, build_groups(1, 0, 1, 1), torch.device("cpu"))
+        with torch.no_grad():  # Zipf-like router: expert e's logits scaled by skew / (e + 1)
+            for layer in self.model.moe_layers():
+                w = layer.router.gate.weight
+                w.mul_(torch.tensor([skew / (e + 1) for e in range(w.shape[0])])[:, None])
+        self.mgr = None
+        if mode != "none":
+            self.mgr = install_offload(self.model, ExpertStore(store_dir), torch.device("cpu"),
+                                       cache_experts=0 if mode == "fetch_all" else cache_experts,
+                                       fetch_all=mode == "fetch_all",
+                                       adamw=AdamWHyper(weight_decay=cfg.train.weight_decay))
+        self.opt = build_optimizer(self.model, cfg)
+        self.gen = torch.Generator().manual_seed(cfg.train.seed)
+
+    def step(self, step: int) -> dict:
+        tr = self.cfg.train
+        tokens = torch.randint(0, self.cfg.model.vocab_size, (tr.micro_batch_size, tr.seq_len + 1),
+                               generator=self.gen)
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(step, tr)
+        out = self.model(tokens[:, :-1])
+        loss = F.cross_entropy(out.logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        (loss + out.aux_loss).backward()
+        sq = sum((p.grad.pow(2).sum() for p in self.model.parameters() if p.grad is not None), torch.zeros(()))
+        if self.mgr:
+            self.mgr.finish_backward()
+            sq = sq + self.mgr.grad_sq()
+        norm = math.sqrt(float(sq))
+        coef = tr.grad_clip / (norm + 1e-6) if norm > tr.grad_clip else None
+        if coef is not None:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        if self.mgr:
+            self.mgr.step(lr_at(step, tr), coef)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return self.mgr.step_metrics() if self.mgr else {}
+
+    def finish(self) -> None:
+        if self.mgr:
+            self.mgr.close()
+
+
+def bench_config(hidden: int, ffn: int, experts: int, layers: int, tokens: int) -> MoesysConfig:
+    model = ModelConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers, num_heads=4,
+                        num_experts=experts, top_k=1, max_seq_len=max(tokens, 8), aux_loss_weight=0.0)
+    return MoesysConfig(model=model, train=TrainConfig(seq_len=tokens, micro_batch_size=1, warmup_steps=1))
+
+
+def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, layers: int = 4, tokens: int = 8,
+                      steps: int = 12, warmup: int = 3, cache_fraction: float = 0.25, skew: float = 4.0,
+                      ssd_path: str | None = None) -> dict:
+    """Steps/s of none, ssd (cache = cache_fraction of all experts) and fetch_all; JSON-ready dict with ratios."""
+    cfg = bench_config(hidden, ffn, experts, layers, tokens)
+    params = count_parameters(cfg.model)
+    total_experts = experts * cfg.model.num_moe_layers
+    cache_experts = max(1, round(cache_fraction * total_experts))
+    with tempfile.TemporaryDirectory(dir=ssd_path) as tmp:
+        trainers = {mode: _Trainer(cfg, mode, Path(tmp) / mode, cache_experts, skew)
+                    for mode in ("none", "ssd", "fetch_all")}
+        elapsed = {mode: 0.0 for mode in trainers}
+        active, hit_rates, stalls, ssd_bytes = [], [], [], []
+        for step in range(warmup + steps):
+            for mode, trainer in trainers.items():  # round-robin so load changes hit every mode alike
+                began = time.perf_counter()
+                metrics = trainer.step(step)
+                if trainer.mgr:
+                    trainer.mgr.wait_step()
+                if step >= warmup:
+                    elapsed[mode] += time.perf_counter() - began
+                    if mode == "ssd":
+                        active.append(metrics["offload/experts_active"])
+                        hit_rates.append(metrics["offload/cache_hit_rate"])
+                        stalls.append(metrics["offload/fetch_stall_s"])
+                        ssd_bytes.append(metrics["offload/ssd_read_bytes"] + metrics["offload/ssd_write_bytes"])
+        peaks = trainers["ssd"].mgr.tiers.step_metrics()
+        for trainer in trainers.values():
+            trainer.finish()
+    rate = {mode: steps / t for mode, t in elapsed.items()}
+    return {
+        "none_steps_per_s": rate["none"], "ssd_steps_per_s": rate["ssd"], "fetch_all_steps_per_s": rate["fetch_all"],
+        "ssd_vs_none": rate["ssd"] / rate["none"], "ssd_vs_fetch_all": rate["ssd"] / rate["fetch_all"],
+        "expert_param_fraction": params.sparse / params.total, "total_experts": total_experts,
+        "cache_experts": cache_experts, "mean_active_experts": sum(active) / len(active),
+        "ssd_cache_hit_rate": sum(hit_rates) / len(hit_rates), "ssd_stall_s_per_step": sum(stalls) / len(stalls),
+        "ssd_bytes_per_step": sum(ssd_bytes) / len(ssd_bytes),
+        "ssd_host_peak_bytes": peaks["host_peak_bytes"], "ssd_device_peak_bytes": peaks["device_peak_bytes"],
+        "config": {"hidden": hidden, "ffn": ffn, "experts": experts, "layers": layers, "top_k": 1,
+                   "tokens_per_step": tokens, "steps": steps, "warmup": warmup, "router_skew": skew},
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run_offload_bench(), indent=2))
