@@ -1,0 +1,104 @@
+"""`moesys infer`: the JSON report, the offload modes agreeing, argument parsing, and bad input as one line + exit 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from moesys_cli.infer import infer, parse_infer_args
+from runtime.config import ModelConfig, MoesysConfig, TrainConfig
+from runtime.errors import UserError
+from runtime.parallel.groups import build_groups
+from runtime.run_dir import prepare_run_dir
+from runtime.train.loop import train
+
+# the real app and main(); registers `infer` there unless the app already has it
+MAIN = """
+import sys
+from moesys_cli import app as m
+from moesys_cli.infer import infer
+if not any(c.name == "infer" for c in m.app.registered_commands):
+    m.app.command("infer")(infer)
+sys.argv = ["moesys", *sys.argv[1:]]
+m.main()
+"""
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    model = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, vocab_size=256, ffn_hidden_size=64,
+                        num_experts=4, max_seq_len=48)
+    cfg = MoesysConfig(model=model, train=TrainConfig(max_steps=1, micro_batch_size=2, seq_len=16, warmup_steps=1,
+                                                      run_dir=str(tmp_path_factory.mktemp("run"))))
+    cfg.topology.nproc_per_node = 1
+    path = prepare_run_dir(cfg)
+    train(cfg, path, build_groups(1, 0, 1, 1), torch.device("cpu"))
+    return path
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command("infer")(infer)
+    app.callback()(lambda: None)
+    return app
+
+
+def _json(args):
+    result = CliRunner().invoke(_app(), ["infer", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_json_report_and_modes_agree(run_dir):
+    common = [f"checkpoint={run_dir}", "prompt=the weather", "prompt=a machine", "infer.max_new_tokens=5"]
+    ring = _json([*common, "infer.ring_slots=1", "--offload", "ring"])
+    none = _json([*common, "--offload", "none"])
+    ondemand = _json([*common, "--offload", "ondemand"])
+    assert ring["tokens"] == none["tokens"] == ondemand["tokens"]
+    assert len(ring["tokens"]) == 2 and all(len(t) == 5 for t in ring["tokens"])
+    assert ring["text"] == [bytes(t).decode("utf-8", errors="replace") for t in ring["tokens"]]
+    assert ring["offload"] == "ring" and ring["ring_slots"] == 1 and ring["moe_layers"] == 2
+    assert ring["prefill_tokens_per_s"] > 0 and ring["decode_tokens_per_s"] > 0
+    assert ring["peak_bytes"]["device"]["experts"] * 2 == none["peak_bytes"]["device"]["experts"]
+    assert ring["peak_bytes"]["host"]["experts"] == none["peak_bytes"]["device"]["experts"]
+    assert 0.0 <= ring["copy_hidden_share"] <= 1.0 and none["copy_hidden_share"] is None
+
+
+def test_rich_output(run_dir):
+    result = CliRunner().invoke(_app(), ["infer", f"checkpoint={run_dir}", "prompt_ids=[104,105]",
+                                         "infer.max_new_tokens=3"])
+    assert result.exit_code == 0, result.output
+    assert "decode" in result.output and "copy time hidden" in result.output
+
+
+def test_parse_infer_args():
+    r = parse_infer_args(["checkpoint=/x", "prompt=123", "infer.temperature=0.5", "infer.prompt_ids=[1, 2]",
+                          "prompt_ids=[3]", "infer.top_k=4"])
+    assert r.checkpoint == "/x" and r.prompts == ["123"] and r.prompt_ids == [[1, 2], [3]]
+    assert r.overrides == {"temperature": 0.5, "top_k": 4}
+    for bad, message in [(["prompt=x"], "no checkpoint"), (["checkpoint=/x", "model.hidden_size=4"], "unknown"),
+                         (["checkpoint=/x", "prompt_ids=abc"], "not a list of token ids"),
+                         (["checkpoint=/x", "oops"], "not key=value")]:
+        with pytest.raises(UserError, match=message):
+            parse_infer_args(bad)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["infer.ring_slots=3"], "infer.ring_slots=3 must be between 1 and the model's 2 MoE layers"),
+    (["infer.max_new_tokens=60"], "exceeds model.max_seq_len=48"),
+])
+def test_bad_input_is_a_user_error(run_dir, args, message):
+    result = CliRunner().invoke(_app(), ["infer", f"checkpoint={run_dir}", "prompt=hi", *args])
+    assert isinstance(result.exception, UserError) and message in str(result.exception)
+
+
+def test_main_exits_2_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", MAIN, "infer", f"checkpoint={tmp_path / 'missing'}", "prompt=hi"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "no such directory" in lines[0]
