@@ -73,13 +73,15 @@ class RingOffloader(SlotOffloader):
             done.record(self.stream)
         self.ready[slot] = done
 
-    def _wait(self, slot: int) -> None:
+    def _wait(self, slot: int, record: bool = True) -> None:
+        """Block (CPU) or make the compute stream wait (CUDA) until the slot's copy is done; record=False outside
+        a forward, where waiting is not compute standing still."""
         pending = self.ready[slot]
         if pending is None:
             return
         self.ready[slot] = None
         if isinstance(pending, Future):
-            if pending.done():
+            if pending.done() or not record:
                 pending.result()  # re-raises a failed copy
                 return
             start = self.timeline.mark()
@@ -87,11 +89,16 @@ class RingOffloader(SlotOffloader):
         else:
             start = self.timeline.mark()
             torch.cuda.current_stream().wait_event(pending)
-        self.timeline.add("wait", start, self.timeline.mark())
+        if record:
+            self.timeline.add("wait", start, self.timeline.mark())
 
     def _drain(self) -> None:
         for slot in range(self.num_slots):
-            self._wait(slot)
+            self._wait(slot, record=False)
+
+    def stats(self) -> dict[str, Any]:
+        self._drain()  # copies in flight finish, so their bytes and spans are counted
+        return super().stats()
 
     def reset(self) -> None:
         """Finish copies in flight; make the next K uses' layers resident, starting from MoE layer 0."""
