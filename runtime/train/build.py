@@ -20,6 +20,7 @@ from runtime.parallel.alltoall import make_all_to_all
 from runtime.parallel.expert_parallel import shard_experts
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
+from runtime.storage.offload import OffloadManager, offload_from_config
 from runtime.train.data import TokenDataset
 from runtime.train.tokenizer import ByteTokenizer
 
@@ -37,6 +38,8 @@ class Components:
     expert_reducer: GradBucketReducer
     """Averages expert gradients over the replicas of the same experts only."""
     data: TokenDataset
+    offload: OffloadManager | None = None
+    """Expert states off the device (storage.offload cpu/ssd/auto): fetched, stepped and checkpointed by it."""
 
 
 def build_model(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Transformer:
@@ -68,6 +71,9 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
                         f"{ByteTokenizer.vocab_size} tokens; set model.vocab_size>={ByteTokenizer.vocab_size}")
     model = build_model(cfg, groups, device)
+    offload = None
+    if cfg.storage.offload in ("cpu", "ssd", "auto"):
+        offload = offload_from_config(model, cfg, groups, device)  # replaces the experts before the optimizer
     dense, experts = split_params(model)
     bucket = int(cfg.parallel.bucket_mb * MB)
     data = TokenDataset.from_path(Path(cfg.train.data) if cfg.train.data else None, cfg.train.seq_len,
@@ -76,5 +82,5 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
         model=model, optimizer=build_optimizer(model, cfg), dense_params=dense, expert_params=experts,
         dense_reducer=GradBucketReducer(dense, groups.dp_group, bucket),
         expert_reducer=GradBucketReducer(experts, groups.edp_group, bucket),
-        data=data,
+        data=data, offload=offload,
     )

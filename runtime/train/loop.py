@@ -76,6 +76,8 @@ def forward_backward(c: Components, cfg: MoesysConfig, groups: ParallelGroups, s
         for p in c.expert_params:
             if p.grad is not None:
                 p.grad.div_(groups.ep_size)
+    if c.offload:
+        c.offload.finish_backward()
     return lm_loss.detach(), out
 
 
@@ -86,12 +88,16 @@ def optimizer_step(c: Components, cfg: MoesysConfig, groups: ParallelGroups, ste
     if scaler:
         scaler.unscale_(c.optimizer)
     norm = grad_norm(c, groups)
+    coef = None
     if tr.grad_clip > 0 and math.isfinite(norm) and norm > tr.grad_clip:
+        coef = tr.grad_clip / (norm + 1e-6)
         for p in c.model.parameters():
             if p.grad is not None:
-                p.grad.mul_(tr.grad_clip / (norm + 1e-6))
+                p.grad.mul_(coef)
     for group in c.optimizer.param_groups:
         group["lr"] = lr_at(step, tr)
+    if c.offload:
+        c.offload.step(lr_at(step, tr), coef)  # CPU AdamW of the active experts, overlapped with what follows
     if scaler:
         scaler.step(c.optimizer)
         scaler.update()
@@ -106,6 +112,8 @@ def grad_norm(c: Components, groups: ParallelGroups) -> float:
     def sq(params):
         return sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None), torch.zeros(()))
     expert_sq = sq(c.expert_params).reshape(1)
+    if c.offload:
+        expert_sq = expert_sq + c.offload.grad_sq()
     if groups.ep_size > 1:
         dist.all_reduce(expert_sq, group=groups.ep_group)
     return math.sqrt(float(sq(c.dense_params)) + float(expert_sq))
@@ -119,6 +127,8 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
         start = load_checkpoint(ckpt, c.model, c.optimizer, groups)
+        if c.offload:
+            c.offload.load(start)
     else:
         torch.manual_seed(cfg.train.seed + 1 + groups.rank)  # router noise differs per rank
     scaler = torch.amp.GradScaler(device.type) if cfg.train.precision == "fp16" else None
@@ -131,6 +141,8 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
         lm_loss, out = forward_backward(c, cfg, groups, step - 1, device, scaler)
         norm = optimizer_step(c, cfg, groups, step - 1, scaler)
         stats = step_stats(lm_loss, out, groups, memory_bytes(device))
+        if c.offload:
+            stats.update(c.offload.step_metrics())
         elapsed = time.perf_counter() - began
         stopping = stop.agreed(groups)
         if writer:
@@ -138,8 +150,12 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
                           "lr": lr_at(step - 1, tr), "tokens_per_s": tokens_per_step / elapsed,
                           "step_time_s": elapsed})
         if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.max_steps or stopping:
+            if c.offload:
+                c.offload.save(step)  # store version = checkpoint step
             last_ckpt = save_checkpoint(run_dir, step, c.model, c.optimizer, groups, cfg)
         if stopping:
             break
+    if c.offload:
+        c.offload.close()
     return {"steps": step, "stopped_early": step < tr.max_steps,
             "checkpoint": str(last_ckpt) if last_ckpt else None}
