@@ -125,7 +125,7 @@ class PartitionedEmbedding(nn.Module):
         t = ids_T.shape[0]
         if self.n == 1:
             return F.embedding(ids_T, _ScaleGrad.apply(self.weight, self.grad_scale)).view(*ids.shape, self.hidden)
-        # AlltoAll 1: every rank sends all its ids to every rank; rank s's ids arrive as the s-th chunk.
+        # AlltoAll 1 (after a tiny one of the lengths): every rank sends all its ids to every rank.
         counts_N = exchange_counts([t] * self.n, self.group, ids.device).tolist()
         all_ids_A, _ = all_to_all_rows(ids_T.repeat(self.n), [t] * self.n, self.group, recv_counts=counts_N)
         rows_AC = _ScaleGrad.apply(F.embedding(all_ids_A, self.weight), self.grad_scale)
