@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from moesys_cli import bench as bench_cmd
+from moesys_cli import infer as infer_cmd
 from moesys_cli import plan as plan_cmd
 from moesys_cli import train as train_cmd
 from moesys_cli.render import error
@@ -24,6 +26,8 @@ CONTEXT = {"allow_extra_args": False}
 
 app.command("plan", context_settings=CONTEXT)(plan_cmd.plan)
 app.command("train", context_settings=CONTEXT)(train_cmd.train)
+app.command("infer", context_settings=CONTEXT)(infer_cmd.infer)
+app.command("bench", context_settings=CONTEXT)(bench_cmd.bench)
 
 
 def _version(value: bool) -> None:

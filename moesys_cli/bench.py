@@ -1,0 +1,62 @@
+"""`moesys bench NAME`: side-by-side performance ratios measured in one run (never in tests)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Callable
+
+import typer
+from rich.table import Table
+
+from moesys_cli.options import Json, Overrides
+from moesys_cli.render import console, print_json
+from moesys_cli.resolve import resolve_config
+from runtime.config import ConfigError, MoesysConfig
+
+
+def _moe_layer(cfg: MoesysConfig) -> dict:
+    from runtime.bench.moe_layer import run_moe_layer_bench
+    return run_moe_layer_bench()
+
+
+def _train(cfg: MoesysConfig) -> dict:
+    from runtime.bench.train import run_train_bench
+    return run_train_bench(cfg)
+
+
+def _ring(cfg: MoesysConfig) -> dict:
+    from runtime.bench.ring import run_ring_bench
+    return run_ring_bench(ring_slots=cfg.infer.ring_slots)
+
+
+def _embedding(cfg: MoesysConfig) -> dict:
+    from runtime.bench.embedding import run_embedding_bench
+    return run_embedding_bench()
+
+
+BENCHES: dict[str, Callable[[MoesysConfig], dict]] = {
+    "moe-layer": _moe_layer,
+    "train": _train,
+    "ring": _ring,
+    "embedding": _embedding,
+}
+
+
+def bench(name: Annotated[str, typer.Argument(help=f"one of: {', '.join(BENCHES)}")],
+          overrides: Overrides = None, json_out: Json = False) -> None:
+    """Measure side by side and print the ratios (JSON with --json)."""
+    if name not in BENCHES:
+        raise ConfigError(f"unknown benchmark {name!r}; available: {', '.join(BENCHES)}")
+    cfg = resolve_config(overrides or [])
+    if not json_out:
+        console.print(f"[bold]moesys bench {name}[/]: measuring (this takes a minute or two)...")
+    result = BENCHES[name](cfg)
+    if json_out:
+        print_json(result)
+        return
+    table = Table(title=f"moesys bench {name}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key, value in result.items():
+        text = f"{value:.3f}" if isinstance(value, float) else str(value)
+        table.add_row(f"[bold]{key}[/]" if "_vs_" in key else key, f"[bold]{text}[/]" if "_vs_" in key else text)
+    console.print(table)
