@@ -11,6 +11,7 @@ import typer
 from moesys_cli import bench as bench_cmd
 from moesys_cli import infer as infer_cmd
 from moesys_cli import plan as plan_cmd
+from moesys_cli import rebalance as rebalance_cmd
 from moesys_cli import train as train_cmd
 from moesys_cli.render import error
 from runtime.errors import UserError
@@ -27,6 +28,7 @@ CONTEXT = {"allow_extra_args": False}
 app.command("plan", context_settings=CONTEXT)(plan_cmd.plan)
 app.command("train", context_settings=CONTEXT)(train_cmd.train)
 app.command("infer", context_settings=CONTEXT)(infer_cmd.infer)
+app.command("rebalance", context_settings=CONTEXT)(rebalance_cmd.rebalance)
 app.command("bench", context_settings=CONTEXT)(bench_cmd.bench)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import typing
 from pathlib import Path
 
@@ -51,17 +52,29 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
-def _register() -> None:
+def _register(extra: dict[str, Path]) -> None:
     cs = ConfigStore.instance()
     cs.store(name="moesys_schema", node=MoesysConfig)
-    for path in sorted(recipes_dir().glob("*.yaml")):
+    paths = {p.stem: p for p in sorted(recipes_dir().glob("*.yaml"))} | extra
+    for name, path in paths.items():
         node = yaml.safe_load(path.read_text()) or {}
-        cs.store(group="recipe", name=path.stem, node=node, package="_global_")
+        cs.store(group="recipe", name=name, node=node, package="_global_")
 
 
 def _field_type(cls: type, name: str):
     hints = typing.get_type_hints(cls)
     return hints.get(name)
+
+
+def recipe_file(value: str) -> Path | None:
+    """A recipe given as a path to a YAML file (e.g. one written by `moesys rebalance --write`)."""
+    path = Path(value).expanduser()
+    return path.resolve() if value.endswith((".yaml", ".yml")) and path.is_file() else None
+
+
+def recipe_text(name: str) -> str:
+    """The YAML of a recipe, by name or by path."""
+    return (recipe_file(name) or recipes_dir() / f"{name}.yaml").read_text()
 
 
 def check_override(override: str) -> None:
@@ -70,6 +83,8 @@ def check_override(override: str) -> None:
     if not sep:
         raise ConfigError(f"override {override!r} is not key=value (e.g. model.num_experts=16)")
     key = key.lstrip("+~")
+    if key == "recipe" and recipe_file(value):
+        return
     if key in GROUPS:
         options = group_options(key)
         if value not in options:
@@ -110,7 +125,15 @@ def resolve_config(overrides: list[str] | tuple[str, ...] = ()) -> MoesysConfig:
     overrides = list(overrides)
     for override in overrides:
         check_override(override)
-    _register()
+    files: dict[str, Path] = {}
+    for i, override in enumerate(overrides):
+        key, _, value = override.partition("=")
+        path = recipe_file(value) if key == "recipe" else None
+        if path:
+            name = "file-" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+            files[name] = path
+            overrides[i] = f"recipe={name}"
+    _register(files)
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name="moesys"):
             composed = compose(config_name="config", overrides=overrides)

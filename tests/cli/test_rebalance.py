@@ -1,0 +1,51 @@
+"""`moesys rebalance` through the real command: Table 3, --write round trip, --from-run, bad input."""
+
+from __future__ import annotations
+
+import json
+
+from tests.cli.conftest import run_moesys
+
+
+def test_table_3_comes_out_and_the_written_recipe_trains(tmp_path):
+    out = run_moesys("rebalance", "recipe=ufo-multitask", "--json", "--write", str(tmp_path / "bal.yaml"))
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["allocation"] == {"task1": 4, "task2": 2, "task3": 1, "task4": 1}
+    assert data["max_load_per_gpu"] == {"before": 256.0, "after": 128.0}
+    dry = run_moesys("train", f"recipe={tmp_path / 'bal.yaml'}", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "recipe: ufo-multitask-rebalanced" in dry.stdout and "gpus: 4" in dry.stdout
+
+
+def test_four_equal_gpus_is_the_paper_before_case():
+    out = run_moesys("rebalance", "recipe=ufo-multitask", "topology.nproc_per_node=4",
+                     "topology.expert_parallel=4", "topology.cpu_memory_gb=0.05", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["allocation"] == {"task1": 1, "task2": 1, "task3": 1, "task4": 1}
+    assert data["max_load_per_gpu"]["after"] == 512
+
+
+def test_from_run_uses_measured_speed(tmp_path):
+    lines = [{"step": 1, "rank": r, "task": t, "samples_per_s": s}
+             for r, (t, s) in enumerate([("task1", 10.0), ("task2", 10.0), ("task3", 5.0), ("task4", 10.0)])]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = run_moesys("rebalance", "recipe=ufo-multitask", "--from-run", str(tmp_path), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["workload"]["task3"]["cost_per_sample"] == 2.0
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"task": "task9", "samples_per_s": 3.0}) + "\n")
+    cases = [
+        ["recipe=ufo-multitask", "tasks.task2.batch_size=0"],
+        ["recipe=ufo-multitask", "topology.nproc_per_node=2", "topology.expert_parallel=2",
+         "topology.cpu_memory_gb=0.01"],
+        ["recipe=ufo-multitask", "--from-run", str(tmp_path)],
+        ["recipe=tiny"],
+    ]
+    for args in cases:
+        out = run_moesys("rebalance", *args)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
