@@ -357,8 +357,8 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device) -> 
     """The offload runtime storage.offload asks for (auto: the mode `plan_placement` picks), or None for none.
 
     The cache holds storage.cpu_cache_experts experts (0: the plan's number; all local experts for cpu); tier
-    budgets are the plan's per-rank capacities. Each expert-data-parallel replica keeps its own store under
-    storage.ssd_path/edp{rank}, keyed by global expert, so any expert-parallel size reads it.
+    budgets are the plan's per-rank capacities. Each rank keeps its own store (snapshots are per store) under
+    storage.ssd_path/ep{r}-of-{n}-edp{k}; a run with offload resumes on the same expert-parallel size.
     """
     from pathlib import Path
 
@@ -380,8 +380,8 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device) -> 
     ranks_per_node = cfg.topology.gpus_per_node or cfg.topology.nproc_per_node
     tiers = Tiers.with_budgets(plan.per_rank.device_capacity, plan.per_rank.host_capacity,
                                int(cfg.topology.ssd_gb * GB / ranks_per_node))
-    edp_rank = groups.edp_rank if groups is not None else 0
-    store = ExpertStore(Path(st.ssd_path) / f"edp{edp_rank}")
+    ep_rank, ep_size, edp_rank = (groups.ep_rank, groups.ep_size, groups.edp_rank) if groups is not None else (0, 1, 0)
+    store = ExpertStore(Path(st.ssd_path) / f"ep{ep_rank}-of-{ep_size}-edp{edp_rank}")
     return install_offload(model, store, device, cache_experts=min(cache, local), hit_threshold=st.hit_threshold,
                            decay_beta=st.decay_beta, decay_every=st.decay_every, prefetch_depth=st.prefetch_depth,
                            adamw=AdamWHyper(weight_decay=cfg.train.weight_decay), tiers=tiers, groups=groups)
