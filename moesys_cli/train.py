@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-import time
 from pathlib import Path
 from typing import Annotated
 

@@ -127,19 +127,16 @@ class _Reader:
     """Finds a tensor by key across the checkpoint's safetensors files (memory-mapped, read lazily)."""
 
     def __init__(self, path: Path):
-        self.where: dict[str, Path] = {}
+        self.where = {}
         for file in sorted(path.glob("*.safetensors")):
-            if file.name.startswith("rng-"):
-                continue
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    self.where[key] = file
+            if not file.name.startswith("rng-"):
+                handle = safe_open(str(file), framework="pt")
+                self.where.update({key: handle for key in handle.keys()})
 
     def get(self, key: str) -> torch.Tensor:
         if key not in self.where:
             raise CheckpointError(f"checkpoint has no tensor {key}; was it written by a different model config?")
-        with safe_open(str(self.where[key]), framework="pt") as f:
-            return f.get_tensor(key)
+        return self.where[key].get_tensor(key)
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.distributed.torchrun import torchrun
+
 WORKER = Path(__file__).with_name("_worker_parallel.py")
 
 EXPECTED_CHECKS = {
@@ -19,16 +17,8 @@ EXPECTED_CHECKS = {
 }
 
 
-def run_torchrun(nproc: int, worker: Path, out: Path, timeout: float = 90) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(worker), "--out", str(out)]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def test_parallel_world4(tmp_path):
-    proc = run_torchrun(4, WORKER, tmp_path)
+    proc = torchrun(4, WORKER, "--out", str(tmp_path), timeout=90)
     reports = {}
     for r in range(4):
         path = tmp_path / f"rank{r}.json"
