@@ -28,6 +28,11 @@ def _ring(cfg: MoesysConfig) -> dict:
     return run_ring_bench(ring_slots=cfg.infer.ring_slots)
 
 
+def _offload(cfg: MoesysConfig) -> dict:
+    from runtime.bench.offload import run_offload_bench
+    return run_offload_bench()
+
+
 def _embedding(cfg: MoesysConfig) -> dict:
     from runtime.bench.embedding import run_embedding_bench
     return run_embedding_bench()
@@ -37,6 +42,7 @@ BENCHES: dict[str, Callable[[MoesysConfig], dict]] = {
     "moe-layer": _moe_layer,
     "train": _train,
     "ring": _ring,
+    "offload": _offload,
     "embedding": _embedding,
 }
 
