@@ -23,30 +23,37 @@ def memory_bytes(device: torch.device) -> int:
 
 
 def step_stats(lm_loss: torch.Tensor, out, groups: ParallelGroups, memory: int) -> dict:
-    """Global means over ranks of the losses and expert load; memory per rank."""
+    """Global means over ranks of the losses and of every gate metric per MoE layer; memory per rank.
+
+    Gate metrics (runtime.moe.metrics) come out as one list per metric with one entry per MoE layer, e.g.
+    "gate_entropy": [2.01, 1.97], "expert_load": [[0.12, ...], ...] (fraction routed to each expert after capacity).
+    """
     stats = out.moe_stats
     loss_names = sorted(stats[0].losses) if stats else []
+    metric_names = sorted(stats[0].metrics) if stats else []
     parts = [lm_loss.float().reshape(1), out.aux_loss.detach().float().reshape(1)]
     parts += [torch.stack([s.losses[n].float() for s in stats]).mean().reshape(1) for n in loss_names]
-    parts += [s.metrics["expert_routed_fraction"].float().reshape(-1) for s in stats]
+    parts += [s.metrics[n].float().reshape(-1) for n in metric_names for s in stats]
     mem = torch.zeros(groups.world_size, dtype=torch.float64)
     mem[groups.rank] = memory
-    flat = torch.cat([p.cpu() for p in parts]).double()
+    flat = torch.cat([p.detach().cpu() for p in parts]).double()
     if groups.world_size > 1:
         dist.all_reduce(flat)
         dist.all_reduce(mem)
         flat /= groups.world_size
-    values = flat.tolist()
-    out_stats = {"loss": values[0], "aux_loss": values[1]}
-    out_stats.update({f"{n}_loss": v for n, v in zip(loss_names, values[2:2 + len(loss_names)])})
-    loads, offset = [], 2 + len(loss_names)
-    for s in stats:
-        e = s.metrics["expert_routed_fraction"].numel()
-        loads.append([round(v, 5) for v in values[offset:offset + e]])
-        offset += e
-    out_stats["expert_load"] = loads
+    values = iter(flat.tolist())
+    out_stats = {"loss": next(values), "aux_loss": next(values)}
+    out_stats.update({f"{n}_loss": next(values) for n in loss_names})
+    for name in metric_names:
+        per_layer = []
+        for s in stats:
+            numel = s.metrics[name].numel()
+            row = [round(next(values), 5) for _ in range(numel)]
+            per_layer.append(row if s.metrics[name].dim() else row[0])
+        out_stats["expert_load" if name == "expert_routed_fraction" else name] = per_layer
+    loads = out_stats.get("expert_load", [])
     out_stats["expert_load_max_over_mean"] = (
-        sum(max(layer) / (sum(layer) / len(layer)) for layer in loads) / len(loads) if loads and loads[0] else 1.0)
+        sum(max(layer) / (sum(layer) / len(layer)) for layer in loads) / len(loads) if loads else 1.0)
     out_stats["memory_bytes_per_rank"] = [int(m) for m in mem.tolist()]
     return out_stats
 
