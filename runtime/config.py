@@ -334,6 +334,10 @@ def validate(cfg: MoesysConfig) -> None:
              f"topology.expert_parallel={t.expert_parallel} must divide the world size "
              f"(nodes x nproc_per_node = {t.world_size})")
 
+    if m.embedding_partition and t.nodes > 0 and t.nproc_per_node > 0:
+        need(m.hidden_size % t.world_size == 0,
+             f"model.embedding_partition needs model.hidden_size={m.hidden_size} divisible by the "
+             f"{t.world_size} data-parallel ranks")
     need(0 < s.alpha <= 1, f"storage.alpha must be in (0, 1] (got {s.alpha})")
     need(s.cpu_cache_experts >= 0, f"storage.cpu_cache_experts must be >= 0 (got {s.cpu_cache_experts})")
     need(s.hit_threshold >= 0, f"storage.hit_threshold must be >= 0 (got {s.hit_threshold})")

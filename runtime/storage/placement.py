@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from runtime.config import MoesysConfig
 from runtime.model.params import ParamCounts, count_parameters
+from runtime.parallel.embedding_partition import embedding_bytes_per_rank
 from runtime.storage.budget import (ACTIVE_SPARSE_BYTES, CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
                                     STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
 
@@ -79,6 +80,8 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
     layer_sparse = p.per_expert * cfg.model.num_experts // ep
     dense_share = p.dense / world if st.dense_shard else p.dense
     device = {"dense_states": int(DENSE_STATE_BYTES * dense_share), "activations": _activation_bytes(cfg)}
+    if cfg.model.embedding_partition and not st.dense_shard:  # seed 004 section 4.3: [V, H/N] per rank
+        device["dense_states"] -= embedding_bytes_per_rank(cfg, world).saving
     if st.dense_shard:
         largest_layer = max(p.dense - p.embedding, 0) / max(cfg.model.num_layers, 1)
         device["dense_gather_buffers"] = int(2 * largest_layer * (1 + st.prefetch_depth))
@@ -177,6 +180,8 @@ def _assumptions(cfg: MoesysConfig) -> list[str]:
         f"dense states {'sharded over' if cfg.storage.dense_shard else 'replicated on'} the {world_size(cfg)} "
         "data-parallel ranks",
         "activations: Korthikanti et al. 2022 (no recomputation), FFN part scaled by top_k in MoE layers",
+        f"token embedding {'split column-wise over' if cfg.model.embedding_partition else 'replicated on'} the "
+        "data-parallel ranks (model.embedding_partition)",
         f"prefetch buffers hold {cfg.storage.prefetch_depth} layer(s) ahead",
         f"storage.alpha={cfg.storage.alpha}: share of expert parameters activated per step",
     ]

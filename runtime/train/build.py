@@ -17,11 +17,13 @@ from runtime.errors import UserError
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.alltoall import make_all_to_all
+from runtime.parallel.embedding_partition import partition_embedding, partitioned_parameters
 from runtime.parallel.expert_parallel import shard_experts
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
 from runtime.storage.offload import OffloadManager, offload_from_config
 from runtime.train.data import TokenDataset
+from runtime.train.tasks import MultiTask, add_heads_to_optimizer, build_multitask
 from runtime.train.tokenizer import ByteTokenizer
 
 MB = 2**20
@@ -40,6 +42,8 @@ class Components:
     data: TokenDataset
     offload: OffloadManager | None = None
     """Expert states off the device (storage.offload cpu/ssd/auto): fetched, stepped and checkpointed by it."""
+    tasks: MultiTask | None = None
+    """Multi-task training (cfg.tasks): this rank's tasks, their heads, groups and data."""
 
 
 def build_model(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Transformer:
@@ -47,14 +51,19 @@ def build_model(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device)
     model = Transformer(cfg.model)
     shard_experts(model, groups.ep_size, groups.ep_rank, groups.ep_group,
                   make_all_to_all(cfg.parallel.alltoall, groups))
+    if cfg.model.embedding_partition:  # seed 004 section 4.3: [V, H/N] column shard per data-parallel rank
+        partition_embedding(model, groups.dp_group)
     return model.to(device)
 
 
 def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(dense, expert) parameters, in registration order."""
+    """(dense, expert) parameters, in registration order; partitioned embedding shards are in neither (their
+    gradient is complete after backward and must not be all-reduced)."""
     dense, experts = [], []
+    shards = dict(partitioned_parameters(model))
     for name, p in model.named_parameters():
-        (experts if is_expert_param(name) else dense).append(p)
+        if name not in shards:
+            (experts if is_expert_param(name) else dense).append(p)
     return dense, experts
 
 
@@ -74,13 +83,17 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
     offload = None
     if cfg.storage.offload in ("cpu", "ssd", "auto"):
         offload = offload_from_config(model, cfg, groups, device)  # replaces the experts before the optimizer
+    tasks = build_multitask(cfg, model, groups, device) if cfg.tasks else None  # task heads replace model.output
     dense, experts = split_params(model)
     bucket = int(cfg.parallel.bucket_mb * MB)
     data = TokenDataset.from_path(Path(cfg.train.data) if cfg.train.data else None, cfg.train.seq_len,
                                   cfg.train.seed)
+    optimizer = build_optimizer(model, cfg)
+    if tasks:
+        add_heads_to_optimizer(optimizer, tasks, cfg)
     return Components(
-        model=model, optimizer=build_optimizer(model, cfg), dense_params=dense, expert_params=experts,
+        model=model, optimizer=optimizer, dense_params=dense, expert_params=experts,
         dense_reducer=GradBucketReducer(dense, groups.dp_group, bucket),
         expert_reducer=GradBucketReducer(experts, groups.edp_group, bucket),
-        data=data, offload=offload,
+        data=data, offload=offload, tasks=tasks,
     )

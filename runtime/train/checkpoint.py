@@ -15,6 +15,7 @@ import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.io import atomic_write_json, atomic_write_text, fsync_dir, fsync_file
 from runtime.moe.layer import is_expert_param
+from runtime.parallel.embedding_partition import gather_columns, partitioned_parameters, shard_of
 from runtime.parallel.groups import ParallelGroups
 from runtime.run_dir import CHECKPOINTS
 
@@ -57,8 +59,11 @@ def _local_to_global(groups: ParallelGroups, local_experts: int) -> list[int]:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    groups: ParallelGroups, cfg: MoesysConfig, keep: int = 2) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+                    groups: ParallelGroups, cfg: MoesysConfig, keep: int = 2,
+                    extra: Callable[[Path], list[Path]] | None = None) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory.
+
+    extra(tmp_dir) writes more files into the checkpoint before it is renamed (multi-task heads)."""
     root = Path(run_dir) / CHECKPOINTS
     name = f"step_{step:08d}"
     tmp = root / f".tmp-{name}"
@@ -68,8 +73,11 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     _barrier(groups)
     dense: dict[str, torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}
+    shards = dict(partitioned_parameters(model))
     for pname, param in model.named_parameters():
         tensors = _param_state(pname, param, optimizer)
+        if pname in shards:  # collective: the full [V, H] table and moments, loadable into any dp size
+            tensors = {k: t if k == "step" else gather_columns(t, groups.dp_group) for k, t in tensors.items()}
         if is_expert_param(pname):
             for g, j in zip(_local_to_global(groups, param.shape[0]), range(param.shape[0])):
                 for kind, t in tensors.items():
@@ -83,6 +91,8 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     if groups.edp_rank == 0:
         files.append(_save(tmp / f"experts-ep{groups.ep_rank}.safetensors", experts))
     files.append(_save(tmp / f"rng-rank{groups.rank}.safetensors", _rng_state()))
+    if extra is not None:
+        files += extra(tmp)
     _barrier(groups)
     final = root / name
     if groups.rank == 0:
@@ -148,6 +158,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {path / 'meta.json'}: {exc}") from None
     reader = _Reader(path)
+    shards = dict(partitioned_parameters(model))
     for pname, param in model.named_parameters():
         if is_expert_param(pname):
             globals_ = _local_to_global(groups, param.shape[0])
@@ -157,6 +168,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         else:
             values = {kind: reader.get(f"{kind}.{pname}") for kind in ("model", *STATE_KEYS)}
             step = reader.get(f"step.{pname}")
+            if pname in shards:  # this rank's columns of the full table
+                values = {k: shard_of(v, groups.dp_ranks.index(groups.rank), groups.dp_size) for k, v in values.items()}
         if values["model"].shape != param.shape:
             raise CheckpointError(f"{pname} has shape {tuple(values['model'].shape)} in {path}, "
                                   f"the model expects {tuple(param.shape)}")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from runtime.config import MoesysConfig, TrainConfig
+from runtime.parallel.embedding_partition import partitioned_grad_sq
 from runtime.parallel.groups import ParallelGroups
 from runtime.train.build import Components, build_components
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -63,13 +64,16 @@ def forward_backward(c: Components, cfg: MoesysConfig, groups: ParallelGroups, s
                      scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, object]:
     """Loss and reduced gradients of this rank's micro-batch of `step`. Returns (lm loss, model output)."""
     tr = cfg.train
-    inputs, targets = c.data.rank_batch(step, groups.rank, groups.world_size, tr.micro_batch_size)
-    inputs, targets = inputs.to(device), targets.to(device)
-    with _autocast(device, tr.precision):
-        out = c.model(inputs)
-    lm_loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
-    loss = lm_loss + out.aux_loss.float()
-    (scaler.scale(loss) if scaler else loss).backward()
+    if c.tasks:  # multi-task: this rank's tasks through the shared model and their own heads
+        lm_loss, out = c.tasks.forward_backward(c.model, step, device, _autocast(device, tr.precision), scaler)
+    else:
+        inputs, targets = c.data.rank_batch(step, groups.rank, groups.world_size, tr.micro_batch_size)
+        inputs, targets = inputs.to(device), targets.to(device)
+        with _autocast(device, tr.precision):
+            out = c.model(inputs)
+        lm_loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
+        loss = lm_loss + out.aux_loss.float()
+        (scaler.scale(loss) if scaler else loss).backward()
     c.dense_reducer.finish()
     c.expert_reducer.finish()
     if groups.ep_size > 1:
@@ -78,6 +82,8 @@ def forward_backward(c: Components, cfg: MoesysConfig, groups: ParallelGroups, s
                 p.grad.div_(groups.ep_size)
     if c.offload:
         c.offload.finish_backward()
+    if c.tasks:
+        c.tasks.finish_heads()
     return lm_loss.detach(), out
 
 
@@ -92,6 +98,9 @@ def optimizer_step(c: Components, cfg: MoesysConfig, groups: ParallelGroups, ste
     if tr.grad_clip > 0 and math.isfinite(norm) and norm > tr.grad_clip:
         coef = tr.grad_clip / (norm + 1e-6)
         for p in c.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        for p in (c.tasks.parameters() if c.tasks else []):
             if p.grad is not None:
                 p.grad.mul_(coef)
     for group in c.optimizer.param_groups:
@@ -116,7 +125,9 @@ def grad_norm(c: Components, groups: ParallelGroups) -> float:
         expert_sq = expert_sq + c.offload.grad_sq()
     if groups.ep_size > 1:
         dist.all_reduce(expert_sq, group=groups.ep_group)
-    return math.sqrt(float(sq(c.dense_params)) + float(expert_sq))
+    if c.tasks:  # task heads, each counted once (collective over all ranks)
+        expert_sq = expert_sq + c.tasks.grad_sq()
+    return math.sqrt(float(sq(c.dense_params)) + float(expert_sq) + float(partitioned_grad_sq(c.model)))
 
 
 def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torch.device) -> dict:
@@ -127,6 +138,8 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
         start = load_checkpoint(ckpt, c.model, c.optimizer, groups)
+        if c.tasks:
+            c.tasks.load(ckpt, c.optimizer)  # heads of this rank's tasks, whatever allocation wrote them
         if c.offload:
             c.offload.load(start)
     else:
@@ -135,6 +148,8 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
     writer = MetricsWriter(run_dir, start) if groups.rank == 0 else None
     tr = cfg.train
     tokens_per_step = groups.world_size * tr.micro_batch_size * tr.seq_len
+    if c.tasks:
+        tokens_per_step = c.tasks.layout.total_samples * tr.seq_len
     step, last_ckpt = start, ckpt
     for step in range(start + 1, tr.max_steps + 1):
         began = time.perf_counter()
@@ -143,16 +158,25 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
         stats = step_stats(lm_loss, out, groups, memory_bytes(device))
         if c.offload:
             stats.update(c.offload.step_metrics())
+        rank_lines = []
+        if c.tasks:
+            task_stats, rank_lines = c.tasks.step_records(step)  # collective
+            stats.update(task_stats)
         elapsed = time.perf_counter() - began
         stopping = stop.agreed(groups)
         if writer:
-            writer.write({"step": step, "max_steps": tr.max_steps, **stats, "grad_norm": norm,
-                          "lr": lr_at(step - 1, tr), "tokens_per_s": tokens_per_step / elapsed,
-                          "step_time_s": elapsed})
+            record = {"step": step, "max_steps": tr.max_steps, **stats, "grad_norm": norm,
+                      "lr": lr_at(step - 1, tr), "tokens_per_s": tokens_per_step / elapsed,
+                      "step_time_s": elapsed}
+            if rank_lines:  # per-rank task speeds first, the step line last (readers follow the last line)
+                writer.write_many([*rank_lines, record])
+            else:
+                writer.write(record)
         if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.max_steps or stopping:
             if c.offload:
                 c.offload.save(step)  # store version = checkpoint step
-            last_ckpt = save_checkpoint(run_dir, step, c.model, c.optimizer, groups, cfg)
+            last_ckpt = save_checkpoint(run_dir, step, c.model, c.optimizer, groups, cfg,
+                                        extra=(lambda d: c.tasks.save(d, c.optimizer)) if c.tasks else None)
         if stopping:
             break
     if c.offload:
