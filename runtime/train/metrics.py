@@ -72,3 +72,8 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+
+    def write_many(self, records: list[dict]) -> None:
+        """Several lines in one write, so a reader never sees the first without the last."""
+        self.file.write("".join(json.dumps(r) + "\n" for r in records))
+        self.file.flush()
