@@ -17,6 +17,7 @@ from runtime.errors import UserError
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.alltoall import make_all_to_all
+from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.embedding_partition import partition_embedding, partitioned_parameters
 from runtime.parallel.expert_parallel import shard_experts
 from runtime.parallel.grad_buckets import GradBucketReducer
@@ -42,6 +43,8 @@ class Components:
     data: TokenDataset
     offload: OffloadManager | None = None
     """Expert states off the device (storage.offload cpu/ssd/auto): fetched, stepped and checkpointed by it."""
+    dense_shard: DenseShard | None = None
+    """storage.dense_shard: 1/N of the dense states per rank, gathered per layer, gradients reduce-scattered."""
     tasks: MultiTask | None = None
     """Multi-task training (cfg.tasks): this rank's tasks, their heads, groups and data."""
 
@@ -75,6 +78,16 @@ def build_optimizer(model: nn.Module, cfg: MoesysConfig) -> torch.optim.Optimize
     return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
+def build_sharded_optimizer(model: nn.Module, shard: DenseShard, cfg: MoesysConfig) -> torch.optim.Optimizer:
+    """build_optimizer's AdamW over the parameters `shard` does not hold and its flat dense shards (same decay rule)."""
+    sharded = {id(p) for u in shard.units for p in u.params}
+    rest = [p for p in model.parameters() if id(p) not in sharded]
+    decay = [p for p in rest if p.dim() >= 2] + shard.decay_params
+    no_decay = [p for p in rest if p.dim() < 2] + shard.no_decay_params
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
 def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Components:
     if cfg.model.vocab_size < ByteTokenizer.vocab_size:
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
@@ -88,12 +101,18 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
     bucket = int(cfg.parallel.bucket_mb * MB)
     data = TokenDataset.from_path(Path(cfg.train.data) if cfg.train.data else None, cfg.train.seq_len,
                                   cfg.train.seed)
-    optimizer = build_optimizer(model, cfg)
+    dense_shard = None
+    if cfg.storage.dense_shard:  # Algorithm 1: replaces the dense all-reduce and the replicated dense states
+        dense_shard = DenseShard(model, dense, groups.dp_group, cfg.storage.prefetch_depth)
+        optimizer = build_sharded_optimizer(model, dense_shard, cfg)
+    else:
+        optimizer = build_optimizer(model, cfg)
     if tasks:
         add_heads_to_optimizer(optimizer, tasks, cfg)
     return Components(
         model=model, optimizer=optimizer, dense_params=dense, expert_params=experts,
-        dense_reducer=GradBucketReducer(dense, groups.dp_group, bucket),
+        dense_reducer=GradBucketReducer([] if dense_shard else dense, groups.dp_group, bucket),
+        dense_shard=dense_shard,
         expert_reducer=GradBucketReducer(experts, groups.edp_group, bucket),
         data=data, offload=offload, tasks=tasks,
     )

@@ -28,6 +28,7 @@ from runtime.errors import UserError
 from runtime.io import atomic_write_json, atomic_write_text, fsync_dir, fsync_file
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.embedding_partition import gather_columns, partitioned_parameters, shard_of
+from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.groups import ParallelGroups
 from runtime.run_dir import CHECKPOINTS
 
@@ -60,10 +61,11 @@ def _local_to_global(groups: ParallelGroups, local_experts: int) -> list[int]:
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     groups: ParallelGroups, cfg: MoesysConfig, keep: int = 2,
-                    extra: Callable[[Path], list[Path]] | None = None) -> Path:
+                    extra: Callable[[Path], list[Path]] | None = None, dense_shard: DenseShard | None = None) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory.
 
-    extra(tmp_dir) writes more files into the checkpoint before it is renamed (multi-task heads)."""
+    extra(tmp_dir) writes more files into the checkpoint before it is renamed (multi-task heads).
+    dense_shard: its parameters are gathered and written under the same keys as an unsharded run's."""
     root = Path(run_dir) / CHECKPOINTS
     name = f"step_{step:08d}"
     tmp = root / f".tmp-{name}"
@@ -74,7 +76,10 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     dense: dict[str, torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}
     shards = dict(partitioned_parameters(model))
+    held = dense_shard.param_shapes() if dense_shard is not None else {}
     for pname, param in model.named_parameters():
+        if pname in held:
+            continue
         tensors = _param_state(pname, param, optimizer)
         if pname in shards:  # collective: the full [V, H] table and moments, loadable into any dp size
             tensors = {k: t if k == "step" else gather_columns(t, groups.dp_group) for k, t in tensors.items()}
@@ -85,6 +90,9 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         else:
             for kind, t in tensors.items():
                 dense[f"{kind}.{pname}"] = t.contiguous()
+    if dense_shard is not None:  # collective
+        dense.update({f"{kind}.{n}": t.contiguous() for n, kinds in dense_shard.full_state(optimizer).items()
+                      for kind, t in kinds.items()})
     files = []
     if groups.rank == 0:
         files.append(_save(tmp / "dense.safetensors", dense))
@@ -150,8 +158,10 @@ class _Reader:
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    groups: ParallelGroups, restore_rng: bool = True) -> int:
-    """Load model (and optimizer) state for this rank's experts, whatever EP size wrote it. Returns the step."""
+                    groups: ParallelGroups, restore_rng: bool = True, dense_shard: DenseShard | None = None) -> int:
+    """Load model (and optimizer) state for this rank's experts, whatever EP size wrote it. Returns the step.
+
+    dense_shard: its parameters are read in full and resliced into this rank's shards."""
     path = Path(path)
     try:
         meta = json.loads((path / "meta.json").read_text())
@@ -159,7 +169,10 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         raise CheckpointError(f"cannot read {path / 'meta.json'}: {exc}") from None
     reader = _Reader(path)
     shards = dict(partitioned_parameters(model))
+    held = dense_shard.param_shapes() if dense_shard is not None else {}
     for pname, param in model.named_parameters():
+        if pname in held:
+            continue
         if is_expert_param(pname):
             globals_ = _local_to_global(groups, param.shape[0])
             tensors = {kind: [reader.get(f"{kind}.{pname}.{g}") for g in globals_] for kind in ("model", *STATE_KEYS)}
@@ -178,6 +191,14 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         if optimizer is not None and float(step) > 0:
             optimizer.state[param] = {"step": step.reshape(()).clone(),
                                       **{k: values[k].to(param.device, param.dtype) for k in STATE_KEYS}}
+    if dense_shard is not None:
+        full = {name: {kind: reader.get(f"{kind}.{name}") for kind in ("model", *STATE_KEYS, "step")}
+                for name in held}
+        for name, shape in held.items():
+            if full[name]["model"].shape != shape:
+                raise CheckpointError(f"{name} has shape {tuple(full[name]['model'].shape)} in {path}, "
+                                      f"the model expects {tuple(shape)}")
+        dense_shard.load_full_state(full, optimizer)
     rng_file = path / f"rng-rank{groups.rank}.safetensors"
     if restore_rng and meta["world_size"] == groups.world_size and rng_file.exists():
         with safe_open(str(rng_file), framework="pt") as f:

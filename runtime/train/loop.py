@@ -75,6 +75,8 @@ def forward_backward(c: Components, cfg: MoesysConfig, groups: ParallelGroups, s
         loss = lm_loss + out.aux_loss.float()
         (scaler.scale(loss) if scaler else loss).backward()
     c.dense_reducer.finish()
+    if c.dense_shard:  # wait for the reduce-scatters; each rank's shard gets its averaged gradient
+        c.dense_shard.finish()
     c.expert_reducer.finish()
     if groups.ep_size > 1:
         for p in c.expert_params:
@@ -100,6 +102,8 @@ def optimizer_step(c: Components, cfg: MoesysConfig, groups: ParallelGroups, ste
         for p in c.model.parameters():
             if p.grad is not None:
                 p.grad.mul_(coef)
+        if c.dense_shard:
+            c.dense_shard.scale_grads(coef)
         for p in (c.tasks.parameters() if c.tasks else []):
             if p.grad is not None:
                 p.grad.mul_(coef)
@@ -125,6 +129,8 @@ def grad_norm(c: Components, groups: ParallelGroups) -> float:
         expert_sq = expert_sq + c.offload.grad_sq()
     if groups.ep_size > 1:
         dist.all_reduce(expert_sq, group=groups.ep_group)
+    if c.dense_shard:  # dense shards summed over the data-parallel ranks (collective)
+        expert_sq = expert_sq + c.dense_shard.grad_sq()
     if c.tasks:  # task heads, each counted once (collective over all ranks)
         expert_sq = expert_sq + c.tasks.grad_sq()
     return math.sqrt(float(sq(c.dense_params)) + float(expert_sq) + float(partitioned_grad_sq(c.model)))
@@ -137,7 +143,7 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
     start = 0
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
-        start = load_checkpoint(ckpt, c.model, c.optimizer, groups)
+        start = load_checkpoint(ckpt, c.model, c.optimizer, groups, dense_shard=c.dense_shard)
         if c.tasks:
             c.tasks.load(ckpt, c.optimizer)  # heads of this rank's tasks, whatever allocation wrote them
         if c.offload:
@@ -158,6 +164,8 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
         stats = step_stats(lm_loss, out, groups, memory_bytes(device))
         if c.offload:
             stats.update(c.offload.step_metrics())
+        if c.dense_shard:
+            stats.update(c.dense_shard.step_metrics())
         rank_lines = []
         if c.tasks:
             task_stats, rank_lines = c.tasks.step_records(step)  # collective
@@ -176,7 +184,8 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
             if c.offload:
                 c.offload.save(step)  # store version = checkpoint step
             last_ckpt = save_checkpoint(run_dir, step, c.model, c.optimizer, groups, cfg,
-                                        extra=(lambda d: c.tasks.save(d, c.optimizer)) if c.tasks else None)
+                                        extra=(lambda d: c.tasks.save(d, c.optimizer)) if c.tasks else None,
+                                        dense_shard=c.dense_shard)
         if stopping:
             break
     if c.offload:
