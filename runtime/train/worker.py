@@ -27,9 +27,23 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
     else:
         device = torch.device("cpu")
     if world > 1:
+        timeout = datetime.timedelta(minutes=10)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(minutes=10))
+                                timeout=timeout, store=_attempt_store(rank, world, timeout))
     return rank, world, local_world, device
+
+
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """torchrun's store outlives a restart of the workers; prefix every key with the restart count so that a
+    restarted worker never reads the address a dead worker of the previous attempt published (a hang seen
+    under load after a worker was SIGKILLed)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_hosts and rank == 0, timeout=timeout)
+    return dist.PrefixStore(f"moesys/attempt_{attempt}", store)
 
 
 def main(argv: list[str] | None = None) -> int:
