@@ -281,15 +281,16 @@ class DenseShard:
             local = torch.stack([u.shard, *moments])  # [3, shard]: one collective for weights and moments
             full = local
             if self.world > 1:
-                full = torch.empty(self.world, *local.shape, dtype=local.dtype, device=local.device)
-                _all_gather(full, local, group=self.group)
-                full = full.transpose(0, 1).reshape(3, -1)
+                full = torch.empty(self.world * 3, local.shape[1], dtype=local.dtype, device=local.device)
+                _all_gather(full, local, group=self.group)  # rank-major [N * 3, shard]
+                full = full.view(self.world, 3, -1).transpose(0, 1).reshape(3, -1)
             step = optimizer.state.get(u.opt_params[0], {}).get("step", torch.tensor(0.0))
             step = torch.as_tensor(step, dtype=torch.float32).reshape(1)
             for name, shape, off in zip(u.names, u.shapes, u.layout.offsets):
                 n = shape.numel()
-                kinds = {k: full[i, off:off + n].view(shape) for i, k in enumerate(("model", "exp_avg", "exp_avg_sq"))}
-                out[name] = {**kinds, "step": step}
+                kinds = {k: full[i, off:off + n].view(shape).clone()  # own storage: safetensors refuses aliases
+                         for i, k in enumerate(("model", "exp_avg", "exp_avg_sq"))}
+                out[name] = {**kinds, "step": step.clone()}
         return out
 
     def load_full_state(self, state: dict[str, dict[str, torch.Tensor]],
