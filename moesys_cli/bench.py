@@ -38,12 +38,18 @@ def _embedding(cfg: MoesysConfig) -> dict:
     return run_embedding_bench()
 
 
+def _elastic(cfg: MoesysConfig) -> dict:
+    from runtime.bench.elastic import run_elastic_bench
+    return run_elastic_bench(cfg)
+
+
 BENCHES: dict[str, Callable[[MoesysConfig], dict]] = {
     "moe-layer": _moe_layer,
     "train": _train,
     "ring": _ring,
     "offload": _offload,
     "embedding": _embedding,
+    "elastic": _elastic,
 }
 
 

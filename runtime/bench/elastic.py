@@ -1,0 +1,83 @@
+"""Elastic multi-task training measured (seed 004 section 4.1 and 5.3.1, figure 6): a 2-task load with a 3:1
+imbalance on 4 processes, trained with the naive 2/2 allocation and with the rebalanced one, side by side.
+
+Each variant is a real `torchrun` multi-task job on its own run directory; throughput per process is all samples
+of a step over the median step time (steps after the first) over the 4 processes. The rebalanced allocation is
+what `allocate()` (the `moesys rebalance` search) gives for the workload, not a hard-coded 3/1.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from runtime.config import MoesysConfig, TaskConfig
+from runtime.elastic.allocation import allocate
+from runtime.elastic.workload import workload_from_config, workload_from_metrics
+from runtime.launch import build_launch
+from runtime.run_dir import prepare_run_dir, read_metrics
+
+NPROC = 4
+
+
+def _variant(base: MoesysConfig, root: Path, name: str, tasks: dict[str, TaskConfig], steps: int) -> MoesysConfig:
+    cfg = copy.deepcopy(base)
+    cfg.topology.nodes, cfg.topology.gpus_per_node, cfg.topology.nproc_per_node = 1, 0, NPROC
+    cfg.topology.expert_parallel = next(ep for ep in (NPROC, 2, 1) if cfg.model.num_experts % ep == 0)
+    cfg.parallel.ranks_per_node = 0
+    cfg.storage.offload = "none"
+    cfg.train.max_steps, cfg.train.checkpoint_every, cfg.train.max_restarts = steps, 0, 0
+    cfg.train.run_dir = str(root / name)
+    cfg.tasks = copy.deepcopy(tasks)
+    return cfg
+
+
+def _run(cfg: MoesysConfig) -> Path:
+    run_dir = prepare_run_dir(cfg)
+    done = subprocess.run(build_launch(cfg, run_dir).argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmark job {run_dir} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return run_dir
+
+
+def _per_process(run_dir: Path, samples_per_step: int) -> float:
+    times = [m["step_time_s"] for m in read_metrics(run_dir) if "loss" in m][1:]
+    return samples_per_step / statistics.median(times) / NPROC
+
+
+def run_elastic_bench(base: MoesysConfig, steps: int = 8, rounds: int = 2) -> dict:
+    """{imbalanced,rebalanced}_samples_per_s_per_process and their ratio; the variants alternate for `rounds`
+    rounds (the medians over rounds are reported) so that a noisy neighbour slows both alike."""
+    light = max(1, base.train.micro_batch_size)
+    tasks = {"heavy": TaskConfig(batch_size=3 * light), "light": TaskConfig(batch_size=light)}
+    workload = workload_from_config(tasks)
+    balanced = allocate(workload, NPROC, 1)
+    counts = {"imbalanced": {"heavy": 2, "light": 2}, "rebalanced": balanced.gpus}
+    samples = sum(t.batch_size for t in tasks.values())
+    speeds: dict[str, list[float]] = {name: [] for name in counts}
+    measured = None
+    with tempfile.TemporaryDirectory(prefix="moesys-bench-elastic-") as tmp:
+        for r in range(rounds):
+            for name, gpus in counts.items():
+                variant_tasks = {t: TaskConfig(batch_size=c.batch_size, gpus=gpus[t]) for t, c in tasks.items()}
+                run_dir = _run(_variant(base, Path(tmp), f"{name}-{r}", variant_tasks, steps))
+                speeds[name].append(_per_process(run_dir, samples))
+                if name == "imbalanced" and measured is None:  # what `moesys rebalance --from-run` would see
+                    measured = workload_from_metrics(run_dir, {t: c.batch_size for t, c in tasks.items()})
+    imbalanced, rebalanced = (statistics.median(speeds[n]) for n in ("imbalanced", "rebalanced"))
+    return {
+        "recipe": base.recipe, "processes": NPROC, "cpu_cores": os.cpu_count(), "steps": steps, "rounds": rounds,
+        "batch_sizes": {t: c.batch_size for t, c in tasks.items()},
+        "imbalanced_allocation": counts["imbalanced"], "rebalanced_allocation": counts["rebalanced"],
+        "max_load_per_process": {"imbalanced": balanced.baseline.max_load_per_gpu,
+                                 "rebalanced": balanced.max_load_per_gpu},
+        "expected_ratio_from_load": balanced.baseline.max_load_per_gpu / balanced.max_load_per_gpu,
+        "allocation_from_measured_run": allocate(measured, NPROC, 1).gpus if measured else None,
+        "imbalanced_samples_per_s_per_process": imbalanced,
+        "rebalanced_samples_per_s_per_process": rebalanced,
+        "rebalanced_vs_imbalanced": rebalanced / imbalanced,
+    }
