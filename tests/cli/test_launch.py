@@ -1,0 +1,57 @@
+"""The exact torchrun command lines and sbatch script `moesys train` builds, and its dry run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moesys_cli.resolve import resolve_config
+from runtime.launch import WORKER_MODULE, build_launch, torchrun_prefix
+from tests.cli.conftest import FAST_TINY, losses, run_moesys
+
+
+def test_local_launch_is_one_standalone_node(tmp_path):
+    cfg = resolve_config(["recipe=tiny", "train.max_restarts=5"])
+    spec = build_launch(cfg, tmp_path)
+    assert spec.argv == [*torchrun_prefix(), "--standalone", "--nnodes=1", "--nproc_per_node=2", "--max_restarts=5",
+                         f"--log_dir={tmp_path / 'logs'}", "--redirects=3", "-m", WORKER_MODULE, str(tmp_path)]
+
+
+def test_multinode_launch_uses_c10d_rendezvous(tmp_path):
+    cfg = resolve_config(["recipe=tiny", "launcher=multinode", "topology.nodes=3", "launcher.node_rank=2",
+                          "launcher.rdzv_endpoint=head:29400", "topology.expert_parallel=2"])
+    argv = build_launch(cfg, tmp_path).argv
+    assert argv[len(torchrun_prefix()):][:5] == ["--nnodes=3", "--node_rank=2", "--rdzv_backend=c10d",
+                                                 "--rdzv_endpoint=head:29400", "--rdzv_id=moesys"]
+    assert argv[-3:] == ["-m", WORKER_MODULE, str(tmp_path)]
+
+
+def test_slurm_script_runs_srun_torchrun_on_every_node(tmp_path):
+    cfg = resolve_config(["recipe=gpt-moe-26b", "launcher=slurm", "launcher.partition=a100"])
+    spec = build_launch(cfg, tmp_path)
+    assert spec.argv == ["sbatch", str(tmp_path / "job.sbatch")]
+    assert "#SBATCH --nodes=2" in spec.script and "#SBATCH --gpus-per-node=8" in spec.script
+    assert "#SBATCH --partition=a100" in spec.script
+    srun = [line for line in spec.script.splitlines() if line.startswith("srun ")][0]
+    assert "--nproc_per_node=8" in srun and "--rdzv_backend=c10d" in srun and f"-m {WORKER_MODULE}" in srun
+
+
+def test_dry_run_prints_config_and_command_and_runs_nothing(tmp_path):
+    out = run_moesys("train", "recipe=tiny", f"train.run_dir={tmp_path / 'run'}", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "model:" in out.stdout and "--nproc_per_node=2" in out.stdout and WORKER_MODULE in out.stdout
+    assert not (tmp_path / "run").exists()
+    slurm = run_moesys("train", "recipe=gpt-moe-13b", "launcher=slurm", "--dry-run")
+    assert "#!/bin/bash" in slurm.stdout and "srun " in slurm.stdout
+
+
+def test_train_on_user_text_and_bad_data_path(tmp_path):
+    text = tmp_path / "mine.txt"
+    text.write_text("moesys trains on the text files you give it. " * 200)
+    run_dir = tmp_path / "run"
+    out = run_moesys("train", *FAST_TINY, f"train.data={text}", "train.max_steps=3", f"train.run_dir={run_dir}")
+    assert out.returncode == 0, out.stderr
+    assert len(losses(run_dir)) == 3
+    bad = run_moesys("train", "recipe=tiny", f"train.data={tmp_path / 'missing.txt'}")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "missing.txt" in bad.stderr and "Traceback" not in bad.stderr
+    assert Path(run_dir / "config.yaml").exists()
