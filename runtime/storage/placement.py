@@ -83,8 +83,9 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
     if cfg.model.embedding_partition and not st.dense_shard:  # seed 004 section 4.3: [V, H/N] per rank
         device["dense_states"] -= embedding_bytes_per_rank(cfg, world).saving
     if st.dense_shard:
-        largest_layer = max(p.dense - p.embedding, 0) / max(cfg.model.num_layers, 1)
-        device["dense_gather_buffers"] = int(2 * largest_layer * (1 + st.prefetch_depth))
+        # runtime/parallel/dense_shard.py keeps a gathered layer (fp32) from its forward until its backward,
+        # so at the peak every dense weight is gathered once.
+        device["dense_gathered_weights"] = int(4 * p.dense)
     host = ssd = 0
     cache_experts = 0
     ranks_per_node = t.gpus_per_node or t.nproc_per_node
