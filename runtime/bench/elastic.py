@@ -24,10 +24,12 @@ from runtime.run_dir import prepare_run_dir, read_metrics
 NPROC = 4
 
 
-def _variant(base: MoesysConfig, root: Path, name: str, tasks: dict[str, TaskConfig], steps: int) -> MoesysConfig:
+def _variant(base: MoesysConfig, root: Path, name: str, tasks: dict[str, TaskConfig], steps: int,
+             expert_parallel: int | None = None) -> MoesysConfig:
     cfg = copy.deepcopy(base)
     cfg.topology.nodes, cfg.topology.gpus_per_node, cfg.topology.nproc_per_node = 1, 0, NPROC
-    cfg.topology.expert_parallel = next(ep for ep in (NPROC, 2, 1) if cfg.model.num_experts % ep == 0)
+    cfg.topology.expert_parallel = expert_parallel or next(
+        ep for ep in (NPROC, 2, 1) if cfg.model.num_experts % ep == 0)
     cfg.parallel.ranks_per_node = 0
     cfg.storage.offload = "none"
     cfg.train.max_steps, cfg.train.checkpoint_every, cfg.train.max_restarts = steps, 0, 0
@@ -59,15 +61,20 @@ def run_elastic_bench(base: MoesysConfig, steps: int = 8, rounds: int = 2) -> di
     counts = {"imbalanced": {"heavy": 2, "light": 2}, "rebalanced": balanced.gpus}
     samples = sum(t.batch_size for t in tasks.values())
     speeds: dict[str, list[float]] = {name: [] for name in counts}
-    measured = None
+
+    def with_gpus(gpus: dict[str, int]) -> dict[str, TaskConfig]:
+        return {t: TaskConfig(batch_size=c.batch_size, gpus=gpus[t]) for t, c in tasks.items()}
+
     with tempfile.TemporaryDirectory(prefix="moesys-bench-elastic-") as tmp:
         for r in range(rounds):
             for name, gpus in counts.items():
-                variant_tasks = {t: TaskConfig(batch_size=c.batch_size, gpus=gpus[t]) for t, c in tasks.items()}
-                run_dir = _run(_variant(base, Path(tmp), f"{name}-{r}", variant_tasks, steps))
+                run_dir = _run(_variant(base, Path(tmp), f"{name}-{r}", with_gpus(gpus), steps))
                 speeds[name].append(_per_process(run_dir, samples))
-                if name == "imbalanced" and measured is None:  # what `moesys rebalance --from-run` would see
-                    measured = workload_from_metrics(run_dir, {t: c.batch_size for t, c in tasks.items()})
+        # What `moesys rebalance --from-run` finds in the imbalanced job, measured with replicated experts: with
+        # expert parallelism every MoE layer's AlltoAll makes a light rank wait for the heavy ones inside its
+        # compute time, which hides the imbalance from the per-rank speeds.
+        probe = _run(_variant(base, Path(tmp), "measure", with_gpus(counts["imbalanced"]), steps, 1))
+        measured = workload_from_metrics(probe, {t: c.batch_size for t, c in tasks.items()})
     imbalanced, rebalanced = (statistics.median(speeds[n]) for n in ("imbalanced", "rebalanced"))
     return {
         "recipe": base.recipe, "processes": NPROC, "cpu_cores": os.cpu_count(), "steps": steps, "rounds": rounds,
@@ -76,7 +83,8 @@ def run_elastic_bench(base: MoesysConfig, steps: int = 8, rounds: int = 2) -> di
         "max_load_per_process": {"imbalanced": balanced.baseline.max_load_per_gpu,
                                  "rebalanced": balanced.max_load_per_gpu},
         "expected_ratio_from_load": balanced.baseline.max_load_per_gpu / balanced.max_load_per_gpu,
-        "allocation_from_measured_run": allocate(measured, NPROC, 1).gpus if measured else None,
+        "measured_cost_per_sample": {t: cost for t, (_, cost) in measured.items()},
+        "allocation_from_measured_run": allocate(measured, NPROC, 1).gpus,
         "imbalanced_samples_per_s_per_process": imbalanced,
         "rebalanced_samples_per_s_per_process": rebalanced,
         "rebalanced_vs_imbalanced": rebalanced / imbalanced,

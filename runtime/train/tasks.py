@@ -219,7 +219,10 @@ class MultiTask:
 
     def step_records(self, step: int) -> tuple[dict, list[dict]]:
         """({"task_loss": {task: mean loss}}, one {"step", "rank", "task", "samples_per_s"} line per rank and
-        task); collective. samples_per_s is the rank's samples over its compute time before the gradient sync."""
+        task); collective. samples_per_s is the rank's samples (all its tasks) over its compute time before the
+        gradient sync. With expert_parallel > 1 that time includes waiting for slower ranks in every MoE layer's
+        AlltoAll, which hides imbalance; measure workloads for `moesys rebalance --from-run` with
+        topology.expert_parallel=1."""
         tasks, w = self.layout.tasks, self.world
         flat = torch.zeros(len(tasks) + w, dtype=torch.float64)
         for t, loss in self.last_losses.items():
