@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from runtime.errors import UserError
+from runtime.io import fsync_dir, fsync_file
 from runtime.config import ModelConfig
 from runtime.model.transformer import Transformer
 
@@ -220,14 +221,6 @@ def load_hf_mixtral(path: PathLike, dtype: Optional[torch.dtype] = None,
 
 # ---- export ----
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def hf_state_dict(model: Transformer, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The model's tensors under classic HF Mixtral names (per-expert w1/w2/w3), each its own contiguous copy."""
     params = dict(model.named_parameters())
@@ -256,11 +249,11 @@ def save_hf_mixtral(model: Transformer, cfg: ModelConfig, path: PathLike) -> Non
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for file in ("model.safetensors", "config.json"):
-            _fsync(tmp / file)
+            fsync_file(tmp / file)
         _publish(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _fsync(path.parent)
+    fsync_dir(path.parent)
 
 
 def _publish(tmp: Path, path: Path) -> None:
@@ -272,7 +265,7 @@ def _publish(tmp: Path, path: Path) -> None:
         raise HFCheckpointError(f"{path}: exists and is not a directory")
     for file in ("model.safetensors", "config.json"):
         os.replace(tmp / file, path / file)
-    _fsync(path)
+    fsync_dir(path)
 
 
 __all__ = ["HFCheckpointError", "config_from_hf", "config_to_hf", "hf_state_dict", "load_hf_mixtral", "save_hf_mixtral"]

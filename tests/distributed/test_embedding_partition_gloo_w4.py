@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_embedding_partition_gloo import check_world
+from tests.distributed.test_embedding_partition_gloo import check_world
 
 
 def test_embedding_partition_matches_replicated_4_ranks(tmp_path):

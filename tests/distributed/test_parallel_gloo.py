@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from tests.distributed.torchrun import torchrun
+from tests.distributed.torchrun import assert_checks_passed, torchrun
 
 WORKER = Path(__file__).with_name("_worker_parallel.py")
 
@@ -19,13 +18,4 @@ EXPECTED_CHECKS = {
 
 def test_parallel_world4(tmp_path):
     proc = torchrun(4, WORKER, "--out", str(tmp_path), timeout=90)
-    reports = {}
-    for r in range(4):
-        path = tmp_path / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no report\n{proc.stderr[-4000:]}"
-        reports[r] = json.loads(path.read_text())["checks"]
-    failed = {r: {k: v["detail"] for k, v in c.items() if not v["ok"]} for r, c in reports.items()}
-    assert not any(failed.values()), f"failed checks: {failed}"
-    for r, c in reports.items():
-        assert set(c) == EXPECTED_CHECKS, f"rank {r} ran {sorted(c)}"
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_checks_passed(proc, tmp_path, 4, EXPECTED_CHECKS)
