@@ -100,15 +100,20 @@ def expert_ffn(x_RD: Tensor, tokens_per_expert_e: Tensor, w1: Tensor, w2: Tensor
         raise ValueError(f"model.expert_type={kind!r} is not one of {', '.join(EXPERT_TYPES)}")
     if kind == "swiglu" and w3 is None:
         raise ValueError("swiglu experts need w3")
-    cast = lambda t: None if t is None else t.to(x_RD.dtype)  # noqa: E731
-    w1, w2, w3, b1, b2, b3 = map(cast, (w1, w2, w3, b1, b2, b3))
+    # Under autocast the experts run in the autocast dtype (fp32 master weights cast per call); the grouped
+    # kernels are not on autocast's op lists, so cast explicitly and keep autocast out of the way.
+    device_type = x_RD.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_RD.dtype
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    x_RD, w1, w2, w3, b1, b2, b3 = map(cast, (x_RD, w1, w2, w3, b1, b2, b3))
     if kind == "gelu":
         w3 = b3 = None
     counts_e = tokens_per_expert_e.to(device=x_RD.device, dtype=torch.long)
     if impl == "auto":
         impl = "grouped_mm" if _grouped_mm_ok(x_RD, w1) else "bmm"
     fn = {"grouped_mm": _ffn_grouped_mm, "bmm": _ffn_bmm, "loop": _ffn_loop}[impl]
-    return fn(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind)
+    with torch.autocast(device_type, enabled=False):
+        return fn(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind)
 
 
 class GroupedExperts(nn.Module):

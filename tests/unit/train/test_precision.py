@@ -1,0 +1,41 @@
+"""bf16 / fp16 compute with fp32 master weights (fp16 with loss scaling), against fp32 training on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from runtime.config import MoesysConfig, config_from_dict
+from runtime.parallel.groups import build_groups
+from runtime.train.build import build_components
+from runtime.train.loop import forward_backward, optimizer_step
+
+CPU = torch.device("cpu")
+
+
+def losses(precision: str, steps: int = 3) -> tuple[list[float], torch.dtype]:
+    cfg = MoesysConfig()
+    cfg.model = dataclasses.replace(cfg.model, hidden_size=64, num_layers=2, ffn_hidden_size=128)
+    cfg.topology = dataclasses.replace(cfg.topology, nproc_per_node=1, expert_parallel=1)
+    cfg.train = dataclasses.replace(cfg.train, micro_batch_size=2, seq_len=32, precision=precision)
+    cfg = config_from_dict(dataclasses.asdict(cfg))
+    groups = build_groups(1, 0, 1, 1)
+    c = build_components(cfg, groups, CPU)
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+    out = []
+    for step in range(steps):
+        loss, _ = forward_backward(c, cfg, groups, step, CPU, scaler)
+        optimizer_step(c, cfg, groups, step, scaler)
+        out.append(float(loss))
+    return out, {p.dtype for p in c.model.parameters()}.pop()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_compute_tracks_fp32_with_fp32_master_weights(precision):
+    ref, _ = losses("fp32")
+    half, master = losses(precision)
+    assert master == torch.float32
+    assert half != ref  # the compute really ran in half precision
+    assert half == pytest.approx(ref, rel=2e-2)
