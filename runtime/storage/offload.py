@@ -3,8 +3,10 @@
 that receive tokens, write back and step only those).
 
 `install_offload(model, ...)` swaps every MoE layer's GroupedExperts for an OffloadedExperts (same call signature)
-that fetches the active experts' fp32 weights through the cache, runs `expert_ffn` on them and keeps the device
-copies as autograd leaves; after backward the trainer calls `finish_backward()`, `grad_sq()` and `step(lr, coef)`.
+that fetches the active experts' fp32 weights through the cache and runs `expert_ffn` on them. The device copies are
+autograd leaves whose storage is freed after the layer's forward and refilled when its backward starts, so the
+device tier holds one layer's active experts at a time. After backward the trainer calls `finish_backward()`,
+`grad_sq()` and `step(lr, coef)`.
 Legend: R routed rows, D model dim, e local experts, a active local experts.
 """
 
@@ -46,12 +48,17 @@ class LayerSpec:
 
 @dataclass
 class _Live:
-    """A layer's fetched experts this step: keys, their CPU states and the device leaves autograd fills."""
+    """A layer's fetched experts this step: keys, their CPU states and the device leaves autograd fills.
+
+    Between the layer's forward and its backward the leaves' storage is released (resident False), so the device
+    tier holds only the layers computing now; backward fetches them again from the host states."""
 
     keys: list[ExpertKey]
     states: list[ExpertState]
     leaves: dict[str, Tensor]
     device_bytes: int
+    resident: bool = True
+    grads_arrived: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,13 +173,44 @@ class OffloadManager:
         nbytes = sum(t.numel() * t.element_size() for t in leaves.values())
         self.tiers.device.allocate(nbytes)
         self.tiers.device.moved(nbytes)
-        if torch.is_grad_enabled():
-            self._live[layer] = _Live(keys, states, leaves, nbytes)
-        else:
+        counts_a = counts_e[active].to(x_RD.device)
+        y_RD = expert_ffn(x_RD, counts_a, **leaves, kind=spec.kind, impl=spec.impl)
+        if not torch.is_grad_enabled():
             self.tiers.device.release(nbytes)
             self._release_bypassed(keys, states)
-        counts_a = counts_e[active].to(x_RD.device)
-        return expert_ffn(x_RD, counts_a, **leaves, kind=spec.kind, impl=spec.impl)
+            return y_RD
+        live = self._live[layer] = _Live(keys, states, leaves, nbytes)
+        if y_RD.requires_grad:  # free the device copies until this layer's backward asks for them again
+            self._evict_device(live)
+            y_RD.register_hook(lambda grad, live=live: self._refetch_device(live))
+            for leaf in leaves.values():
+                leaf.register_post_accumulate_grad_hook(lambda leaf, live=live: self._grad_arrived(live))
+        return y_RD
+
+    def _grad_arrived(self, live: _Live) -> None:
+        """Once every leaf of the layer has its gradient, the weights are no longer needed on the device."""
+        live.grads_arrived += 1
+        if live.grads_arrived == len(live.leaves) and live.resident:
+            self._evict_device(live)
+
+    def _evict_device(self, live: _Live) -> None:
+        for leaf in live.leaves.values():
+            leaf.untyped_storage().resize_(0)
+        live.resident = False
+        self.tiers.device.release(live.device_bytes)
+
+    def _refetch_device(self, live: _Live) -> None:
+        """Backward of the layer starts: copy its experts' weights back from the host states (unchanged until the
+        CPU optimizer step, which runs after backward)."""
+        began = time.perf_counter()
+        self.tiers.device.allocate(live.device_bytes)
+        self.tiers.device.moved(live.device_bytes)
+        with torch.no_grad():
+            for name, leaf in live.leaves.items():
+                leaf.untyped_storage().resize_(leaf.numel() * leaf.element_size())
+                leaf.data.copy_(torch.stack([s[f"param.{name}"] for s in live.states]))  # no version bump
+        live.resident = True
+        self._stall += time.perf_counter() - began
 
     def _release_bypassed(self, keys: list[ExpertKey], states: list[ExpertState]) -> None:
         with self.cache.lock:
@@ -193,7 +231,8 @@ class OffloadManager:
                     self.tiers.host.moved(grads[name].numel() * 4)
                 self._grads[key] = grads
                 self._states[key] = state
-            self.tiers.device.release(live.device_bytes)
+            if live.resident:
+                self.tiers.device.release(live.device_bytes)
         self._live.clear()
         g = self.groups
         if g is not None and g.edp_size > 1:
