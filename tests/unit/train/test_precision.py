@@ -15,18 +15,19 @@ from runtime.train.loop import forward_backward, optimizer_step
 CPU = torch.device("cpu")
 
 
-def losses(precision: str, steps: int = 3) -> tuple[list[float], torch.dtype]:
+def losses(precision: str, steps: int = 3, device: torch.device = CPU) -> tuple[list[float], torch.dtype]:
+    """Losses of a few steps of a small model at `precision`, and the dtype of its (master) parameters."""
     cfg = MoesysConfig()
     cfg.model = dataclasses.replace(cfg.model, hidden_size=64, num_layers=2, ffn_hidden_size=128)
     cfg.topology = dataclasses.replace(cfg.topology, nproc_per_node=1, expert_parallel=1)
     cfg.train = dataclasses.replace(cfg.train, micro_batch_size=2, seq_len=32, precision=precision)
     cfg = config_from_dict(dataclasses.asdict(cfg))
     groups = build_groups(1, 0, 1, 1)
-    c = build_components(cfg, groups, CPU)
-    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+    c = build_components(cfg, groups, device)
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     out = []
     for step in range(steps):
-        loss, _ = forward_backward(c, cfg, groups, step, CPU, scaler)
+        loss, _ = forward_backward(c, cfg, groups, step, device, scaler)
         optimizer_step(c, cfg, groups, step, scaler)
         out.append(float(loss))
     return out, {p.dtype for p in c.model.parameters()}.pop()
