@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from moesys_cli.options import Json, Overrides
 from moesys_cli.render import console, error, print_json
 from moesys_cli.resolve import config_yaml, resolve_config
-from runtime.launch import build_launch
+from runtime.launch import build_launch, check_launchable
 from runtime.run_dir import LOGS, default_run_dir, prepare_run_dir, read_metrics, run_summary
 from runtime.train.data import read_text_bytes
 
@@ -31,6 +31,7 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
         typer.echo(config_yaml(cfg))
         typer.echo(spec.script if spec.script else shlex.join(spec.argv))
         raise typer.Exit(0)
+    check_launchable(cfg)
     run_dir = prepare_run_dir(cfg)
     spec = build_launch(cfg, run_dir)
     if spec.script:

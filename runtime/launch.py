@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from runtime.config import MoesysConfig
+from runtime.errors import UserError
 
 WORKER_MODULE = "runtime.train.worker"
 
@@ -34,6 +35,14 @@ def torchrun_prefix() -> list[str]:
         return [str(beside)]
     found = shutil.which("torchrun")
     return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def check_launchable(cfg: MoesysConfig) -> None:
+    """A job launched on this machine (local, multinode) needs the GPUs its topology declares."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.launcher.name != "slurm" and cfg.topology.gpus_per_node > gpus:
+        raise UserError(f"topology.gpus_per_node={cfg.topology.gpus_per_node} but this machine has {gpus} GPU(s); "
+                        "use topology=local (this machine), topology=single (CPU processes) or launcher=slurm")
 
 
 def processes_per_node(cfg: MoesysConfig) -> int:
