@@ -422,15 +422,3 @@ def config_from_dict(data: dict) -> MoesysConfig:
     cfg = _build(MoesysConfig, data, "")
     validate(cfg)
     return cfg
-
-
-def schema_keys(cls: type = MoesysConfig, prefix: str = "") -> list[str]:
-    """Every dotted key of a schema (dict-valued fields end at their name)."""
-    keys = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        dotted = f"{prefix}{f.name}"
-        keys.append(dotted)
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys.extend(schema_keys(hints[f.name], dotted + "."))
-    return keys

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import zlib
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -112,38 +112,6 @@ class TokenDataset:
         first = step * world_size * micro_batch_size + rank * micro_batch_size
         seqs = self.windows(first, micro_batch_size)
         return seqs[:, :-1], seqs[:, 1:]
-
-
-class BatchIterator:
-    """One rank's batches, step after step; its state (step, seed) goes into checkpoints."""
-
-    def __init__(self, dataset: TokenDataset, micro_batch_size: int, rank: int = 0, world_size: int = 1,
-                 step: int = 0):
-        self.dataset = dataset
-        self.micro_batch_size = micro_batch_size
-        self.rank = rank
-        self.world_size = world_size
-        self.step = step
-
-    def __iter__(self) -> "BatchIterator":
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.dataset.rank_batch(self.step, self.rank, self.world_size, self.micro_batch_size)
-        self.step += 1
-        return batch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "seed": self.dataset.seed, "num_tokens": self.dataset.num_tokens,
-                "seq_len": self.dataset.seq_len}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at state["step"]; refuses a state saved with another seed, data or seq_len."""
-        for key in ("seed", "num_tokens", "seq_len"):
-            mine = self.state_dict()[key]
-            if key in state and int(state[key]) != mine:
-                raise DataError(f"{self.dataset.name}: checkpoint data {key}={state[key]} differs from {mine}")
-        self.step = int(state["step"])
 
 
 def task_seed(seed: int, task: str) -> int:

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from runtime.train.data import (CORPUS_DIR, BatchIterator, DataError, TokenDataset, build_task_datasets,
-                                read_text_bytes)
+from runtime.train.data import CORPUS_DIR, DataError, TokenDataset, build_task_datasets, read_text_bytes
 from runtime.train.tokenizer import ByteTokenizer
 
 
@@ -66,28 +65,15 @@ def test_epochs_cover_every_window_once_then_reshuffle():
     assert spanning == first[7:] + second[:4]
 
 
-def test_resume_mid_way_gives_identical_batches(corpus):
-    it = BatchIterator(corpus, micro_batch_size=3, rank=1, world_size=2)
-    straight = [next(it) for _ in range(8)]
-    half = BatchIterator(corpus, micro_batch_size=3, rank=1, world_size=2)
-    for _ in range(4):
-        next(half)
-    state = dict(half.state_dict())
-    assert state["step"] == 4 and state["seed"] == 7
-    fresh = BatchIterator(TokenDataset.from_path(None, seq_len=32, seed=7), micro_batch_size=3, rank=1,
-                          world_size=2)
-    fresh.load_state_dict(state)
-    for expected in straight[4:]:
-        got = next(fresh)
-        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-
-
-def test_resume_refuses_other_seed_or_data(corpus):
-    it = BatchIterator(corpus, micro_batch_size=2)
-    with pytest.raises(DataError, match="seed"):
-        it.load_state_dict({"step": 3, "seed": 8})
-    with pytest.raises(DataError, match="num_tokens"):
-        it.load_state_dict({"step": 3, "seed": 7, "num_tokens": 5})
+def test_batches_are_a_function_of_step_so_resume_needs_only_the_step(corpus):
+    """The trainer checkpoints only the step: a fresh dataset with the same seed and data resumes exactly."""
+    straight = [corpus.rank_batch(step, 1, 2, 3) for step in range(8)]
+    fresh = TokenDataset.from_path(None, seq_len=32, seed=7)
+    for step in range(4, 8):
+        got = fresh.rank_batch(step, 1, 2, 3)
+        assert torch.equal(got[0], straight[step][0]) and torch.equal(got[1], straight[step][1])
+    other_seed = TokenDataset.from_path(None, seq_len=32, seed=8)
+    assert not torch.equal(other_seed.rank_batch(4, 1, 2, 3)[0], straight[4][0])
 
 
 def test_user_file_and_directory(tmp_path):
