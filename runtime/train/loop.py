@@ -121,19 +121,21 @@ def optimizer_step(c: Components, cfg: MoesysConfig, groups: ParallelGroups, ste
 
 
 def grad_norm(c: Components, groups: ParallelGroups) -> float:
-    """Global L2 norm: dense gradients are identical on every rank; expert blocks are summed over the EP group."""
+    """Global L2 norm with every gradient counted once: replicated dense gradients locally, expert blocks summed
+    over the EP group, sharded parts (embedding columns, dense shards, task heads) by their own collectives."""
     def sq(params):
         return sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None), torch.zeros(()))
     expert_sq = sq(c.expert_params).reshape(1)
-    if c.offload:
+    if c.offload:  # this EP rank's offloaded experts
         expert_sq = expert_sq + c.offload.grad_sq()
     if groups.ep_size > 1:
         dist.all_reduce(expert_sq, group=groups.ep_group)
-    if c.dense_shard:  # dense shards summed over the data-parallel ranks (collective)
-        expert_sq = expert_sq + c.dense_shard.grad_sq()
-    if c.tasks:  # task heads, each counted once (collective over all ranks)
-        expert_sq = expert_sq + c.tasks.grad_sq()
-    return math.sqrt(float(sq(c.dense_params)) + float(expert_sq) + float(partitioned_grad_sq(c.model)))
+    sharded_sq = partitioned_grad_sq(c.model)
+    if c.dense_shard:
+        sharded_sq = sharded_sq + c.dense_shard.grad_sq()
+    if c.tasks:
+        sharded_sq = sharded_sq + c.tasks.grad_sq()
+    return math.sqrt(float(sq(c.dense_params)) + float(expert_sq) + float(sharded_sq))
 
 
 def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torch.device) -> dict:
