@@ -6,8 +6,12 @@ fetched, stepped and written back each step, as ZeRO-3 offload does), side by si
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -66,6 +70,15 @@ class _Trainer:
         self.opt.zero_grad(set_to_none=True)
         return self.mgr.step_metrics() if self.mgr else {}
 
+    def drain(self) -> None:
+        """Wait for this trainer's background work: the CPU optimizer step, the prefetches in flight and the
+        kernel's write-back of the files it wrote (else another mode pays for them)."""
+        if self.mgr:
+            self.mgr.wait_step()
+            for future in list(self.mgr.prefetcher.futures.values()):
+                future.result()
+            os.sync()
+
     def finish(self) -> None:
         if self.mgr:
             self.mgr.close()
@@ -77,46 +90,56 @@ def bench_config(hidden: int, ffn: int, experts: int, layers: int, tokens: int) 
     return MoesysConfig(model=model, train=TrainConfig(seq_len=tokens, micro_batch_size=1, warmup_steps=1))
 
 
+def _measure(cfg: MoesysConfig, mode: str, store_dir: str, cache_experts: int, skew: float, warmup: int,
+             steps: int) -> dict:
+    """One mode in its own process: steps/s after warm-up (background work drained inside the timing) and the
+    offload metrics of the timed steps."""
+    trainer = _Trainer(cfg, mode, Path(store_dir), cache_experts, skew)
+    for step in range(warmup):
+        trainer.step(step)
+    trainer.drain()
+    began = time.perf_counter()
+    metrics = [trainer.step(step) for step in range(warmup, warmup + steps)]
+    trainer.drain()
+    elapsed = time.perf_counter() - began
+    peaks = trainer.mgr.tiers.step_metrics() if trainer.mgr else {}
+    trainer.finish()
+    return {"steps_per_s": steps / elapsed, "metrics": metrics, "peaks": peaks}
+
+
 def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, layers: int = 4, tokens: int = 8,
-                      steps: int = 12, warmup: int = 3, cache_fraction: float = 0.25, skew: float = 4.0,
-                      ssd_path: str | None = None) -> dict:
-    """Steps/s of none, ssd (cache = cache_fraction of all experts) and fetch_all; JSON-ready dict with ratios."""
+                      steps: int = 12, warmup: int = 3, rounds: int = 2, cache_fraction: float = 0.25,
+                      skew: float = 4.0, ssd_path: str | None = None) -> dict:
+    """Steps/s of none, ssd (cache = cache_fraction of all experts) and fetch_all; JSON-ready dict with ratios.
+
+    Each mode runs in a fresh process, alternating over `rounds` (median kept): one mode's host states, threads
+    and garbage must not slow another down (measured: fetch-everything left the resident run 3x slower)."""
     cfg = bench_config(hidden, ffn, experts, layers, tokens)
     params = count_parameters(cfg.model)
     total_experts = experts * cfg.model.num_moe_layers
     cache_experts = max(1, round(cache_fraction * total_experts))
-    with tempfile.TemporaryDirectory(dir=ssd_path) as tmp:
-        trainers = {mode: _Trainer(cfg, mode, Path(tmp) / mode, cache_experts, skew)
-                    for mode in ("none", "ssd", "fetch_all")}
-        elapsed = {mode: 0.0 for mode in trainers}
-        active, hit_rates, stalls, ssd_bytes = [], [], [], []
-        for step in range(warmup + steps):
-            for mode, trainer in trainers.items():  # round-robin so load changes hit every mode alike
-                began = time.perf_counter()
-                metrics = trainer.step(step)
-                if trainer.mgr:
-                    trainer.mgr.wait_step()
-                if step >= warmup:
-                    elapsed[mode] += time.perf_counter() - began
-                    if mode == "ssd":
-                        active.append(metrics["offload/experts_active"])
-                        hit_rates.append(metrics["offload/cache_hit_rate"])
-                        stalls.append(metrics["offload/fetch_stall_s"])
-                        ssd_bytes.append(metrics["offload/ssd_read_bytes"] + metrics["offload/ssd_write_bytes"])
-        peaks = trainers["ssd"].mgr.tiers.step_metrics()
-        for trainer in trainers.values():
-            trainer.finish()
-    rate = {mode: steps / t for mode, t in elapsed.items()}
+    runs: dict[str, list[dict]] = {"none": [], "ssd": [], "fetch_all": []}
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(dir=ssd_path) as tmp, ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        for round_ in range(rounds):
+            for mode in runs:
+                store = str(Path(tmp) / f"{mode}-{round_}")
+                runs[mode].append(pool.submit(_measure, cfg, mode, store, cache_experts, skew, warmup, steps).result())
+    rate = {mode: statistics.median(r["steps_per_s"] for r in rs) for mode, rs in runs.items()}
+    ssd = [m for r in runs["ssd"] for m in r["metrics"]]
+    peaks = runs["ssd"][-1]["peaks"]
+    mean = lambda key: sum(m[f"offload/{key}"] for m in ssd) / len(ssd)  # noqa: E731
     return {
         "none_steps_per_s": rate["none"], "ssd_steps_per_s": rate["ssd"], "fetch_all_steps_per_s": rate["fetch_all"],
         "ssd_vs_none": rate["ssd"] / rate["none"], "ssd_vs_fetch_all": rate["ssd"] / rate["fetch_all"],
         "expert_param_fraction": params.sparse / params.total, "total_experts": total_experts,
-        "cache_experts": cache_experts, "mean_active_experts": sum(active) / len(active),
-        "ssd_cache_hit_rate": sum(hit_rates) / len(hit_rates), "ssd_stall_s_per_step": sum(stalls) / len(stalls),
-        "ssd_bytes_per_step": sum(ssd_bytes) / len(ssd_bytes),
+        "cache_experts": cache_experts, "mean_active_experts": mean("experts_active"),
+        "ssd_cache_hit_rate": mean("cache_hit_rate"), "ssd_stall_s_per_step": mean("fetch_stall_s"),
+        "ssd_bytes_per_step": mean("ssd_read_bytes") + mean("ssd_write_bytes"),
         "ssd_host_peak_bytes": peaks["host_peak_bytes"], "ssd_device_peak_bytes": peaks["device_peak_bytes"],
         "config": {"hidden": hidden, "ffn": ffn, "experts": experts, "layers": layers, "top_k": 1,
-                   "tokens_per_step": tokens, "steps": steps, "warmup": warmup, "router_skew": skew},
+                   "tokens_per_step": tokens, "steps": steps, "warmup": warmup, "rounds": rounds,
+                   "router_skew": skew, "isolation": "one process per mode and round"},
     }
 
 

@@ -281,8 +281,19 @@ class OffloadManager:
         self.cache.end_step()
         self.prefetcher.schedule(self.order[: self.prefetcher.depth])
 
+    def _settle(self, keys: list[ExpertKey], states: dict[ExpertKey, ExpertState]) -> None:
+        """Updated experts still in the cache become dirty; the others go home to SSD. Holds the cache lock."""
+        for key in keys:
+            if self.cache.entries.get(key) is states[key]:
+                self.cache.mark_dirty(key)
+            else:  # bypassed or evicted meanwhile: SSD is its home
+                self.store.write(key, states[key])
+                self.tiers.ssd.moved(state_bytes(states[key]))
+                self._drop_host(states[key])
+
     def _step_job(self, layers, grads, states, lr, clip_coef) -> None:
         h = self.adamw
+        deferred: list[tuple[int, list[ExpertKey]]] = []
         try:
             for layer in layers:
                 keys = [k for k in grads if k[0] == layer]
@@ -299,14 +310,19 @@ class OffloadManager:
                          weight_decay=h.weight_decay, eps=h.eps, maximize=False)
                     state["step"] = steps[0]
                 self._in_memory[layer].set()
+                # The forward thread may hold the cache lock while it waits for a later layer's update (an
+                # eviction writing that layer back): never block on the lock before every layer is computed.
+                if self.cache.lock.acquire(blocking=False):
+                    try:
+                        self._settle(keys, states)
+                    finally:
+                        self.cache.lock.release()
+                    self._updated[layer].set()
+                else:
+                    deferred.append((layer, keys))
+            for layer, keys in deferred:
                 with self.cache.lock:
-                    for key in keys:
-                        if self.cache.entries.get(key) is states[key]:
-                            self.cache.mark_dirty(key)
-                        else:  # bypassed or evicted meanwhile: SSD is its home
-                            self.store.write(key, states[key])
-                            self.tiers.ssd.moved(state_bytes(states[key]))
-                            self._drop_host(states[key])
+                    self._settle(keys, states)
                 self._updated[layer].set()
         finally:
             for layer in layers:
