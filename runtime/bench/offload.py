@@ -5,7 +5,6 @@ fetched, stepped and written back each step, as ZeRO-3 offload does), side by si
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
 import statistics
@@ -15,59 +14,45 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.model.params import count_parameters
+from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import build_groups
 from runtime.storage.expert_store import ExpertStore
 from runtime.storage.offload import AdamWHyper, install_offload
-from runtime.train.build import build_model, build_optimizer
-from runtime.train.loop import lr_at
+from runtime.train.build import Components, build_model, build_optimizer, split_params
+from runtime.train.data import TokenDataset
+from runtime.train.loop import forward_backward, optimizer_step
+
+CPU = torch.device("cpu")
 
 
 class _Trainer:
-    """Model + AdamW (+ offload manager), stepped like runtime.train.loop.train_step."""
+    """One process's training, stepped with the trainer's own forward_backward and optimizer_step."""
 
     def __init__(self, cfg: MoesysConfig, mode: str, store_dir: Path | None, cache_experts: int, skew: float):
-        self.cfg = cfg
-        self.model = build_model(cfg, build_groups(1, 0, 1, 1), torch.device("cpu"))
+        self.cfg, self.groups = cfg, build_groups(1, 0, 1, 1)
+        model = build_model(cfg, self.groups, CPU)
         with torch.no_grad():  # Zipf-like router: expert e's logits scaled by skew / (e + 1)
-            for layer in self.model.moe_layers():
+            for layer in model.moe_layers():
                 w = layer.router.gate.weight
                 w.mul_(torch.tensor([skew / (e + 1) for e in range(w.shape[0])])[:, None])
         self.mgr = None
         if mode != "none":
-            self.mgr = install_offload(self.model, ExpertStore(store_dir), torch.device("cpu"),
+            self.mgr = install_offload(model, ExpertStore(store_dir), CPU,
                                        cache_experts=0 if mode == "fetch_all" else cache_experts,
                                        fetch_all=mode == "fetch_all",
                                        adamw=AdamWHyper(weight_decay=cfg.train.weight_decay))
-        self.opt = build_optimizer(self.model, cfg)
-        self.gen = torch.Generator().manual_seed(cfg.train.seed)
+        dense, experts = split_params(model)
+        self.c = Components(model=model, optimizer=build_optimizer(model, cfg), dense_params=dense,
+                            expert_params=experts, dense_reducer=GradBucketReducer(dense),
+                            expert_reducer=GradBucketReducer(experts),
+                            data=TokenDataset.from_path(None, cfg.train.seq_len, cfg.train.seed), offload=self.mgr)
 
     def step(self, step: int) -> dict:
-        tr = self.cfg.train
-        tokens = torch.randint(0, self.cfg.model.vocab_size, (tr.micro_batch_size, tr.seq_len + 1),
-                               generator=self.gen)
-        for group in self.opt.param_groups:
-            group["lr"] = lr_at(step, tr)
-        out = self.model(tokens[:, :-1])
-        loss = F.cross_entropy(out.logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        (loss + out.aux_loss).backward()
-        sq = sum((p.grad.pow(2).sum() for p in self.model.parameters() if p.grad is not None), torch.zeros(()))
-        if self.mgr:
-            self.mgr.finish_backward()
-            sq = sq + self.mgr.grad_sq()
-        norm = math.sqrt(float(sq))
-        coef = tr.grad_clip / (norm + 1e-6) if norm > tr.grad_clip else None
-        if coef is not None:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        if self.mgr:
-            self.mgr.step(lr_at(step, tr), coef)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        forward_backward(self.c, self.cfg, self.groups, step, CPU)
+        optimizer_step(self.c, self.cfg, self.groups, step)
         return self.mgr.step_metrics() if self.mgr else {}
 
     def drain(self) -> None:
