@@ -14,7 +14,7 @@ from moesys_cli.options import Json, Overrides
 from moesys_cli.render import console, error, print_json
 from moesys_cli.resolve import config_yaml, resolve_config
 from runtime.launch import build_launch, check_launchable
-from runtime.run_dir import LOGS, default_run_dir, prepare_run_dir, read_metrics, run_summary
+from runtime.run_dir import LOGS, default_run_dir, last_step_metrics, prepare_run_dir, run_summary
 from runtime.train.data import read_text_bytes
 
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and the command; run nothing.")]
@@ -73,9 +73,8 @@ def _follow(proc: subprocess.Popen, run_dir: Path, max_steps: int, quiet: bool) 
                 interrupted = True
                 progress.update(task, info="stopping: workers checkpoint and exit")
                 code = proc.wait()
-            metrics = read_metrics(run_dir)
-            if metrics:
-                m = metrics[-1]
+            m = last_step_metrics(run_dir)
+            if m:
                 progress.update(task, completed=m["step"],
                                 info=f"loss {m['loss']:.3f}  {m['tokens_per_s']:.0f} tok/s  "
                                      f"load max/mean {m['expert_load_max_over_mean']:.2f}")

@@ -54,6 +54,25 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return records
 
 
+def last_step_metrics(run_dir: str | Path, tail_bytes: int = 1 << 20) -> dict | None:
+    """The newest complete step line of metrics.jsonl, reading only the file's tail (a progress display polls
+    this twice a second; re-reading the whole file would grow with the run)."""
+    path = Path(run_dir) / METRICS
+    if not path.exists():
+        return None
+    with path.open("rb") as f:
+        f.seek(max(0, f.seek(0, 2) - tail_bytes))
+        lines = f.read().decode(errors="replace").splitlines()
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in record:
+            return record
+    return None
+
+
 def run_summary(run_dir: str | Path) -> dict:
     """The `moesys train --json` summary: losses from metrics, steady-state speed, the newest checkpoint."""
     run_dir = Path(run_dir)
