@@ -36,19 +36,34 @@ def _contiguous_grad(t: Tensor) -> Tensor:
     return t
 
 
+class _AddExpertBias(torch.autograd.Function):
+    """h_RF[rows of expert i] += b_eF[i] in place; the bias gradient is each expert's row sum of the gradient.
+    One pass over h instead of a one-hot [R, e] x [e, F] addmm (10x slower on CPU); _grouped_mm takes no
+    differentiable bias."""
+
+    @staticmethod
+    def forward(ctx, h_RF: Tensor, b_eF: Tensor, counts: list[int]) -> Tensor:
+        ctx.counts = counts
+        for rows_F, bias_F in zip(h_RF.split(counts), b_eF):
+            rows_F.add_(bias_F)
+        ctx.mark_dirty(h_RF)
+        return h_RF
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_RF: Tensor):
+        grad_b = torch.stack([rows_F.sum(0) for rows_F in grad_RF.split(ctx.counts)])
+        return grad_RF, grad_b, None
+
+
 def _ffn_grouped_mm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
-    """Rows stay packed; one _grouped_mm per projection. Biases are added as addmm(h, onehot_Re, b_eF):
-    its backward is a small GEMM (onehot^T @ grad) instead of index_select's scatter-add."""
+    """Rows stay packed; one _grouped_mm per projection, then each expert's bias added to its rows in place."""
     offs_e = torch.cumsum(counts_e, 0, dtype=torch.int32)
-    onehot_Re = None
-    if b1 is not None:
-        row_e_R = torch.repeat_interleave(torch.arange(counts_e.numel(), device=x_RD.device), counts_e,
-                                          output_size=x_RD.shape[0])
-        onehot_Re = F.one_hot(row_e_R, counts_e.numel()).to(x_RD.dtype)
+    counts = counts_e.tolist() if b1 is not None else None
 
     def proj(a, w, b):
         out = _contiguous_grad(torch._grouped_mm(a, w.transpose(-2, -1), offs=offs_e))
-        return out if b is None else torch.addmm(out, onehot_Re, b)
+        return out if b is None else _AddExpertBias.apply(out, b, counts)
 
     h_RF = proj(x_RD, w1, b1)
     h_RF = F.gelu(h_RF) if kind == "gelu" else F.silu(h_RF) * proj(x_RD, w3, b3)
