@@ -31,7 +31,8 @@ CPU = torch.device("cpu")
 class _Trainer:
     """One process's training, stepped with the trainer's own forward_backward and optimizer_step."""
 
-    def __init__(self, cfg: MoesysConfig, mode: str, store_dir: Path | None, cache_experts: int, skew: float):
+    def __init__(self, cfg: MoesysConfig, mode: str, store_dir: Path | None, cache_experts: int, skew: float,
+                 data: str):
         self.cfg, self.groups = cfg, build_groups(1, 0, 1, 1)
         model = build_model(cfg, self.groups, CPU)
         with torch.no_grad():  # Zipf-like router: expert e's logits scaled by skew / (e + 1)
@@ -48,7 +49,7 @@ class _Trainer:
         self.c = Components(model=model, optimizer=build_optimizer(model, cfg), dense_params=dense,
                             expert_params=experts, dense_reducer=GradBucketReducer(dense),
                             expert_reducer=GradBucketReducer(experts),
-                            data=TokenDataset.from_path(None, cfg.train.seq_len, cfg.train.seed), offload=self.mgr)
+                            data=bench_data(data, cfg), offload=self.mgr)
 
     def step(self, step: int) -> dict:
         forward_backward(self.c, self.cfg, self.groups, step, CPU)
@@ -56,17 +57,24 @@ class _Trainer:
         return self.mgr.step_metrics() if self.mgr else {}
 
     def drain(self) -> None:
-        """Wait for this trainer's background work: the CPU optimizer step, the prefetches in flight and the
-        kernel's write-back of the files it wrote (else another mode pays for them)."""
+        """Wait for this trainer's background work: the CPU optimizer step, the prefetches in flight, the
+        write-behind queue and the kernel's write-back of the files written (else another mode pays for them)."""
         if self.mgr:
-            self.mgr.wait_step()
-            for future in list(self.mgr.prefetcher.futures.values()):
-                future.result()
+            self.mgr.drain()
             os.sync()
 
     def finish(self) -> None:
         if self.mgr:
             self.mgr.close()
+
+
+def bench_data(data: str, cfg: MoesysConfig) -> TokenDataset:
+    """corpus: the shipped text; random: uniform random token ids (no structure: the most experts active)."""
+    if data == "corpus":
+        return TokenDataset.from_path(None, cfg.train.seq_len, cfg.train.seed)
+    generator = torch.Generator().manual_seed(cfg.train.seed)
+    tokens = torch.randint(0, cfg.model.vocab_size, (1 << 16,), generator=generator)
+    return TokenDataset(tokens, cfg.train.seq_len, cfg.train.seed, name="random tokens")
 
 
 def bench_config(hidden: int, ffn: int, experts: int, layers: int, tokens: int) -> MoesysConfig:
@@ -75,11 +83,11 @@ def bench_config(hidden: int, ffn: int, experts: int, layers: int, tokens: int) 
     return MoesysConfig(model=model, train=TrainConfig(seq_len=tokens, micro_batch_size=1, warmup_steps=1))
 
 
-def _measure(cfg: MoesysConfig, mode: str, store_dir: str, cache_experts: int, skew: float, warmup: int,
-             steps: int) -> dict:
+def _measure(cfg: MoesysConfig, mode: str, store_dir: str, cache_experts: int, skew: float, data: str,
+             warmup: int, steps: int) -> dict:
     """One mode in its own process: steps/s after warm-up (background work drained inside the timing) and the
     offload metrics of the timed steps."""
-    trainer = _Trainer(cfg, mode, Path(store_dir), cache_experts, skew)
+    trainer = _Trainer(cfg, mode, Path(store_dir), cache_experts, skew, data)
     for step in range(warmup):
         trainer.step(step)
     trainer.drain()
@@ -92,24 +100,16 @@ def _measure(cfg: MoesysConfig, mode: str, store_dir: str, cache_experts: int, s
     return {"steps_per_s": steps / elapsed, "metrics": metrics, "peaks": peaks}
 
 
-def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, layers: int = 4, tokens: int = 8,
-                      steps: int = 12, warmup: int = 3, rounds: int = 2, cache_fraction: float = 0.25,
-                      skew: float = 4.0, ssd_path: str | None = None) -> dict:
-    """Steps/s of none, ssd (cache = cache_fraction of all experts) and fetch_all; JSON-ready dict with ratios.
-
-    Each mode runs in a fresh process, alternating over `rounds` (median kept): one mode's host states, threads
-    and garbage must not slow another down (measured: fetch-everything left the resident run 3x slower)."""
-    cfg = bench_config(hidden, ffn, experts, layers, tokens)
-    params = count_parameters(cfg.model)
-    total_experts = experts * cfg.model.num_moe_layers
-    cache_experts = max(1, round(cache_fraction * total_experts))
+def _compare(cfg: MoesysConfig, pool: ProcessPoolExecutor, tmp: Path, data: str, cache_experts: int, skew: float,
+             warmup: int, steps: int, rounds: int) -> dict:
+    """The three modes on one input, alternating over `rounds` (median kept). fetch_all steps take seconds each,
+    so it times a third of the steps after one warm-up step."""
     runs: dict[str, list[dict]] = {"none": [], "ssd": [], "fetch_all": []}
-    spawn = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(dir=ssd_path) as tmp, ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        for round_ in range(rounds):
-            for mode in runs:
-                store = str(Path(tmp) / f"{mode}-{round_}")
-                runs[mode].append(pool.submit(_measure, cfg, mode, store, cache_experts, skew, warmup, steps).result())
+    for round_ in range(rounds):
+        for mode in runs:
+            store = str(tmp / f"{data}-{mode}-{round_}")
+            w, n = (1, max(2, steps // 3)) if mode == "fetch_all" else (warmup, steps)
+            runs[mode].append(pool.submit(_measure, cfg, mode, store, cache_experts, skew, data, w, n).result())
     rate = {mode: statistics.median(r["steps_per_s"] for r in rs) for mode, rs in runs.items()}
     ssd = [m for r in runs["ssd"] for m in r["metrics"]]
     peaks = runs["ssd"][-1]["peaks"]
@@ -117,11 +117,35 @@ def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, lay
     return {
         "none_steps_per_s": rate["none"], "ssd_steps_per_s": rate["ssd"], "fetch_all_steps_per_s": rate["fetch_all"],
         "ssd_vs_none": rate["ssd"] / rate["none"], "ssd_vs_fetch_all": rate["ssd"] / rate["fetch_all"],
-        "expert_param_fraction": params.sparse / params.total, "total_experts": total_experts,
-        "cache_experts": cache_experts, "mean_active_experts": mean("experts_active"),
-        "ssd_cache_hit_rate": mean("cache_hit_rate"), "ssd_stall_s_per_step": mean("fetch_stall_s"),
+        "mean_active_experts": mean("experts_active"), "ssd_cache_hit_rate": mean("cache_hit_rate"),
+        "ssd_stall_s_per_step": mean("fetch_stall_s"),
         "ssd_bytes_per_step": mean("ssd_read_bytes") + mean("ssd_write_bytes"),
         "ssd_host_peak_bytes": peaks["host_peak_bytes"], "ssd_device_peak_bytes": peaks["device_peak_bytes"],
+    }
+
+
+def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, layers: int = 4, tokens: int = 8,
+                      steps: int = 12, warmup: int = 3, rounds: int = 2, cache_fraction: float = 0.25,
+                      skew: float = 4.0, ssd_path: str | None = None, inputs: tuple[str, ...] = ("corpus", "random")
+                      ) -> dict:
+    """Steps/s of none, ssd (cache = cache_fraction of all experts) and fetch_all; JSON-ready dict with ratios.
+
+    The top-level numbers are for the first input (the shipped corpus); `by_input` has every input, random tokens
+    being the hard case (no structure, so the most experts active and the lowest cache hit rate).
+    Each mode runs in a fresh process: one mode's host states, threads and garbage must not slow another down
+    (measured: fetch-everything left the resident run 3x slower)."""
+    cfg = bench_config(hidden, ffn, experts, layers, tokens)
+    params = count_parameters(cfg.model)
+    total_experts = experts * cfg.model.num_moe_layers
+    cache_experts = max(1, round(cache_fraction * total_experts))
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(dir=ssd_path) as tmp, ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1) as pool:
+        by_input = {data: _compare(cfg, pool, Path(tmp), data, cache_experts, skew, warmup, steps, rounds)
+                    for data in inputs}
+    return {
+        **by_input[inputs[0]], "input": inputs[0], "by_input": by_input,
+        "expert_param_fraction": params.sparse / params.total, "total_experts": total_experts,
+        "cache_experts": cache_experts,
         "config": {"hidden": hidden, "ffn": ffn, "experts": experts, "layers": layers, "top_k": 1,
                    "tokens_per_step": tokens, "steps": steps, "warmup": warmup, "rounds": rounds,
                    "router_skew": skew, "isolation": "one process per mode and round"},

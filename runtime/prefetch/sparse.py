@@ -66,6 +66,11 @@ class SparsePrefetcher:
         future.result()
         return time.perf_counter() - began
 
+    def wait_all(self) -> None:
+        """Block until every staging started so far finished (the states stay staged)."""
+        for future in list(self.futures.values()):
+            future.result()
+
     def take(self, key: Key):
         """The staged states of `key` (removed from staging), or None."""
         with self.lock:
@@ -74,8 +79,7 @@ class SparsePrefetcher:
     def end_step(self) -> list:
         """Wait for outstanding staging, forget this step's schedule and return the staged states nobody
         requested (dropped)."""
-        for future in self.futures.values():
-            future.result()
+        self.wait_all()
         with self.lock:
             unused = list(self.staged.values())
             self.staged.clear()

@@ -28,6 +28,7 @@ from runtime.prefetch.sparse import SparsePrefetcher
 from runtime.storage.cache import LFUCache
 from runtime.storage.expert_store import ExpertKey, ExpertState, ExpertStore, new_state, state_bytes
 from runtime.storage.tiers import Tiers
+from runtime.storage.write_behind import WriteBehind
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class OffloadManager:
         self.prefetcher = SparsePrefetcher(self._read, lambda k: k in self.cache, self._wait_updated,
                                            prefetch_depth, self.cache.lock)
         self._opt_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesys-cpu-adamw")
+        self.writes = WriteBehind()
         self._opt_future: Future | None = None
         self._updated = {i: threading.Event() for i in self.order}
         self._in_memory = {i: threading.Event() for i in self.order}
@@ -119,6 +121,7 @@ class OffloadManager:
     # ---- SSD callbacks (host tier accounting) ----
 
     def _read(self, key: ExpertKey) -> ExpertState:
+        self.writes.wait_for(key)
         state = self.store.read(key)
         nbytes = state_bytes(state)
         with self._host_lock:
@@ -138,12 +141,24 @@ class OffloadManager:
         return staged if staged is not None else self._read(key)
 
     def _write_back(self, key: ExpertKey, state: ExpertState) -> None:
-        self._in_memory[key[0]].wait()  # never write a half-updated expert
-        self.store.write(key, state)
-        self.tiers.ssd.moved(state_bytes(state))
-        in_use = key in self._states or any(key in live.keys for live in self._live.values())
-        if key not in self.cache.entries and not in_use:  # evicted, and no pending update will write it
-            self._drop_host(state)
+        """The cache evicts or flushes `key`: hand its states to the write-behind thread. An expert this step
+        uses is skipped: its optimizer update is pending, and `_settle` writes it once updated."""
+        if key in self._states or any(key in live.keys for live in self._live.values()):
+            return
+        self._write_behind(key, state, drop=key not in self.cache.entries, wait_update=True)
+
+    def _write_behind(self, key: ExpertKey, state: ExpertState, drop: bool, wait_update: bool = False) -> None:
+        """Write the states to SSD on the write-behind thread (after their layer's CPU optimizer step when
+        wait_update: never write a half-updated expert); drop them from the host tier afterwards when `drop`."""
+        def job() -> None:
+            if wait_update:
+                self._in_memory[key[0]].wait()
+            self.store.write(key, state)
+            self.tiers.ssd.moved(state_bytes(state))
+            if drop:
+                self._drop_host(state)
+
+        self.writes.submit(key, job)
 
     def _wait_updated(self, layer: int) -> None:
         self._updated[layer].wait()
@@ -271,6 +286,7 @@ class OffloadManager:
         """Start the AdamW step of every expert that got a gradient, on the CPU thread, layer by layer."""
         self.wait_step()
         self._end_prefetch()
+        self.writes.check()
         grads, states = self._grads, self._states
         self._grads, self._states = {}, {}
         layers = sorted({k[0] for k in grads})
@@ -287,9 +303,7 @@ class OffloadManager:
             if self.cache.entries.get(key) is states[key]:
                 self.cache.mark_dirty(key)
             else:  # bypassed or evicted meanwhile: SSD is its home
-                self.store.write(key, states[key])
-                self.tiers.ssd.moved(state_bytes(states[key]))
-                self._drop_host(states[key])
+                self._write_behind(key, states[key], drop=True)
 
     def _step_job(self, layers, grads, states, lr, clip_coef) -> None:
         h = self.adamw
@@ -353,12 +367,13 @@ class OffloadManager:
         """Make the store hold exactly this step's states and publish them as `version` (= checkpoint step)."""
         self.wait_step()
         self.cache.flush()
+        self.writes.drain()
         self.store.snapshot(version)
         self.store.prune(keep)
 
     def load(self, version: int) -> None:
         """Restore the store to `version` and drop cached states (resume from the checkpoint of that step)."""
-        self.wait_step()
+        self.drain()
         self._end_prefetch()
         self.cache.clear()
         with self._host_lock:
@@ -370,10 +385,18 @@ class OffloadManager:
         for state in self.prefetcher.end_step():
             self._drop_host(state)
 
-    def close(self) -> None:
+    def drain(self) -> None:
+        """Wait for all background work: the CPU optimizer step, the prefetches in flight (their states stay
+        staged) and the write-behind queue."""
         self.wait_step()
+        self.prefetcher.wait_all()
+        self.writes.drain()
+
+    def close(self) -> None:
+        self.drain()
         self._end_prefetch()
         self.prefetcher.close()
+        self.writes.close()
         self._opt_pool.shutdown(wait=True)
 
 

@@ -159,6 +159,7 @@ def test_resume_after_kill_with_store_ahead_of_checkpoint(tmp_path):
     first.step(3)  # the store moves past the checkpoint, then the process "dies" without saving
     first.mgr.wait_step()
     first.mgr.cache.flush()
+    first.mgr.writes.drain()  # the store's live files now hold step 4's states
 
     second = Run(cfg, ssd, write_initial=False, durable=True)
     step = load_checkpoint(latest_checkpoint(run_dir), second.model, second.opt, second.groups)
