@@ -139,7 +139,8 @@ def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, lay
     total_experts = experts * cfg.model.num_moe_layers
     cache_experts = max(1, round(cache_fraction * total_experts))
     spawn = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(dir=ssd_path) as tmp, ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1) as pool:
+    fresh = ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1)  # a new process for every run
+    with tempfile.TemporaryDirectory(dir=ssd_path) as tmp, fresh as pool:
         by_input = {data: _compare(cfg, pool, Path(tmp), data, cache_experts, skew, warmup, steps, rounds)
                     for data in inputs}
     return {

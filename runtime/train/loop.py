@@ -159,38 +159,40 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
     if c.tasks:
         tokens_per_step = c.tasks.layout.total_samples * tr.seq_len
     step, last_ckpt = start, ckpt
-    for step in range(start + 1, tr.max_steps + 1):
-        began = time.perf_counter()
-        lm_loss, out = forward_backward(c, cfg, groups, step - 1, device, scaler)
-        norm = optimizer_step(c, cfg, groups, step - 1, scaler)
-        stats = step_stats(lm_loss, out, groups, memory_bytes(device))
-        if c.offload:
-            stats.update(c.offload.step_metrics())
-        if c.dense_shard:
-            stats.update(c.dense_shard.step_metrics())
-        rank_lines = []
-        if c.tasks:
-            task_stats, rank_lines = c.tasks.step_records(step)  # collective
-            stats.update(task_stats)
-        elapsed = time.perf_counter() - began
-        stopping = stop.agreed(groups)
-        if writer:
-            record = {"step": step, "max_steps": tr.max_steps, **stats, "grad_norm": norm,
-                      "lr": lr_at(step - 1, tr), "tokens_per_s": tokens_per_step / elapsed,
-                      "step_time_s": elapsed}
-            if rank_lines:  # per-rank task speeds first, the step line last (readers follow the last line)
-                writer.write_many([*rank_lines, record])
-            else:
-                writer.write(record)
-        if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.max_steps or stopping:
+    try:
+        for step in range(start + 1, tr.max_steps + 1):
+            began = time.perf_counter()
+            lm_loss, out = forward_backward(c, cfg, groups, step - 1, device, scaler)
+            norm = optimizer_step(c, cfg, groups, step - 1, scaler)
+            stats = step_stats(lm_loss, out, groups, memory_bytes(device))
             if c.offload:
-                c.offload.save(step)  # store version = checkpoint step
-            last_ckpt = save_checkpoint(run_dir, step, c.model, c.optimizer, groups, cfg,
-                                        extra=(lambda d: c.tasks.save(d, c.optimizer)) if c.tasks else None,
-                                        dense_shard=c.dense_shard)
-        if stopping:
-            break
-    if c.offload:
-        c.offload.close()
+                stats.update(c.offload.step_metrics())
+            if c.dense_shard:
+                stats.update(c.dense_shard.step_metrics())
+            rank_lines = []
+            if c.tasks:
+                task_stats, rank_lines = c.tasks.step_records(step)  # collective
+                stats.update(task_stats)
+            elapsed = time.perf_counter() - began
+            stopping = stop.agreed(groups)
+            if writer:
+                record = {"step": step, "max_steps": tr.max_steps, **stats, "grad_norm": norm,
+                          "lr": lr_at(step - 1, tr), "tokens_per_s": tokens_per_step / elapsed,
+                          "step_time_s": elapsed}
+                if rank_lines:  # per-rank task speeds first, the step line last (readers follow the last line)
+                    writer.write_many([*rank_lines, record])
+                else:
+                    writer.write(record)
+            if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.max_steps or stopping:
+                if c.offload:
+                    c.offload.save(step)  # store version = checkpoint step
+                last_ckpt = save_checkpoint(run_dir, step, c.model, c.optimizer, groups, cfg,
+                                            extra=(lambda d: c.tasks.save(d, c.optimizer)) if c.tasks else None,
+                                            dense_shard=c.dense_shard)
+            if stopping:
+                break
+    finally:  # also on an error: no background write may outlive the run
+        if c.offload:
+            c.offload.close()
     return {"steps": step, "stopped_early": step < tr.max_steps,
             "checkpoint": str(last_ckpt) if last_ckpt else None}
