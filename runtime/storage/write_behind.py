@@ -18,38 +18,44 @@ class WriteBehind:
 
     def __init__(self, name: str = "moesys-write-behind"):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._pending: dict[Hashable, Future] = {}
+        self._pending: dict[Hashable, tuple[int, Future]] = {}
+        self._submitted = 0
         self._lock = threading.Lock()
         self._error: BaseException | None = None
 
     def submit(self, key: Hashable, job: Callable[[], None]) -> None:
-        with self._lock:
-            future = self._pool.submit(job)
-            self._pending[key] = future
-        future.add_done_callback(lambda f, key=key: self._done(key, f))
+        def run(number: int) -> None:
+            try:
+                job()
+            except BaseException as error:  # kept for the caller: nobody reads this thread's futures
+                with self._lock:
+                    self._error = self._error or error
+            finally:  # before the future completes, so a waiter sees the key settled
+                with self._lock:
+                    if self._pending.get(key, (None,))[0] == number:
+                        del self._pending[key]
 
-    def _done(self, key: Hashable, future: Future) -> None:
         with self._lock:
-            if self._pending.get(key) is future:
-                del self._pending[key]
-            if future.exception() is not None and self._error is None:
-                self._error = future.exception()
+            self._submitted += 1
+            self._pending[key] = (self._submitted, self._pool.submit(run, self._submitted))
 
     def pending(self, key: Hashable) -> bool:
         with self._lock:
             return key in self._pending
 
     def wait_for(self, key: Hashable) -> None:
-        """Block until the last write of `key` handed in so far is on disk."""
+        """Block until the last write of `key` handed in so far finished (and raise if a write failed)."""
         with self._lock:
-            future = self._pending.get(key)
-        if future is not None:
-            future.result()
+            entry = self._pending.get(key)
+        if entry is not None:
+            entry[1].result()
+        self.check()
 
     def check(self) -> None:
         """Raise the first error a finished job hit."""
-        if self._error is not None:
+        with self._lock:
             error, self._error = self._error, None
+        if error is not None:
             raise error
 
     def drain(self) -> None:

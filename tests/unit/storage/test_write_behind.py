@@ -52,3 +52,12 @@ def test_a_failed_write_surfaces_on_check_and_drain():
         writes.drain()
     writes.check()  # reported once
     writes.close()
+
+
+def test_a_reader_of_a_key_whose_write_failed_gets_the_error():
+    writes = WriteBehind()
+    writes.submit("a", lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        writes.wait_for("a")
+    writes.drain()  # reported once
+    writes.close()
