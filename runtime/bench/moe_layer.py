@@ -63,6 +63,9 @@ def run_moe_layer_bench(tokens: int = 4096, hidden: int = 512, ffn: int = 2048, 
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     tps = {name: tokens / statistics.median(ts) for name, ts in times.items()}
+    rounds = list(zip(times["moe"], times["ceiling"], times["loop"]))
+    moe_vs_ceiling = [c / m for m, c, _ in rounds]
+    moe_vs_loop = [lp / m for m, _, lp in rounds]
     return {
         "config": {"tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": experts, "top_k": top_k,
                    "expert_type": expert_type, "bias": bias, "repeats": repeats, "warmup": warmup},
@@ -72,8 +75,10 @@ def run_moe_layer_bench(tokens: int = 4096, hidden: int = 512, ffn: int = 2048, 
         "moe_tokens_per_s": tps["moe"],
         "ceiling_tokens_per_s": tps["ceiling"],
         "loop_tokens_per_s": tps["loop"],
-        "moe_vs_ceiling": tps["moe"] / tps["ceiling"],
-        "moe_vs_loop": tps["moe"] / tps["loop"],
+        "moe_vs_ceiling": statistics.median(moe_vs_ceiling),
+        "moe_vs_loop": statistics.median(moe_vs_loop),
+        "moe_vs_ceiling_rounds": moe_vs_ceiling,
+        "moe_vs_loop_rounds": moe_vs_loop,
         "median_s": {name: statistics.median(ts) for name, ts in times.items()},
     }
 
