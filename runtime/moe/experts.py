@@ -56,6 +56,26 @@ class _AddExpertBias(torch.autograd.Function):
         return grad_RF, grad_b, None
 
 
+class _GeluGradInPlace(torch.autograd.Function):
+    """gelu whose backward writes the input gradient over the incoming one: saves one [R, F] buffer per layer, and
+    on CPU the page faults of allocating it fresh (glibc hands blocks over 32 MB straight back to the kernel).
+    Only for a gradient nobody else holds: here, the second projection's input gradient."""
+
+    @staticmethod
+    def forward(ctx, h_RF: Tensor) -> Tensor:
+        ctx.save_for_backward(h_RF)
+        return F.gelu(h_RF)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_RF: Tensor) -> Tensor:
+        (h_RF,) = ctx.saved_tensors
+        return torch.ops.aten.gelu_backward.grad_input(grad_RF, h_RF, grad_input=grad_RF)
+
+
+_gelu = _GeluGradInPlace.apply
+
+
 def _ffn_grouped_mm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
     """Rows stay packed; one _grouped_mm per projection, then each expert's bias added to its rows in place."""
     offs_e = torch.cumsum(counts_e, 0, dtype=torch.int32)
@@ -66,7 +86,7 @@ def _ffn_grouped_mm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
         return out if b is None else _AddExpertBias.apply(out, b, counts)
 
     h_RF = proj(x_RD, w1, b1)
-    h_RF = F.gelu(h_RF) if kind == "gelu" else F.silu(h_RF) * proj(x_RD, w3, b3)
+    h_RF = _gelu(h_RF) if kind == "gelu" else F.silu(h_RF) * proj(x_RD, w3, b3)
     return proj(h_RF, w2, b2)
 
 
