@@ -68,7 +68,21 @@ def bench(name: Annotated[str, typer.Argument(help=f"one of: {', '.join(BENCHES)
     table = Table(title=f"moesys bench {name}")
     table.add_column("measure")
     table.add_column("value", justify="right")
-    for key, value in result.items():
-        text = f"{value:.3f}" if isinstance(value, float) else str(value)
-        table.add_row(f"[bold]{key}[/]" if "_vs_" in key else key, f"[bold]{text}[/]" if "_vs_" in key else text)
+    for key, text in _rows(result):
+        bold = "_vs_" in key.rsplit(".", 1)[-1] and not key.endswith("_rounds")
+        table.add_row(f"[bold]{key}[/]" if bold else key, f"[bold]{text}[/]" if bold else text)
     console.print(table)
+
+
+def _rows(result: dict, prefix: str = ""):
+    """(dotted key, text) for every leaf: nested results (by_batch, by_input, model) flattened, floats to 3 places,
+    lists of floats (per-round ratios) on one line."""
+    for key, value in result.items():
+        if isinstance(value, dict):
+            yield from _rows(value, f"{prefix}{key}.")
+        elif isinstance(value, float):
+            yield f"{prefix}{key}", f"{value:.3f}"
+        elif isinstance(value, list) and all(isinstance(v, float) for v in value):
+            yield f"{prefix}{key}", " ".join(f"{v:.2f}" for v in value)
+        else:
+            yield f"{prefix}{key}", str(value)

@@ -1,0 +1,18 @@
+"""`moesys bench`: an unknown benchmark is a one-line error; nested results render as flat rows."""
+
+from moesys_cli.bench import _rows
+from tests.cli.conftest import run_moesys
+
+
+def test_unknown_benchmark_is_a_one_line_error():
+    r = run_moesys("bench", "nosuch")
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
+    assert "unknown benchmark 'nosuch'" in r.stderr and "ring" in r.stderr
+
+
+def test_nested_results_render_as_dotted_rows():
+    result = {"ring_vs_none": 0.8123, "by_batch": {"4": {"ring_vs_none_rounds": [0.81, 0.777], "copies": 3}},
+              "device": "cpu"}
+    assert list(_rows(result)) == [("ring_vs_none", "0.812"), ("by_batch.4.ring_vs_none_rounds", "0.81 0.78"),
+                                   ("by_batch.4.copies", "3"), ("device", "cpu")]
