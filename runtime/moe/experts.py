@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime.moe.buffer_pool import BufferPool
+
 EXPERT_TYPES = ("gelu", "swiglu")
 IMPLS = ("auto", "grouped_mm", "bmm", "loop")
 
@@ -57,23 +59,38 @@ class _AddExpertBias(torch.autograd.Function):
 
 
 class _GeluGradInPlace(torch.autograd.Function):
-    """gelu whose backward writes the input gradient over the incoming one: saves one [R, F] buffer per layer, and
-    on CPU the page faults of allocating it fresh (glibc hands blocks over 32 MB straight back to the kernel).
-    Only for a gradient nobody else holds: here, the second projection's input gradient."""
+    """gelu whose backward writes the input gradient over the incoming one, and whose output on CPU lives in a
+    pooled buffer given back in backward (the next projection, its only reader, is done by then). Saves the
+    two largest fresh [R, F] allocations of a step (64 MB each at the bench shape) and, on CPU, their page
+    faults and unmaps. Only for where this module uses it: an output read by one projection, a gradient nobody
+    else holds. Reusing the buffer bumps its version, so a second backward through a graph whose buffer was
+    taken again fails autograd's in-place check instead of reading the new contents."""
 
     @staticmethod
     def forward(ctx, h_RF: Tensor) -> Tensor:
         ctx.save_for_backward(h_RF)
-        return F.gelu(h_RF)
+        ctx.buf = None
+        if h_RF.device.type != "cpu":
+            return F.gelu(h_RF)
+        ctx.buf, out_RF = _activations.take(h_RF)
+        return torch.ops.aten.gelu.out(h_RF, out=out_RF)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_RF: Tensor) -> Tensor:
         (h_RF,) = ctx.saved_tensors
+        if ctx.buf is not None:
+            _activations.give(ctx.buf)
+            ctx.buf = None
         return torch.ops.aten.gelu_backward.grad_input(grad_RF, h_RF, grad_input=grad_RF)
 
 
-_gelu = _GeluGradInPlace.apply
+_activations = BufferPool()
+
+
+def _gelu(h_RF: Tensor) -> Tensor:
+    """Pooled gelu under autograd; plain gelu when nothing will run backward (the output is freed right away)."""
+    return _GeluGradInPlace.apply(h_RF) if torch.is_grad_enabled() and h_RF.requires_grad else F.gelu(h_RF)
 
 
 def _ffn_grouped_mm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):

@@ -1,0 +1,72 @@
+"""The CPU activation pool: buffers are reused across steps, gradients stay exact, and a stale graph fails loudly."""
+
+import pytest
+import torch
+
+from runtime.moe import experts
+from runtime.moe.buffer_pool import BufferPool
+from runtime.moe.experts import expert_ffn, reference_moe_forward
+
+
+def test_take_reuses_the_smallest_fitting_buffer_and_drops_outgrown_ones():
+    pool = BufferPool()
+    small, view = pool.take(torch.empty(2, 3))
+    assert view.shape == (2, 3) and small.numel() == 6
+    pool.give(small)
+    again, _ = pool.take(torch.empty(3, 2))
+    assert again is small  # same size: reused
+    pool.give(again)
+    big, view = pool.take(torch.empty(4, 4))
+    assert big is not small and view.shape == (4, 4)
+    assert pool.free == []  # the outgrown buffer was dropped, not kept forever
+    pool.give(big)
+    reused, view = pool.take(torch.empty(2, 2))
+    assert reused is big and view.shape == (2, 2)
+    other, _ = pool.take(torch.empty(2, 2, dtype=torch.float64))
+    assert other.dtype == torch.float64 and other is not big
+
+
+def _weights(e=4, d=16, f=32):
+    torch.manual_seed(0)
+    return {"w1": torch.randn(e, f, d, requires_grad=True), "w2": torch.randn(e, d, f, requires_grad=True),
+            "b1": torch.randn(e, f, requires_grad=True), "b2": torch.randn(e, d, requires_grad=True)}
+
+
+def test_steps_reuse_the_gelu_buffer_and_match_the_plain_loop_every_step():
+    w = _weights()
+    counts = torch.tensor([5, 0, 7, 4])
+    ids = torch.repeat_interleave(torch.arange(4), counts)
+    for _ in range(3):
+        x = torch.randn(16, 16, requires_grad=True)
+        g = torch.randn(16, 16)
+        y = expert_ffn(x, counts, **w, impl="grouped_mm")
+        grads = torch.autograd.grad(y, [x, *w.values()], g)
+        assert len(experts._activations.free) >= 1
+        y_ref = reference_moe_forward(x, ids[:, None], torch.ones(16, 1), **w)
+        grads_ref = torch.autograd.grad(y_ref, [x, *w.values()], g)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        for a, b in zip(grads, grads_ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    before = {id(b) for b in experts._activations.free}
+    expert_ffn(torch.randn(16, 16, requires_grad=True), counts, **w, impl="grouped_mm")
+    after = {id(b) for b in experts._activations.free}
+    assert after < before and len(after) == len(before) - 1  # the next forward took a pooled buffer
+
+
+def test_backward_through_a_graph_whose_buffer_was_taken_again_raises():
+    w = _weights()
+    counts = torch.tensor([4, 4, 4, 4])
+    x = torch.randn(16, 16, requires_grad=True)
+    y1 = expert_ffn(x, counts, **w, impl="grouped_mm")
+    y1.backward(torch.ones_like(y1), retain_graph=True)  # gives the buffer back
+    expert_ffn(x, counts, **w, impl="grouped_mm")  # takes it and overwrites it
+    with pytest.raises(RuntimeError, match="modified inplace|modified by an inplace operation"):
+        y1.backward(torch.ones_like(y1))
+
+
+def test_no_grad_forward_uses_no_pooled_buffer():
+    w = {k: v.detach() for k, v in _weights().items()}
+    experts._activations.free.clear()
+    with torch.no_grad():
+        expert_ffn(torch.randn(16, 16), torch.tensor([4, 4, 4, 4]), **w, impl="grouped_mm")
+    assert experts._activations.free == []
