@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.moe.router import Routing
@@ -38,7 +39,7 @@ class DispatchMeta:
 class _GatherRows(torch.autograd.Function):
     """out = src[index] whose backward is a gather too: row s of src was copied to the rows inverse_SN[s]
     (exactly N of them; or fewer, with the others' gradient known to be 0). Gathers parallelise where the
-    scatter-add of index_select's own backward does not."""
+    scatter-add of index_select's own backward does not; embedding_bag gathers and sums in one pass."""
 
     @staticmethod
     def forward(ctx, src: Tensor, index: Tensor, inverse_SN: Tensor) -> Tensor:
@@ -49,9 +50,30 @@ class _GatherRows(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
         (inverse_SN,) = ctx.saved_tensors
-        rows, n = inverse_SN.shape
-        picked = grad.index_select(0, inverse_SN.reshape(-1))
-        return (picked if n == 1 else picked.view(rows, n, -1).sum(1)), None, None
+        return F.embedding_bag(inverse_SN, grad, mode="sum"), None, None
+
+
+class _WeightedSumRows(torch.autograd.Function):
+    """out_TD[t] = sum_k weights_TK[t, k] * rows_RD[row_TK[t, k]]: the combine, one embedding_bag pass instead of
+    a gather into [T, K, D] and a batched [1, K] x [K, D] product. Backward: row r of rows came from token
+    token_R[r] (assignment slot_R[r]), so its gradient is a gather scaled by its weight, and each weight's
+    gradient a row dot product; assignments with no row (dropped) get 0."""
+
+    @staticmethod
+    def forward(ctx, rows_RD: Tensor, weights_TK: Tensor, row_TK: Tensor, token_R: Tensor, slot_R: Tensor) -> Tensor:
+        ctx.save_for_backward(rows_RD, weights_TK, token_R, slot_R)
+        with torch.autocast(rows_RD.device.type, enabled=False):  # in the rows' dtype, as the experts computed
+            return F.embedding_bag(row_TK, rows_RD, mode="sum", per_sample_weights=weights_TK)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_TD: Tensor):
+        rows_RD, weights_TK, token_R, slot_R = ctx.saved_tensors
+        grad_RD = grad_TD.index_select(0, token_R)
+        grad_w_N = weights_TK.new_zeros(weights_TK.numel())
+        grad_w_N[slot_R] = torch.linalg.vecdot(grad_RD, rows_RD)
+        grad_RD.mul_(weights_TK.reshape(-1)[slot_R].unsqueeze(1))
+        return grad_RD, grad_w_N.view_as(weights_TK), None, None, None
 
 
 class LocalDispatcher:
@@ -106,10 +128,8 @@ class LocalDispatcher:
         return x_RD, tokens_per_expert_E, meta
 
     def unpermute(self, y_RD: Tensor, meta: DispatchMeta) -> Tensor:
-        """The inverse of permute: gather each token's K rows, then one batched [1, K] x [K, D] product."""
-        num_tokens, top_k = meta.weights_TK.shape
+        """The inverse of permute: each token's weighted sum of its K rows."""
         if y_RD.shape[0] == 0:
-            return y_RD.new_zeros(num_tokens, y_RD.shape[1])
-        y_TKD = _GatherRows.apply(y_RD, meta.row_of_slot_TK.reshape(-1), meta.slot_of_row_R.unsqueeze(1))
-        weights_T1K = meta.weights_TK.to(y_RD.dtype).unsqueeze(1)
-        return torch.bmm(weights_T1K, y_TKD.view(num_tokens, top_k, -1)).squeeze(1)
+            return y_RD.new_zeros(meta.num_tokens, y_RD.shape[1])
+        return _WeightedSumRows.apply(y_RD, meta.weights_TK.to(y_RD.dtype), meta.row_of_slot_TK, meta.token_idx_R,
+                                      meta.slot_of_row_R)
