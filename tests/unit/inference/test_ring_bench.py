@@ -2,6 +2,8 @@
 
 import statistics
 
+import pytest
+
 from runtime.bench.ring import bench_model_config, run_ring_bench
 from runtime.model.params import count_parameters
 
@@ -23,6 +25,8 @@ def test_ring_bench_small():
     assert r["ring_vs_none"] == statistics.median(r["ring_vs_none_rounds"])
     assert r["ring_vs_ondemand"] == statistics.median(r["ring_vs_ondemand_rounds"])
     assert r["copy_within_compute"] == (r["layer_copy_ms"] <= r["layer_compute_ms"])
+    none_forward_s, copy_s = r["batch"] / r["none_tokens_per_s"], 3 * r["layer_copy_ms"] / 1e3
+    assert r["ring_stall_per_copy_s"] == pytest.approx(none_forward_s * (1 / r["ring_vs_none"] - 1) / copy_s)
     assert r["expert_device_bytes_ring"] * 3 == r["expert_device_bytes_none"] * 2  # K/N of resident
     assert r["expert_device_bytes_ondemand"] * 3 == r["expert_device_bytes_none"]
     layer_bytes = r["expert_device_bytes_ondemand"]
