@@ -70,10 +70,13 @@ class _WeightedSumRows(torch.autograd.Function):
     def backward(ctx, grad_TD: Tensor):
         rows_RD, weights_TK, token_R, slot_R = ctx.saved_tensors
         grad_RD = grad_TD.index_select(0, token_R)
-        grad_w_N = weights_TK.new_zeros(weights_TK.numel())
-        grad_w_N[slot_R] = torch.linalg.vecdot(grad_RD, rows_RD)
+        grad_w_TK = None
+        if ctx.needs_input_grad[1]:
+            grad_w_N = weights_TK.new_zeros(weights_TK.numel())
+            grad_w_N[slot_R] = torch.linalg.vecdot(grad_RD, rows_RD)
+            grad_w_TK = grad_w_N.view_as(weights_TK)
         grad_RD.mul_(weights_TK.reshape(-1)[slot_R].unsqueeze(1))
-        return grad_RD, grad_w_N.view_as(weights_TK), None, None, None
+        return grad_RD, grad_w_TK, None, None, None
 
 
 class LocalDispatcher:

@@ -1,7 +1,7 @@
 """Property-based checks (hypothesis) of dispatch/combine, capacity and the whole layer on random shapes."""
 
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from runtime.config import ModelConfig
@@ -47,6 +47,25 @@ def test_dispatch_combine_roundtrip(case, d):
     x_RD, _, meta = disp.dispatch(x, unit, keep)
     out = disp.combine(x_RD, meta)
     torch.testing.assert_close(out, x * keep.sum(1, keepdim=True).float())
+
+
+@settings(max_examples=60, deadline=None)
+@given(routings(), st.integers(1, 9))
+def test_combine_gradients_equal_autograd_of_a_plain_gather(case, d):
+    """The combine's hand-written backward: row gradients and router-weight gradients (0 where dropped)."""
+    routing, keep, _ = case
+    t, k = routing.expert_ids_TK.shape
+    w_TK = routing.weights_TK.clone().requires_grad_(True)
+    with_w = Routing(routing.expert_ids_TK, w_TK, routing.probs_TE, routing.logits_TE)
+    x_RD, _, meta = LocalDispatcher(routing.num_experts).dispatch(torch.randn(t, d), with_w, keep)
+    assume(x_RD.shape[0] > 0)
+    rows_RD = torch.randn(x_RD.shape, requires_grad=True)  # stands in for the experts' outputs
+    out = LocalDispatcher(routing.num_experts).combine(rows_RD, meta)
+    ref = ((w_TK * keep)[..., None] * rows_RD[meta.row_of_slot_TK]).sum(1)
+    g = torch.randn_like(out)
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(torch.autograd.grad(out, (rows_RD, w_TK), g), torch.autograd.grad(ref, (rows_RD, w_TK), g)):
+        torch.testing.assert_close(got, want)
 
 
 @settings(max_examples=25, deadline=None)
