@@ -85,12 +85,49 @@ class _GeluGradInPlace(torch.autograd.Function):
         return torch.ops.aten.gelu_backward.grad_input(grad_RF, h_RF, grad_input=grad_RF)
 
 
+class _SwiGLUGradInPlace(torch.autograd.Function):
+    """silu(h1) * h3 on the same terms as _GeluGradInPlace: the output pooled on CPU, both input gradients written
+    over buffers backward owns (the incoming gradient and a recomputed silu(h1)). Saves h1 and h3 only, where
+    autograd of the plain expression keeps silu(h1) too, and four fresh [R, F] allocations a step."""
+
+    @staticmethod
+    def forward(ctx, h1_RF: Tensor, h3_RF: Tensor) -> Tensor:
+        ctx.save_for_backward(h1_RF, h3_RF)
+        ctx.buf = None
+        if h1_RF.device.type != "cpu":
+            return F.silu(h1_RF) * h3_RF
+        ctx.buf, out_RF = _activations.take(h1_RF)
+        return torch.ops.aten.silu.out(h1_RF, out=out_RF).mul_(h3_RF)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_RF: Tensor):
+        h1_RF, h3_RF = ctx.saved_tensors
+        if ctx.buf is not None:
+            _activations.give(ctx.buf)
+            ctx.buf = None
+        grad_h3 = F.silu(h1_RF).mul_(grad_RF)
+        grad_h1 = torch.ops.aten.silu_backward.grad_input(grad_RF.mul_(h3_RF), h1_RF, grad_input=grad_RF)
+        return grad_h1, grad_h3
+
+
 _activations = BufferPool()
+
+
+def _autograd_on(t: Tensor) -> bool:
+    return torch.is_grad_enabled() and t.requires_grad
 
 
 def _gelu(h_RF: Tensor) -> Tensor:
     """Pooled gelu under autograd; plain gelu when nothing will run backward (the output is freed right away)."""
-    return _GeluGradInPlace.apply(h_RF) if torch.is_grad_enabled() and h_RF.requires_grad else F.gelu(h_RF)
+    return _GeluGradInPlace.apply(h_RF) if _autograd_on(h_RF) else F.gelu(h_RF)
+
+
+def _swiglu(h1_RF: Tensor, h3_RF: Tensor) -> Tensor:
+    """Pooled silu(h1) * h3 under autograd, the plain expression otherwise."""
+    if _autograd_on(h1_RF) or _autograd_on(h3_RF):
+        return _SwiGLUGradInPlace.apply(h1_RF, h3_RF)
+    return F.silu(h1_RF) * h3_RF
 
 
 def _ffn_grouped_mm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
@@ -103,7 +140,7 @@ def _ffn_grouped_mm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
         return out if b is None else _AddExpertBias.apply(out, b, counts)
 
     h_RF = proj(x_RD, w1, b1)
-    h_RF = _gelu(h_RF) if kind == "gelu" else F.silu(h_RF) * proj(x_RD, w3, b3)
+    h_RF = _gelu(h_RF) if kind == "gelu" else _swiglu(h_RF, proj(x_RD, w3, b3))
     return proj(h_RF, w2, b2)
 
 

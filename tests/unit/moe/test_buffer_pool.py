@@ -1,4 +1,5 @@
-"""The CPU activation pool: buffers are reused across steps, gradients stay exact, and a stale graph fails loudly."""
+"""The CPU activation pool (gelu and swiglu): buffers are reused across steps, gradients stay exact, and a stale
+graph fails loudly."""
 
 import pytest
 import torch
@@ -26,40 +27,45 @@ def test_take_reuses_the_smallest_fitting_buffer_and_drops_outgrown_ones():
     assert other.dtype == torch.float64 and other is not big
 
 
-def _weights(e=4, d=16, f=32):
+def _weights(kind="gelu", e=4, d=16, f=32):
     torch.manual_seed(0)
-    return {"w1": torch.randn(e, f, d, requires_grad=True), "w2": torch.randn(e, d, f, requires_grad=True),
-            "b1": torch.randn(e, f, requires_grad=True), "b2": torch.randn(e, d, requires_grad=True)}
+    w = {"w1": torch.randn(e, f, d, requires_grad=True), "w2": torch.randn(e, d, f, requires_grad=True),
+         "b1": torch.randn(e, f, requires_grad=True), "b2": torch.randn(e, d, requires_grad=True)}
+    if kind == "swiglu":
+        w |= {"w3": torch.randn(e, f, d, requires_grad=True), "b3": torch.randn(e, f, requires_grad=True)}
+    return w
 
 
-def test_steps_reuse_the_gelu_buffer_and_match_the_plain_loop_every_step():
-    w = _weights()
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_steps_reuse_the_activation_buffer_and_match_the_plain_loop_every_step(kind):
+    w = _weights(kind)
     counts = torch.tensor([5, 0, 7, 4])
     ids = torch.repeat_interleave(torch.arange(4), counts)
     for _ in range(3):
         x = torch.randn(16, 16, requires_grad=True)
         g = torch.randn(16, 16)
-        y = expert_ffn(x, counts, **w, impl="grouped_mm")
+        y = expert_ffn(x, counts, **w, kind=kind, impl="grouped_mm")
         grads = torch.autograd.grad(y, [x, *w.values()], g)
         assert len(experts._activations.free) >= 1
-        y_ref = reference_moe_forward(x, ids[:, None], torch.ones(16, 1), **w)
+        y_ref = reference_moe_forward(x, ids[:, None], torch.ones(16, 1), **w, kind=kind)
         grads_ref = torch.autograd.grad(y_ref, [x, *w.values()], g)
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
         for a, b in zip(grads, grads_ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     before = {id(b) for b in experts._activations.free}
-    expert_ffn(torch.randn(16, 16, requires_grad=True), counts, **w, impl="grouped_mm")
+    expert_ffn(torch.randn(16, 16, requires_grad=True), counts, **w, kind=kind, impl="grouped_mm")
     after = {id(b) for b in experts._activations.free}
     assert after < before and len(after) == len(before) - 1  # the next forward took a pooled buffer
 
 
-def test_backward_through_a_graph_whose_buffer_was_taken_again_raises():
-    w = _weights()
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_backward_through_a_graph_whose_buffer_was_taken_again_raises(kind):
+    w = _weights(kind)
     counts = torch.tensor([4, 4, 4, 4])
     x = torch.randn(16, 16, requires_grad=True)
-    y1 = expert_ffn(x, counts, **w, impl="grouped_mm")
+    y1 = expert_ffn(x, counts, **w, kind=kind, impl="grouped_mm")
     y1.backward(torch.ones_like(y1), retain_graph=True)  # gives the buffer back
-    expert_ffn(x, counts, **w, impl="grouped_mm")  # takes it and overwrites it
+    expert_ffn(x, counts, **w, kind=kind, impl="grouped_mm")  # takes it and overwrites it
     with pytest.raises(RuntimeError, match="modified inplace|modified by an inplace operation"):
         y1.backward(torch.ones_like(y1))
 
