@@ -69,19 +69,14 @@ class _GeluGradInPlace(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_RF: Tensor) -> Tensor:
         ctx.save_for_backward(h_RF)
-        ctx.buf = None
-        if h_RF.device.type != "cpu":
-            return F.gelu(h_RF)
-        ctx.buf, out_RF = _activations.take(h_RF)
-        return torch.ops.aten.gelu.out(h_RF, out=out_RF)
+        out_RF = _pooled_output(ctx, h_RF)
+        return F.gelu(h_RF) if out_RF is None else torch.ops.aten.gelu.out(h_RF, out=out_RF)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_RF: Tensor) -> Tensor:
         (h_RF,) = ctx.saved_tensors
-        if ctx.buf is not None:
-            _activations.give(ctx.buf)
-            ctx.buf = None
+        _give_back_output(ctx)
         return torch.ops.aten.gelu_backward.grad_input(grad_RF, h_RF, grad_input=grad_RF)
 
 
@@ -93,25 +88,37 @@ class _SwiGLUGradInPlace(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h1_RF: Tensor, h3_RF: Tensor) -> Tensor:
         ctx.save_for_backward(h1_RF, h3_RF)
-        ctx.buf = None
-        if h1_RF.device.type != "cpu":
+        out_RF = _pooled_output(ctx, h1_RF)
+        if out_RF is None:
             return F.silu(h1_RF) * h3_RF
-        ctx.buf, out_RF = _activations.take(h1_RF)
         return torch.ops.aten.silu.out(h1_RF, out=out_RF).mul_(h3_RF)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_RF: Tensor):
         h1_RF, h3_RF = ctx.saved_tensors
-        if ctx.buf is not None:
-            _activations.give(ctx.buf)
-            ctx.buf = None
+        _give_back_output(ctx)
         grad_h3 = F.silu(h1_RF).mul_(grad_RF)
         grad_h1 = torch.ops.aten.silu_backward.grad_input(grad_RF.mul_(h3_RF), h1_RF, grad_input=grad_RF)
         return grad_h1, grad_h3
 
 
 _activations = BufferPool()
+
+
+def _pooled_output(ctx, like: Tensor) -> Tensor | None:
+    """On CPU, a pooled buffer shaped like `like`, kept on ctx until backward gives it back; None elsewhere."""
+    ctx.buf = None
+    if like.device.type != "cpu":
+        return None
+    ctx.buf, out = _activations.take(like)
+    return out
+
+
+def _give_back_output(ctx) -> None:
+    if ctx.buf is not None:
+        _activations.give(ctx.buf)
+        ctx.buf = None
 
 
 def _autograd_on(t: Tensor) -> bool:
