@@ -20,7 +20,8 @@ from runtime.model.params import count_parameters
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import build_groups
 from runtime.storage.expert_store import ExpertStore
-from runtime.storage.offload import AdamWHyper, install_offload
+from runtime.optim import AdamWHyper, lr_at
+from runtime.storage.offload import install_offload
 from runtime.train.build import Components, build_model, build_optimizer, split_params
 from runtime.train.data import TokenDataset
 from runtime.train.loop import forward_backward, optimizer_step
@@ -44,6 +45,7 @@ class _Trainer:
             self.mgr = install_offload(model, ExpertStore(store_dir), CPU,
                                        cache_experts=0 if mode == "fetch_all" else cache_experts,
                                        fetch_all=mode == "fetch_all",
+                                       lr_schedule=lambda step: lr_at(step, cfg.train),
                                        adamw=AdamWHyper(weight_decay=cfg.train.weight_decay))
         dense, experts = split_params(model)
         self.c = Components(model=model, optimizer=build_optimizer(model, cfg), dense_params=dense,

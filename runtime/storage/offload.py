@@ -16,14 +16,15 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.optim.adam import adam
 
 from runtime.moe.experts import GroupedExperts, expert_ffn
 from runtime.moe.layer import EXPERT_PARAM_NAMES
+from runtime.optim import AdamWHyper, catch_up, expert_adamw_step, lr_at
 from runtime.prefetch.sparse import SparsePrefetcher
 from runtime.storage.cache import LFUCache
 from runtime.storage.expert_store import ExpertKey, ExpertState, ExpertStore, new_state, state_bytes
@@ -62,14 +63,6 @@ class _Live:
     grads_arrived: int = 0
 
 
-@dataclass(frozen=True)
-class AdamWHyper:
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    """Every expert tensor decays: the resident model stacks them ([e, ...], two or more dims)."""
-
-
 class OffloadedExperts(nn.Module):
     """Replaces MoELayer.experts: forward(x_RD, tokens_per_expert_e) -> y_RD, weights fetched per call."""
 
@@ -90,11 +83,13 @@ class OffloadManager:
 
     def __init__(self, specs: list[LayerSpec], store: ExpertStore, cache_experts: int, hit_threshold: float,
                  decay_beta: float, decay_every: int, prefetch_depth: int, device: torch.device,
-                 adamw: AdamWHyper = AdamWHyper(), tiers: Tiers | None = None, groups=None,
-                 fetch_all: bool = False):
+                 lr_schedule: Callable[[int], float], adamw: AdamWHyper = AdamWHyper(),
+                 tiers: Tiers | None = None, groups=None, fetch_all: bool = False):
         self.specs = {s.index: s for s in specs}
         self.order = [s.index for s in specs]
-        self.store, self.device, self.adamw = store, device, adamw
+        self.store, self.device, self.adamw, self.lr_schedule = store, device, adamw, lr_schedule
+        self.steps_done = 0
+        """Optimizer steps applied so far (the trainer's step); experts idle meanwhile catch up before use."""
         self.tiers = tiers or Tiers.with_budgets()
         self.groups = groups
         self.fetch_all = fetch_all
@@ -116,6 +111,7 @@ class OffloadManager:
         self._host_lock = threading.Lock()
         self._stall = 0.0
         self._active = 0
+        self._caught_up = 0
         self._ssd_read0 = self._ssd_written0 = 0
 
     # ---- SSD callbacks (host tier accounting) ----
@@ -174,13 +170,16 @@ class OffloadManager:
         keys = [spec.key(j) for j in active]
         self.prefetcher.record(layer, keys)
         self._active += len(active) if not self.fetch_all else int((counts_e > 0).sum())
-        if not active:
-            return x_RD.new_zeros(0, x_RD.shape[1])
+        if not active:  # no rows here; stay in the graph so this rank's backward runs the same AlltoAlls as its peers
+            return x_RD[:0] * 0
         began = time.perf_counter()
         self._updated[layer].wait()
         self.prefetcher.wait(layer)
         self._stall += time.perf_counter() - began
         states = [self.cache.request(k)[0] for k in keys]
+        with torch.no_grad():
+            for state in states:
+                self._caught_up += catch_up(state, spec.names, self.steps_done, self.lr_schedule, self.adamw)
         leaves = {}
         for name in spec.names:
             stacked = torch.stack([s[f"param.{name}"] for s in states]).to(self.device)
@@ -293,7 +292,9 @@ class OffloadManager:
         for layer in layers:
             self._updated[layer].clear()
             self._in_memory[layer].clear()
-        self._opt_future = self._opt_pool.submit(self._step_job, layers, grads, states, lr, clip_coef)
+        self._opt_future = self._opt_pool.submit(self._step_job, layers, grads, states, lr, clip_coef,
+                                                 self.steps_done)
+        self.steps_done += 1
         self.cache.end_step()
         self.prefetcher.schedule(self.order[: self.prefetcher.depth])
 
@@ -305,24 +306,20 @@ class OffloadManager:
             else:  # bypassed or evicted meanwhile: SSD is its home
                 self._write_behind(key, states[key], drop=True)
 
-    def _step_job(self, layers, grads, states, lr, clip_coef) -> None:
+    def _step_job(self, layers, grads, states, lr, clip_coef, step: int) -> None:
         h = self.adamw
         deferred: list[tuple[int, list[ExpertKey]]] = []
         try:
             for layer in layers:
                 keys = [k for k in grads if k[0] == layer]
+                names = self.specs[layer].names
                 for key in keys:
-                    state, names = states[key], self.specs[layer].names
                     g = [grads[key][n] for n in names]
                     if clip_coef is not None:
                         for t in g:
                             t.mul_(clip_coef)
-                    steps = [state["step"].clone() for _ in names]
-                    adam([state[f"param.{n}"] for n in names], g, [state[f"exp_avg.{n}"] for n in names],
-                         [state[f"exp_avg_sq.{n}"] for n in names], [], steps, foreach=False,
-                         decoupled_weight_decay=True, amsgrad=False, beta1=h.betas[0], beta2=h.betas[1], lr=lr,
-                         weight_decay=h.weight_decay, eps=h.eps, maximize=False)
-                    state["step"] = steps[0]
+                    catch_up(states[key], names, step, self.lr_schedule, h)  # a replica's zero-gradient expert
+                    expert_adamw_step(states[key], names, g, lr, h)
                 self._in_memory[layer].set()
                 # The forward thread may hold the cache lock while it waits for a later layer's update (an
                 # eviction writing that layer back): never block on the lock before every layer is computed.
@@ -358,9 +355,10 @@ class OffloadManager:
                **{f"cache_{k}": v for k, v in c.items()}, "fetch_stall_s": self._stall,
                "ssd_read_bytes": self.store.bytes_read - self._ssd_read0,
                "ssd_write_bytes": self.store.bytes_written - self._ssd_written0,
-               "prefetched_experts": self.prefetcher.prefetched, **self.tiers.step_metrics()}
+               "prefetched_experts": self.prefetcher.prefetched, "catch_up_steps": self._caught_up,
+               **self.tiers.step_metrics()}
         self._ssd_read0, self._ssd_written0 = self.store.bytes_read, self.store.bytes_written
-        self._active, self._stall, self.prefetcher.prefetched = 0, 0.0, 0
+        self._active, self._stall, self.prefetcher.prefetched, self._caught_up = 0, 0.0, 0, 0
         return {f"offload/{k}": v for k, v in out.items()}
 
     def save(self, version: int, keep: int = 3) -> None:
@@ -380,6 +378,7 @@ class OffloadManager:
             self._on_host.clear()
             self.tiers.host.used = 0
         self.store.restore(version)
+        self.steps_done = version
 
     def _end_prefetch(self) -> None:
         for state in self.prefetcher.end_step():
@@ -414,12 +413,13 @@ def layer_specs(model: nn.Module, ep_rank: int = 0) -> list[tuple[nn.Module, Lay
 
 def install_offload(model: nn.Module, store: ExpertStore, device: torch.device, *, cache_experts: int,
                     hit_threshold: float = 1, decay_beta: float = 0.5, decay_every: int = 10,
-                    prefetch_depth: int = 1, adamw: AdamWHyper = AdamWHyper(), tiers: Tiers | None = None,
-                    groups=None, fetch_all: bool = False, write_initial: bool = True) -> OffloadManager:
+                    lr_schedule: Callable[[int], float], prefetch_depth: int = 1, adamw: AdamWHyper = AdamWHyper(),
+                    tiers: Tiers | None = None, groups=None, fetch_all: bool = False,
+                    write_initial: bool = True) -> OffloadManager:
     """Move every MoE layer's experts into `store` (fp32 master + zero moments) and swap in OffloadedExperts."""
     pairs = layer_specs(model, groups.ep_rank if groups is not None else 0)
     manager = OffloadManager([s for _, s in pairs], store, cache_experts, hit_threshold, decay_beta, decay_every,
-                             prefetch_depth, device, adamw, tiers, groups, fetch_all)
+                             prefetch_depth, device, lr_schedule, adamw, tiers, groups, fetch_all)
     for layer, spec in pairs:
         experts = layer.experts
         if write_initial:
@@ -462,4 +462,5 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device) -> 
     store = ExpertStore(Path(st.ssd_path) / f"ep{ep_rank}-of-{ep_size}-edp{edp_rank}")
     return install_offload(model, store, device, cache_experts=min(cache, local), hit_threshold=st.hit_threshold,
                            decay_beta=st.decay_beta, decay_every=st.decay_every, prefetch_depth=st.prefetch_depth,
+                           lr_schedule=lambda step: lr_at(step, cfg.train),
                            adamw=AdamWHyper(weight_decay=cfg.train.weight_decay), tiers=tiers, groups=groups)

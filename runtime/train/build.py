@@ -16,6 +16,7 @@ from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
+from runtime.optim import ADAMW_BETAS, ADAMW_EPS
 from runtime.parallel.alltoall import make_all_to_all
 from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.embedding_partition import partition_embedding, partitioned_parameters
@@ -75,7 +76,7 @@ def build_optimizer(model: nn.Module, cfg: MoesysConfig) -> torch.optim.Optimize
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=ADAMW_BETAS, eps=ADAMW_EPS)
 
 
 def build_sharded_optimizer(model: nn.Module, shard: DenseShard, cfg: MoesysConfig) -> torch.optim.Optimizer:
@@ -85,7 +86,7 @@ def build_sharded_optimizer(model: nn.Module, shard: DenseShard, cfg: MoesysConf
     decay = [p for p in rest if p.dim() >= 2] + shard.decay_params
     no_decay = [p for p in rest if p.dim() < 2] + shard.no_decay_params
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=ADAMW_BETAS, eps=ADAMW_EPS)
 
 
 def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Components:

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from runtime.config import MoesysConfig, TrainConfig
+from runtime.config import MoesysConfig
+from runtime.optim import lr_at
 from runtime.parallel.embedding_partition import partitioned_grad_sq
 from runtime.parallel.groups import ParallelGroups
 from runtime.train.build import Components, build_components
@@ -25,14 +26,6 @@ from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_ch
 from runtime.train.metrics import MetricsWriter, memory_bytes, step_stats
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def lr_at(step: int, tr: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to min_lr at max_steps."""
-    if step < tr.warmup_steps:
-        return tr.lr * (step + 1) / tr.warmup_steps
-    progress = (step - tr.warmup_steps) / max(1, tr.max_steps - tr.warmup_steps)
-    return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
 class StopRequest:
