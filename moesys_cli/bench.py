@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from moesys_cli.options import Json, Overrides
-from moesys_cli.render import console, print_json
+from moesys_cli.render import console, literal, print_json
 from moesys_cli.resolve import resolve_config
 from runtime.config import ConfigError, MoesysConfig
 
@@ -69,6 +69,7 @@ def bench(name: Annotated[str, typer.Argument(help=f"one of: {', '.join(BENCHES)
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, text in _rows(result):
+        key, text = literal(key), literal(text)
         bold = "_vs_" in key.rsplit(".", 1)[-1] and not key.endswith("_rounds")
         table.add_row(f"[bold]{key}[/]" if bold else key, f"[bold]{text}[/]" if bold else text)
     console.print(table)

@@ -11,7 +11,7 @@ import yaml
 from rich.table import Table
 
 from moesys_cli.options import Json
-from moesys_cli.render import console, human_bytes, print_json
+from moesys_cli.render import console, human_bytes, literal, print_json
 from runtime.errors import UserError
 from runtime.inference.generate import run_inference
 
@@ -82,11 +82,11 @@ def infer(args: InferArgs = None, offload: Offload = None, json_out: Json = Fals
 
 def _render(r: dict) -> None:
     ring = f" K={r['ring_slots']} of N={r['moe_layers']}" if r["ring_slots"] else f" (N={r['moe_layers']} MoE layers)"
-    console.print(f"[bold]moesys infer[/] {r['kind']} checkpoint {r['checkpoint']} on {r['device']}, "
+    console.print(f"[bold]moesys infer[/] {r['kind']} checkpoint {literal(r['checkpoint'])} on {r['device']}, "
                   f"--offload {r['offload']}{ring}")
     for i, tokens in enumerate(r["tokens"]):
         shown = repr(r["text"][i]) if r["text"] is not None else str(tokens)
-        console.print(f"[dim]{i}:[/] {shown}", highlight=False)
+        console.print(f"[dim]{i}:[/] {literal(shown)}", highlight=False)
     table = Table(show_header=False)
     dev, host = r["peak_bytes"]["device"], r["peak_bytes"]["host"]
     hidden = r["copy_hidden_share"]

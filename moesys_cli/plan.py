@@ -6,7 +6,7 @@ import typer
 from rich.table import Table
 
 from moesys_cli.options import Json, Overrides
-from moesys_cli.render import console, human_bytes, human_count, print_json
+from moesys_cli.render import console, human_bytes, human_count, literal, print_json
 from moesys_cli.resolve import resolve_config
 from runtime.storage.placement import plan_placement, plan_to_dict
 
@@ -24,7 +24,7 @@ def plan(overrides: Overrides = None, json_out: Json = False) -> None:
 
 def _render(recipe: str | None, r: dict) -> None:
     p = r["params"]
-    console.print(f"[bold]moesys plan[/] recipe={recipe}: {human_count(p['total'])} parameters "
+    console.print(f"[bold]moesys plan[/] recipe={literal(recipe)}: {human_count(p['total'])} parameters "
                   f"(dense D {human_count(p['dense'])}, sparse S {human_count(p['sparse'])}, "
                   f"active/token {human_count(p['active'])}, embedding {human_count(p['embedding'])})")
     b = r["budget"]
@@ -53,11 +53,11 @@ def _render(recipe: str | None, r: dict) -> None:
                   f"{human_bytes(inf['expert_layer_bytes'])} per MoE layer's experts -> largest infer.ring_slots "
                   f"that fits: {inf['max_ring_slots']}")
     for a in r["assumptions"]:
-        console.print(f"  [dim]assumes {a}[/]")
+        console.print(f"  [dim]assumes {literal(a)}[/]")
     if r["feasible"]:
         console.print("[bold green]fits[/]")
     else:
         for problem in r["problems"]:
-            console.print(f"[red]does not fit:[/] {problem}")
+            console.print(f"[red]does not fit:[/] {literal(problem)}")
         for s in r["suggestions"]:
-            console.print(f"[yellow]try:[/] {s}")
+            console.print(f"[yellow]try:[/] {literal(s)}")

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from moesys_cli.options import Json, Overrides
-from moesys_cli.render import console, print_json
+from moesys_cli.render import console, literal, print_json
 from moesys_cli.resolve import recipe_text, resolve_config
 from runtime.elastic.rebalance import rebalance as compute_rebalance
 from runtime.elastic.rebalance import rebalance_to_dict, write_rebalanced_recipe
@@ -36,13 +36,14 @@ def rebalance(overrides: Overrides = None, from_run: FromRun = None, write: Writ
 
 
 def _render(d: dict) -> None:
-    table = Table(title=f"moesys rebalance: {d['gpus']} GPUs, workload from {d['source']}, "
+    table = Table(title=f"moesys rebalance: {d['gpus']} GPUs, workload from {literal(d['source'])}, "
                         f"up to {d['max_tasks_per_gpu']} task(s) per GPU")
     for col in ("task", "load/step", "GPUs before", "GPUs after", "batch per GPU after"):
         table.add_column(col, justify="right" if col != "task" else "left")
     for task, w in d["workload"].items():
-        table.add_row(task, f"{w['batch_size'] * w['cost_per_sample']:g}", str(d["before"]["allocation"][task]),
-                      str(d["after"]["allocation"][task]), "/".join(map(str, d["after"]["batch_per_gpu"][task])))
+        table.add_row(literal(task), f"{w['batch_size'] * w['cost_per_sample']:g}",
+                      str(d["before"]["allocation"][task]), str(d["after"]["allocation"][task]),
+                      "/".join(map(str, d["after"]["batch_per_gpu"][task])))
     console.print(table)
     for side in ("before", "after"):
         s = d[side]
@@ -50,4 +51,5 @@ def _render(d: dict) -> None:
                       f"{s['max_load_per_gpu']:g}, throughput per GPU {s['throughput_per_gpu']:.3f}")
     console.print(f"[bold]speed-up per GPU: {d['speedup_per_gpu']:.2f}x[/]")
     if "written" in d:
-        console.print(f"wrote {d['written']}; train with: moesys train recipe={d['written']}")
+        written = literal(d["written"])
+        console.print(f"wrote {written}; train with: moesys train recipe={written}")

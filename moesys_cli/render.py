@@ -1,4 +1,7 @@
-"""Small rendering helpers shared by the verbs: byte sizes, JSON output, one-line errors."""
+"""Small rendering helpers shared by the verbs: byte sizes, JSON output, one-line errors.
+
+User text (paths, prompts, quoted logs) is data, never rich markup: `[/x]` in a path must print as itself.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import json
 import sys
 
 from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
 
 console = Console()
 err_console = Console(stderr=True)
@@ -32,4 +37,10 @@ def print_json(obj: object) -> None:
 
 
 def error(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """One line on stderr; the message is printed literally (it quotes paths and worker logs)."""
+    err_console.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False, soft_wrap=True)
+
+
+def literal(value: object) -> str:
+    """User or quoted text to embed in a markup string, escaped so that rich prints it as written."""
+    return escape(str(value))

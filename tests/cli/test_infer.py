@@ -102,3 +102,12 @@ def test_main_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "no such directory" in lines[0]
+
+
+def test_generated_text_and_paths_print_literally(run_dir, capsys):
+    from moesys_cli.infer import _render
+    r = _json([f"checkpoint={run_dir}", "prompt=hi", "infer.max_new_tokens=2"])
+    r["checkpoint"], r["text"] = "/data/run[/x]", ["[/bold] closing tag"]
+    _render(r)
+    out = capsys.readouterr().out
+    assert "/data/run[/x]" in out and "[/bold] closing tag" in out
