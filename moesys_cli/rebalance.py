@@ -13,6 +13,7 @@ from moesys_cli.render import console, literal, print_json
 from moesys_cli.resolve import recipe_text, resolve_config
 from runtime.elastic.rebalance import rebalance as compute_rebalance
 from runtime.elastic.rebalance import rebalance_to_dict, write_rebalanced_recipe
+from runtime.errors import UserError
 
 FromRun = Annotated[Optional[Path], typer.Option("--from-run", help="Use each task's measured samples/s from a "
                                                  "finished run's metrics.jsonl.", show_default=False)]
@@ -27,8 +28,13 @@ def rebalance(overrides: Overrides = None, from_run: FromRun = None, write: Writ
     result = compute_rebalance(cfg, str(from_run) if from_run else None)
     data = rebalance_to_dict(result)
     if write:
-        name = f"{cfg.recipe or 'tasks'}-rebalanced"
-        data["written"] = str(write_rebalanced_recipe(recipe_text(cfg.recipe or "tiny"), cfg, result, write, name))
+        name, source = f"{cfg.recipe or 'tasks'}-rebalanced", recipe_text(cfg.recipe or "tiny")
+        try:
+            written = write_rebalanced_recipe(source, cfg, result, write, name)
+        except OSError as exc:
+            raise UserError(f"cannot write --write {write}: {exc.strerror or exc}; "
+                            "give a file path in a directory you can write") from None
+        data["written"] = str(written)
     if json_out:
         print_json(data)
         return

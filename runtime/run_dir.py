@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from runtime.config import MoesysConfig, config_from_dict
+from runtime.errors import UserError
 from runtime.io import atomic_write_text
 
 CONFIG = "config.yaml"
@@ -24,11 +25,16 @@ def default_run_dir(cfg: MoesysConfig) -> Path:
 
 
 def prepare_run_dir(cfg: MoesysConfig) -> Path:
-    """Create the run directory (absolute) and write the resolved config the workers will read."""
+    """Create the run directory (absolute) and write the resolved config the workers will read.
+    A directory that cannot be made or written is a UserError naming train.run_dir."""
     run_dir = Path(cfg.train.run_dir or default_run_dir(cfg)).resolve()
     cfg.train.run_dir = str(run_dir)
-    (run_dir / LOGS).mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / CONFIG)
+    try:
+        (run_dir / LOGS).mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / CONFIG)
+    except OSError as exc:
+        raise UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
+                        "set train.run_dir to a directory you can write") from None
     return run_dir
 
 

@@ -65,3 +65,12 @@ def test_a_topology_with_more_gpus_than_this_machine_is_refused_before_launch(tm
     out = run_moesys("train", "recipe=gpt-moe-13b", f"train.run_dir={tmp_path / 'run'}")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert "topology.gpus_per_node=8" in out.stderr and not (tmp_path / "run").exists()
+
+
+def test_an_unwritable_run_dir_is_one_line_exit_2(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    out = run_moesys("train", "recipe=tiny", f"train.run_dir={tmp_path / 'file' / 'run'}")
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"cannot write the run directory {tmp_path / 'file' / 'run'}" in out.stderr
+    assert "train.run_dir" in out.stderr

@@ -49,3 +49,13 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
         out = run_moesys("rebalance", *args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_an_unwritable_write_path_is_one_line_exit_2(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    for target in (tmp_path / "file" / "bal.yaml", tmp_path):
+        out = run_moesys("rebalance", "recipe=ufo-multitask", "--write", str(target))
+        assert out.returncode == 2, (out.stdout, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+        assert f"cannot write --write {target}" in out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no temporary file left behind
