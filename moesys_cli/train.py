@@ -13,6 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from moesys_cli.options import Json, Overrides
 from moesys_cli.render import console, error, print_json
 from moesys_cli.resolve import config_yaml, resolve_config
+from moesys_cli.slurm import submit
 from runtime.launch import build_launch, check_launchable
 from runtime.run_dir import LOGS, default_run_dir, last_step_metrics, prepare_run_dir, run_summary
 from runtime.train.data import read_text_bytes
@@ -35,7 +36,7 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     run_dir = prepare_run_dir(cfg)
     spec = build_launch(cfg, run_dir)
     if spec.script:
-        (run_dir / "job.sbatch").write_text(spec.script)
+        submit(spec, run_dir, json_out)  # SLURM runs the job later: submit it, say how to follow it, exit 0
     log = open(run_dir / LOGS / "launcher.log", "ab")
     proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT)
     code, interrupted = _follow(proc, run_dir, cfg.train.max_steps, quiet=json_out)

@@ -1,12 +1,15 @@
 """Resolved config + run directory -> the torchrun command line (local, multinode) or an sbatch script (SLURM).
 
 Workers are started as `torchrun ... -m runtime.train.worker RUN_DIR`; they read RUN_DIR/config.yaml.
+A SLURM job is submitted and left to the scheduler (`submit_slurm`): nothing here follows it.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +18,11 @@ import torch
 
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
+from runtime.io import atomic_write_text
 
 WORKER_MODULE = "runtime.train.worker"
+SLURM_SCRIPT = "job.sbatch"
+SLURM_LOG = "slurm-%j.out"
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,11 @@ def torchrun_prefix() -> list[str]:
 
 
 def check_launchable(cfg: MoesysConfig) -> None:
-    """A job launched on this machine (local, multinode) needs the GPUs its topology declares."""
+    """A job launched on this machine (local, multinode) needs the GPUs its topology declares; a SLURM job
+    needs sbatch."""
+    if cfg.launcher.name == "slurm" and shutil.which("sbatch") is None:
+        raise UserError("launcher=slurm submits with sbatch, which is not on PATH; run moesys train on a SLURM "
+                        "login node, or add --dry-run to print the sbatch script")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.launcher.name != "slurm" and cfg.topology.gpus_per_node > gpus:
         raise UserError(f"topology.gpus_per_node={cfg.topology.gpus_per_node} but this machine has {gpus} GPU(s); "
@@ -66,7 +76,7 @@ def build_launch(cfg: MoesysConfig, run_dir: Path) -> LaunchSpec:
                 *common, *worker]
         return LaunchSpec(argv=argv, nproc_per_node=nproc)
     script = slurm_script(cfg, run_dir, cfg.topology.gpus_per_node or nproc)
-    return LaunchSpec(argv=["sbatch", str(run_dir / "job.sbatch")], script=script, nproc_per_node=nproc)
+    return LaunchSpec(argv=["sbatch", str(run_dir / SLURM_SCRIPT)], script=script, nproc_per_node=nproc)
 
 
 def slurm_script(cfg: MoesysConfig, run_dir: Path, nproc: int) -> str:
@@ -78,7 +88,7 @@ def slurm_script(cfg: MoesysConfig, run_dir: Path, nproc: int) -> str:
         f"#SBATCH --nodes={cfg.topology.nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --time={launcher.time}",
-        f"#SBATCH --output={run_dir / 'logs' / 'slurm-%j.out'}",
+        f"#SBATCH --output={run_dir / 'logs' / SLURM_LOG}",
     ]
     if cfg.topology.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={cfg.topology.gpus_per_node}")
@@ -94,3 +104,35 @@ def slurm_script(cfg: MoesysConfig, run_dir: Path, nproc: int) -> str:
         f"-m {WORKER_MODULE} {shlex.quote(str(run_dir))}",
     ]
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    job_id: str | None
+    """SLURM's job id; None when sbatch's answer did not name one."""
+    script: Path
+    log: Path | None
+    """The job's output file (the script's #SBATCH --output)."""
+    answer: str
+    """What sbatch printed."""
+
+
+def submit_slurm(spec: LaunchSpec, run_dir: Path) -> SlurmJob:
+    """Write the sbatch script into the run directory and submit it; the scheduler runs it later."""
+    script = run_dir / SLURM_SCRIPT
+    atomic_write_text(script, spec.script or "")
+    try:
+        done = subprocess.run(spec.argv, capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        raise UserError(f"launcher=slurm submits with {spec.argv[0]}, which is not on PATH; run moesys train on a "
+                        "SLURM login node, or add --dry-run to print the sbatch script") from None
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{spec.argv[0]} did not answer in 120 s; the script is {script}") from None
+    answer = (done.stdout + done.stderr).strip()
+    if done.returncode != 0:
+        last = answer.splitlines()[-1] if answer else "no output"
+        raise UserError(f"{spec.argv[0]} failed with exit code {done.returncode}: {last} (script {script})")
+    found = re.search(r"Submitted batch job (\d+)", answer) or re.match(r"(\d+)", answer)
+    job_id = found.group(1) if found else None
+    log = run_dir / "logs" / SLURM_LOG.replace("%j", job_id) if job_id else None
+    return SlurmJob(job_id=job_id, script=script, log=log, answer=answer)

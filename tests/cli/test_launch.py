@@ -74,3 +74,47 @@ def test_an_unwritable_run_dir_is_one_line_exit_2(tmp_path):
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"cannot write the run directory {tmp_path / 'file' / 'run'}" in out.stderr
     assert "train.run_dir" in out.stderr
+
+
+def _stand_in_sbatch(bin_dir: Path, output: str = "Submitted batch job 1", code: int = 0) -> Path:
+    """An `sbatch` that records its arguments and answers like SLURM's."""
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(f'#!/bin/sh\necho "$@" > "{bin_dir}/args"\necho "{output}"\nexit {code}\n')
+    sbatch.chmod(0o755)
+    return bin_dir
+
+
+def test_slurm_submits_and_says_how_to_follow_the_job(tmp_path, monkeypatch):
+    import json
+    import os
+    bin_dir = _stand_in_sbatch(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    run_dir = tmp_path / "run"
+    out = run_moesys("train", "recipe=tiny", "launcher=slurm", f"train.run_dir={run_dir}")
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert (bin_dir / "args").read_text().split() == [str(run_dir / "job.sbatch")]
+    assert "srun " in (run_dir / "job.sbatch").read_text() and (run_dir / "config.yaml").is_file()
+    assert "submitted SLURM job 1" in out.stdout and "squeue -j 1" in out.stdout
+    assert str(run_dir / "logs" / "slurm-1.out") in out.stdout
+    data = json.loads(run_moesys("train", "recipe=tiny", "launcher=slurm", f"train.run_dir={run_dir}",
+                                 "--json").stdout)
+    assert data == {"run_dir": str(run_dir), "job_id": "1", "script": str(run_dir / "job.sbatch"),
+                    "log": str(run_dir / "logs" / "slurm-1.out")}
+
+
+def test_slurm_without_sbatch_or_with_a_failing_one_is_one_line_exit_2(tmp_path, monkeypatch):
+    import os
+    import sys
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", f"{empty}{os.pathsep}{Path(sys.executable).parent}")
+    out = run_moesys("train", "recipe=tiny", "launcher=slurm", f"train.run_dir={tmp_path / 'run'}")
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "sbatch" in out.stderr and "--dry-run" in out.stderr and not (tmp_path / "run").exists()
+    bin_dir = _stand_in_sbatch(tmp_path / "bin", "sbatch: error: invalid partition specified: gpu", code=1)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    out = run_moesys("train", "recipe=tiny", "launcher=slurm", f"train.run_dir={tmp_path / 'run'}")
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert len(out.stderr.strip().splitlines()) == 1 and "invalid partition specified" in out.stderr

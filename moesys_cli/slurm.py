@@ -1,0 +1,30 @@
+"""`moesys train launcher=slurm`: submit the sbatch script, print the job id and how to follow it, exit 0.
+
+SLURM runs the job later, on other nodes; nothing here waits for it (unlike the torchrun launchers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+
+from moesys_cli.render import print_json
+from runtime.launch import LaunchSpec, submit_slurm
+from runtime.run_dir import METRICS
+
+
+def submit(spec: LaunchSpec, run_dir: Path, json_out: bool) -> NoReturn:
+    job = submit_slurm(spec, run_dir)
+    if json_out:
+        print_json({"run_dir": str(run_dir), "job_id": job.job_id, "script": str(job.script),
+                    "log": str(job.log) if job.log else None})
+        raise typer.Exit(0)
+    if job.job_id:
+        typer.echo(f"submitted SLURM job {job.job_id} ({job.script})")
+        typer.echo(f"follow it: squeue -j {job.job_id}; output: tail -f {job.log}; "
+                   f"per-step metrics: {run_dir / METRICS}")
+    else:
+        typer.echo(f"submitted {job.script}; sbatch answered: {job.answer}")
+        typer.echo(f"follow it: squeue -u $USER; output: {job.log or run_dir / 'logs'}")
+    raise typer.Exit(0)
