@@ -9,10 +9,12 @@ from typing import Annotated, Optional
 import typer
 
 from moesys_cli import bench as bench_cmd
+from moesys_cli import config as config_cmd
 from moesys_cli import infer as infer_cmd
 from moesys_cli import plan as plan_cmd
 from moesys_cli import rebalance as rebalance_cmd
 from moesys_cli import train as train_cmd
+from moesys_cli.options import epilog
 from moesys_cli.render import error
 from runtime.errors import UserError
 
@@ -25,11 +27,13 @@ app = typer.Typer(
 )
 CONTEXT = {"allow_extra_args": False}
 
-app.command("plan", context_settings=CONTEXT)(plan_cmd.plan)
-app.command("train", context_settings=CONTEXT)(train_cmd.train)
-app.command("infer", context_settings=CONTEXT)(infer_cmd.infer)
-app.command("rebalance", context_settings=CONTEXT)(rebalance_cmd.rebalance)
-app.command("bench", context_settings=CONTEXT)(bench_cmd.bench)
+EPILOG = epilog()
+app.command("plan", context_settings=CONTEXT, epilog=EPILOG)(plan_cmd.plan)
+app.command("train", context_settings=CONTEXT, epilog=EPILOG)(train_cmd.train)
+app.command("infer", context_settings=CONTEXT, epilog=epilog(recipes=False))(infer_cmd.infer)
+app.command("rebalance", context_settings=CONTEXT, epilog=EPILOG)(rebalance_cmd.rebalance)
+app.command("bench", context_settings=CONTEXT, epilog=EPILOG)(bench_cmd.bench)
+app.command("config", context_settings=CONTEXT, epilog=EPILOG)(config_cmd.config)
 
 
 def _version(value: bool) -> None:
@@ -46,7 +50,8 @@ def _root(
     show_version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
                                                          help="Print the version and exit.")] = None,
 ) -> None:
-    """moesys: plan, train, infer, rebalance and benchmark MoE models (SE-MoE / MoESys on PyTorch)."""
+    """moesys: plan, train, infer, rebalance and benchmark MoE models (SE-MoE / MoESys on PyTorch); moesys config
+    shows the configuration every verb resolves."""
 
 
 def main() -> None:

@@ -1,0 +1,83 @@
+"""Every config key of the schema (runtime/config.py) as a dotted name with its type, default and docstring.
+
+The docstrings are the attribute docstrings under each dataclass field, read from the source with ast.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from runtime.config import CHOICES, MoesysConfig
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    key: str
+    """Dotted name, as given on the command line (tasks.NAME.* for each task of a multi-task recipe)."""
+    type: str
+    """int, float, str, bool, list[int], `| null` when it may be null, a|b|c for a fixed set of values."""
+    default: Any
+    """The schema's default (conf/ and recipes may set another value: `moesys config recipe=NAME`)."""
+    doc: str
+    """The field's docstring, on one line."""
+
+
+@lru_cache(maxsize=None)
+def attribute_docs(cls: type) -> dict[str, str]:
+    """{field: docstring} from the string literal under each annotated field of a class; {} without source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def type_name(tp: Any) -> str:
+    """int, str | null, list[int] | null ..."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [type_name(a) for a in args if a is not type(None)]
+        return " | ".join(inner + (["null"] if type(None) in args else []))
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_name(a) for a in args)}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def config_keys(cls: type = MoesysConfig, prefix: str = "") -> list[ConfigKey]:
+    """The leaf keys of a schema dataclass, in declaration order; a dict of dataclasses (tasks) as NAME."""
+    hints = typing.get_type_hints(cls)
+    docs = attribute_docs(cls)
+    keys: list[ConfigKey] = []
+    for f in dataclasses.fields(cls):
+        tp, dotted = hints[f.name], f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            keys += config_keys(tp, f"{dotted}.")
+        elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+            keys += config_keys(typing.get_args(tp)[1], f"{dotted}.NAME.")
+        else:
+            choices = CHOICES.get(dotted)
+            keys.append(ConfigKey(dotted, "|".join(choices) if choices else type_name(tp), _default(f),
+                                  docs.get(f.name, "")))
+    return keys
