@@ -1,7 +1,10 @@
-"""What this machine has: GPUs and their memory, host RAM, free disk where the SSD tier will live."""
+"""What this machine has: GPUs and their memory, host RAM, free disk where the SSD tier will live, and the CPUs
+this process may use (the share each process gives torch's thread pool)."""
 
 from __future__ import annotations
 
+import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,3 +37,30 @@ def detect_machine(ssd_path: str) -> Machine:
     free = shutil.disk_usage(_existing_parent(Path(ssd_path))).free / GB
     return Machine(gpus=gpus, gpu_memory_gb=round(gpu_mem, 2),
                    cpu_memory_gb=round(psutil.virtual_memory().total / GB, 2), ssd_free_gb=round(free, 2))
+
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (os.cpu_count counts the whole machine), capped by a
+    cgroup v2 CPU quota (a container limited to 2 CPUs of a 64-core host)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks on this OS
+        cpus = os.cpu_count() or 1
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
+
+
+def set_cpu_threads(processes: int = 1, respect_env: bool = True) -> int:
+    """Give torch's intra-op pool this process's share of the usable CPUs (`processes` on this node share them),
+    unless the user chose OMP_NUM_THREADS and respect_env is set. Returns the thread count in effect."""
+    if not (respect_env and os.environ.get("OMP_NUM_THREADS")):
+        torch.set_num_threads(max(1, usable_cpus() // max(1, processes)))
+    return torch.get_num_threads()

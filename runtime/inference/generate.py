@@ -17,6 +17,7 @@ from runtime.inference.offload import Offloader
 from runtime.inference.ring import make_offloader
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
+from runtime.topology import set_cpu_threads
 
 
 @dataclass
@@ -153,6 +154,8 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
     ids = _prompt_ids(loaded, cfg, prompts, prompt_ids)
     check_prompts(ids, inf.max_new_tokens, cfg.model.vocab_size, cfg.model.max_seq_len)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        set_cpu_threads(1)  # the only process: every usable CPU, unless the user set OMP_NUM_THREADS
     model = loaded.model
     dense_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not is_expert_param(n))
     offloader = make_offloader(model, inf.offload, device, inf.ring_slots, cache_dir, _fingerprint(loaded.path))

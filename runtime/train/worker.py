@@ -14,6 +14,7 @@ from runtime.errors import UserError
 from runtime.io import atomic_write_json
 from runtime.parallel.groups import build_groups
 from runtime.run_dir import SUMMARY, load_config
+from runtime.topology import set_cpu_threads
 from runtime.train.loop import train
 
 
@@ -58,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(run_dir: Path) -> int:
     cfg = load_config(run_dir)
     rank, world, local_world, device = init_distributed()
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if device.type == "cpu":  # a share of the CPUs this process may use; torchrun's OMP_NUM_THREADS=1 is its default
+        set_cpu_threads(local_world, respect_env=False)
     groups = build_groups(world, rank, cfg.topology.expert_parallel, cfg.parallel.ranks_per_node or local_world)
     try:
         summary = train(cfg, run_dir, groups, device)

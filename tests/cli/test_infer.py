@@ -111,3 +111,21 @@ def test_generated_text_and_paths_print_literally(run_dir, capsys):
     _render(r)
     out = capsys.readouterr().out
     assert "/data/run[/x]" in out and "[/bold] closing tag" in out
+
+
+def test_infer_uses_every_usable_cpu_unless_omp_num_threads_is_set(run_dir, monkeypatch):
+    from runtime import topology
+    monkeypatch.setattr(topology, "usable_cpus", lambda: 3)  # the same on any machine
+    before = torch.get_num_threads()
+    args = [f"checkpoint={run_dir}", "prompt=hi", "infer.max_new_tokens=1", "--offload", "none"]
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(1)
+        _json(args)
+        assert torch.get_num_threads() == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        _json(args)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,37 @@
+"""runtime/topology.py: the CPUs a process may use and the share torch's thread pool gets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import topology
+from runtime.topology import set_cpu_threads, usable_cpus
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_usable_cpus_is_the_affinity_mask_capped_by_the_cgroup_quota(monkeypatch, tmp_path):
+    monkeypatch.setattr(topology.os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+    monkeypatch.setattr(topology, "CGROUP_CPU_MAX", tmp_path / "missing")
+    assert usable_cpus() == 6
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    monkeypatch.setattr(topology, "CGROUP_CPU_MAX", tmp_path / "cpu.max")
+    assert usable_cpus() == 6
+    (tmp_path / "cpu.max").write_text("250000 100000\n")
+    assert usable_cpus() == 3
+
+
+def test_set_cpu_threads_shares_the_cpus_unless_the_user_chose(monkeypatch, threads):
+    monkeypatch.setattr(topology, "usable_cpus", lambda: 6)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert set_cpu_threads(1) == 6 and set_cpu_threads(4) == 1 and set_cpu_threads(2) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(5)
+    assert set_cpu_threads(1) == 5  # the user's choice stands
+    assert set_cpu_threads(2, respect_env=False) == 3  # torchrun's workers: OMP_NUM_THREADS=1 is torchrun's default
