@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runtime.config import ConfigError, MoesysConfig, validate
+from runtime.run_dir import expert_store_root
 from runtime.topology import detect_machine
 
 GROUPS = ("model", "topology", "storage", "train", "infer", "launcher", "recipe")
@@ -148,7 +149,7 @@ def resolve_config(overrides: list[str] | tuple[str, ...] = ()) -> MoesysConfig:
 
 
 def _apply_machine(cfg: MoesysConfig) -> None:
-    machine = detect_machine(cfg.storage.ssd_path)
+    machine = detect_machine(str(expert_store_root(cfg)))
     t = cfg.topology
     t.gpus_per_node = machine.gpus
     t.gpu_memory_gb = machine.gpu_memory_gb

@@ -136,8 +136,8 @@ class StorageConfig:
     """Probability that a sparse parameter is activated."""
     offload: str = "none"
     """none, cpu, ssd, or auto (placement from Eq. 1)."""
-    ssd_path: str = "./moesys_ssd"
-    """Directory of the on-disk expert state store."""
+    ssd_path: str = ""
+    """Directory of the on-disk expert state store; empty: `expert_store/` in the run directory. One run per store."""
     cpu_cache_experts: int = 0
     """Experts held in the CPU cache; 0 means from the plan."""
     hit_threshold: int = 1

@@ -18,10 +18,18 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"
 LOGS = "logs"
+EXPERT_STORE = "expert_store"
 
 
 def default_run_dir(cfg: MoesysConfig) -> Path:
     return Path("outputs") / f"{cfg.recipe or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def expert_store_root(cfg: MoesysConfig) -> Path:
+    """Where this run's SSD expert store lives: storage.ssd_path, or expert_store/ inside the run directory."""
+    if cfg.storage.ssd_path:
+        return Path(cfg.storage.ssd_path).expanduser().resolve()
+    return Path(cfg.train.run_dir or default_run_dir(cfg)).resolve() / EXPERT_STORE
 
 
 def prepare_run_dir(cfg: MoesysConfig) -> Path:

@@ -20,6 +20,7 @@ from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 from runtime.run_dir import CHECKPOINTS, CONFIG
 from runtime.train.checkpoint import latest_checkpoint
+from runtime.tensorfile import verify
 from runtime.train.tokenizer import ByteTokenizer
 
 
@@ -102,6 +103,7 @@ class _StepFiles:
         if not any(p.name == "dense.safetensors" for p in files):
             raise InferError(f"{step}: dense.safetensors is missing")
         for file in files:
+            verify(file)
             try:
                 with safe_open(str(file), framework="pt") as f:
                     for key in f.keys():

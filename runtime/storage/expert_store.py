@@ -4,23 +4,22 @@ One safetensors file per (MoE layer, global expert) under `root/live/`: an evict
 (a per-layer file would rewrite the whole layer for every eviction) and a file is replaced atomically (temp + fsync
 + rename), so a reader sees the old or the new states, never a mix. Files are read memory-mapped.
 
-Consistency with checkpoints: the store is versioned by step. `snapshot(step)` hard-links every live file into
-`root/v{step}/` (cheap: later write-backs replace live files by new inodes, so the snapshot keeps the old data),
-published by renaming a temporary directory; a checkpoint of step N refers to version N. `restore(N)` rebuilds
-`live/` from that version, so a killed run resumes with exactly the expert states of its last checkpoint.
+The store is working memory, not a checkpoint: a checkpoint copies every expert's states into its own directory
+(see OffloadManager.save) and a resume rebuilds `live/` from it. A store belongs to one run: `root/OWNER` names
+the run directory that created it, and another run is refused instead of silently sharing (and overwriting) it.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
-from runtime.io import atomic_write_bytes, fsync_dir
+from runtime.errors import UserError
+from runtime.io import atomic_write_bytes, atomic_write_text
+from runtime.tensorfile import to_bytes
 
 ExpertKey = tuple[int, int]
 """(MoE layer index, global expert index)."""
@@ -29,10 +28,11 @@ ExpertState = dict[str, torch.Tensor]
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
 LIVE = "live"
+OWNER = "OWNER"
 
 
-class StoreError(RuntimeError):
-    """The store lacks an expert or a version the caller asked for."""
+class StoreError(UserError):
+    """The store lacks an expert the caller asked for, or belongs to another run."""
 
 
 def new_state(params: dict[str, torch.Tensor]) -> ExpertState:
@@ -58,9 +58,11 @@ def version_name(version: int) -> str:
 class ExpertStore:
     """Reads and writes expert states under `root`; counts the bytes it moves."""
 
-    def __init__(self, root: str | Path, durable: bool = True):
+    def __init__(self, root: str | Path, durable: bool = True, owner: str | None = None):
         self.root = Path(root)
         self.live = self.root / LIVE
+        if owner is not None:
+            claim_store(self.root, owner)
         self.live.mkdir(parents=True, exist_ok=True)
         self.durable = durable
         self.bytes_read = 0
@@ -75,7 +77,7 @@ class ExpertStore:
 
     def write(self, key: ExpertKey, state: ExpertState) -> None:
         """Atomically replace the expert's file (temp + fsync + rename + fsync of the directory)."""
-        data = save({k: v.detach().contiguous().cpu() for k, v in state.items()})
+        data = to_bytes(state)
         if self.durable:
             atomic_write_bytes(self.path(key), data)
         else:
@@ -97,56 +99,19 @@ class ExpertStore:
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.live.glob("*.safetensors"))
 
-    # ---- versions (checkpoint consistency) ----
 
-    def versions(self) -> list[int]:
-        return sorted(int(p.name[1:]) for p in self.root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
-
-    def snapshot(self, version: int) -> Path:
-        """Publish the live files as version `version` (hard links; copies where links are unsupported)."""
-        final = self.root / version_name(version)
-        tmp = self.root / f".tmp-{version_name(version)}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for src in self.live.glob("*.safetensors"):
-            _link_or_copy(src, tmp / src.name, self.durable)
-        fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        fsync_dir(self.root)
-        return final
-
-    def restore(self, version: int) -> None:
-        """Make `live/` equal to version `version`."""
-        source = self.root / version_name(version)
-        if not source.is_dir():
-            raise StoreError(f"expert store {self.root} has no version {version} (has {self.versions()}); "
-                             "was storage.ssd_path changed or cleaned since the checkpoint was written?")
-        tmp = self.root / ".tmp-live"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for src in source.glob("*.safetensors"):
-            _link_or_copy(src, tmp / src.name, False)
-        old = self.root / ".old-live"
-        shutil.rmtree(old, ignore_errors=True)
-        if self.live.exists():
-            self.live.rename(old)
-        tmp.rename(self.live)
-        fsync_dir(self.root)
-        shutil.rmtree(old, ignore_errors=True)
-
-    def prune(self, keep: int) -> None:
-        """Delete all but the newest `keep` versions."""
-        for version in self.versions()[:-keep] if keep > 0 else self.versions():
-            shutil.rmtree(self.root / version_name(version), ignore_errors=True)
-
-
-def _link_or_copy(src: Path, dst: Path, sync: bool) -> None:
+def claim_store(root: Path, owner: str) -> None:
+    """Make `owner` (a run directory) the owner of the store at `root`, or raise StoreError when another run
+    owns it: two runs sharing one store would overwrite each other's expert states without a sign."""
+    marker = Path(root) / OWNER
+    if marker.exists():
+        holder = marker.read_text().strip()
+        if holder != owner:
+            raise StoreError(f"storage.ssd_path {Path(root).parent} holds the expert store of another run ({holder}); "
+                             "give this run its own storage.ssd_path (or leave it empty: the run directory)")
+        return
     try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-        sync = True
-    if sync:
-        with open(dst, "rb") as f:
-            os.fsync(f.fileno())
+        atomic_write_text(marker, owner + "\n")
+    except OSError as exc:
+        raise StoreError(f"cannot write the expert store at {root}: {exc.strerror or exc}; set storage.ssd_path "
+                         "to a directory you can write") from None

@@ -16,12 +16,14 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from runtime.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, tensor_key
 from runtime.moe.experts import GroupedExperts, expert_ffn
 from runtime.moe.layer import EXPERT_PARAM_NAMES
 from runtime.optim import AdamWHyper, catch_up, expert_adamw_step, lr_at
@@ -30,6 +32,7 @@ from runtime.storage.cache import LFUCache
 from runtime.storage.expert_store import ExpertKey, ExpertState, ExpertStore, new_state, state_bytes
 from runtime.storage.tiers import Tiers
 from runtime.storage.write_behind import WriteBehind
+from runtime.tensorfile import save_tensors
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class LayerSpec:
     """One offloaded MoE layer: which global experts this rank holds and how to run them."""
 
     index: int
+    param_prefix: str
+    """Qualified name of the layer's experts module (`blocks.0.ffn.experts`): checkpoint keys use it."""
     num_local: int
     first_global: int
     names: tuple[str, ...]
@@ -361,24 +366,57 @@ class OffloadManager:
         self._active, self._stall, self.prefetcher.prefetched, self._caught_up = 0, 0.0, 0, 0
         return {f"offload/{k}": v for k, v in out.items()}
 
-    def save(self, version: int, keep: int = 3) -> None:
-        """Make the store hold exactly this step's states and publish them as `version` (= checkpoint step)."""
-        self.wait_step()
-        self.cache.flush()
-        self.writes.drain()
-        self.store.snapshot(version)
-        self.store.prune(keep)
+    def save(self, directory: Path, step: int) -> list[Path]:
+        """Write this rank's experts into the checkpoint being assembled in `directory`: one file per MoE layer
+        (memory bounded by a layer's local experts), under the keys a resident checkpoint uses, every expert caught
+        up to `step`. The checkpoint is then a complete, immutable copy that inference and any EP size can load.
+        Expert-data-parallel replicas hold equal states, so only the first of them writes."""
+        self.drain()
+        assert step == self.steps_done, (step, self.steps_done)
+        if self.groups is not None and self.groups.edp_rank != 0:
+            return []
+        ep_rank = self.groups.ep_rank if self.groups is not None else 0
+        files = []
+        for spec in self.specs.values():
+            tensors: dict[str, Tensor] = {}
+            for j in range(spec.num_local):
+                key = spec.key(j)
+                with self.cache.lock:
+                    state = self.cache.entries.get(key)
+                state = state if state is not None else self.store.read(key)
+                with torch.no_grad():
+                    catch_up(state, spec.names, step, self.lr_schedule, self.adamw)
+                for name in spec.names:
+                    param = f"{spec.param_prefix}.{name}"
+                    tensors[tensor_key(MODEL, param, key[1])] = state[f"param.{name}"]
+                    for kind in STATE_KEYS:
+                        tensors[tensor_key(kind, param, key[1])] = state[f"{kind}.{name}"]
+                    tensors[tensor_key("step", param, key[1])] = state["step"].reshape(1).clone()
+            files.append(save_tensors(directory / f"experts-ep{ep_rank}-L{spec.index:04d}.safetensors", tensors))
+        return files
 
-    def load(self, version: int) -> None:
-        """Restore the store to `version` and drop cached states (resume from the checkpoint of that step)."""
+    def load(self, reader: CheckpointReader, step: int) -> None:
+        """Rebuild this rank's store from a checkpoint (written with offload or without, by any EP size) and drop
+        cached states: the run resumes with exactly the expert states of that checkpoint."""
         self.drain()
         self._end_prefetch()
         self.cache.clear()
         with self._host_lock:
             self._on_host.clear()
             self.tiers.host.used = 0
-        self.store.restore(version)
-        self.steps_done = version
+        for spec in self.specs.values():
+            for j in range(spec.num_local):
+                key = spec.key(j)
+                state: ExpertState = {}
+                for name in spec.names:
+                    param = f"{spec.param_prefix}.{name}"
+                    state[f"param.{name}"] = reader.get(tensor_key(MODEL, param, key[1])).float()
+                    for kind in STATE_KEYS:
+                        state[f"{kind}.{name}"] = reader.get(tensor_key(kind, param, key[1])).float()
+                    state["step"] = reader.get(tensor_key("step", param, key[1])).float().reshape(())
+                self.store.write(key, state)
+        self.store.bytes_written = 0
+        self.steps_done = step
 
     def _end_prefetch(self) -> None:
         for state in self.prefetcher.end_step():
@@ -401,13 +439,14 @@ class OffloadManager:
 
 def layer_specs(model: nn.Module, ep_rank: int = 0) -> list[tuple[nn.Module, LayerSpec]]:
     """(MoE layer, spec) for every MoE layer of `model`, in forward order."""
+    names = {id(module): name for name, module in model.named_modules()}
     out = []
     for index, layer in enumerate(model.moe_layers()):
         experts: GroupedExperts = layer.experts
-        names = tuple(n for n in EXPERT_PARAM_NAMES if getattr(experts, n, None) is not None)
-        nbytes = 3 * 4 * sum(getattr(experts, n)[0].numel() for n in names) + 4
-        out.append((layer, LayerSpec(index, experts.num_experts, ep_rank * experts.num_experts, names,
-                                     experts.expert_type, experts.impl, nbytes)))
+        params = tuple(n for n in EXPERT_PARAM_NAMES if getattr(experts, n, None) is not None)
+        nbytes = 3 * 4 * sum(getattr(experts, n)[0].numel() for n in params) + 4
+        out.append((layer, LayerSpec(index, names[id(experts)], experts.num_experts, ep_rank * experts.num_experts,
+                                     params, experts.expert_type, experts.impl, nbytes)))
     return out
 
 
@@ -435,11 +474,10 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device) -> 
     """The offload runtime storage.offload asks for (auto: the mode `plan_placement` picks), or None for none.
 
     The cache holds storage.cpu_cache_experts experts (0: the plan's number; all local experts for cpu); tier
-    budgets are the plan's per-rank capacities. Each rank keeps its own store (snapshots are per store) under
-    storage.ssd_path/ep{r}-of-{n}-edp{k}; a run with offload resumes on the same expert-parallel size.
+    budgets are the plan's per-rank capacities. Each rank keeps its own store under
+    STORE/ep{r}-of-{n}-edp{k} (STORE: storage.ssd_path, or the run directory's expert_store/), owned by this run.
     """
-    from pathlib import Path
-
+    from runtime.run_dir import expert_store_root
     from runtime.storage.budget import GB
     from runtime.storage.placement import plan_placement
 
@@ -459,7 +497,8 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device) -> 
     tiers = Tiers.with_budgets(plan.per_rank.device_capacity, plan.per_rank.host_capacity,
                                int(cfg.topology.ssd_gb * GB / ranks_per_node))
     ep_rank, ep_size, edp_rank = (groups.ep_rank, groups.ep_size, groups.edp_rank) if groups is not None else (0, 1, 0)
-    store = ExpertStore(Path(st.ssd_path) / f"ep{ep_rank}-of-{ep_size}-edp{edp_rank}")
+    store = ExpertStore(expert_store_root(cfg) / f"ep{ep_rank}-of-{ep_size}-edp{edp_rank}",
+                        owner=str(Path(cfg.train.run_dir).resolve()))
     return install_offload(model, store, device, cache_experts=min(cache, local), hit_threshold=st.hit_threshold,
                            decay_beta=st.decay_beta, decay_every=st.decay_every, prefetch_depth=st.prefetch_depth,
                            lr_schedule=lambda step: lr_at(step, cfg.train),

@@ -11,7 +11,6 @@ A checkpoint is written into .tmp-step_N, fsynced, then renamed: a killed job ne
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -20,23 +19,19 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
+from runtime.checkpoint_format import STATE_KEYS, CheckpointError, CheckpointReader, read_meta, tensor_key
 from runtime.config import MoesysConfig
-from runtime.errors import UserError
-from runtime.io import atomic_write_json, atomic_write_text, fsync_dir, fsync_file
+from runtime.io import atomic_write_json, atomic_write_text, fsync_dir
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.embedding_partition import gather_columns, partitioned_parameters, shard_of
 from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.groups import ParallelGroups
 from runtime.run_dir import CHECKPOINTS
+from runtime.tensorfile import save_tensors, verify
 
-STATE_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-class CheckpointError(UserError):
-    """A checkpoint that is missing, incomplete or does not match the model."""
+__all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 
 def _barrier(groups: ParallelGroups) -> None:
@@ -86,19 +81,19 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         if is_expert_param(pname):
             for g, j in zip(_local_to_global(groups, param.shape[0]), range(param.shape[0])):
                 for kind, t in tensors.items():
-                    experts[f"{kind}.{pname}.{g}"] = (t if kind == "step" else t[j]).contiguous().clone()
+                    experts[tensor_key(kind, pname, g)] = (t if kind == "step" else t[j]).contiguous().clone()
         else:
             for kind, t in tensors.items():
-                dense[f"{kind}.{pname}"] = t.contiguous()
+                dense[tensor_key(kind, pname)] = t.contiguous()
     if dense_shard is not None:  # collective
-        dense.update({f"{kind}.{n}": t.contiguous() for n, kinds in dense_shard.full_state(optimizer).items()
+        dense.update({tensor_key(kind, n): t.contiguous() for n, kinds in dense_shard.full_state(optimizer).items()
                       for kind, t in kinds.items()})
     files = []
     if groups.rank == 0:
-        files.append(_save(tmp / "dense.safetensors", dense))
-    if groups.edp_rank == 0:
-        files.append(_save(tmp / f"experts-ep{groups.ep_rank}.safetensors", experts))
-    files.append(_save(tmp / f"rng-rank{groups.rank}.safetensors", _rng_state()))
+        files.append(save_tensors(tmp / "dense.safetensors", dense))
+    if groups.edp_rank == 0 and experts:
+        files.append(save_tensors(tmp / f"experts-ep{groups.ep_rank}.safetensors", experts))
+    files.append(save_tensors(tmp / f"rng-rank{groups.rank}.safetensors", _rng_state()))
     if extra is not None:
         files += extra(tmp)
     _barrier(groups)
@@ -118,12 +113,6 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     return final
 
 
-def _save(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(path))
-    fsync_file(path)
-    return path
-
-
 def _rng_state() -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -141,33 +130,15 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path if (path / "meta.json").exists() else None
 
 
-class _Reader:
-    """Finds a tensor by key across the checkpoint's safetensors files (memory-mapped, read lazily)."""
-
-    def __init__(self, path: Path):
-        self.where = {}
-        for file in sorted(path.glob("*.safetensors")):
-            if not file.name.startswith("rng-"):
-                handle = safe_open(str(file), framework="pt")
-                self.where.update({key: handle for key in handle.keys()})
-
-    def get(self, key: str) -> torch.Tensor:
-        if key not in self.where:
-            raise CheckpointError(f"checkpoint has no tensor {key}; was it written by a different model config?")
-        return self.where[key].get_tensor(key)
-
-
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    groups: ParallelGroups, restore_rng: bool = True, dense_shard: DenseShard | None = None) -> int:
+                    groups: ParallelGroups, restore_rng: bool = True, dense_shard: DenseShard | None = None,
+                    reader: CheckpointReader | None = None) -> int:
     """Load model (and optimizer) state for this rank's experts, whatever EP size wrote it. Returns the step.
 
     dense_shard: its parameters are read in full and resliced into this rank's shards."""
     path = Path(path)
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path / 'meta.json'}: {exc}") from None
-    reader = _Reader(path)
+    meta = read_meta(path)
+    reader = reader or CheckpointReader(path)
     shards = dict(partitioned_parameters(model))
     held = dense_shard.param_shapes() if dense_shard is not None else {}
     for pname, param in model.named_parameters():
@@ -175,12 +146,13 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             continue
         if is_expert_param(pname):
             globals_ = _local_to_global(groups, param.shape[0])
-            tensors = {kind: [reader.get(f"{kind}.{pname}.{g}") for g in globals_] for kind in ("model", *STATE_KEYS)}
+            tensors = {kind: [reader.get(tensor_key(kind, pname, g)) for g in globals_]
+                       for kind in ("model", *STATE_KEYS)}
             values = {kind: torch.stack(ts) for kind, ts in tensors.items()}
-            step = reader.get(f"step.{pname}.{globals_[0]}")
+            step = reader.get(tensor_key("step", pname, globals_[0]))
         else:
-            values = {kind: reader.get(f"{kind}.{pname}") for kind in ("model", *STATE_KEYS)}
-            step = reader.get(f"step.{pname}")
+            values = {kind: reader.get(tensor_key(kind, pname)) for kind in ("model", *STATE_KEYS)}
+            step = reader.get(tensor_key("step", pname))
             if pname in shards:  # this rank's columns of the full table
                 values = {k: shard_of(v, groups.dp_ranks.index(groups.rank), groups.dp_size) for k, v in values.items()}
         if values["model"].shape != param.shape:
@@ -192,7 +164,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             optimizer.state[param] = {"step": step.reshape(()).clone(),
                                       **{k: values[k].to(param.device, param.dtype) for k in STATE_KEYS}}
     if dense_shard is not None:
-        full = {name: {kind: reader.get(f"{kind}.{name}") for kind in ("model", *STATE_KEYS, "step")}
+        full = {name: {kind: reader.get(tensor_key(kind, name)) for kind in ("model", *STATE_KEYS, "step")}
                 for name in held}
         for name, shape in held.items():
             if full[name]["model"].shape != shape:
@@ -201,6 +173,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         dense_shard.load_full_state(full, optimizer)
     rng_file = path / f"rng-rank{groups.rank}.safetensors"
     if restore_rng and meta["world_size"] == groups.world_size and rng_file.exists():
+        verify(rng_file)
         with safe_open(str(rng_file), framework="pt") as f:
             torch.set_rng_state(f.get_tensor("cpu"))
             if torch.cuda.is_available() and "cuda" in f.keys():

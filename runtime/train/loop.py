@@ -8,6 +8,7 @@ on the global batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import signal
 import time
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from runtime.checkpoint_format import CheckpointReader
 from runtime.config import MoesysConfig
 from runtime.optim import lr_at
 from runtime.parallel.embedding_partition import partitioned_grad_sq
@@ -131,18 +133,26 @@ def grad_norm(c: Components, groups: ParallelGroups) -> float:
     return math.sqrt(float(sq(c.dense_params)) + float(expert_sq) + float(sharded_sq))
 
 
+def _extra_files(c: Components, directory: Path, step: int) -> list[Path]:
+    """What the task heads and the offloaded experts write into a checkpoint being assembled."""
+    files = c.tasks.save(directory, c.optimizer) if c.tasks else []
+    return files + (c.offload.save(directory, step) if c.offload else [])
+
+
 def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torch.device) -> dict:
     """Train until train.max_steps or a stop request; resume from the run directory's latest checkpoint."""
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(Path(run_dir).resolve())))
     stop = StopRequest()
     c = build_components(cfg, groups, device)
     start = 0
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
-        start = load_checkpoint(ckpt, c.model, c.optimizer, groups, dense_shard=c.dense_shard)
+        reader = CheckpointReader(ckpt)
+        start = load_checkpoint(ckpt, c.model, c.optimizer, groups, dense_shard=c.dense_shard, reader=reader)
         if c.tasks:
             c.tasks.load(ckpt, c.optimizer)  # heads of this rank's tasks, whatever allocation wrote them
         if c.offload:
-            c.offload.load(start)
+            c.offload.load(reader, start)
     else:
         torch.manual_seed(cfg.train.seed + 1 + groups.rank)  # router noise differs per rank
     scaler = torch.amp.GradScaler(device.type) if cfg.train.precision == "fp16" else None
@@ -177,11 +187,8 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
                 else:
                     writer.write(record)
             if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.max_steps or stopping:
-                if c.offload:
-                    c.offload.save(step)  # store version = checkpoint step
                 last_ckpt = save_checkpoint(run_dir, step, c.model, c.optimizer, groups, cfg,
-                                            extra=(lambda d: c.tasks.save(d, c.optimizer)) if c.tasks else None,
-                                            dense_shard=c.dense_shard)
+                                            extra=lambda d: _extra_files(c, d, step), dense_shard=c.dense_shard)
             if stopping:
                 break
     finally:  # also on an error: no background write may outlive the run

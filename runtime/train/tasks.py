@@ -18,18 +18,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
+from runtime.checkpoint_format import STATE_KEYS, CheckpointError
 from runtime.config import MoesysConfig
 from runtime.elastic.allocation import AllocationError, Workload, allocate
 from runtime.elastic.workload import workload_from_config
-from runtime.io import atomic_write_json, fsync_file
+from runtime.io import atomic_write_json
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
+from runtime.tensorfile import save_tensors, verify
 from runtime.train.data import TokenDataset, build_task_datasets, task_seed
-
-STATE_KEYS = ("exp_avg", "exp_avg_sq")
 HEAD_INIT_STD = 0.02
 
 
@@ -257,22 +256,19 @@ class MultiTask:
                                                                torch.zeros_like(p)).detach().cpu().contiguous()
                 tensors[f"step.task_heads.{t}.{name}"] = torch.as_tensor(
                     state.get("step", torch.tensor(0.0)), dtype=torch.float32).reshape(1)
-            path = Path(ckpt_dir) / f"heads-{t}.safetensors"
-            save_file(tensors, str(path))
-            fsync_file(path)
-            files.append(path)
+            files.append(save_tensors(Path(ckpt_dir) / f"heads-{t}.safetensors", tensors))
         if self.rank == 0:
             atomic_write_json(Path(ckpt_dir) / "tasks.json", {"ranks": self.layout.ranks, "batch": self.layout.batch})
         return files
 
     def load(self, ckpt_dir: Path, optimizer: torch.optim.Optimizer | None) -> None:
         """Load this rank's heads (and their AdamW states) from a checkpoint written by any allocation."""
-        from runtime.train.checkpoint import CheckpointError
         for t in self.local:
             path = Path(ckpt_dir) / f"heads-{t}.safetensors"
             if not path.exists():
                 raise CheckpointError(f"{ckpt_dir} has no head for task {t!r} (was it written by a run without "
                                       f"that task?)")
+            verify(path)
             with safe_open(str(path), framework="pt") as f:
                 for name, p in self.heads[t].named_parameters():
                     value = f.get_tensor(f"model.task_heads.{t}.{name}")

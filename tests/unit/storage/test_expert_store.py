@@ -1,13 +1,12 @@
-"""The SSD tier: round trips, atomic replacement, versions published by snapshot and restored."""
+"""The SSD tier: round trips, atomic replacement, checksummed files, one owning run per store."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 from runtime.storage.expert_store import ExpertStore, StoreError, new_state, state_bytes
+from runtime.tensorfile import ChecksumError, verify
 
 
 def expert(seed: int) -> dict[str, torch.Tensor]:
@@ -39,30 +38,19 @@ def test_round_trip_is_exact_and_counts_bytes(tmp_path, durable):
         store.read((0, 0))
 
 
-def test_snapshot_keeps_old_states_after_live_rewrites_and_restore_brings_them_back(tmp_path):
-    store = ExpertStore(tmp_path)
-    v1 = new_state(expert(1))
-    store.write((0, 0), v1)
-    store.write((0, 1), new_state(expert(2)))
-    store.snapshot(10)
-    v2 = new_state(expert(3))
-    store.write((0, 0), v2)
-    assert torch.equal(store.read((0, 0))["param.w1"], v2["param.w1"])
-    snap_file = tmp_path / "v00000010" / store.path((0, 0)).name
-    assert os.stat(snap_file).st_ino != os.stat(store.path((0, 0))).st_ino
-    store.restore(10)
-    assert torch.equal(store.read((0, 0))["param.w1"], v1["param.w1"])
-    assert store.versions() == [10]
-    with pytest.raises(StoreError, match="no version 7"):
-        store.restore(7)
+def test_a_store_belongs_to_the_run_that_made_it(tmp_path):
+    ExpertStore(tmp_path / "s", owner="/runs/A").write((0, 0), new_state(expert(1)))
+    ExpertStore(tmp_path / "s", owner="/runs/A")  # the same run reopens it (resume)
+    with pytest.raises(StoreError, match=r"holds the expert store of another run \(/runs/A\)"):
+        ExpertStore(tmp_path / "s", owner="/runs/B")
 
 
-def test_a_snapshot_killed_midway_is_invisible_and_prune_keeps_the_newest(tmp_path):
+def test_store_files_carry_a_checksum(tmp_path):
     store = ExpertStore(tmp_path)
     store.write((0, 0), new_state(expert(1)))
-    (tmp_path / ".tmp-v00000030").mkdir()  # a snapshot whose process died before the rename
-    for v in (10, 20):
-        store.snapshot(v)
-    assert store.versions() == [10, 20]
-    store.prune(1)
-    assert store.versions() == [20]
+    verify(store.path((0, 0)))
+    data = bytearray(store.path((0, 0)).read_bytes())
+    data[-3] ^= 0xFF
+    store.path((0, 0)).write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="L0000-E000000.safetensors is damaged"):
+        verify(store.path((0, 0)))

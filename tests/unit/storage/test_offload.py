@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from runtime.checkpoint_format import CheckpointReader
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.model.params import count_parameters
 from runtime.parallel.groups import build_groups
@@ -164,11 +165,21 @@ def test_idle_experts_are_not_fetched_written_or_stepped(tmp_path):
     y_RD.square().sum().backward()
     mgr.finish_backward()
     mgr.step(1e-2)
-    mgr.save(1)
+    mgr.wait_step()
+    mgr.cache.flush()
+    mgr.writes.drain()
     for g in range(4):
         after = store.read((0, g))
         changed = not torch.equal(after["param.w1"], before[g]["param.w1"])
         assert changed == (g in (0, 2)) and float(after["step"]) == (1.0 if g in (0, 2) else 0.0)
+    # A checkpoint holds every expert as resident AdamW leaves it: the idle ones caught up (decayed) to step 1.
+    (tmp_path / "ckpt").mkdir()
+    mgr.save(tmp_path / "ckpt", 1)
+    reader = CheckpointReader(tmp_path / "ckpt")
+    for g in range(4):
+        w1 = reader.get(f"model.{mgr.specs[0].param_prefix}.w1.{g}")
+        assert float(reader.get(f"step.{mgr.specs[0].param_prefix}.w1.{g}")) == 1.0
+        assert not torch.equal(w1, before[g]["param.w1"])
     run.close()
 
 
@@ -181,8 +192,7 @@ def test_resume_after_kill_with_store_ahead_of_checkpoint(tmp_path):
 
     first = Run(cfg, ssd, durable=True)
     losses = first.train(3)
-    first.mgr.save(3)
-    save_checkpoint(run_dir, 3, first.model, first.opt, first.groups, cfg)
+    save_checkpoint(run_dir, 3, first.model, first.opt, first.groups, cfg, extra=lambda d: first.mgr.save(d, 3))
     first.step(3)  # the store moves past the checkpoint, then the process "dies" without saving
     first.mgr.wait_step()
     first.mgr.cache.flush()
@@ -190,7 +200,7 @@ def test_resume_after_kill_with_store_ahead_of_checkpoint(tmp_path):
 
     second = Run(cfg, ssd, write_initial=False, durable=True)
     step = load_checkpoint(latest_checkpoint(run_dir), second.model, second.opt, second.groups)
-    second.mgr.load(step)
+    second.mgr.load(CheckpointReader(latest_checkpoint(run_dir)), step)
     losses += [second.step(s) for s in range(step, 6)]
     second.close()
     first.close()
