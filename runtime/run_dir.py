@@ -55,16 +55,19 @@ def load_config(run_dir: str | Path) -> MoesysConfig:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """Every complete line of metrics.jsonl (a line being written is skipped)."""
+    """Every complete record (JSON object) of metrics.jsonl; a line being written, or torn by a kill mid-write,
+    is skipped. MetricsWriter reads the file through this on resume."""
     path = Path(run_dir) / METRICS
     if not path.exists():
         return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from runtime.io import atomic_write_text
 from runtime.parallel.groups import ParallelGroups
-from runtime.run_dir import METRICS
+from runtime.run_dir import METRICS, read_metrics
 
 
 def memory_bytes(device: torch.device) -> int:
@@ -59,14 +59,14 @@ def step_stats(lm_loss: torch.Tensor, out, groups: ParallelGroups, memory: int) 
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to run_dir/metrics.jsonl; on resume drops lines past the checkpoint."""
+    """Appends one JSON object per step to run_dir/metrics.jsonl; on resume drops lines past the checkpoint and
+    a line torn by a kill mid-write (read_metrics skips it)."""
 
     def __init__(self, run_dir: Path, resume_step: int):
         self.path = Path(run_dir) / METRICS
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+            kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step]
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.file = open(self.path, "a", buffering=1)
 
     def write(self, record: dict) -> None:
