@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
+import os
 import time
 from pathlib import Path
 
@@ -33,10 +35,20 @@ def expert_store_root(cfg: MoesysConfig) -> Path:
 
 
 def prepare_run_dir(cfg: MoesysConfig) -> Path:
-    """Create the run directory (absolute) and write the resolved config the workers will read.
-    A directory that cannot be made or written is a UserError naming train.run_dir."""
+    """Create the run directory (absolute) and write the resolved config the workers will read. A directory that
+    holds a checkpoint is left untouched unless `cfg`'s model fits that checkpoint (a resume). A directory that
+    cannot be made or written is a UserError naming train.run_dir."""
+    from runtime.train.checkpoint import check_fits, latest_checkpoint  # it names its files after this module's
+
     run_dir = Path(cfg.train.run_dir or default_run_dir(cfg)).resolve()
     cfg.train.run_dir = str(run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        try:
+            check_fits(ckpt, cfg)
+        except UserError as exc:
+            raise UserError(f"cannot resume {run_dir}: {exc}; resume with the model settings it was trained with "
+                            "or choose a new train.run_dir") from None
     try:
         (run_dir / LOGS).mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / CONFIG)
@@ -106,3 +118,35 @@ def run_summary(run_dir: str | Path) -> dict:
         "checkpoint": worker.get("checkpoint"),
         "stopped_early": worker.get("stopped_early", False),
     }
+
+
+LOCK = ".lock"
+
+
+class RunLock:
+    """An exclusive lock on RUN_DIR/.lock (flock) while a job runs there; the OS drops it when its holder exits or
+    is killed, so a stale lock never blocks a resume."""
+
+    def __init__(self, run_dir: Path):
+        path = Path(run_dir) / LOCK
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a+")
+        except OSError as exc:
+            raise UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
+                            "set train.run_dir to a directory you can write") from None
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise UserError(f"run directory {run_dir} is in use by another moesys train ({holder}); wait for it "
+                            "to finish or choose another train.run_dir") from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"pid {os.getpid()}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        self._file.close()

@@ -31,7 +31,7 @@ from runtime.parallel.groups import ParallelGroups
 from runtime.run_dir import CHECKPOINTS
 from runtime.tensorfile import save_tensors, verify
 
-__all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "check_fits", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 
 def _barrier(groups: ParallelGroups) -> None:
@@ -179,3 +179,30 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             if torch.cuda.is_available() and "cuda" in f.keys():
                 torch.cuda.set_rng_state(f.get_tensor("cuda"))
     return int(meta["step"])
+
+
+def check_fits(path: Path, cfg: MoesysConfig) -> None:
+    """Raise CheckpointError (one line, naming the first mismatch) unless every parameter of the model `cfg`
+    describes is in the checkpoint with the same shape. Reads only the files' headers and builds nothing."""
+    from runtime.model.transformer import Transformer
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        if not file.name.startswith("rng-"):
+            with safe_open(str(file), framework="pt") as f:
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith("model.")})
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    for pname, param in model.named_parameters():
+        if is_expert_param(pname):
+            key, want = tensor_key("model", pname, 0), tuple(param.shape[1:])
+            count = sum(1 for k in shapes if k.startswith(f"model.{pname}."))
+            if key in shapes and count != param.shape[0]:
+                raise CheckpointError(f"{path} holds {count} experts per layer; this config has "
+                                      f"model.num_experts={param.shape[0]}")
+        else:
+            key, want = tensor_key("model", pname), tuple(param.shape)
+        if key not in shapes:
+            raise CheckpointError(f"{path} has no {pname}: it was written by a different model config")
+        if shapes[key] != want:
+            raise CheckpointError(f"{pname} has shape {shapes[key]} in {path}; this config makes {want}")

@@ -1,12 +1,21 @@
-"""runtime/run_dir.py: the run directory is made or refused with a UserError; metrics lines are read whole."""
+"""runtime/run_dir.py: the run directory is made or refused with a UserError, left untouched by a resume that does
+not fit its checkpoint, and locked while a job runs in it; metrics lines are read whole."""
 
 from __future__ import annotations
 
-import pytest
+import copy
+import subprocess
+import sys
+from pathlib import Path
 
-from runtime.config import MoesysConfig
+import pytest
+import torch
+
+from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.errors import UserError
-from runtime.run_dir import CONFIG, load_config, prepare_run_dir
+from runtime.parallel.groups import build_groups
+from runtime.run_dir import CONFIG, RunLock, load_config, prepare_run_dir
+from runtime.train.loop import train
 
 
 def test_prepare_run_dir_writes_the_config(tmp_path):
@@ -23,3 +32,50 @@ def test_an_unwritable_run_dir_is_a_user_error(tmp_path):
     cfg.train.run_dir = str(tmp_path / "file" / "run")
     with pytest.raises(UserError, match="cannot write the run directory .*; set train.run_dir"):
         prepare_run_dir(cfg)
+
+
+def trained(tmp_path) -> MoesysConfig:
+    """A run directory with a real checkpoint: one training step of a small MoE, single process."""
+    cfg = MoesysConfig(model=ModelConfig(hidden_size=32, num_layers=2, num_heads=2, ffn_hidden_size=64,
+                                         num_experts=4, max_seq_len=32),
+                       train=TrainConfig(max_steps=1, micro_batch_size=1, seq_len=16, warmup_steps=1,
+                                         run_dir=str(tmp_path / "run")))
+    cfg.topology.nproc_per_node = 1
+    run_dir = prepare_run_dir(cfg)
+    train(cfg, run_dir, build_groups(1, 0, 1, 1), torch.device("cpu"))
+    return cfg
+
+
+def test_a_resume_with_another_model_changes_nothing_in_the_run_dir(tmp_path):
+    cfg = trained(tmp_path)
+    before = (Path(cfg.train.run_dir) / CONFIG).read_bytes()
+    changed = copy.deepcopy(cfg)
+    changed.model.hidden_size = 64
+    with pytest.raises(UserError, match=r"cannot resume .*tok_embeddings.weight has shape \(256, 32\)"):
+        prepare_run_dir(changed)
+    assert (Path(cfg.train.run_dir) / CONFIG).read_bytes() == before
+    fewer = copy.deepcopy(cfg)
+    fewer.model.num_experts = 2
+    with pytest.raises(UserError, match=r"gate.weight has shape \(4, 32\) in .*; this config makes \(2, 32\)"):
+        prepare_run_dir(fewer)
+    same = copy.deepcopy(cfg)
+    same.train.max_steps = 5  # a longer resume of the same model is fine
+    prepare_run_dir(same)
+    assert load_config(cfg.train.run_dir).train.max_steps == 5
+
+
+def test_a_run_dir_in_use_is_refused_and_freed_when_its_holder_dies(tmp_path):
+    lock = RunLock(tmp_path)
+    with pytest.raises(UserError, match=rf"run directory {tmp_path} is in use by another moesys train \(pid"):
+        RunLock(tmp_path)
+    lock.release()
+    RunLock(tmp_path).release()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from runtime.run_dir import RunLock; "
+                               f"lock = RunLock({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(UserError, match="in use"):
+        RunLock(tmp_path)
+    holder.kill()
+    holder.wait(timeout=10)
+    RunLock(tmp_path).release()  # a killed holder leaves no stale lock
