@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from runtime.checkpoint_format import CheckpointReader
 from runtime.config import MoesysConfig
+from runtime.errors import JobError
 from runtime.optim import lr_at
 from runtime.parallel.embedding_partition import partitioned_grad_sq
 from runtime.parallel.groups import ParallelGroups
@@ -41,12 +42,24 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         self.requested = True
 
-    def agreed(self, groups: ParallelGroups) -> bool:
-        """True on every rank once any rank was asked to stop."""
-        flag = torch.tensor([1.0 if self.requested else 0.0])
+    def agreed(self, groups: ParallelGroups, diverged: bool = False) -> tuple[bool, bool]:
+        """(stop, diverged), true on every rank once any rank was asked to stop or saw a non-finite loss."""
+        flags = torch.tensor([float(self.requested), float(diverged)])
         if groups.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
+
+
+def _check_finite(step: int, lm_loss: torch.Tensor, aux_loss: torch.Tensor, diverged_anywhere: bool) -> None:
+    """Stop every rank at the first step whose loss is not finite, before the optimizer applies it: the last good
+    checkpoint stays the newest one, and resuming would only diverge again."""
+    if not diverged_anywhere:
+        return
+    lm, aux = float(lm_loss), float(aux_loss)
+    which = ("language-model loss" if not math.isfinite(lm) else "router loss" if not math.isfinite(aux)
+             else "loss on another rank")
+    raise JobError(f"non-finite {which} at step {step} (lm loss {lm:.4g}, router loss {aux:.4g}); stopped before "
+                   "the optimizer step, the newest checkpoint is the last good one (lower train.lr or check the data)")
 
 
 def _autocast(device: torch.device, precision: str):
@@ -91,6 +104,9 @@ def optimizer_step(c: Components, cfg: MoesysConfig, groups: ParallelGroups, ste
     if scaler:
         scaler.unscale_(c.optimizer)
     norm = grad_norm(c, groups)
+    if scaler is None and not math.isfinite(norm):  # equal on every rank (reduced gradients): all stop here
+        raise JobError(f"non-finite gradient norm at step {step + 1}; stopped before the optimizer step, the newest "
+                       "checkpoint is the last good one (lower train.lr or check the data)")
     coef = None
     if tr.grad_clip > 0 and math.isfinite(norm) and norm > tr.grad_clip:
         coef = tr.grad_clip / (norm + 1e-6)
@@ -166,6 +182,9 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
         for step in range(start + 1, tr.max_steps + 1):
             began = time.perf_counter()
             lm_loss, out = forward_backward(c, cfg, groups, step - 1, device, scaler)
+            aux_loss = out.aux_loss.detach().float() if hasattr(out, "aux_loss") else torch.zeros(())
+            stopping, diverged = stop.agreed(groups, not bool(torch.isfinite(lm_loss + aux_loss)))
+            _check_finite(step, lm_loss, aux_loss, diverged)
             norm = optimizer_step(c, cfg, groups, step - 1, scaler)
             stats = step_stats(lm_loss, out, groups, memory_bytes(device))
             if c.offload:
@@ -177,7 +196,6 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
                 task_stats, rank_lines = c.tasks.step_records(step)  # collective
                 stats.update(task_stats)
             elapsed = time.perf_counter() - began
-            stopping = stop.agreed(groups)
             if writer:
                 record = {"step": step, "max_steps": tr.max_steps, **stats, "grad_norm": norm,
                           "lr": lr_at(step - 1, tr), "tokens_per_s": tokens_per_step / elapsed,
