@@ -3,7 +3,6 @@ checkpoint stays the last good one and nothing NaN is written."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from safetensors.torch import load_file
