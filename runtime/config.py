@@ -199,6 +199,8 @@ class TrainConfig:
     """fp32, bf16 or fp16 compute (fp32 master weights)."""
     log_every: int = 1
     """Steps between metrics lines."""
+    collective_timeout_s: float = 300.0
+    """Seconds a rank waits in a collective for its peers before the job fails with a line naming it."""
 
 
 @dataclass
@@ -286,6 +288,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+BYTE_VOCAB = 256
+"""Tokens of moesys's byte-level tokenizer (runtime/train/tokenizer.py): the smallest vocabulary it can train."""
+
+
 def validate(cfg: MoesysConfig) -> None:
     """Check every cross-field rule and raise one ConfigError that lists all problems."""
     problems: list[str] = []
@@ -354,6 +360,13 @@ def validate(cfg: MoesysConfig) -> None:
     for key in ("checkpoint_every", "max_restarts", "warmup_steps", "grad_clip", "weight_decay"):
         need(getattr(tr, key) >= 0, f"train.{key} must be >= 0 (got {getattr(tr, key)})")
     need(tr.lr > 0, f"train.lr must be positive (got {tr.lr})")
+    need(tr.collective_timeout_s > 0, f"train.collective_timeout_s must be positive (got {tr.collective_timeout_s})")
+    need(not (tr.precision == "fp16" and cfg.storage.offload != "none"),
+         f"storage.offload={cfg.storage.offload} with train.precision=fp16 is not supported (the CPU optimizer "
+         "does not unscale); use train.precision=bf16 or fp32")
+    need(m.vocab_size >= BYTE_VOCAB,
+         f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens; set "
+         f"model.vocab_size>={BYTE_VOCAB}")
     need(tr.seq_len <= m.max_seq_len,
          f"train.seq_len={tr.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
 

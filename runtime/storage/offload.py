@@ -481,12 +481,7 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device) -> 
     from runtime.storage.budget import GB
     from runtime.storage.placement import plan_placement
 
-    from runtime.errors import UserError
-
     st = cfg.storage
-    if cfg.train.precision == "fp16" and st.offload != "none":
-        raise UserError("storage.offload with train.precision=fp16 is not supported (the CPU optimizer does not "
-                        "unscale); use train.precision=bf16 or fp32")
     plan = plan_placement(cfg)
     mode = plan.mode if st.offload == "auto" else st.offload
     if mode not in ("cpu", "ssd"):

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from runtime.config import MoesysConfig
-from runtime.errors import UserError
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 from runtime.optim import ADAMW_BETAS, ADAMW_EPS
@@ -26,7 +25,6 @@ from runtime.parallel.groups import ParallelGroups
 from runtime.storage.offload import OffloadManager, offload_from_config
 from runtime.train.data import TokenDataset
 from runtime.train.tasks import MultiTask, add_heads_to_optimizer, build_multitask
-from runtime.train.tokenizer import ByteTokenizer
 
 MB = 2**20
 
@@ -90,9 +88,6 @@ def build_sharded_optimizer(model: nn.Module, shard: DenseShard, cfg: MoesysConf
 
 
 def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Components:
-    if cfg.model.vocab_size < ByteTokenizer.vocab_size:
-        raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
-                        f"{ByteTokenizer.vocab_size} tokens; set model.vocab_size>={ByteTokenizer.vocab_size}")
     model = build_model(cfg, groups, device)
     offload = None
     if cfg.storage.offload in ("cpu", "ssd", "auto"):

@@ -56,7 +56,8 @@ class TokenDataset:
             raise DataError(f"{name}: seq_len must be positive (got {seq_len})")
         tokens = tokens.reshape(-1)
         if tokens.numel() < seq_len + 1:
-            raise DataError(f"{name} holds {tokens.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+            raise DataError(f"{name} holds {tokens.numel()} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; "
+                            "lower train.seq_len or give more text")
         self.tokens = tokens
         self.seq_len = seq_len
         self.seed = seed

@@ -24,6 +24,7 @@ from runtime.errors import JobError
 from runtime.optim import lr_at
 from runtime.parallel.embedding_partition import partitioned_grad_sq
 from runtime.parallel.groups import ParallelGroups
+from runtime.parallel.timeouts import is_timeout, timeout_error
 from runtime.train.build import Components, build_components
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from runtime.train.metrics import MetricsWriter, memory_bytes, step_stats
@@ -209,6 +210,10 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
                                             extra=lambda d: _extra_files(c, d, step), dense_shard=c.dense_shard)
             if stopping:
                 break
+    except RuntimeError as exc:
+        if is_timeout(exc):  # one line naming the collective and the step, not gloo's
+            raise timeout_error(exc, step, tr.collective_timeout_s) from None
+        raise
     finally:  # also on an error: no background write may outlive the run
         if c.offload:
             c.offload.close()

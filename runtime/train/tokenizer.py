@@ -9,11 +9,13 @@ from typing import Iterable
 
 import torch
 
+from runtime.config import BYTE_VOCAB
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255."""
 
-    vocab_size: int = 256
+    vocab_size: int = BYTE_VOCAB
 
     def encode(self, text: str) -> list[int]:
         """The UTF-8 bytes of `text`."""

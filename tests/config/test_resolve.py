@@ -45,7 +45,7 @@ def test_gpt_moe_recipes_follow_table_1():
 
 def test_overrides_reach_every_section():
     cfg = resolve_config(["recipe=gpt-moe-13b", "model.num_experts=16", "topology.nodes=2",
-                          "topology.expert_parallel=16", "storage.offload=ssd", "train.lr=0.5"])
+                          "topology.expert_parallel=16", "storage.offload=ssd", "train.precision=bf16", "train.lr=0.5"])
     assert (cfg.model.num_experts, cfg.topology.nodes, cfg.storage.offload, cfg.train.lr) == (16, 2, "ssd", 0.5)
 
 
