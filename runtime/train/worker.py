@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 from pathlib import Path
 
-import torch
+AGENT_PID = os.getppid()  # read before the imports below (seconds), so an agent that dies meanwhile is noticed
+
+import torch  # noqa: E402
 import torch.distributed as dist
 
 from runtime.errors import UserError
 from runtime.io import atomic_write_json
 from runtime.parallel.groups import build_groups
+from runtime.process import die_with_parent
 from runtime.run_dir import SUMMARY, load_config
 from runtime.topology import set_cpu_threads
 from runtime.train.loop import train
@@ -49,6 +53,8 @@ def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.S
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's workers have their own sessions: nothing else ends them
+        die_with_parent(signal.SIGKILL, AGENT_PID)  # when the agent dies (SIGKILL, out of memory)
     try:
         return run(Path(argv[0]))
     except UserError as exc:

@@ -1,0 +1,199 @@
+"""The processes of a torchrun job: tied to the process that launched them, stopped by SIGINT/SIGTERM forwarded
+once, and followed through torchrun's log tree (LOG_DIR/<run id>/attempt_<n>/<local rank>/): restarts and the
+rank that failed first."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.train.checkpoint import latest_checkpoint
+
+PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl on Linux, else None (loaded here, never in a forked child that is about to exec)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def die_with_parent(sig: int, parent: int) -> None:
+    """Have Linux send `sig` to this process when its parent exits (PR_SET_PDEATHSIG); if the parent is no longer
+    `parent` (it exited before the request, and this process was adopted), send it now. No-op without prctl."""
+    prctl = _prctl()
+    if prctl is None:
+        return
+    prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+
+
+def _tie_to(parent: int, sig: int) -> Callable[[], None] | None:
+    """A preexec_fn: the child gets `sig` when `parent` exits, and never starts if it already has."""
+    prctl = _prctl()
+    if prctl is None:
+        return None
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(128 + int(sig))
+
+    return preexec
+
+
+class Job:
+    """A command (torchrun) run while this process follows it, as a context manager.
+
+    It runs in its own session, so a terminal's Ctrl-C reaches it only through this process, and Linux sends it
+    SIGTERM when this process dies, even by SIGKILL (torchrun then stops its workers as for any SIGTERM). The first
+    SIGINT or SIGTERM this process receives is forwarded (torchrun passes it on; the workers checkpoint at the end
+    of the step and exit); a second one kills the command, and its workers die with it.
+    """
+
+    def __init__(self, argv: list[str], log_path: Path):
+        self.argv, self.log_path = argv, Path(log_path)
+        self.stop_signal: int | None = None
+        """The first stop signal received (signal.SIGINT or signal.SIGTERM), or None."""
+        self.proc: subprocess.Popen | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> Job:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_tie_to(os.getpid(), signal.SIGTERM))
+        if self.stop_signal is not None:  # arrived while starting
+            self.proc.send_signal(self.stop_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame) -> None:
+        first = self.stop_signal is None
+        if first:
+            self.stop_signal = signum
+        if self.proc is not None:
+            self.proc.send_signal(signum) if first else self.proc.kill()
+
+    def wait(self, timeout: float) -> int | None:
+        """The command's exit status, or None while it runs after `timeout` seconds."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.proc is not None and self.proc.poll() is None:  # the follower failed: stop the job, gently
+                self.proc.terminate()
+                self.proc.wait()
+        finally:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+
+
+@dataclass(frozen=True)
+class RankError:
+    local_rank: int
+    message: str
+    """The exception line, e.g. `RuntimeError: ...`."""
+
+
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]: ?")
+
+
+def exception_line(text: str) -> str | None:
+    """The exception line of the last Python traceback in `text` (torch's `[rankN]:` prefixes removed)."""
+    lines = [_RANK_PREFIX.sub("", line) for line in text.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if not starts:
+        return None
+    for line in lines[starts[-1] + 1:]:
+        if line.strip() and not line[0].isspace():
+            return line.strip()
+    return None
+
+
+def _error_json_message(path: Path) -> str | None:
+    try:
+        message = json.loads(path.read_text()).get("message")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(message, dict):
+        message = message.get("message")
+    return message.strip().splitlines()[-1] if isinstance(message, str) and message.strip() else None
+
+
+def first_failure(attempt_dir: Path) -> RankError | None:
+    """The error of the rank that failed first in one attempt of torchrun's log tree, or None.
+
+    A rank failed when it has an error.json or its stderr.log ends a traceback; the one whose file was written
+    first failed first. The others usually fail because of it (a peer's closed connection), later."""
+    found = []
+    for rank_dir in Path(attempt_dir).iterdir():
+        if not rank_dir.name.isdigit():
+            continue
+        error_file, stderr = rank_dir / "error.json", rank_dir / "stderr.log"
+        message = _error_json_message(error_file) if error_file.exists() else None
+        source = error_file
+        if message is None and stderr.exists():
+            message, source = exception_line(stderr.read_text(errors="replace")), stderr
+        if message:
+            found.append((source.stat().st_mtime_ns, int(rank_dir.name), message))
+    if not found:
+        return None
+    _, rank, message = min(found)
+    return RankError(rank, message)
+
+
+def resume_point(run_dir: Path) -> tuple[Path, int] | None:
+    """The checkpoint workers started in `run_dir` now resume from, and its step; None when there is none."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return None
+    try:
+        return ckpt, int(json.loads((ckpt / "meta.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+class TorchrunLogs:
+    """torchrun's log tree under LOG_DIR, for the launch that starts after this object is made (earlier
+    launches into the same run directory left their own run-id directories there)."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+        self._earlier = set(self._run_dirs())
+
+    def _run_dirs(self) -> list[Path]:
+        return [p for p in self.log_dir.iterdir() if p.is_dir()] if self.log_dir.is_dir() else []
+
+    def attempts(self) -> list[Path]:
+        """This launch's attempt directories, oldest first (attempt_1 and later are restarts of the workers)."""
+        found = [a for d in self._run_dirs() if d not in self._earlier for a in d.glob("attempt_*")
+                 if a.name.removeprefix("attempt_").isdigit()]
+        return sorted(found, key=lambda a: int(a.name.removeprefix("attempt_")))
+
+    def restarts(self) -> int:
+        """How many times torchrun has restarted this launch's workers."""
+        attempts = self.attempts()
+        return int(attempts[-1].name.removeprefix("attempt_")) if attempts else 0
+
+    def failure(self) -> RankError | None:
+        """The first failing rank's error in the newest attempt."""
+        attempts = self.attempts()
+        return first_failure(attempts[-1]) if attempts else None
