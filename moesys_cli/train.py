@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import shlex
-import subprocess
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +15,9 @@ from moesys_cli.options import Json, Overrides
 from moesys_cli.render import console, error, print_json
 from moesys_cli.resolve import config_yaml, resolve_config
 from moesys_cli.slurm import submit
+from runtime.config import TrainConfig
 from runtime.launch import build_launch, check_launchable
+from runtime.process import Job, TorchrunLogs, resume_point
 from runtime.run_dir import LOGS, default_run_dir, last_step_metrics, prepare_run_dir, run_summary
 from runtime.train.data import read_text_bytes
 
@@ -37,16 +40,18 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     spec = build_launch(cfg, run_dir)
     if spec.script:
         submit(spec, run_dir, json_out)  # SLURM runs the job later: submit it, say how to follow it, exit 0
-    log = open(run_dir / LOGS / "launcher.log", "ab")
-    proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT)
-    code, interrupted = _follow(proc, run_dir, cfg.train.max_steps, quiet=json_out)
+    logs = TorchrunLogs(run_dir / LOGS)
+    with Job(spec.argv, run_dir / LOGS / "launcher.log") as job:
+        code = _follow(job, logs, run_dir, cfg.train, quiet=json_out)
     summary = run_summary(run_dir)
-    if interrupted:
-        error(f"stopped at step {summary['steps']} with checkpoint {summary['checkpoint']}; "
-              f"resume with: moesys train {shlex.join(overrides or [])} train.run_dir={run_dir}")
-        raise typer.Exit(130)
+    if job.stop_signal is not None and (code != 0 or summary["stopped_early"]):
+        error(f"{_stopped(run_dir, summary['steps'])}; resume with: {_resume_command(overrides or [], run_dir)}")
+        raise typer.Exit(128 + job.stop_signal)
+    if code < 0:  # torchrun itself was killed; its workers died with it
+        error(f"training failed: torchrun was killed by {signal.Signals(-code).name} (logs in {run_dir / LOGS})")
+        raise typer.Exit(128 - code)
     if code != 0:
-        error(f"training failed with exit code {code}: {_last_error(run_dir)} (logs in {run_dir / LOGS})")
+        error(f"training failed with exit code {code}: {_last_error(logs, run_dir)} (logs in {run_dir / LOGS})")
         raise typer.Exit(code)
     if json_out:
         print_json(summary)
@@ -57,39 +62,62 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     raise typer.Exit(0)
 
 
-def _follow(proc: subprocess.Popen, run_dir: Path, max_steps: int, quiet: bool) -> tuple[int, bool]:
-    """Show step, loss, tokens/s and expert load balance until the job ends; Ctrl-C reaches the job too,
-    whose workers checkpoint and exit. Returns (exit code, whether the user interrupted)."""
-    interrupted = False
+def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, tr: TrainConfig, quiet: bool) -> int:
+    """Show step, loss, tokens/s and expert load balance until the job ends, and say when it resumed from a
+    checkpoint or torchrun restarted its workers. Returns the job's exit code."""
     columns = [TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
     with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
-        task = progress.add_task("train", total=max_steps, info="starting workers")
+        def say(line: str) -> None:
+            if not quiet:
+                progress.console.print(line, markup=False, highlight=False)
+
+        task = progress.add_task("train", total=tr.max_steps, info="starting workers")
+        resumed = resume_point(run_dir)
+        if resumed:
+            say(f"resumed from step {resumed[1]} ({resumed[0]})")
+        restarts, stopping = 0, None
         while True:
-            try:
-                code = proc.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                code = None
-            except KeyboardInterrupt:
-                interrupted = True
-                progress.update(task, info="stopping: workers checkpoint and exit")
-                code = proc.wait()
+            code = job.wait(timeout=0.5)
+            if job.stop_signal is not None and stopping is None:
+                stopping = job.stop_signal
+                say(f"{signal.Signals(stopping).name}: the workers checkpoint at the end of the step and exit "
+                    "(send it again to stop at once)")
+            if logs.restarts() > restarts:
+                restarts = logs.restarts()
+                point = resume_point(run_dir)
+                say(f"worker restarted ({restarts} of {tr.max_restarts} restarts), back to step "
+                    f"{point[1] if point else 0}")
             m = last_step_metrics(run_dir)
             if m:
                 progress.update(task, completed=m["step"],
                                 info=f"loss {m['loss']:.3f}  {m['tokens_per_s']:.0f} tok/s  "
                                      f"load max/mean {m['expert_load_max_over_mean']:.2f}")
             if code is not None:
-                return code, interrupted
+                return code
 
 
-def _last_error(run_dir: Path) -> str:
-    """The last line of the newest non-empty worker error log, or of the launcher log."""
-    logs = sorted((p for p in (run_dir / LOGS).rglob("error.json")), key=lambda p: p.stat().st_mtime)
-    logs += sorted((p for p in (run_dir / LOGS).rglob("stderr.log") if p.stat().st_size),
-                   key=lambda p: p.stat().st_mtime)
-    for path in [*reversed(logs), run_dir / LOGS / "launcher.log"]:
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-        if lines:
-            return lines[-1].strip()[:300]
-    return "no log output"
+def _stopped(run_dir: Path, step: int) -> str:
+    point = resume_point(run_dir)
+    if point is None:
+        return f"stopped at step {step} before any checkpoint"
+    if point[1] == step:
+        return f"stopped at step {step} with checkpoint {point[0]}"
+    return f"stopped at step {step}; the last checkpoint is {point[0]} (step {point[1]})"
+
+
+def _resume_command(overrides: list[str], run_dir: Path) -> str:
+    """The command that continues this run: the user's overrides with train.run_dir set once, to this run."""
+    kept = [o for o in overrides if not re.match(r"\+{0,2}train\.run_dir=", o)]
+    return shlex.join(["moesys", "train", *kept, f"train.run_dir={run_dir}"])
+
+
+def _last_error(logs: TorchrunLogs, run_dir: Path) -> str:
+    """The error of the rank that failed first (the others' errors are mostly its echo: a closed connection),
+    else the last line of the launcher log."""
+    failure = logs.failure()
+    if failure:
+        return f"local rank {failure.local_rank}: {failure.message[:300]}"
+    launcher = run_dir / LOGS / "launcher.log"
+    lines = [line for line in launcher.read_text(errors="replace").splitlines() if any(c.isalnum() for c in line)]
+    return lines[-1].strip()[:300] if lines else "no log output"
