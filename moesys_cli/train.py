@@ -18,8 +18,9 @@ from moesys_cli.slurm import submit
 from runtime.config import TrainConfig
 from runtime.launch import build_launch, check_launchable
 from runtime.process import Job, TorchrunLogs, resume_point
-from runtime.run_dir import LOGS, default_run_dir, last_step_metrics, prepare_run_dir, run_summary
-from runtime.train.data import read_text_bytes
+from runtime.run_dir import (LOGS, RunLock, clear_fatal, default_run_dir, last_step_metrics, prepare_run_dir,
+                             read_fatal, run_summary)
+from runtime.train.preflight import check_before_launch
 
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and the command; run nothing.")]
 
@@ -27,23 +28,29 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved conf
 def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json = False) -> None:
     """Train with expert + data parallelism in torchrun processes; exits with the job's status."""
     cfg = resolve_config(overrides or [])
-    if cfg.train.data:
-        read_text_bytes(Path(cfg.train.data))  # fail here, in one line, rather than in every worker
+    cfg.train.run_dir = str(Path(cfg.train.run_dir or default_run_dir(cfg)).resolve())
+    check_before_launch(cfg)  # what every worker would otherwise fail on, after torchrun's retries
     if dry_run:
-        run_dir = Path(cfg.train.run_dir or default_run_dir(cfg)).resolve()
-        spec = build_launch(cfg, run_dir)
+        spec = build_launch(cfg, Path(cfg.train.run_dir))
         typer.echo(config_yaml(cfg))
         typer.echo(spec.script if spec.script else shlex.join(spec.argv))
         raise typer.Exit(0)
     check_launchable(cfg)
+    lock = RunLock(Path(cfg.train.run_dir))  # held until this process exits: one job per run directory
     run_dir = prepare_run_dir(cfg)
+    clear_fatal(run_dir)
     spec = build_launch(cfg, run_dir)
     if spec.script:
+        lock.release()
         submit(spec, run_dir, json_out)  # SLURM runs the job later: submit it, say how to follow it, exit 0
     logs = TorchrunLogs(run_dir / LOGS)
     with Job(spec.argv, run_dir / LOGS / "launcher.log") as job:
         code = _follow(job, logs, run_dir, cfg.train, quiet=json_out)
     summary = run_summary(run_dir)
+    fatal = read_fatal(run_dir)
+    if code != 0 and fatal is not None and job.stop_signal is None:  # a worker's own verdict, not retried
+        error(fatal[1])
+        raise typer.Exit(fatal[0])
     if job.stop_signal is not None and (code != 0 or summary["stopped_early"]):
         error(f"{_stopped(run_dir, summary['steps'])}; resume with: {_resume_command(overrides or [], run_dir)}")
         raise typer.Exit(128 + job.stop_signal)
@@ -58,7 +65,7 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     else:
         console.print(f"done: {summary['steps']} steps, loss {summary['initial_loss']:.3f} -> "
                       f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:.0f} tokens/s; "
-                      f"checkpoint {summary['checkpoint']}")
+                      f"checkpoint {summary['checkpoint']}", markup=False, highlight=False)
     raise typer.Exit(0)
 
 
@@ -83,7 +90,7 @@ def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, tr: TrainConfig, quiet:
                 stopping = job.stop_signal
                 say(f"{signal.Signals(stopping).name}: the workers checkpoint at the end of the step and exit "
                     "(send it again to stop at once)")
-            if logs.restarts() > restarts:
+            if logs.restarts() > restarts and read_fatal(run_dir) is None:  # else restarts only report it
                 restarts = logs.restarts()
                 point = resume_point(run_dir)
                 say(f"worker restarted ({restarts} of {tr.max_restarts} restarts), back to step "

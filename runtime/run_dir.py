@@ -21,6 +21,7 @@ SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"
 LOGS = "logs"
 EXPERT_STORE = "expert_store"
+FATAL = "fatal_error.txt"
 
 
 def default_run_dir(cfg: MoesysConfig) -> Path:
@@ -150,3 +151,25 @@ class RunLock:
 
     def release(self) -> None:
         self._file.close()
+
+
+def record_fatal(run_dir: Path, exit_code: int, message: str) -> None:
+    """A worker met an error that a restart would meet again: write it once (the first rank's wins), so restarted
+    workers stop at once and the CLI reports it instead of torchrun's retries."""
+    path = Path(run_dir) / FATAL
+    if not path.exists():
+        atomic_write_text(path, f"{exit_code}\n{message}\n")
+
+
+def read_fatal(run_dir: Path) -> tuple[int, str] | None:
+    """(exit code, one-line message) recorded by record_fatal, or None."""
+    path = Path(run_dir) / FATAL
+    if not path.exists():
+        return None
+    code, _, message = path.read_text().partition("\n")
+    return int(code), message.strip()
+
+
+def clear_fatal(run_dir: Path) -> None:
+    """A new launch in the directory (the user fixed the cause) starts without the old verdict."""
+    (Path(run_dir) / FATAL).unlink(missing_ok=True)

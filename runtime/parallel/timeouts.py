@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import traceback
 
-from runtime.errors import JobError
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than train.collective_timeout_s; a restart may help (a peer was stuck)."""
 
 
 def is_timeout(exc: BaseException) -> bool:
@@ -15,15 +17,17 @@ def is_timeout(exc: BaseException) -> bool:
 def collective_of(exc: BaseException) -> str:
     """`all_to_all_single in runtime/parallel/alltoall.py:_exchange` for the innermost collective in the traceback."""
     frames = traceback.extract_tb(exc.__traceback__)
-    for i in range(len(frames) - 1, -1, -1):
-        if frames[i].filename.endswith("distributed_c10d.py"):
-            caller = next((f for f in reversed(frames[:i]) if "/runtime/" in f.filename), None)
-            where = f" in runtime/{caller.filename.split('/runtime/', 1)[1]}:{caller.name}" if caller else ""
-            return f"{frames[i].name}{where}"
-    return "a collective"
+    ours = [i for i, f in enumerate(frames) if "/runtime/" in f.filename]
+    if not ours:
+        return "a collective"
+    caller = frames[ours[-1]]
+    where = f"runtime/{caller.filename.split('/runtime/', 1)[1]}:{caller.name}"
+    call = next((f.name for f in frames[ours[-1] + 1:] if f.filename.endswith("distributed_c10d.py")), None)
+    # An asynchronous collective (Work.wait) leaves no torch.distributed frame: name where it was awaited.
+    return f"{call} in {where}" if call else f"a collective (awaited in {where})"
 
 
-def timeout_error(exc: BaseException, step: int, timeout_s: float) -> JobError:
-    return JobError(f"step {step}: {collective_of(exc)} waited more than train.collective_timeout_s={timeout_s:g} s "
+def timeout_error(exc: BaseException, step: int, timeout_s: float) -> CollectiveTimeout:
+    return CollectiveTimeout(f"step {step}: {collective_of(exc)} waited more than train.collective_timeout_s={timeout_s:g} s "
                     "for a peer rank, which is stuck or died (its log is under RUN_DIR/logs; raise the timeout "
                     "for slow steps)")

@@ -212,7 +212,7 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
                 break
     except RuntimeError as exc:
         if is_timeout(exc):  # one line naming the collective and the step, not gloo's
-            raise timeout_error(exc, step, tr.collective_timeout_s) from None
+            raise timeout_error(exc, step, tr.collective_timeout_s) from exc
         raise
     finally:  # also on an error: no background write may outlive the run
         if c.offload:

@@ -30,10 +30,12 @@ def _check_store(root: Path, run_dir: str) -> None:
         if holder != run_dir:
             raise UserError(f"storage.ssd_path {root} holds the expert store of another run ({holder}); give this "
                             "run its own storage.ssd_path (or leave it empty: the run directory)")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=root):
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:  # where the store would be made: writable? (nothing is left behind, also for --dry-run)
+        with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as exc:
-        raise UserError(f"storage.ssd_path {root} cannot be created or written ({exc.strerror or exc}); set "
-                        "storage.ssd_path to a directory you can write") from None
+        raise UserError(f"storage.ssd_path {root} cannot be created or written ({probe}: {exc.strerror or exc}); "
+                        "set storage.ssd_path to a directory you can write") from None

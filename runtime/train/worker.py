@@ -13,17 +13,18 @@ AGENT_PID = os.getppid()  # read before the imports below (seconds), so an agent
 import torch  # noqa: E402
 import torch.distributed as dist
 
-from runtime.errors import UserError
+from runtime.errors import JobError, UserError
 from runtime.io import atomic_write_json
 from runtime.parallel.groups import build_groups
 from runtime.process import die_with_parent
-from runtime.run_dir import SUMMARY, load_config
+from runtime.run_dir import SUMMARY, load_config, read_fatal, record_fatal
 from runtime.topology import set_cpu_threads
 from runtime.train.loop import train
 
 
-def init_distributed() -> tuple[int, int, int, torch.device]:
-    """(rank, world size, processes on this node, device) from torchrun's environment; NCCL on GPUs, gloo on CPU."""
+def init_distributed(timeout_s: float = 600.0) -> tuple[int, int, int, torch.device]:
+    """(rank, world size, processes on this node, device) from torchrun's environment; NCCL on GPUs, gloo on CPU.
+    timeout_s bounds every wait on a peer (train.collective_timeout_s)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if torch.cuda.is_available():
@@ -32,7 +33,7 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
     else:
         device = torch.device("cpu")
     if world > 1:
-        timeout = datetime.timedelta(minutes=10)
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                 timeout=timeout, store=_attempt_store(rank, world, timeout))
     return rank, world, local_world, device
@@ -55,16 +56,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's workers have their own sessions: nothing else ends them
         die_with_parent(signal.SIGKILL, AGENT_PID)  # when the agent dies (SIGKILL, out of memory)
+    run_dir = Path(argv[0])
+    fatal = read_fatal(run_dir)
+    if fatal is not None:  # an earlier attempt met an error that would recur: do not retry it
+        print(f"error: {fatal[1]}", file=sys.stderr)
+        return fatal[0]
     try:
-        return run(Path(argv[0]))
-    except UserError as exc:
+        return run(run_dir)
+    except (UserError, JobError) as exc:
+        code = 2 if isinstance(exc, UserError) else 3
+        record_fatal(run_dir, code, str(exc))
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return code
 
 
 def run(run_dir: Path) -> int:
     cfg = load_config(run_dir)
-    rank, world, local_world, device = init_distributed()
+    rank, world, local_world, device = init_distributed(cfg.train.collective_timeout_s)
     if device.type == "cpu":  # a share of the CPUs this process may use; torchrun's OMP_NUM_THREADS=1 is its default
         set_cpu_threads(local_world, respect_env=False)
     groups = build_groups(world, rank, cfg.topology.expert_parallel, cfg.parallel.ranks_per_node or local_world)
