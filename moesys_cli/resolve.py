@@ -19,11 +19,13 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runtime.config import ConfigError, MoesysConfig, validate
+from runtime.config import ConfigError, MoesysConfig, resolve_auto, validate
 from runtime.run_dir import expert_store_root
 from runtime.topology import detect_machine
 
 GROUPS = ("model", "topology", "storage", "train", "infer", "launcher", "recipe")
+AUTO_KEYS = ("topology.expert_parallel",)
+"""Integer keys that also take `auto`: the schema stores it as 0 and runtime.config.resolve_auto replaces it."""
 
 
 def _data_dir(name: str) -> Path:
@@ -58,8 +60,20 @@ def _register(extra: dict[str, Path]) -> None:
     cs.store(name="moesys_schema", node=MoesysConfig)
     paths = {p.stem: p for p in sorted(recipes_dir().glob("*.yaml"))} | extra
     for name, path in paths.items():
-        node = yaml.safe_load(path.read_text()) or {}
+        node = _auto_to_zero(yaml.safe_load(path.read_text()) or {})
         cs.store(group="recipe", name=name, node=node, package="_global_")
+
+
+def _auto_to_zero(node: dict) -> dict:
+    """`key: auto` in a recipe, for the AUTO_KEYS, as the schema's 0 (OmegaConf has no int-or-str fields)."""
+    for dotted in AUTO_KEYS:
+        *path, name = dotted.split(".")
+        parent = node
+        for part in path:
+            parent = parent.get(part) if isinstance(parent, dict) else None
+        if isinstance(parent, dict) and str(parent.get(name)).lower() == "auto":
+            parent[name] = 0
+    return node
 
 
 def _field_type(cls: type, name: str):
@@ -130,6 +144,8 @@ def resolve_config(overrides: list[str] | tuple[str, ...] = ()) -> MoesysConfig:
     for i, override in enumerate(overrides):
         key, _, value = override.partition("=")
         path = recipe_file(value) if key == "recipe" else None
+        if key.lstrip("+~") in AUTO_KEYS and value.strip().lower() == "auto":
+            overrides[i] = f"{key}=0"
         if path:
             name = "file-" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
             files[name] = path
@@ -144,6 +160,7 @@ def resolve_config(overrides: list[str] | tuple[str, ...] = ()) -> MoesysConfig:
     assert isinstance(cfg, MoesysConfig)
     if cfg.topology.detect:
         _apply_machine(cfg)
+    resolve_auto(cfg)
     validate(cfg)
     return cfg
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -117,15 +118,21 @@ class TopologyConfig:
     ssd_gb: float = 100.0
     """SSD space of one node in GB."""
     expert_parallel: int = 1
-    """Ranks the experts of a layer are split over."""
+    """Ranks the experts of a layer are split over; `auto` (stored as 0 until resolved): the largest divisor of the
+    world size that also divides model.num_experts. Resolved to an int before any verb or worker sees it."""
     nproc_per_node: int = 2
     """Processes per node for local runs."""
     detect: bool = False
     """Fill gpus_per_node, gpu_memory_gb, cpu_memory_gb and ssd_gb from this machine."""
 
     @property
+    def processes_per_node(self) -> int:
+        """Ranks per node: one per GPU when gpus_per_node is set, else nproc_per_node CPU processes."""
+        return self.gpus_per_node or self.nproc_per_node
+
+    @property
     def world_size(self) -> int:
-        return self.nodes * self.nproc_per_node
+        return self.nodes * self.processes_per_node
 
 
 @dataclass
@@ -288,6 +295,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+def resolve_auto(cfg: MoesysConfig) -> None:
+    """Replace values left to moesys (stored as 0) by what they mean for this config; runs before validate()."""
+    t, experts = cfg.topology, cfg.model.num_experts
+    if t.expert_parallel == 0:
+        t.expert_parallel = math.gcd(t.world_size, experts) if experts > 0 and t.world_size > 0 else 1
+
+
 BYTE_VOCAB = 256
 """Tokens of moesys's byte-level tokenizer (runtime/train/tokenizer.py): the smallest vocabulary it can train."""
 
@@ -337,8 +351,8 @@ def validate(cfg: MoesysConfig) -> None:
              f"model.num_experts={m.num_experts} is not divisible by topology.expert_parallel={t.expert_parallel}")
     if t.expert_parallel > 0 and t.nodes > 0 and t.nproc_per_node > 0:
         need(t.world_size % t.expert_parallel == 0,
-             f"topology.expert_parallel={t.expert_parallel} must divide the world size "
-             f"(nodes x nproc_per_node = {t.world_size})")
+             f"topology.expert_parallel={t.expert_parallel} must divide the world size (topology.nodes x "
+             f"{'gpus_per_node' if t.gpus_per_node else 'nproc_per_node'} = {t.world_size})")
 
     if m.embedding_partition and t.nodes > 0 and t.nproc_per_node > 0:
         need(m.hidden_size % t.world_size == 0,
@@ -433,5 +447,6 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
 def config_from_dict(data: dict) -> MoesysConfig:
     """Rebuild and validate a MoesysConfig from plain data (the inverse of config_to_dict)."""
     cfg = _build(MoesysConfig, data, "")
+    resolve_auto(cfg)
     validate(cfg)
     return cfg
