@@ -12,7 +12,8 @@ from runtime.storage.placement import plan_placement, plan_to_dict
 
 
 def plan(overrides: Overrides = None, json_out: Json = False) -> None:
-    """Check memory budgets (Eq. 1) and say where each kind of state lives. Exit 0 fits, 1 does not, 2 bad input."""
+    """Check memory budgets (Eq. 1) and say where each kind of state lives; a recipe with purpose=serve is judged
+    by its inference budget. Exit 0 fits, 1 does not, 2 bad input."""
     cfg = resolve_config(overrides or [])
     result = plan_to_dict(plan_placement(cfg))
     if json_out:
@@ -52,6 +53,13 @@ def _render(recipe: str | None, r: dict) -> None:
     console.print(f"inference (ring memory): dense {human_bytes(inf['dense_bytes'])} resident, "
                   f"{human_bytes(inf['expert_layer_bytes'])} per MoE layer's experts -> largest infer.ring_slots "
                   f"that fits: {inf['max_ring_slots']}")
+    if r["purpose"] == "serve":
+        console.print(f"serving with infer.offload={inf['offload']}: {inf['expert_layers_resident']} MoE layers' "
+                      f"experts on the device, {human_bytes(inf['required_bytes'])} / "
+                      f"{human_bytes(inf['device_bytes'])}", markup=False)
+        if not r["training"]["feasible"]:
+            console.print(f"judged for serving (purpose=serve); training would not fit: "
+                          f"{'; '.join(r['training']['problems'])} (purpose=train judges training)", markup=False)
     for a in r["assumptions"]:
         console.print(f"  [dim]assumes {literal(a)}[/]")
     if r["feasible"]:

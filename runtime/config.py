@@ -280,6 +280,9 @@ class MoesysConfig:
     tasks: Dict[str, TaskConfig] = field(default_factory=dict)
     recipe: Optional[str] = None
     """Name of the recipe this config came from."""
+    purpose: str = "train"
+    """What `moesys plan` judges: train (Eq. 1 and the per-rank training estimate) or serve (ring-memory
+    inference: dense weights plus the expert layers infer.offload keeps on the device)."""
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -293,6 +296,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "infer.offload": ("ring", "ondemand", "none"),
     "launcher.name": ("local", "multinode", "slurm"),
 }
+
+
+PURPOSES = ("train", "serve")
 
 
 def resolve_auto(cfg: MoesysConfig) -> None:
@@ -358,6 +364,7 @@ def validate(cfg: MoesysConfig) -> None:
         need(m.hidden_size % t.world_size == 0,
              f"model.embedding_partition needs model.hidden_size={m.hidden_size} divisible by the "
              f"{t.world_size} data-parallel ranks")
+    need(cfg.purpose in PURPOSES, f"purpose={cfg.purpose!r} is not one of {', '.join(PURPOSES)}")
     need(0 < s.alpha <= 1, f"storage.alpha must be in (0, 1] (got {s.alpha})")
     need(s.cpu_cache_experts >= 0, f"storage.cpu_cache_experts must be >= 0 (got {s.cpu_cache_experts})")
     need(s.hit_threshold >= 0, f"storage.hit_threshold must be >= 0 (got {s.hit_threshold})")

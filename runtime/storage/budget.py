@@ -34,10 +34,13 @@ class Tier:
     def ok(self) -> bool:
         return self.required_bytes <= self.capacity_bytes
 
-    def nodes_needed(self, nodes: int) -> int:
-        """Smallest N for which this tier holds, given that capacity grows linearly with N."""
+    def nodes_needed(self, nodes: int) -> int | None:
+        """Smallest N for which this tier holds, given that capacity grows linearly with N; None when no N does
+        (the tier has no capacity per node but something to hold)."""
+        if self.required_bytes <= 0:
+            return 1
         per_node = self.capacity_bytes / nodes
-        return math.inf if per_node <= 0 else max(1, math.ceil(self.required_bytes / per_node))
+        return None if per_node <= 0 else max(1, math.ceil(self.required_bytes / per_node))
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,14 @@ class Eq1Budget:
     def failing(self) -> list[str]:
         return [name for name, t in self.tiers.items() if not t.ok]
 
-    def min_nodes(self) -> int:
-        return max(t.nodes_needed(self.nodes) for t in self.tiers.values())
+    def unsatisfiable(self) -> list[str]:
+        """Tiers that hold at no node count: zero capacity per node for a positive requirement."""
+        return [name for name, t in self.tiers.items() if t.nodes_needed(self.nodes) is None]
+
+    def min_nodes(self) -> int | None:
+        """Fewest nodes for which every tier holds; None when some tier holds at no node count."""
+        needed = [t.nodes_needed(self.nodes) for t in self.tiers.values()]
+        return None if None in needed else max(needed)
 
 
 def device_memory_per_node(cfg: MoesysConfig) -> float:

@@ -1,21 +1,28 @@
 """Placement of dense and sparse states over device, host and SSD tiers, and a per-rank memory estimate.
 
 `plan_placement(cfg) -> Plan` is pure: it reads the config, counts parameters, evaluates Eq. 1 (budget.py),
-picks where expert states live (storage.offload, or the first mode that fits for auto) and says why.
+picks where expert states live (storage.offload, or the first mode that fits for auto) and says why. With
+`purpose=serve` the verdict is the ring-memory inference budget instead (seed 004 section 3.3.2).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.config import MoesysConfig
 from runtime.model.params import ParamCounts, count_parameters
 from runtime.parallel.embedding_partition import embedding_bytes_per_rank
 from runtime.storage.budget import (ACTIVE_SPARSE_BYTES, CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
                                     STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
+from runtime.storage.suggest import serving_suggestions, training_suggestions
 
 MODES = ("none", "cpu", "ssd")
 SPARSE_HOME = {"none": "gpu", "cpu": "cpu", "ssd": "ssd"}
+PROCESS_RUNTIME_BYTES = int(0.4 * GB)
+"""Host memory a worker process takes beyond the states the estimate counts: the torch and gloo runtime, allocator
+slack, data. Measured 2026-11-23 (torch 2.13 CPU): a tiny-recipe worker's unique memory (USS) is 0.45-0.48 GB,
+of which the estimate counts 0.08 GB."""
 
 
 @dataclass(frozen=True)
@@ -50,12 +57,22 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
-    inference: dict[str, int] = field(default_factory=dict)
+    inference: dict[str, Any] = field(default_factory=dict)
+    purpose: str = "train"
+    """What feasible, problems and suggestions judge: train, or serve (the `inference` budget)."""
+    training_problems: list[str] = field(default_factory=list)
+    """Why training does not fit, whatever the purpose."""
+    process_host_bytes: int = 0
+    """Host RAM one worker process needs (process_host_bytes)."""
 
 
 def world_size(cfg: MoesysConfig) -> int:
-    t = cfg.topology
-    return t.nodes * (t.gpus_per_node or t.nproc_per_node)
+    return cfg.topology.world_size
+
+
+def process_host_bytes(cfg: MoesysConfig, est: RankEstimate) -> int:
+    """Host RAM one worker process needs: its expert cache, its runtime and, without a GPU, its device tier."""
+    return est.host + PROCESS_RUNTIME_BYTES + (0 if cfg.topology.gpus_per_node else est.device_total)
 
 
 def _activation_bytes(cfg: MoesysConfig) -> int:
@@ -88,7 +105,7 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
         device["dense_gathered_weights"] = int(4 * p.dense)
     host = ssd = 0
     cache_experts = 0
-    ranks_per_node = t.gpus_per_node or t.nproc_per_node
+    ranks_per_node = t.processes_per_node
     host_capacity = int(t.cpu_memory_gb * GB / ranks_per_node)
     if mode == "none":
         device["expert_states"] = int(DENSE_STATE_BYTES * local_sparse)
@@ -123,15 +140,31 @@ def _fits(cfg: MoesysConfig, budget: Eq1Budget, est: RankEstimate, mode: str) ->
     return problems
 
 
-def _inference(cfg: MoesysConfig, p: ParamCounts) -> dict[str, int]:
-    """Ring memory (seed 004 section 3.3.2): fp16 dense weights resident, K slots of one MoE layer's experts."""
-    t = cfg.topology
+def _inference(cfg: MoesysConfig, p: ParamCounts) -> dict[str, Any]:
+    """Ring memory (seed 004 section 3.3.2): fp16 dense weights resident, K slots of one MoE layer's experts
+    (infer.offload: ring keeps infer.ring_slots layers on the device, ondemand one, none all of them)."""
+    t, inf = cfg.topology, cfg.infer
     device = int(t.gpu_memory_gb * GB if t.gpus_per_node else t.cpu_memory_gb * GB / t.nproc_per_node)
     dense = 2 * p.dense
     layer = 2 * p.per_expert * cfg.model.num_experts
     slots = max(0, (device - dense) // layer) if layer else 0
+    resident = {"ring": inf.ring_slots, "ondemand": 1, "none": p.moe_layers}.get(inf.offload, inf.ring_slots)
+    resident = min(resident, p.moe_layers)
+    required = dense + resident * layer
     return {"dense_bytes": dense, "expert_layer_bytes": layer, "device_bytes": device,
-            "max_ring_slots": int(min(slots, p.moe_layers))}
+            "max_ring_slots": int(min(slots, p.moe_layers)), "offload": inf.offload,
+            "expert_layers_resident": resident, "required_bytes": required, "ok": required <= device}
+
+
+def _serving_problems(cfg: MoesysConfig, p: ParamCounts, inference: dict[str, Any]) -> list[str]:
+    problems = []
+    if cfg.infer.offload == "ring" and p.moe_layers and cfg.infer.ring_slots > p.moe_layers:
+        problems.append(f"infer.ring_slots={cfg.infer.ring_slots} exceeds the model's {p.moe_layers} MoE layers")
+    if not inference["ok"]:
+        problems.append(f"serving with infer.offload={cfg.infer.offload} needs {inference['required_bytes'] / GB:.2f} "
+                        f"GB of device memory (dense weights + {inference['expert_layers_resident']} MoE layers' "
+                        f"experts) > {inference['device_bytes'] / GB:.2f} GB")
+    return problems
 
 
 def plan_placement(cfg: MoesysConfig) -> Plan:
@@ -147,29 +180,24 @@ def plan_placement(cfg: MoesysConfig) -> Plan:
         if not problems:
             break
     assert est is not None
-    suggestions = [] if not problems else _suggest(cfg, budget, chosen)
+    inference = _inference(cfg, p)
+    if cfg.purpose == "serve":
+        verdict = _serving_problems(cfg, p, inference)
+        suggestions = serving_suggestions(cfg, inference, p.moe_layers) if verdict else []
+    else:
+        verdict = problems
+        suggestions = training_suggestions(cfg, budget, chosen, MODES, _problems_of(p)) if problems else []
     return Plan(params=p, budget=budget, mode=chosen, per_rank=est, world_size=world_size(cfg),
-                feasible=not problems, problems=problems, suggestions=suggestions,
-                assumptions=_assumptions(cfg), inference=_inference(cfg, p))
+                feasible=not verdict, problems=verdict, suggestions=suggestions, assumptions=_assumptions(cfg),
+                inference=inference, purpose=cfg.purpose, training_problems=problems,
+                process_host_bytes=process_host_bytes(cfg, est))
 
 
-def _suggest(cfg: MoesysConfig, budget: Eq1Budget, mode: str) -> list[str]:
-    """The cheapest changes that make the run fit: another offload mode, or the fewest nodes."""
-    p = budget.params
-    out = [f"storage.offload={m} fits" for m in MODES
-           if m != mode and not _fits(cfg, budget, _rank_estimate(cfg, p, m), m)][:1]
-    if not cfg.storage.dense_shard:
-        sharded = replace(cfg, storage=replace(cfg.storage, dense_shard=True))
-        if not _fits(sharded, budget, _rank_estimate(sharded, p, mode), mode):
-            out.append("storage.dense_shard=true fits")
-    start = max(cfg.topology.nodes + 1, budget.min_nodes())
-    for nodes in range(start, 8 * start + 1):
-        trial = replace(cfg, topology=replace(cfg.topology, nodes=nodes))
-        fitting = [m for m in (mode, *MODES) if not _fits(trial, eq1_budget(trial, p), _rank_estimate(trial, p, m), m)]
-        if fitting:
-            out.append(f"topology.nodes={nodes} with storage.offload={fitting[0]} fits")
-            break
-    return out or ["no node count or offload mode makes this fit: shrink the model, micro-batch or sequence"]
+def _problems_of(p: ParamCounts):
+    """Every reason a changed config (same model, so same counts p) does not fit in a mode."""
+    def problems(trial: MoesysConfig, mode: str) -> list[str]:
+        return _fits(trial, eq1_budget(trial, p), _rank_estimate(trial, p, mode), mode)
+    return problems
 
 
 def _assumptions(cfg: MoesysConfig) -> list[str]:
@@ -188,6 +216,11 @@ def _assumptions(cfg: MoesysConfig) -> list[str]:
     ]
     if not t.gpus_per_node:
         out.append("no GPU: the device tier is a pool in host RAM (topology.cpu_memory_gb / nproc_per_node per rank)")
+    out.append(f"each worker process needs {PROCESS_RUNTIME_BYTES / GB:.1f} GB of host RAM for its runtime besides "
+               "the states counted here")
+    if cfg.purpose == "serve":
+        out.append("serving: fp16 weights, KV cache and activations not counted; the experts of every MoE layer "
+                   "live in the host tier (a memory-mapped store on disk)")
     return out
 
 
@@ -202,13 +235,16 @@ def plan_to_dict(plan: Plan) -> dict:
             "tiers": {name: {"required_bytes": t.required_bytes, "capacity_bytes": t.capacity_bytes,
                              "ok": t.ok, "formula": t.formula} for name, t in b.tiers.items()},
             "min_nodes": b.min_nodes(),
+            "unsatisfiable": b.unsatisfiable(),
         },
         "placement": {"offload": plan.mode, "dense": "gpu", "sparse": SPARSE_HOME[plan.mode],
                       "cpu_cache_experts": r.cache_experts, "local_experts": r.local_experts},
         "per_rank": {"world_size": plan.world_size, "device": r.device, "device_total": r.device_total,
                      "device_capacity": r.device_capacity, "host": r.host, "host_capacity": r.host_capacity,
-                     "ssd": r.ssd, "ok": r.ok},
+                     "ssd": r.ssd, "ok": r.ok, "process_host_bytes": plan.process_host_bytes},
         "inference": plan.inference,
+        "purpose": plan.purpose,
+        "training": {"feasible": not plan.training_problems, "problems": plan.training_problems},
         "feasible": plan.feasible,
         "problems": plan.problems,
         "suggestions": plan.suggestions,

@@ -23,7 +23,8 @@ def test_plan_13b_table_and_json(tmp_path):
 
 def test_plan_that_does_not_fit_exits_1_and_says_why(tmp_path):
     out = run_moesys("plan", "recipe=gpt-moe-207b", "topology.nodes=1", "topology.expert_parallel=8",
-                     "storage.offload=auto", "topology.cpu_memory_gb=256", "--json", cwd=tmp_path)
+                     "storage.offload=auto", "train.precision=bf16", "topology.cpu_memory_gb=256", "--json",
+                     cwd=tmp_path)  # bf16: offload does not support fp16
     assert out.returncode == 1
     data = json.loads(out.stdout)
     assert data["feasible"] is False and data["problems"] and data["suggestions"]
@@ -45,3 +46,40 @@ def test_version_and_module_entry(tmp_path):
     out = subprocess.run([sys.executable, "-m", "moesys_cli", "plan", "--json"], capture_output=True, text=True,
                          cwd=tmp_path)
     assert out.returncode == 0 and json.loads(out.stdout)["recipe"] == "tiny"
+
+
+def test_a_tier_with_no_capacity_is_named_not_a_traceback(tmp_path):
+    args = ["plan", "recipe=ufo-multitask", "topology.nodes=1", "topology.gpus_per_node=8", "topology.ssd_gb=0"]
+    out = run_moesys(*args, cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "GPU tier holds at no node count" in " ".join(out.stdout.split())
+    data = json.loads(run_moesys(*args, "--json", cwd=tmp_path).stdout)
+    assert data["budget"]["min_nodes"] is None and set(data["budget"]["unsatisfiable"]) == {"gpu", "ssd"}
+
+
+def test_a_huge_model_gets_its_answer_quickly(tmp_path):
+    out = run_moesys("plan", "recipe=tiny", "model.hidden_size=10000000", "--json", cwd=tmp_path, timeout=60)
+    assert out.returncode == 1 and json.loads(out.stdout)["suggestions"]
+
+
+def test_the_mixtral_serving_recipe_is_judged_as_serving(tmp_path):
+    out = run_moesys("plan", "recipe=mixtral-8x7b", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout
+    data = json.loads(out.stdout)
+    assert data["purpose"] == "serve" and data["inference"]["ok"] and data["training"]["feasible"] is False
+    train = run_moesys("plan", "recipe=mixtral-8x7b", "purpose=train", "--json", cwd=tmp_path)
+    assert train.returncode == 1
+    suggestions = json.loads(train.stdout)["suggestions"]
+    assert suggestions and not any("micro_batch_size" in s or "micro-batch," in s for s in suggestions)
+    bad = run_moesys("plan", "purpose=deploy", cwd=tmp_path)
+    assert bad.returncode == 2 and "purpose='deploy' is not one of train, serve" in bad.stderr
+
+
+def test_every_verb_sees_auto_expert_parallel_resolved(tmp_path):
+    out = run_moesys("plan", "recipe=gpt-moe-207b", "topology.nodes=1", "topology.gpus_per_node=8", "--json",
+                     cwd=tmp_path)
+    assert out.returncode in (0, 1), out.stderr
+    assert any("topology.expert_parallel=8 ranks" in a for a in json.loads(out.stdout)["assumptions"])
+    dry = run_moesys("train", "recipe=tiny", "topology.expert_parallel=auto", "topology.nproc_per_node=4",
+                     "--dry-run", cwd=tmp_path)
+    assert dry.returncode == 0 and "expert_parallel: 4\n" in dry.stdout

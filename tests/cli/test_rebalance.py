@@ -59,3 +59,16 @@ def test_an_unwritable_write_path_is_one_line_exit_2(tmp_path):
         assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
         assert f"cannot write --write {target}" in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no temporary file left behind
+
+
+def test_gpus_without_memory_rebalance_without_a_traceback():
+    out = run_moesys("rebalance", "recipe=ufo-multitask", "topology.nodes=1", "topology.gpus_per_node=8", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["allocation"] == {"task1": 4, "task2": 2, "task3": 1, "task4": 1}
+
+
+def test_auto_expert_parallel_is_written_resolved(tmp_path):
+    out = run_moesys("rebalance", "recipe=ufo-multitask", "topology.nproc_per_node=4", "topology.expert_parallel=auto",
+                     "topology.cpu_memory_gb=0.05", "--json", "--write", str(tmp_path / "bal.yaml"))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["gpus"] == 4 and "expert_parallel: 4\n" in (tmp_path / "bal.yaml").read_text()
