@@ -14,10 +14,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
+from runtime.storage.budget import GB
+from runtime.storage.placement import plan_placement
 from runtime.io import atomic_write_text
 
 WORKER_MODULE = "runtime.train.worker"
@@ -43,9 +46,9 @@ def torchrun_prefix() -> list[str]:
     return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def check_launchable(cfg: MoesysConfig) -> None:
-    """A job launched on this machine (local, multinode) needs the GPUs its topology declares; a SLURM job
-    needs sbatch."""
+def check_launchable(cfg: MoesysConfig, ram_bytes: float | None = None) -> None:
+    """A job launched on this machine (local, multinode) needs the GPUs its topology declares and, on CPU, RAM
+    (`ram_bytes`, default this machine's) for all its processes; a SLURM job needs sbatch."""
     if cfg.launcher.name == "slurm" and shutil.which("sbatch") is None:
         raise UserError("launcher=slurm submits with sbatch, which is not on PATH; run moesys train on a SLURM "
                         "login node, or add --dry-run to print the sbatch script")
@@ -53,6 +56,24 @@ def check_launchable(cfg: MoesysConfig) -> None:
     if cfg.launcher.name != "slurm" and cfg.topology.gpus_per_node > gpus:
         raise UserError(f"topology.gpus_per_node={cfg.topology.gpus_per_node} but this machine has {gpus} GPU(s); "
                         "use topology=local (this machine), topology=single (CPU processes) or launcher=slurm")
+    if cfg.launcher.name != "slurm" and not cfg.topology.gpus_per_node:
+        check_host_memory(cfg, psutil.virtual_memory().total if ram_bytes is None else ram_bytes)
+
+
+def check_host_memory(cfg: MoesysConfig, ram_bytes: float) -> None:
+    """CPU processes of one node share its RAM: the plan's host bytes per process times nproc_per_node must fit."""
+    nproc = cfg.topology.nproc_per_node
+    each = plan_placement(cfg).process_host_bytes
+    if nproc * each <= ram_bytes:
+        return
+    fit = int(ram_bytes // each)
+    fixes = [f"lower topology.nproc_per_node to at most {fit} (topology.expert_parallel must divide it)" if fit
+             else "shrink the model"]
+    if cfg.train.micro_batch_size > 1:
+        fixes.append("lower train.micro_batch_size")
+    raise UserError(f"topology.nproc_per_node={nproc} CPU processes need about {nproc * each / GB:.1f} GB of RAM "
+                    f"({each / GB:.2f} GB each by the plan) but this machine has {ram_bytes / GB:.1f} GB; "
+                    f"{' or '.join(fixes)}")
 
 
 def processes_per_node(cfg: MoesysConfig) -> int:
