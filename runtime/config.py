@@ -385,9 +385,6 @@ def validate(cfg: MoesysConfig) -> None:
     need(not (tr.precision == "fp16" and cfg.storage.offload != "none"),
          f"storage.offload={cfg.storage.offload} with train.precision=fp16 is not supported (the CPU optimizer "
          "does not unscale); use train.precision=bf16 or fp32")
-    need(m.vocab_size >= BYTE_VOCAB,
-         f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens; set "
-         f"model.vocab_size>={BYTE_VOCAB}")
     need(tr.seq_len <= m.max_seq_len,
          f"train.seq_len={tr.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
 

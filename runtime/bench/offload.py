@@ -17,14 +17,15 @@ import torch
 
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.model.params import count_parameters
-from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import build_groups
 from runtime.storage.expert_store import ExpertStore
 from runtime.optim import AdamWHyper, lr_at
 from runtime.storage.offload import install_offload
-from runtime.train.build import Components, build_model, build_optimizer, split_params
+from runtime.train.build import MB, Components, build_model, build_optimizer, split_params
 from runtime.train.data import TokenDataset
 from runtime.train.loop import forward_backward, optimizer_step
+from runtime.train.objective import LanguageModel
+from runtime.train.parts import OffloadedExperts, Part, Replicated
 
 CPU = torch.device("cpu")
 
@@ -48,10 +49,12 @@ class _Trainer:
                                        lr_schedule=lambda step: lr_at(step, cfg.train),
                                        adamw=AdamWHyper(weight_decay=cfg.train.weight_decay))
         dense, experts = split_params(model)
-        self.c = Components(model=model, optimizer=build_optimizer(model, cfg), dense_params=dense,
-                            expert_params=experts, dense_reducer=GradBucketReducer(dense),
-                            expert_reducer=GradBucketReducer(experts),
-                            data=bench_data(data, cfg), offload=self.mgr)
+        parts: list[Part] = [Replicated(dense, experts, self.groups, int(cfg.parallel.bucket_mb * MB))]
+        if self.mgr:
+            parts.append(OffloadedExperts(self.mgr, self.groups))
+        objective = LanguageModel(bench_data(data, cfg), self.groups, cfg.train.micro_batch_size, cfg.train.seq_len)
+        self.c = Components(model=model, optimizer=build_optimizer(model, cfg), objective=objective, parts=parts,
+                            dense_params=dense, expert_params=experts, offload=self.mgr)
 
     def step(self, step: int) -> dict:
         forward_backward(self.c, self.cfg, self.groups, step, CPU)

@@ -6,7 +6,7 @@ the same weights for any expert-parallel size (seed 004 section 2: expert + data
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,10 +20,12 @@ from runtime.parallel.alltoall import make_all_to_all
 from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.embedding_partition import partition_embedding, partitioned_parameters
 from runtime.parallel.expert_parallel import shard_experts
-from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
 from runtime.storage.offload import OffloadManager, offload_from_config
 from runtime.train.data import TokenDataset
+from runtime.train.objective import LanguageModel
+from runtime.train.parts import (OffloadedExperts, Part, PartitionedEmbedding, Replicated, ShardedDense,
+                                 TaskHeads)
 from runtime.train.tasks import MultiTask, add_heads_to_optimizer, build_multitask
 
 MB = 2**20
@@ -31,21 +33,18 @@ MB = 2**20
 
 @dataclass
 class Components:
+    """What a worker trains: the model, its resident optimizer, the objective and the parts of a step. The loop
+    uses only model, optimizer, objective and parts; the named handles serve tests and benchmarks."""
+
     model: Transformer
     optimizer: torch.optim.Optimizer
-    dense_params: list[nn.Parameter]
-    expert_params: list[nn.Parameter]
-    dense_reducer: GradBucketReducer
-    """Averages dense gradients over all data-parallel ranks."""
-    expert_reducer: GradBucketReducer
-    """Averages expert gradients over the replicas of the same experts only."""
-    data: TokenDataset
+    objective: LanguageModel | MultiTask
+    parts: list[Part]
+    dense_params: list[nn.Parameter] = field(default_factory=list)
+    expert_params: list[nn.Parameter] = field(default_factory=list)
     offload: OffloadManager | None = None
-    """Expert states off the device (storage.offload cpu/ssd/auto): fetched, stepped and checkpointed by it."""
     dense_shard: DenseShard | None = None
-    """storage.dense_shard: 1/N of the dense states per rank, gathered per layer, gradients reduce-scattered."""
     tasks: MultiTask | None = None
-    """Multi-task training (cfg.tasks): this rank's tasks, their heads, groups and data."""
 
 
 def build_model(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Transformer:
@@ -88,15 +87,14 @@ def build_sharded_optimizer(model: nn.Module, shard: DenseShard, cfg: MoesysConf
 
 
 def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Components:
+    """Build the model, swap in what the config asks for (offloaded experts, task heads, sharded dense states)
+    before the optimizer exists, then the parts that take part in each step."""
     model = build_model(cfg, groups, device)
     offload = None
     if cfg.storage.offload in ("cpu", "ssd", "auto"):
         offload = offload_from_config(model, cfg, groups, device)  # replaces the experts before the optimizer
     tasks = build_multitask(cfg, model, groups, device) if cfg.tasks else None  # task heads replace model.output
     dense, experts = split_params(model)
-    bucket = int(cfg.parallel.bucket_mb * MB)
-    data = TokenDataset.from_path(Path(cfg.train.data) if cfg.train.data else None, cfg.train.seq_len,
-                                  cfg.train.seed)
     dense_shard = None
     if cfg.storage.dense_shard:  # Algorithm 1: replaces the dense all-reduce and the replicated dense states
         dense_shard = DenseShard(model, dense, groups.dp_group, cfg.storage.prefetch_depth)
@@ -105,10 +103,17 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
         optimizer = build_optimizer(model, cfg)
     if tasks:
         add_heads_to_optimizer(optimizer, tasks, cfg)
-    return Components(
-        model=model, optimizer=optimizer, dense_params=dense, expert_params=experts,
-        dense_reducer=GradBucketReducer([] if dense_shard else dense, groups.dp_group, bucket),
-        dense_shard=dense_shard,
-        expert_reducer=GradBucketReducer(experts, groups.edp_group, bucket),
-        data=data, offload=offload, tasks=tasks,
-    )
+    parts: list[Part] = [Replicated([] if dense_shard else dense, experts, groups, int(cfg.parallel.bucket_mb * MB))]
+    if cfg.model.embedding_partition:
+        parts.append(PartitionedEmbedding(model))
+    if dense_shard:
+        parts.append(ShardedDense(dense_shard, optimizer, groups))
+    if offload:
+        parts.append(OffloadedExperts(offload, groups))
+    if tasks:
+        parts.append(TaskHeads(tasks, optimizer))
+    objective = tasks or LanguageModel(
+        TokenDataset.from_path(Path(cfg.train.data) if cfg.train.data else None, cfg.train.seq_len, cfg.train.seed),
+        groups, cfg.train.micro_batch_size, cfg.train.seq_len)
+    return Components(model=model, optimizer=optimizer, objective=objective, parts=parts, dense_params=dense,
+                      expert_params=experts, offload=offload, dense_shard=dense_shard, tasks=tasks)

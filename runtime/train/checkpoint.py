@@ -14,7 +14,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,6 @@ from runtime.config import MoesysConfig
 from runtime.io import atomic_write_json, atomic_write_text, fsync_dir
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.embedding_partition import gather_columns, partitioned_parameters, shard_of
-from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.groups import ParallelGroups
 from runtime.run_dir import CHECKPOINTS
 from runtime.tensorfile import save_tensors, verify
@@ -55,12 +54,11 @@ def _local_to_global(groups: ParallelGroups, local_experts: int) -> list[int]:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    groups: ParallelGroups, cfg: MoesysConfig, keep: int = 2,
-                    extra: Callable[[Path], list[Path]] | None = None, dense_shard: DenseShard | None = None) -> Path:
+                    groups: ParallelGroups, cfg: MoesysConfig, keep: int = 2, parts: Sequence = ()) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory.
 
-    extra(tmp_dir) writes more files into the checkpoint before it is renamed (multi-task heads).
-    dense_shard: its parameters are gathered and written under the same keys as an unsharded run's."""
+    Each of `parts` (runtime/train/parts.py) writes its own files into the checkpoint before it is renamed, and
+    the model parameters it holds (part.held_params) are left to it."""
     root = Path(run_dir) / CHECKPOINTS
     name = f"step_{step:08d}"
     tmp = root / f".tmp-{name}"
@@ -71,7 +69,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     dense: dict[str, torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}
     shards = dict(partitioned_parameters(model))
-    held = dense_shard.param_shapes() if dense_shard is not None else {}
+    held = {name for part in parts for name in part.held_params()}
     for pname, param in model.named_parameters():
         if pname in held:
             continue
@@ -85,17 +83,14 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         else:
             for kind, t in tensors.items():
                 dense[tensor_key(kind, pname)] = t.contiguous()
-    if dense_shard is not None:  # collective
-        dense.update({tensor_key(kind, n): t.contiguous() for n, kinds in dense_shard.full_state(optimizer).items()
-                      for kind, t in kinds.items()})
     files = []
     if groups.rank == 0:
         files.append(save_tensors(tmp / "dense.safetensors", dense))
     if groups.edp_rank == 0 and experts:
         files.append(save_tensors(tmp / f"experts-ep{groups.ep_rank}.safetensors", experts))
     files.append(save_tensors(tmp / f"rng-rank{groups.rank}.safetensors", _rng_state()))
-    if extra is not None:
-        files += extra(tmp)
+    for part in parts:  # may be collective: every rank, every part, in order
+        files += part.save(tmp, step)
     _barrier(groups)
     final = root / name
     if groups.rank == 0:
@@ -131,16 +126,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    groups: ParallelGroups, restore_rng: bool = True, dense_shard: DenseShard | None = None,
-                    reader: CheckpointReader | None = None) -> int:
-    """Load model (and optimizer) state for this rank's experts, whatever EP size wrote it. Returns the step.
-
-    dense_shard: its parameters are read in full and resliced into this rank's shards."""
+                    groups: ParallelGroups, restore_rng: bool = True, parts: Sequence = ()) -> int:
+    """Load model (and optimizer) state for this rank's experts, whatever EP size wrote it, then each part's
+    state (runtime/train/parts.py). Returns the step."""
     path = Path(path)
     meta = read_meta(path)
-    reader = reader or CheckpointReader(path)
+    reader = CheckpointReader(path)
     shards = dict(partitioned_parameters(model))
-    held = dense_shard.param_shapes() if dense_shard is not None else {}
+    held = {name for part in parts for name in part.held_params()}
     for pname, param in model.named_parameters():
         if pname in held:
             continue
@@ -163,14 +156,6 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         if optimizer is not None and float(step) > 0:
             optimizer.state[param] = {"step": step.reshape(()).clone(),
                                       **{k: values[k].to(param.device, param.dtype) for k in STATE_KEYS}}
-    if dense_shard is not None:
-        full = {name: {kind: reader.get(tensor_key(kind, name)) for kind in ("model", *STATE_KEYS, "step")}
-                for name in held}
-        for name, shape in held.items():
-            if full[name]["model"].shape != shape:
-                raise CheckpointError(f"{name} has shape {tuple(full[name]['model'].shape)} in {path}, "
-                                      f"the model expects {tuple(shape)}")
-        dense_shard.load_full_state(full, optimizer)
     rng_file = path / f"rng-rank{groups.rank}.safetensors"
     if restore_rng and meta["world_size"] == groups.world_size and rng_file.exists():
         verify(rng_file)
@@ -178,6 +163,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             torch.set_rng_state(f.get_tensor("cpu"))
             if torch.cuda.is_available() and "cuda" in f.keys():
                 torch.cuda.set_rng_state(f.get_tensor("cuda"))
+    for part in parts:
+        part.load(reader, int(meta["step"]))
     return int(meta["step"])
 
 

@@ -1,8 +1,6 @@
-"""The training loop: forward, backward, bucketed gradient reduction, AdamW, metrics and checkpoints.
-
-Dense gradients are averaged over every rank; an expert's gradient is summed over the ranks that sent it tokens
-(the AlltoAll backward does that) and averaged over its replicas, so the update equals single-process training
-on the global batch.
+"""The training loop: the objective's forward and backward, the parts' reductions, the global-norm clip, AdamW,
+metrics and checkpoints. The loop names no feature: what differs between runs lives in the parts
+(runtime/train/parts.py), so the update equals single-process training on the global batch for every layout.
 """
 
 from __future__ import annotations
@@ -16,18 +14,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from runtime.checkpoint_format import CheckpointReader
 from runtime.config import MoesysConfig
 from runtime.errors import JobError
 from runtime.optim import lr_at
-from runtime.parallel.embedding_partition import partitioned_grad_sq
 from runtime.parallel.groups import ParallelGroups
 from runtime.parallel.timeouts import is_timeout, timeout_error
 from runtime.train.build import Components, build_components
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from runtime.train.metrics import MetricsWriter, memory_bytes, step_stats
+from runtime.train.parts import global_grad_norm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -71,31 +67,11 @@ def _autocast(device: torch.device, precision: str):
 
 def forward_backward(c: Components, cfg: MoesysConfig, groups: ParallelGroups, step: int, device: torch.device,
                      scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, object]:
-    """Loss and reduced gradients of this rank's micro-batch of `step`. Returns (lm loss, model output)."""
-    tr = cfg.train
-    if c.tasks:  # multi-task: this rank's tasks through the shared model and their own heads
-        lm_loss, out = c.tasks.forward_backward(c.model, step, device, _autocast(device, tr.precision), scaler)
-    else:
-        inputs, targets = c.data.rank_batch(step, groups.rank, groups.world_size, tr.micro_batch_size)
-        inputs, targets = inputs.to(device), targets.to(device)
-        with _autocast(device, tr.precision):
-            out = c.model(inputs)
-        lm_loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
-        loss = lm_loss + out.aux_loss.float()
-        (scaler.scale(loss) if scaler else loss).backward()
-    c.dense_reducer.finish()
-    if c.dense_shard:  # wait for the reduce-scatters; each rank's shard gets its averaged gradient
-        c.dense_shard.finish()
-    c.expert_reducer.finish()
-    if groups.ep_size > 1:
-        for p in c.expert_params:
-            if p.grad is not None:
-                p.grad.div_(groups.ep_size)
-    if c.offload:
-        c.offload.finish_backward()
-    if c.tasks:
-        c.tasks.finish_heads()
-    return lm_loss.detach(), out
+    """Loss and complete gradients of this rank's share of `step`. Returns (lm loss, model output)."""
+    lm_loss, out = c.objective.forward_backward(c.model, step, device, _autocast(device, cfg.train.precision), scaler)
+    for part in c.parts:
+        part.after_backward()
+    return lm_loss, out
 
 
 def optimizer_step(c: Components, cfg: MoesysConfig, groups: ParallelGroups, step: int,
@@ -104,25 +80,20 @@ def optimizer_step(c: Components, cfg: MoesysConfig, groups: ParallelGroups, ste
     tr = cfg.train
     if scaler:
         scaler.unscale_(c.optimizer)
-    norm = grad_norm(c, groups)
+    norm = global_grad_norm(c.parts)
     if scaler is None and not math.isfinite(norm):  # equal on every rank (reduced gradients): all stop here
         raise JobError(f"non-finite gradient norm at step {step + 1}; stopped before the optimizer step, the newest "
                        "checkpoint is the last good one (lower train.lr or check the data)")
     coef = None
     if tr.grad_clip > 0 and math.isfinite(norm) and norm > tr.grad_clip:
         coef = tr.grad_clip / (norm + 1e-6)
-        for p in c.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
-        if c.dense_shard:
-            c.dense_shard.scale_grads(coef)
-        for p in (c.tasks.parameters() if c.tasks else []):
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        for part in c.parts:
+            part.scale_grads(coef)
+    lr = lr_at(step, tr)
     for group in c.optimizer.param_groups:
-        group["lr"] = lr_at(step, tr)
-    if c.offload:
-        c.offload.step(lr_at(step, tr), coef)  # CPU AdamW of the active experts, overlapped with what follows
+        group["lr"] = lr
+    for part in c.parts:
+        part.before_optimizer_step(step, lr, coef)
     if scaler:
         scaler.step(c.optimizer)
         scaler.update()
@@ -130,30 +101,6 @@ def optimizer_step(c: Components, cfg: MoesysConfig, groups: ParallelGroups, ste
         c.optimizer.step()
     c.optimizer.zero_grad(set_to_none=True)
     return norm
-
-
-def grad_norm(c: Components, groups: ParallelGroups) -> float:
-    """Global L2 norm with every gradient counted once: replicated dense gradients locally, expert blocks summed
-    over the EP group, sharded parts (embedding columns, dense shards, task heads) by their own collectives."""
-    def sq(params):
-        return sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None), torch.zeros(()))
-    expert_sq = sq(c.expert_params).reshape(1)
-    if c.offload:  # this EP rank's offloaded experts
-        expert_sq = expert_sq + c.offload.grad_sq()
-    if groups.ep_size > 1:
-        dist.all_reduce(expert_sq, group=groups.ep_group)
-    sharded_sq = partitioned_grad_sq(c.model)
-    if c.dense_shard:
-        sharded_sq = sharded_sq + c.dense_shard.grad_sq()
-    if c.tasks:
-        sharded_sq = sharded_sq + c.tasks.grad_sq()
-    return math.sqrt(float(sq(c.dense_params)) + float(expert_sq) + float(sharded_sq))
-
-
-def _extra_files(c: Components, directory: Path, step: int) -> list[Path]:
-    """What the task heads and the offloaded experts write into a checkpoint being assembled."""
-    files = c.tasks.save(directory, c.optimizer) if c.tasks else []
-    return files + (c.offload.save(directory, step) if c.offload else [])
 
 
 def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torch.device) -> dict:
@@ -164,20 +111,13 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
     start = 0
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
-        reader = CheckpointReader(ckpt)
-        start = load_checkpoint(ckpt, c.model, c.optimizer, groups, dense_shard=c.dense_shard, reader=reader)
-        if c.tasks:
-            c.tasks.load(ckpt, c.optimizer)  # heads of this rank's tasks, whatever allocation wrote them
-        if c.offload:
-            c.offload.load(reader, start)
+        start = load_checkpoint(ckpt, c.model, c.optimizer, groups, parts=c.parts)
     else:
         torch.manual_seed(cfg.train.seed + 1 + groups.rank)  # router noise differs per rank
     scaler = torch.amp.GradScaler(device.type) if cfg.train.precision == "fp16" else None
     writer = MetricsWriter(run_dir, start) if groups.rank == 0 else None
     tr = cfg.train
-    tokens_per_step = groups.world_size * tr.micro_batch_size * tr.seq_len
-    if c.tasks:
-        tokens_per_step = c.tasks.layout.total_samples * tr.seq_len
+    tokens_per_step = c.objective.tokens_per_step
     step, last_ckpt = start, ckpt
     try:
         for step in range(start + 1, tr.max_steps + 1):
@@ -188,14 +128,10 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
             _check_finite(step, lm_loss, aux_loss, diverged)
             norm = optimizer_step(c, cfg, groups, step - 1, scaler)
             stats = step_stats(lm_loss, out, groups, memory_bytes(device))
-            if c.offload:
-                stats.update(c.offload.step_metrics())
-            if c.dense_shard:
-                stats.update(c.dense_shard.step_metrics())
-            rank_lines = []
-            if c.tasks:
-                task_stats, rank_lines = c.tasks.step_records(step)  # collective
-                stats.update(task_stats)
+            for part in c.parts:
+                stats.update(part.metrics())
+            objective_stats, rank_lines = c.objective.records(step)  # collective
+            stats.update(objective_stats)
             elapsed = time.perf_counter() - began
             if writer:
                 record = {"step": step, "max_steps": tr.max_steps, **stats, "grad_norm": norm,
@@ -206,16 +142,15 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
                 else:
                     writer.write(record)
             if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.max_steps or stopping:
-                last_ckpt = save_checkpoint(run_dir, step, c.model, c.optimizer, groups, cfg,
-                                            extra=lambda d: _extra_files(c, d, step), dense_shard=c.dense_shard)
+                last_ckpt = save_checkpoint(run_dir, step, c.model, c.optimizer, groups, cfg, parts=c.parts)
             if stopping:
                 break
     except RuntimeError as exc:
         if is_timeout(exc):  # one line naming the collective and the step, not gloo's
             raise timeout_error(exc, step, tr.collective_timeout_s) from exc
         raise
-    finally:  # also on an error: no background write may outlive the run
-        if c.offload:
-            c.offload.close()
+    finally:  # also on an error: no background work may outlive the run
+        for part in c.parts:
+            part.close()
     return {"steps": step, "stopped_early": step < tr.max_steps,
             "checkpoint": str(last_ckpt) if last_ckpt else None}

@@ -157,6 +157,13 @@ class MultiTask:
     def parameters(self) -> list[nn.Parameter]:
         return list(self.heads.parameters())
 
+    @property
+    def tokens_per_step(self) -> int:
+        return self.layout.total_samples * self.cfg.train.seq_len
+
+    def records(self, step: int) -> tuple[dict, list[dict]]:
+        return self.step_records(step)
+
     def rank_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[str, int]]]:
         """(inputs, targets) [n_r, S] of this rank's tasks at `step`, and (task, rows) in order."""
         seqs, rows = [], []

@@ -78,10 +78,10 @@ def test_one_rank_trains_bitwise_like_replicated_and_holds_empty_dense_params():
 @pytest.mark.parametrize("write_sharded", [True, False])
 def test_checkpoint_loads_across_dense_shard_settings(tmp_path, write_sharded):
     writer, cfg, groups, _ = train(write_sharded, 2)
-    save_checkpoint(tmp_path, 2, writer.model, writer.optimizer, groups, cfg, dense_shard=writer.dense_shard)
+    save_checkpoint(tmp_path, 2, writer.model, writer.optimizer, groups, cfg, parts=writer.parts)
     reader = build_components(config(not write_sharded), groups, CPU)
     assert load_checkpoint(latest_checkpoint(tmp_path), reader.model, reader.optimizer, groups,
-                           dense_shard=reader.dense_shard) == 2
+                           parts=reader.parts) == 2
     sharded, plain = (writer, reader) if write_sharded else (reader, writer)
     full = sharded.dense_shard.full_state(sharded.optimizer)
     for name, p in plain.model.named_parameters():

@@ -17,6 +17,7 @@ from runtime.storage.expert_store import ExpertStore
 from runtime.optim import AdamWHyper, lr_at
 from runtime.storage.offload import OffloadedExperts, install_offload
 from runtime.train.build import build_model, build_optimizer
+from runtime.train.parts import OffloadedExperts as OffloadedExpertsPart
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from runtime.train.data import TokenDataset
 
@@ -192,15 +193,15 @@ def test_resume_after_kill_with_store_ahead_of_checkpoint(tmp_path):
 
     first = Run(cfg, ssd, durable=True)
     losses = first.train(3)
-    save_checkpoint(run_dir, 3, first.model, first.opt, first.groups, cfg, extra=lambda d: first.mgr.save(d, 3))
+    save_checkpoint(run_dir, 3, first.model, first.opt, first.groups, cfg, parts=[OffloadedExpertsPart(first.mgr, first.groups)])
     first.step(3)  # the store moves past the checkpoint, then the process "dies" without saving
     first.mgr.wait_step()
     first.mgr.cache.flush()
     first.mgr.writes.drain()  # the store's live files now hold step 4's states
 
     second = Run(cfg, ssd, write_initial=False, durable=True)
-    step = load_checkpoint(latest_checkpoint(run_dir), second.model, second.opt, second.groups)
-    second.mgr.load(CheckpointReader(latest_checkpoint(run_dir)), step)
+    step = load_checkpoint(latest_checkpoint(run_dir), second.model, second.opt, second.groups,
+                           parts=[OffloadedExpertsPart(second.mgr, second.groups)])
     losses += [second.step(s) for s in range(step, 6)]
     second.close()
     first.close()

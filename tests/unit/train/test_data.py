@@ -104,7 +104,7 @@ def test_missing_empty_and_too_short_paths_raise_data_error(tmp_path):
         TokenDataset.from_path(tmp_path / "dir", seq_len=8)
     short = tmp_path / "short.txt"
     short.write_text("tiny", encoding="utf-8")
-    with pytest.raises(DataError, match="fewer than seq_len"):
+    with pytest.raises(DataError, match="fewer than train.seq_len"):
         TokenDataset.from_path(short, seq_len=8)
     assert issubclass(DataError, ValueError)
 

@@ -110,8 +110,7 @@ def test_heads_and_their_adam_states_survive_a_checkpoint(tmp_path):
     for step in range(2):
         forward_backward(c, cfg, groups, step, torch.device("cpu"))
         optimizer_step(c, cfg, groups, step)
-    ckpt = save_checkpoint(tmp_path, 2, c.model, c.optimizer, groups, cfg,
-                           extra=lambda d: c.tasks.save(d, c.optimizer))
+    ckpt = save_checkpoint(tmp_path, 2, c.model, c.optimizer, groups, cfg, parts=c.parts)
     assert sorted(p.name for p in ckpt.glob("heads-*")) == ["heads-a.safetensors", "heads-b.safetensors"]
     fresh = build_components(cfg, groups, torch.device("cpu"))
     assert not torch.equal(fresh.tasks.heads["a"].weight, c.tasks.heads["a"].weight)
@@ -130,8 +129,7 @@ def test_a_checkpoint_without_a_task_head_is_refused(tmp_path):
     cfg = small_config()
     groups = build_groups(1, 0, 1, 1)
     c = build_components(cfg, groups, torch.device("cpu"))
-    ckpt = save_checkpoint(tmp_path, 1, c.model, c.optimizer, groups, cfg,
-                           extra=lambda d: c.tasks.save(d, c.optimizer))
+    ckpt = save_checkpoint(tmp_path, 1, c.model, c.optimizer, groups, cfg, parts=c.parts)
     other = build_components(small_config(tasks={"a": TaskConfig(batch_size=3, gpus=1),
                                                  "z": TaskConfig(batch_size=2, gpus=1)}), groups,
                              torch.device("cpu"))

@@ -1,0 +1,222 @@
+"""A training step is an objective (what the step computes) and a list of parts. Each part owns some parameters and
+their optimizer state and takes part in a step through one small interface, so the loop, the gradient norm and the
+checkpoint writer iterate over parts and name no feature (as torchtitan's model converters and optimizer hooks).
+
+Legend of a step: objective.forward_backward -> part.after_backward -> global norm from part.grad_sq ->
+part.scale_grads (clipping) -> part.before_optimizer_step -> optimizer.step; checkpoints: part.held_params are
+left to part.save / part.load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.checkpoint_format import STATE_KEYS, CheckpointReader, tensor_key
+from runtime.parallel.dense_shard import DenseShard
+from runtime.parallel.embedding_partition import partitioned_grad_sq, partitioned_parameters
+from runtime.parallel.grad_buckets import GradBucketReducer
+from runtime.parallel.groups import ParallelGroups
+from runtime.storage.offload import OffloadManager
+from runtime.tensorfile import save_tensors
+
+GradSq = tuple[torch.Tensor, object]
+"""(a local sum of squared gradients, the process group whose ranks hold disjoint shares of it; None: global)."""
+
+
+class Part:
+    """Does nothing by default; a part overrides the steps it takes part in."""
+
+    def after_backward(self) -> None:
+        """Finish this part's gradient reductions; gradients are complete afterwards."""
+
+    def grad_sq(self) -> list[GradSq]:
+        return []
+
+    def scale_grads(self, coef: float) -> None:
+        """Multiply this part's gradients by the clip coefficient."""
+
+    def before_optimizer_step(self, step: int, lr: float, coef: float | None) -> None:
+        """Run right before the resident optimizer steps (lr of this step, clip coefficient or None)."""
+
+    def metrics(self) -> dict:
+        return {}
+
+    def held_params(self) -> dict[str, torch.Size]:
+        """Model parameter names this part saves and loads itself (the checkpoint writer skips them)."""
+        return {}
+
+    def save(self, directory: Path, step: int) -> list[Path]:
+        """Write this part's files into the checkpoint being assembled (may be collective)."""
+        return []
+
+    def load(self, reader: CheckpointReader, step: int) -> None:
+        """Restore this part's state from a checkpoint."""
+
+    def close(self) -> None:
+        """Stop background work; also called when a step raised."""
+
+
+def _scale(params, coef: float) -> None:
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef)
+
+
+def _sq(params) -> torch.Tensor:
+    return sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None), torch.zeros(())).reshape(1)
+
+
+class Replicated(Part):
+    """The plain data + expert parallel reduction: dense gradients averaged over every rank in fixed-size buckets
+    as backward produces them; an expert's gradient summed over the ranks that routed to it (the AlltoAll
+    backward does that), divided by the EP size and averaged over its replicas."""
+
+    def __init__(self, dense: list[nn.Parameter], experts: list[nn.Parameter], groups: ParallelGroups,
+                 bucket_bytes: int):
+        self.dense, self.experts, self.groups = dense, experts, groups
+        self.dense_reducer = GradBucketReducer(dense, groups.dp_group, bucket_bytes)
+        self.expert_reducer = GradBucketReducer(experts, groups.edp_group, bucket_bytes)
+
+    def after_backward(self) -> None:
+        self.dense_reducer.finish()
+        self.expert_reducer.finish()
+        if self.groups.ep_size > 1:
+            for p in self.experts:
+                if p.grad is not None:
+                    p.grad.div_(self.groups.ep_size)
+
+    def grad_sq(self) -> list[GradSq]:
+        ep_group = self.groups.ep_group if self.groups.ep_size > 1 else None
+        return [(_sq(self.dense), None), (_sq(self.experts), ep_group)]
+
+    def scale_grads(self, coef: float) -> None:
+        _scale(self.dense, coef)
+        _scale(self.experts, coef)
+
+
+class PartitionedEmbedding(Part):
+    """model.embedding_partition: [V, H/N] column shards whose gradients are complete after the AlltoAll backward
+    (seed 004 section 4.3); they are in neither reducer."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.params = [p for _, p in partitioned_parameters(model)]
+
+    def grad_sq(self) -> list[GradSq]:
+        return [(partitioned_grad_sq(self.model).reshape(1), None)]
+
+    def scale_grads(self, coef: float) -> None:
+        _scale(self.params, coef)
+
+
+class ShardedDense(Part):
+    """storage.dense_shard (Algorithm 1): 1/N of the dense parameters and their AdamW states per rank, gathered per
+    layer, gradients reduce-scattered; checkpoints hold the full tensors under the unsharded names."""
+
+    def __init__(self, shard: DenseShard, optimizer: torch.optim.Optimizer, groups: ParallelGroups):
+        self.shard, self.optimizer, self.groups = shard, optimizer, groups
+
+    def after_backward(self) -> None:
+        self.shard.finish()
+
+    def grad_sq(self) -> list[GradSq]:
+        return [(self.shard.grad_sq(), None)]
+
+    def scale_grads(self, coef: float) -> None:
+        self.shard.scale_grads(coef)
+
+    def metrics(self) -> dict:
+        return self.shard.step_metrics()
+
+    def held_params(self) -> dict[str, torch.Size]:
+        return self.shard.param_shapes()
+
+    def save(self, directory: Path, step: int) -> list[Path]:
+        full = self.shard.full_state(self.optimizer)  # collective
+        if self.groups.rank != 0:
+            return []
+        tensors = {tensor_key(kind, n): t.contiguous() for n, kinds in full.items() for kind, t in kinds.items()}
+        return [save_tensors(Path(directory) / "dense-sharded.safetensors", tensors)]
+
+    def load(self, reader: CheckpointReader, step: int) -> None:
+        held = self.held_params()
+        full = {name: {kind: reader.get(tensor_key(kind, name)) for kind in ("model", *STATE_KEYS, "step")}
+                for name in held}
+        for name, shape in held.items():
+            if full[name]["model"].shape != shape:
+                from runtime.checkpoint_format import CheckpointError
+                raise CheckpointError(f"{name} has shape {tuple(full[name]['model'].shape)} in {reader.path}, "
+                                      f"the model expects {tuple(shape)}")
+        self.shard.load_full_state(full, self.optimizer)
+
+
+class OffloadedExperts(Part):
+    """storage.offload=cpu|ssd: expert states off the device, fetched when routed to, stepped by a CPU AdamW
+    overlapped with the next step, written into checkpoints by the manager (seed 004 section 3.2)."""
+
+    def __init__(self, manager: OffloadManager, groups: ParallelGroups):
+        self.manager, self.groups = manager, groups
+
+    def after_backward(self) -> None:
+        self.manager.finish_backward()
+
+    def grad_sq(self) -> list[GradSq]:  # summed with the resident experts' share before the EP all-reduce
+        return [(self.manager.grad_sq().reshape(1), self.groups.ep_group if self.groups.ep_size > 1 else None)]
+
+    def before_optimizer_step(self, step: int, lr: float, coef: float | None) -> None:
+        self.manager.step(lr, coef)  # its clip scaling happens on its CPU thread
+
+    def metrics(self) -> dict:
+        return self.manager.step_metrics()
+
+    def save(self, directory: Path, step: int) -> list[Path]:
+        return self.manager.save(directory, step)
+
+    def load(self, reader: CheckpointReader, step: int) -> None:
+        self.manager.load(reader, step)
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def global_grad_norm(parts: list[Part]) -> float:
+    """L2 norm of every gradient counted once: shares of one group are summed and all-reduced together (one
+    collective per group, in the parts' order, so every rank issues the same ones)."""
+    shares: dict[int, list] = {}
+    for part in parts:
+        for sq, group in part.grad_sq():
+            key = id(group) if group is not None else 0
+            entry = shares.setdefault(key, [group, torch.zeros(1)])
+            entry[1] = entry[1] + sq.detach().float().cpu().reshape(1)
+    total = 0.0
+    for group, sq in shares.values():
+        if group is not None:
+            dist.all_reduce(sq, group=group)
+        total += float(sq)
+    return total ** 0.5
+
+
+class TaskHeads(Part):
+    """Multi-task heads (seed 004 section 4.1): synchronised only among their task's ranks, each saved once."""
+
+    def __init__(self, tasks, optimizer: torch.optim.Optimizer):
+        self.tasks, self.optimizer = tasks, optimizer
+
+    def after_backward(self) -> None:
+        self.tasks.finish_heads()
+
+    def grad_sq(self) -> list[GradSq]:
+        return [(torch.tensor([self.tasks.grad_sq()]), None)]  # collective inside; each head counted once
+
+    def scale_grads(self, coef: float) -> None:
+        _scale(self.tasks.parameters(), coef)
+
+    def save(self, directory: Path, step: int) -> list[Path]:
+        return self.tasks.save(directory, self.optimizer)
+
+    def load(self, reader: CheckpointReader, step: int) -> None:
+        self.tasks.load(reader.path, self.optimizer)
