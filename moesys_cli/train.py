@@ -20,6 +20,7 @@ from runtime.launch import build_launch, check_launchable
 from runtime.process import Job, TorchrunLogs, resume_point
 from runtime.run_dir import (LOGS, RunLock, clear_fatal, default_run_dir, last_step_metrics, prepare_run_dir,
                              read_fatal, run_summary)
+from runtime.storage.decided import record as record_placement
 from runtime.train.preflight import check_before_launch
 
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and the command; run nothing.")]
@@ -39,6 +40,9 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     lock = RunLock(Path(cfg.train.run_dir))  # held until this process exits: one job per run directory
     run_dir = prepare_run_dir(cfg)
     clear_fatal(run_dir)
+    _, replanned = record_placement(run_dir, cfg)  # plan.json: the workers read it; none of them plans again
+    if replanned and not json_out:
+        console.print(replanned, markup=False, highlight=False)
     spec = build_launch(cfg, run_dir)
     if spec.script:
         lock.release()

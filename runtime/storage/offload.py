@@ -470,31 +470,26 @@ def install_offload(model: nn.Module, store: ExpertStore, device: torch.device, 
     return manager
 
 
-def offload_from_config(model: nn.Module, cfg, groups, device: torch.device) -> OffloadManager | None:
-    """The offload runtime storage.offload asks for (auto: the mode `plan_placement` picks), or None for none.
+def offload_from_config(model: nn.Module, cfg, groups, device: torch.device,
+                        placement=None) -> OffloadManager | None:
+    """The offload runtime of `placement` (RUN_DIR/plan.json, decided once by `moesys train`; decided here when
+    none is given, as in single-process tests), or None when expert states stay on the device.
 
-    The cache holds storage.cpu_cache_experts experts (0: the plan's number; all local experts for cpu); tier
-    budgets are the plan's per-rank capacities. Each rank keeps its own store under
-    STORE/ep{r}-of-{n}-edp{k} (STORE: storage.ssd_path, or the run directory's expert_store/), owned by this run.
+    Each rank keeps its own store under STORE/ep{r}-of-{n}-edp{k} (STORE: storage.ssd_path, or the run
+    directory's expert_store/), owned by this run.
     """
     from runtime.run_dir import expert_store_root
-    from runtime.storage.budget import GB
-    from runtime.storage.placement import plan_placement
+    from runtime.storage.decided import decide
 
     st = cfg.storage
-    plan = plan_placement(cfg)
-    mode = plan.mode if st.offload == "auto" else st.offload
-    if mode not in ("cpu", "ssd"):
+    placement = placement or decide(cfg)[0]
+    if placement.offload not in ("cpu", "ssd"):
         return None
-    local = plan.per_rank.local_experts
-    cache = local if mode == "cpu" else (st.cpu_cache_experts or plan.per_rank.cache_experts)
-    ranks_per_node = cfg.topology.gpus_per_node or cfg.topology.nproc_per_node
-    tiers = Tiers.with_budgets(plan.per_rank.device_capacity, plan.per_rank.host_capacity,
-                               int(cfg.topology.ssd_gb * GB / ranks_per_node))
+    tiers = Tiers.with_budgets(placement.device_capacity, placement.host_capacity, placement.ssd_capacity)
     ep_rank, ep_size, edp_rank = (groups.ep_rank, groups.ep_size, groups.edp_rank) if groups is not None else (0, 1, 0)
     store = ExpertStore(expert_store_root(cfg) / f"ep{ep_rank}-of-{ep_size}-edp{edp_rank}",
                         owner=str(Path(cfg.train.run_dir).resolve()))
-    return install_offload(model, store, device, cache_experts=min(cache, local), hit_threshold=st.hit_threshold,
-                           decay_beta=st.decay_beta, decay_every=st.decay_every, prefetch_depth=st.prefetch_depth,
-                           lr_schedule=lambda step: lr_at(step, cfg.train),
+    return install_offload(model, store, device, cache_experts=placement.cpu_cache_experts,
+                           hit_threshold=st.hit_threshold, decay_beta=st.decay_beta, decay_every=st.decay_every,
+                           prefetch_depth=st.prefetch_depth, lr_schedule=lambda step: lr_at(step, cfg.train),
                            adamw=AdamWHyper(weight_decay=cfg.train.weight_decay), tiers=tiers, groups=groups)

@@ -21,6 +21,7 @@ from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.embedding_partition import partition_embedding, partitioned_parameters
 from runtime.parallel.expert_parallel import shard_experts
 from runtime.parallel.groups import ParallelGroups
+from runtime.storage.decided import Placement
 from runtime.storage.offload import OffloadManager, offload_from_config
 from runtime.train.data import TokenDataset
 from runtime.train.objective import LanguageModel
@@ -86,13 +87,15 @@ def build_sharded_optimizer(model: nn.Module, shard: DenseShard, cfg: MoesysConf
     return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=ADAMW_BETAS, eps=ADAMW_EPS)
 
 
-def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Components:
+def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device,
+                     placement: Placement | None = None) -> Components:
     """Build the model, swap in what the config asks for (offloaded experts, task heads, sharded dense states)
-    before the optimizer exists, then the parts that take part in each step."""
+    before the optimizer exists, then the parts that take part in each step. `placement`: the run's recorded
+    plan (RUN_DIR/plan.json); None decides it from cfg."""
     model = build_model(cfg, groups, device)
     offload = None
-    if cfg.storage.offload in ("cpu", "ssd", "auto"):
-        offload = offload_from_config(model, cfg, groups, device)  # replaces the experts before the optimizer
+    if cfg.storage.offload in ("cpu", "ssd", "auto"):  # replaces the experts before the optimizer
+        offload = offload_from_config(model, cfg, groups, device, placement)
     tasks = build_multitask(cfg, model, groups, device) if cfg.tasks else None  # task heads replace model.output
     dense, experts = split_params(model)
     dense_shard = None

@@ -20,6 +20,7 @@ from runtime.errors import JobError
 from runtime.optim import lr_at
 from runtime.parallel.groups import ParallelGroups
 from runtime.parallel.timeouts import is_timeout, timeout_error
+from runtime.storage.decided import read as read_placement
 from runtime.train.build import Components, build_components
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from runtime.train.metrics import MetricsWriter, memory_bytes, step_stats
@@ -107,7 +108,7 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
     """Train until train.max_steps or a stop request; resume from the run directory's latest checkpoint."""
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(Path(run_dir).resolve())))
     stop = StopRequest()
-    c = build_components(cfg, groups, device)
+    c = build_components(cfg, groups, device, read_placement(run_dir))  # plan.json: decided once, by moesys train
     start = 0
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
