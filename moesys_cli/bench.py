@@ -51,6 +51,23 @@ BENCHES: dict[str, Callable[[MoesysConfig], dict]] = {
     "embedding": _embedding,
     "elastic": _elastic,
 }
+HONOURED: dict[str, tuple[str, ...] | None] = {
+    "moe-layer": (), "offload": (), "embedding": (), "ring": ("infer.ring_slots",), "train": None, "elastic": None,
+}
+"""The override keys each benchmark uses (None: the whole resolved config); any other override is refused rather
+than silently ignored, since a figure measured on another shape than asked for misleads."""
+
+
+def _check_overrides(name: str, overrides: list[str]) -> None:
+    honoured = HONOURED[name]
+    if honoured is None:
+        return
+    for override in overrides:
+        key = override.partition("=")[0].lstrip("+~")
+        if key not in honoured:
+            allowed = f"only {', '.join(honoured)}" if honoured else "no key=value overrides"
+            raise ConfigError(f"moesys bench {name} takes {allowed} (it measures a fixed shape side by side); "
+                              f"drop {key}")
 
 
 def bench(name: Annotated[str, typer.Argument(help=f"one of: {', '.join(BENCHES)}")],
@@ -58,6 +75,7 @@ def bench(name: Annotated[str, typer.Argument(help=f"one of: {', '.join(BENCHES)
     """Measure side by side and print the ratios (JSON with --json)."""
     if name not in BENCHES:
         raise ConfigError(f"unknown benchmark {name!r}; available: {', '.join(BENCHES)}")
+    _check_overrides(name, overrides or [])
     cfg = resolve_config(overrides or [])
     if not json_out:
         console.print(f"[bold]moesys bench {name}[/]: measuring (this takes a minute or two)...")

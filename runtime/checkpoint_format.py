@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from runtime.errors import UserError
+from runtime.run_dir import CHECKPOINTS
 from runtime.tensorfile import verify
 
 MODEL = "model"
@@ -57,3 +58,13 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {self.path} has no tensor {key}; was it written by a different "
                                   "model config?")
         return self.where[key].get_tensor(key)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint, or None. Temporary directories of killed writes are ignored."""
+    root = Path(run_dir) / CHECKPOINTS
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    path = root / pointer.read_text().strip()
+    return path if (path / "meta.json").exists() else None

@@ -19,7 +19,7 @@ from runtime.inference.hf_mixtral import load_hf_mixtral
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 from runtime.run_dir import CHECKPOINTS, CONFIG
-from runtime.train.checkpoint import latest_checkpoint
+from runtime.checkpoint_format import latest_checkpoint
 from runtime.tensorfile import verify
 from runtime.train.tokenizer import ByteTokenizer
 

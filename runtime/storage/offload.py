@@ -28,6 +28,7 @@ from runtime.moe.experts import GroupedExperts, expert_ffn
 from runtime.moe.layer import EXPERT_PARAM_NAMES
 from runtime.optim import AdamWHyper, catch_up, expert_adamw_step, lr_at
 from runtime.prefetch.sparse import SparsePrefetcher
+from runtime.storage.budget import STORED_SPARSE_BYTES
 from runtime.storage.cache import LFUCache
 from runtime.storage.expert_store import ExpertKey, ExpertState, ExpertStore, new_state, state_bytes
 from runtime.storage.tiers import Tiers
@@ -444,7 +445,7 @@ def layer_specs(model: nn.Module, ep_rank: int = 0) -> list[tuple[nn.Module, Lay
     for index, layer in enumerate(model.moe_layers()):
         experts: GroupedExperts = layer.experts
         params = tuple(n for n in EXPERT_PARAM_NAMES if getattr(experts, n, None) is not None)
-        nbytes = 3 * 4 * sum(getattr(experts, n)[0].numel() for n in params) + 4
+        nbytes = STORED_SPARSE_BYTES * sum(getattr(experts, n)[0].numel() for n in params) + 4  # + step
         out.append((layer, LayerSpec(index, names[id(experts)], experts.num_experts, ep_rank * experts.num_experts,
                                      params, experts.expert_type, experts.impl, nbytes)))
     return out

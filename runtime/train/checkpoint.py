@@ -21,7 +21,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from runtime.checkpoint_format import STATE_KEYS, CheckpointError, CheckpointReader, read_meta, tensor_key
+from runtime.checkpoint_format import (STATE_KEYS, CheckpointError, CheckpointReader, latest_checkpoint, read_meta,
+                                       tensor_key)
 from runtime.config import MoesysConfig
 from runtime.io import atomic_write_json, atomic_write_text, fsync_dir
 from runtime.moe.layer import is_expert_param
@@ -113,16 +114,6 @@ def _rng_state() -> dict[str, torch.Tensor]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint, or None. Temporary directories of killed writes are ignored."""
-    root = Path(run_dir) / CHECKPOINTS
-    pointer = root / "latest"
-    if not pointer.exists():
-        return None
-    path = root / pointer.read_text().strip()
-    return path if (path / "meta.json").exists() else None
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -1,4 +1,7 @@
-"""`moesys bench`: an unknown benchmark is a one-line error; nested results render as flat rows."""
+"""`moesys bench`: an unknown benchmark or an override it would ignore is a one-line error; nested results render
+as flat rows."""
+
+import pytest
 
 from moesys_cli.bench import _rows
 from tests.cli.conftest import run_moesys
@@ -16,3 +19,11 @@ def test_nested_results_render_as_dotted_rows():
               "device": "cpu"}
     assert list(_rows(result)) == [("ring_vs_none", "0.812"), ("by_batch.4.ring_vs_none_rounds", "0.81 0.78"),
                                    ("by_batch.4.copies", "3"), ("device", "cpu")]
+
+
+@pytest.mark.parametrize("name,override", [("offload", "model.hidden_size=64"), ("moe-layer", "model.num_experts=4"),
+                                           ("embedding", "model.vocab_size=512"), ("ring", "train.lr=1")])
+def test_an_override_a_benchmark_would_ignore_is_refused(name, override):
+    proc = run_moesys("bench", name, override)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert f"moesys bench {name} takes" in proc.stderr and f"drop {override.split('=')[0]}" in proc.stderr
