@@ -360,6 +360,11 @@ def validate(cfg: MoesysConfig) -> None:
              f"topology.expert_parallel={t.expert_parallel} must divide the world size (topology.nodes x "
              f"{'gpus_per_node' if t.gpus_per_node else 'nproc_per_node'} = {t.world_size})")
 
+    per_node = cfg.parallel.ranks_per_node or t.processes_per_node
+    if cfg.parallel.alltoall == "hierarchical" and per_node > 0 and t.expert_parallel > per_node:
+        need(t.expert_parallel % per_node == 0,
+             f"parallel.alltoall=hierarchical needs topology.expert_parallel={t.expert_parallel} to span whole "
+             f"nodes (a multiple of the {per_node} ranks per node); use parallel.alltoall=flat")
     if m.embedding_partition and t.nodes > 0 and t.nproc_per_node > 0:
         need(m.hidden_size % t.world_size == 0,
              f"model.embedding_partition needs model.hidden_size={m.hidden_size} divisible by the "

@@ -99,3 +99,11 @@ def test_worker_side_rebuild_rejects_unknown_keys():
     with pytest.raises(ConfigError, match="unknown config key model.hiden_size; did you mean hidden_size"):
         config_from_dict(data)
     assert dataclasses.asdict(config_from_dict(config_to_dict(MoesysConfig()))) == config_to_dict(MoesysConfig())
+
+
+def test_hierarchical_alltoall_over_part_of_a_node_is_refused_by_validate():
+    with pytest.raises(ConfigError, match="parallel.alltoall=hierarchical needs topology.expert_parallel=6 to span"):
+        resolve_config(["recipe=tiny", "parallel.alltoall=hierarchical", "topology.nodes=3",
+                        "topology.nproc_per_node=4", "topology.expert_parallel=6", "model.num_experts=12"])
+    resolve_config(["recipe=tiny", "parallel.alltoall=hierarchical", "topology.nodes=2", "topology.nproc_per_node=2",
+                    "topology.expert_parallel=4"])
