@@ -37,7 +37,11 @@ def launch(run_dir: Path, dense_shard: bool, checkpoint_every: int, resume_from:
 
 
 def dense_tensors(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / CHECKPOINTS / f"step_{step:08d}" / "dense.safetensors"))
+    """Every dense tensor of a checkpoint (dense.safetensors, and dense-sharded.safetensors from a sharded run)."""
+    out = {}
+    for file in sorted((run_dir / CHECKPOINTS / f"step_{step:08d}").glob("dense*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
 
 
 def test_sharded_run_resumes_from_unsharded_checkpoint_and_writes_unsharded_keys(tmp_path):
