@@ -386,6 +386,9 @@ def validate(cfg: MoesysConfig) -> None:
     for key in ("checkpoint_every", "max_restarts", "warmup_steps", "grad_clip", "weight_decay"):
         need(getattr(tr, key) >= 0, f"train.{key} must be >= 0 (got {getattr(tr, key)})")
     need(tr.lr > 0, f"train.lr must be positive (got {tr.lr})")
+    need(cfg.purpose != "train" or m.vocab_size >= BYTE_VOCAB,
+         f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens it trains on; "
+         f"set model.vocab_size>={BYTE_VOCAB}")
     need(tr.collective_timeout_s > 0, f"train.collective_timeout_s must be positive (got {tr.collective_timeout_s})")
     need(not (tr.precision == "fp16" and cfg.storage.offload != "none"),
          f"storage.offload={cfg.storage.offload} with train.precision=fp16 is not supported (the CPU optimizer "

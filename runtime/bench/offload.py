@@ -5,6 +5,7 @@ fetched, stepped and written back each step, as ZeRO-3 offload does), side by si
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import statistics
@@ -18,14 +19,9 @@ import torch
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.model.params import count_parameters
 from runtime.parallel.groups import build_groups
-from runtime.storage.expert_store import ExpertStore
-from runtime.optim import AdamWHyper, lr_at
-from runtime.storage.offload import install_offload
-from runtime.train.build import MB, Components, build_model, build_optimizer, split_params
+from runtime.train.build import build_components
 from runtime.train.data import TokenDataset
 from runtime.train.loop import forward_backward, optimizer_step
-from runtime.train.objective import LanguageModel
-from runtime.train.parts import OffloadedExperts, Part, Replicated
 
 CPU = torch.device("cpu")
 
@@ -35,26 +31,21 @@ class _Trainer:
 
     def __init__(self, cfg: MoesysConfig, mode: str, store_dir: Path | None, cache_experts: int, skew: float,
                  data: str):
-        self.cfg, self.groups = cfg, build_groups(1, 0, 1, 1)
-        model = build_model(cfg, self.groups, CPU)
+        """Built by build_components, as a training worker builds itself; fetch_all is ssd with nothing cached and
+        every expert fetched (the ZeRO-3 offload baseline)."""
+        storage = dataclasses.replace(cfg.storage, offload="none" if mode == "none" else "ssd",
+                                      ssd_path=str(store_dir), cpu_cache_experts=cache_experts)
+        train = dataclasses.replace(cfg.train, run_dir=str(store_dir))
+        self.cfg, self.groups = dataclasses.replace(cfg, storage=storage, train=train), build_groups(1, 0, 1, 1)
+        self.c = build_components(self.cfg, self.groups, CPU)
         with torch.no_grad():  # Zipf-like router: expert e's logits scaled by skew / (e + 1)
-            for layer in model.moe_layers():
+            for layer in self.c.model.moe_layers():
                 w = layer.router.gate.weight
                 w.mul_(torch.tensor([skew / (e + 1) for e in range(w.shape[0])])[:, None])
-        self.mgr = None
-        if mode != "none":
-            self.mgr = install_offload(model, ExpertStore(store_dir), CPU,
-                                       cache_experts=0 if mode == "fetch_all" else cache_experts,
-                                       fetch_all=mode == "fetch_all",
-                                       lr_schedule=lambda step: lr_at(step, cfg.train),
-                                       adamw=AdamWHyper(weight_decay=cfg.train.weight_decay))
-        dense, experts = split_params(model)
-        parts: list[Part] = [Replicated(dense, experts, self.groups, int(cfg.parallel.bucket_mb * MB))]
-        if self.mgr:
-            parts.append(OffloadedExperts(self.mgr, self.groups))
-        objective = LanguageModel(bench_data(data, cfg), self.groups, cfg.train.micro_batch_size, cfg.train.seq_len)
-        self.c = Components(model=model, optimizer=build_optimizer(model, cfg), objective=objective, parts=parts,
-                            dense_params=dense, expert_params=experts, offload=self.mgr)
+        self.c.objective.data = bench_data(data, cfg)
+        self.mgr = self.c.offload
+        if mode == "fetch_all":
+            self.mgr.fetch_everything()
 
     def step(self, step: int) -> dict:
         forward_backward(self.c, self.cfg, self.groups, step, CPU)

@@ -31,9 +31,10 @@ class Rebalance:
     """"config" or the run directory the workload was measured in."""
 
 
-def tasks_per_gpu(cfg: MoesysConfig) -> int:
-    """How many task replicas fit in one rank's device memory, by the plan's per-rank estimate."""
-    est = plan_placement(cfg).per_rank
+def tasks_per_gpu(cfg: MoesysConfig, plan=None) -> int:
+    """How many task replicas fit in one rank's device memory, by the plan's per-rank estimate (of `plan`, when
+    the caller has it)."""
+    est = (plan or plan_placement(cfg)).per_rank
     if est.device_total <= 0:
         return max(1, len(cfg.tasks))
     return max(1, min(len(cfg.tasks), est.device_capacity // est.device_total))

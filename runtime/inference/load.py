@@ -181,7 +181,7 @@ def load_hf(path: Path, dtype: Optional[torch.dtype] = None) -> LoadedModel:
         raise
     except Exception as exc:  # torn safetensors files and the like
         raise InferError(f"checkpoint={path}: cannot read ({_first_line(exc)})") from None
-    cfg = MoesysConfig(model=model_cfg)
+    cfg = MoesysConfig(model=model_cfg, purpose="serve")  # served as it is: its vocabulary need not be bytes
     cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
     return LoadedModel(config_to_dict(cfg), model, "hf", _hf_tokenizer(path), path)
 

@@ -162,6 +162,12 @@ class OffloadManager:
 
         self.writes.submit(key, job)
 
+    def fetch_everything(self) -> None:
+        """Become the ZeRO-3-offload baseline `moesys bench offload` compares with: every local expert fetched,
+        stepped and written back each step, nothing kept in the CPU cache."""
+        self.fetch_all = True
+        self.cache.capacity = 0
+
     def _wait_updated(self, layer: int) -> None:
         self._updated[layer].wait()
 
@@ -471,19 +477,16 @@ def install_offload(model: nn.Module, store: ExpertStore, device: torch.device, 
     return manager
 
 
-def offload_from_config(model: nn.Module, cfg, groups, device: torch.device,
-                        placement=None) -> OffloadManager | None:
-    """The offload runtime of `placement` (RUN_DIR/plan.json, decided once by `moesys train`; decided here when
-    none is given, as in single-process tests), or None when expert states stay on the device.
+def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, placement) -> OffloadManager | None:
+    """The offload runtime of `placement` (runtime/train/decided.py: RUN_DIR/plan.json, decided once by
+    `moesys train`), or None when expert states stay on the device.
 
     Each rank keeps its own store under STORE/ep{r}-of-{n}-edp{k} (STORE: storage.ssd_path, or the run
     directory's expert_store/), owned by this run.
     """
     from runtime.run_dir import expert_store_root
-    from runtime.storage.decided import decide
 
     st = cfg.storage
-    placement = placement or decide(cfg)[0]
     if placement.offload not in ("cpu", "ssd"):
         return None
     tiers = Tiers.with_budgets(placement.device_capacity, placement.host_capacity, placement.ssd_capacity)

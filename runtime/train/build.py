@@ -21,9 +21,9 @@ from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.embedding_partition import partition_embedding, partitioned_parameters
 from runtime.parallel.expert_parallel import shard_experts
 from runtime.parallel.groups import ParallelGroups
-from runtime.storage.decided import Placement
 from runtime.storage.offload import OffloadManager, offload_from_config
 from runtime.train.data import TokenDataset
+from runtime.train.decided import Placement, decide
 from runtime.train.objective import LanguageModel
 from runtime.train.parts import (OffloadedExperts, Part, PartitionedEmbedding, Replicated, ShardedDense,
                                  TaskHeads)
@@ -91,12 +91,15 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
                      placement: Placement | None = None) -> Components:
     """Build the model, swap in what the config asks for (offloaded experts, task heads, sharded dense states)
     before the optimizer exists, then the parts that take part in each step. `placement`: the run's recorded
-    plan (RUN_DIR/plan.json); None decides it from cfg."""
+    plan (RUN_DIR/plan.json); None decides it here, as single-process tests do."""
+    placement = placement or decide(cfg)[0]
     model = build_model(cfg, groups, device)
     offload = None
     if cfg.storage.offload in ("cpu", "ssd", "auto"):  # replaces the experts before the optimizer
         offload = offload_from_config(model, cfg, groups, device, placement)
-    tasks = build_multitask(cfg, model, groups, device) if cfg.tasks else None  # task heads replace model.output
+    tasks = None
+    if cfg.tasks:  # task heads replace model.output
+        tasks = build_multitask(cfg, model, groups, device, placement.task_gpus)
     dense, experts = split_params(model)
     dense_shard = None
     if cfg.storage.dense_shard:  # Algorithm 1: replaces the dense all-reduce and the replicated dense states

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.checkpoint_format import STATE_KEYS, CheckpointReader, tensor_key
+from runtime.checkpoint_format import STATE_KEYS, CheckpointError, CheckpointReader, tensor_key
 from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.embedding_partition import partitioned_grad_sq, partitioned_parameters
 from runtime.parallel.grad_buckets import GradBucketReducer
@@ -148,7 +148,6 @@ class ShardedDense(Part):
                 for name in held}
         for name, shape in held.items():
             if full[name]["model"].shape != shape:
-                from runtime.checkpoint_format import CheckpointError
                 raise CheckpointError(f"{name} has shape {tuple(full[name]['model'].shape)} in {reader.path}, "
                                       f"the model expects {tuple(shape)}")
         self.shard.load_full_state(full, self.optimizer)

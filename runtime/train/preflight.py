@@ -7,7 +7,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from runtime.config import BYTE_VOCAB, MoesysConfig
+from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.run_dir import expert_store_root
 from runtime.storage.expert_store import OWNER
@@ -16,9 +16,9 @@ from runtime.train.data import TokenDataset
 
 def check_before_launch(cfg: MoesysConfig) -> None:
     """cfg.train.run_dir must be set (the directory the job will use)."""
-    if cfg.model.vocab_size < BYTE_VOCAB:  # a rule of training on text (a served model may have any vocabulary)
-        raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
-                        f"{BYTE_VOCAB} tokens; set model.vocab_size>={BYTE_VOCAB}")
+    if cfg.purpose != "train":
+        raise UserError(f"this config is for serving (purpose={cfg.purpose}: {cfg.recipe or 'the recipe'} is planned "
+                        "as an inference budget); serve it with moesys infer, or set purpose=train to train it")
     sources = {"train.data": cfg.train.data} if not cfg.tasks else \
         {f"tasks.{name}.data": task.data for name, task in cfg.tasks.items()}
     for key, path in sources.items():

@@ -111,16 +111,19 @@ def layout_from_counts(workload: Mapping[str, Workload], counts: Mapping[str, in
     return TaskLayout(world, {n: ranks[n] for n in names}, {n: batch[n] for n in names})
 
 
-def task_layout(cfg: MoesysConfig, world: int) -> TaskLayout:
-    """tasks.*.gpus when every task has it (a recipe written by `moesys rebalance --write`), else the elastic
-    allocation of the configured workload on `world` ranks."""
-    workload = workload_from_config(cfg.tasks)
+def task_gpu_counts(cfg: MoesysConfig, world: int, plan=None) -> dict[str, int]:
+    """Ranks per task: tasks.*.gpus when every task has it (a recipe written by `moesys rebalance --write`), else
+    the elastic allocation of the configured workload on `world` ranks within the plan's memory estimate."""
     if all(t.gpus > 0 for t in cfg.tasks.values()):
-        counts = {n: t.gpus for n, t in cfg.tasks.items()}
-    else:
-        from runtime.elastic.rebalance import tasks_per_gpu  # the plan's memory estimate, as `moesys rebalance`
-        counts = allocate(workload, world, tasks_per_gpu(cfg)).gpus
-    return layout_from_counts(workload, counts, world)
+        return {n: t.gpus for n, t in cfg.tasks.items()}
+    from runtime.elastic.rebalance import tasks_per_gpu  # the plan's memory estimate, as `moesys rebalance`
+    return allocate(workload_from_config(cfg.tasks), world, tasks_per_gpu(cfg, plan)).gpus
+
+
+def task_layout(cfg: MoesysConfig, world: int, counts: Mapping[str, int] | None = None) -> TaskLayout:
+    """The layout of `counts` ranks per task (the run's recorded plan), or of task_gpu_counts when None."""
+    counts = dict(counts) if counts else task_gpu_counts(cfg, world)
+    return layout_from_counts(workload_from_config(cfg.tasks), counts, world)
 
 
 def new_head(cfg: MoesysConfig, task: str) -> nn.Linear:
@@ -290,9 +293,11 @@ class MultiTask:
                             k: f.get_tensor(f"{k}.task_heads.{t}.{name}").to(p.device, p.dtype) for k in STATE_KEYS}}
 
 
-def build_multitask(cfg: MoesysConfig, model: nn.Module, groups: ParallelGroups, device: torch.device) -> MultiTask:
-    """Lay out the tasks, give the model an identity output (the task heads project instead), build the heads."""
-    layout = task_layout(cfg, groups.world_size)
+def build_multitask(cfg: MoesysConfig, model: nn.Module, groups: ParallelGroups, device: torch.device,
+                    counts: Mapping[str, int] | None = None) -> MultiTask:
+    """Lay out the tasks (`counts`: ranks per task from the recorded plan), give the model an identity output (the
+    task heads project instead), build the heads."""
+    layout = task_layout(cfg, groups.world_size, counts)
     model.output = nn.Identity()
     return MultiTask(cfg, layout, groups, device)
 

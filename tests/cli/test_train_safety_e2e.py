@@ -104,3 +104,9 @@ def test_a_stuck_peer_fails_the_job_within_the_collective_timeout(tmp_path):
     assert len(error_lines) == 1, stderr
     assert "waited more than train.collective_timeout_s=5 s" in error_lines[0] and "step " in error_lines[0]
     assert "local rank 0" in error_lines[0]
+
+
+def test_a_serving_recipe_is_not_trained_by_accident(tmp_path):
+    proc = run_moesys("train", "recipe=mixtral-8x7b", "train.run_dir=run", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "purpose=serve" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -107,3 +107,9 @@ def test_hierarchical_alltoall_over_part_of_a_node_is_refused_by_validate():
                         "topology.nproc_per_node=4", "topology.expert_parallel=6", "model.num_experts=12"])
     resolve_config(["recipe=tiny", "parallel.alltoall=hierarchical", "topology.nodes=2", "topology.nproc_per_node=2",
                     "topology.expert_parallel=4"])
+
+
+def test_a_vocabulary_below_the_byte_tokenizers_is_refused_for_training_only():
+    with pytest.raises(ConfigError, match="model.vocab_size=100 is smaller than the byte tokenizer's 256 tokens"):
+        resolve_config(["recipe=tiny", "model.vocab_size=100"])
+    assert resolve_config(["recipe=tiny", "model.vocab_size=100", "purpose=serve"]).model.vocab_size == 100

@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.config import MoesysConfig
 from runtime.io import atomic_write_json
 from runtime.storage.budget import GB
 from runtime.storage.placement import plan_placement, plan_to_dict
+from runtime.train.tasks import task_gpu_counts
 
 PLAN = "plan.json"
 
@@ -30,6 +31,8 @@ class Placement:
     device_capacity: int
     host_capacity: int
     ssd_capacity: int
+    task_gpus: dict[str, int] = field(default_factory=dict)
+    """Ranks per task of a multi-task load (the elastic allocation, seed 004 section 4.1); empty otherwise."""
 
 
 def decide(cfg: MoesysConfig) -> tuple[Placement, dict]:
@@ -38,14 +41,16 @@ def decide(cfg: MoesysConfig) -> tuple[Placement, dict]:
     st, r = cfg.storage, plan.per_rank
     mode = plan.mode if st.offload == "auto" else st.offload
     cache = r.local_experts if mode == "cpu" else min(st.cpu_cache_experts or r.cache_experts, r.local_experts)
+    task_gpus = task_gpu_counts(cfg, cfg.topology.world_size, plan) if cfg.tasks else {}
     placement = Placement(mode, cache if mode != "none" else 0, r.local_experts, r.device_capacity, r.host_capacity,
-                          int(cfg.topology.ssd_gb * GB / cfg.topology.processes_per_node))
+                          int(cfg.topology.ssd_gb * GB / cfg.topology.processes_per_node), task_gpus)
     return placement, plan_to_dict(plan)
 
 
 def _digest(cfg: MoesysConfig) -> str:
-    """What the placement depends on: the model, topology and storage sections and the batch shape."""
+    """What the placement depends on: the model, topology, storage and tasks sections and the batch shape."""
     parts = {k: dataclasses.asdict(getattr(cfg, k)) for k in ("model", "topology", "storage")}
+    parts["tasks"] = {name: dataclasses.asdict(task) for name, task in cfg.tasks.items()}
     parts["batch"] = [cfg.train.micro_batch_size, cfg.train.seq_len, cfg.train.precision]
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -62,7 +67,8 @@ def record(run_dir: Path, cfg: MoesysConfig) -> tuple[Placement, str | None]:
                              "plan": plan})
     note = None
     if old is not None:
-        changes = [f"{k} {getattr(old[0], k)} -> {getattr(placement, k)}" for k in ("offload", "cpu_cache_experts")
+        changes = [f"{k} {getattr(old[0], k)} -> {getattr(placement, k)}" for k in ("offload", "cpu_cache_experts",
+                                                                                   "task_gpus")
                    if getattr(old[0], k) != getattr(placement, k)]
         note = "the config changed since the recorded plan: re-planned" + (f" ({', '.join(changes)})" if changes
                                                                             else ", same placement")

@@ -7,10 +7,10 @@ import json
 
 import torch
 
-from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TrainConfig
+from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TaskConfig, TrainConfig
 from runtime.parallel.groups import build_groups
-from runtime.storage.decided import PLAN, decide, read, record
 from runtime.train.build import build_components
+from runtime.train.decided import PLAN, decide, read, record
 
 
 def config(tmp_path, **storage) -> MoesysConfig:
@@ -48,3 +48,13 @@ def test_workers_build_the_recorded_placement(tmp_path):
                          placement=type(recorded)(**{**recorded.__dict__, "cpu_cache_experts": 1}))
     assert c.offload.cache.capacity == 1  # the record wins over what cfg alone would give (2)
     c.offload.close()
+
+
+def test_the_task_allocation_is_recorded_and_workers_lay_tasks_out_by_it(tmp_path):
+    cfg = config(tmp_path)
+    cfg.tasks = {"a": TaskConfig(batch_size=3), "b": TaskConfig(batch_size=1)}
+    placement, _ = record(tmp_path, cfg)
+    assert placement.task_gpus == {"a": 1, "b": 1}  # one rank: both tasks packed on it
+    assert read(tmp_path).task_gpus == placement.task_gpus
+    c = build_components(cfg, build_groups(1, 0, 1, 1), torch.device("cpu"), placement=read(tmp_path))
+    assert c.tasks.layout.ranks == {"a": [0], "b": [0]}
