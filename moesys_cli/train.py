@@ -20,7 +20,7 @@ from runtime.launch import build_launch, check_launchable
 from runtime.process import Job, TorchrunLogs, resume_point
 from runtime.run_dir import (LOGS, RunLock, clear_fatal, default_run_dir, last_step_metrics, prepare_run_dir,
                              read_fatal, run_summary)
-from runtime.storage.decided import record as record_placement
+from runtime.train.decided import record as record_placement
 from runtime.train.preflight import check_before_launch
 
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and the command; run nothing.")]
