@@ -106,12 +106,14 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
     host = ssd = 0
     cache_experts = 0
     ranks_per_node = t.processes_per_node
-    host_capacity = int(t.cpu_memory_gb * GB / ranks_per_node)
+    ram_per_rank = int(t.cpu_memory_gb * GB / ranks_per_node)
     if mode == "none":
         device["expert_states"] = int(DENSE_STATE_BYTES * local_sparse)
     else:
-        active_layer = st.alpha * layer_sparse
-        device["expert_buffers"] = int(ACTIVE_SPARSE_BYTES * active_layer * (1 + st.prefetch_depth))
+        device["expert_buffers"] = int(ACTIVE_SPARSE_BYTES * st.alpha * layer_sparse * (1 + st.prefetch_depth))
+    # Without a GPU the device tier is a pool in the same RAM as the host tier: the host gets what it leaves.
+    host_capacity = ram_per_rank if t.gpus_per_node else max(0, ram_per_rank - sum(device.values()))
+    if mode != "none":
         if mode == "cpu":
             host = int(CACHED_SPARSE_BYTES * local_sparse)
             cache_experts = local_experts
@@ -120,7 +122,7 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
             fit = host_capacity // max(CACHED_SPARSE_BYTES * p.per_expert, 1)
             cache_experts = st.cpu_cache_experts or int(min(local_experts, fit))
             host = int(CACHED_SPARSE_BYTES * cache_experts * p.per_expert)
-    device_capacity = int(t.gpu_memory_gb * GB if t.gpus_per_node else t.cpu_memory_gb * GB / t.nproc_per_node)
+    device_capacity = int(t.gpu_memory_gb * GB) if t.gpus_per_node else ram_per_rank - host
     return RankEstimate(device=device, host=host, ssd=ssd, device_capacity=device_capacity,
                         host_capacity=host_capacity, cache_experts=cache_experts, local_experts=local_experts)
 
@@ -215,7 +217,8 @@ def _assumptions(cfg: MoesysConfig) -> list[str]:
         f"storage.alpha={cfg.storage.alpha}: share of expert parameters activated per step",
     ]
     if not t.gpus_per_node:
-        out.append("no GPU: the device tier is a pool in host RAM (topology.cpu_memory_gb / nproc_per_node per rank)")
+        out.append("no GPU: the device tier is a pool in host RAM; it and the host cache share topology.cpu_memory_gb "
+                   "/ nproc_per_node per rank")
     out.append(f"each worker process needs {PROCESS_RUNTIME_BYTES / GB:.1f} GB of host RAM for its runtime besides "
                "the states counted here")
     if cfg.purpose == "serve":

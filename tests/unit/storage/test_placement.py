@@ -150,3 +150,24 @@ def test_more_nodes_may_split_the_experts_over_more_ranks():
     assert ep > 8 and 128 % ep == 0 and (nodes * 8) % ep == 0
     wider = dataclasses.replace(topo, nodes=nodes, expert_parallel=ep)
     assert plan_placement(dataclasses.replace(cfg, topology=wider)).feasible
+
+
+def test_without_a_gpu_the_device_pool_and_the_host_cache_share_one_rams_budget():
+    """Each fits half of a rank's RAM on its own; together they do not (the plan counted the RAM twice)."""
+    from runtime.config import ModelConfig, MoesysConfig
+    from runtime.storage.budget import GB
+    from runtime.storage.placement import plan_placement
+
+    cfg = MoesysConfig(model=ModelConfig(hidden_size=256, ffn_hidden_size=1024, num_layers=4, num_heads=4,
+                                         num_experts=8))
+    cfg.topology.gpus_per_node, cfg.topology.nproc_per_node, cfg.topology.expert_parallel = 0, 2, 2
+    cfg.storage.offload, cfg.train.micro_batch_size, cfg.train.seq_len = "cpu", 1, 64
+    r = plan_placement(cfg).per_rank
+    ram = r.device_total + r.host
+    cfg.topology.cpu_memory_gb = 2 * 0.8 * ram / GB  # 2 ranks: each gets 80% of what it needs for both
+    r = plan_placement(cfg).per_rank
+    assert r.device_total < 0.8 * ram and r.host < 0.8 * ram  # either alone would fit its share
+    assert not r.ok
+    assert abs(r.device_capacity + r.host - 0.8 * ram) <= 1 and abs(r.host_capacity + r.device_total - 0.8 * ram) <= 1
+    cfg.topology.cpu_memory_gb = 2 * 1.01 * ram / GB
+    assert plan_placement(cfg).per_rank.ok
