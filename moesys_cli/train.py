@@ -37,7 +37,7 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
         typer.echo(spec.script if spec.script else shlex.join(spec.argv))
         raise typer.Exit(0)
     check_launchable(cfg)
-    lock = RunLock(Path(cfg.train.run_dir))  # held until this process exits: one job per run directory
+    lock = RunLock(Path(cfg.train.run_dir), cfg.launcher.node_rank)  # held until exit: one job per run directory
     run_dir = prepare_run_dir(cfg)
     clear_fatal(run_dir)
     _, replanned = record_placement(run_dir, cfg)  # plan.json: the workers read it; none of them plans again

@@ -126,10 +126,11 @@ LOCK = ".lock"
 
 class RunLock:
     """An exclusive lock on RUN_DIR/.lock (flock) while a job runs there; the OS drops it when its holder exits or
-    is killed, so a stale lock never blocks a resume."""
+    is killed, so a stale lock never blocks a resume. The nodes of a multi-node job (one `moesys train` per node,
+    possibly on one shared filesystem) each lock their own file."""
 
-    def __init__(self, run_dir: Path):
-        path = Path(run_dir) / LOCK
+    def __init__(self, run_dir: Path, node_rank: int = 0):
+        path = Path(run_dir) / (LOCK if node_rank == 0 else f"{LOCK}-node{node_rank}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a+")

@@ -79,3 +79,6 @@ def test_a_run_dir_in_use_is_refused_and_freed_when_its_holder_dies(tmp_path):
     holder.kill()
     holder.wait(timeout=10)
     RunLock(tmp_path).release()  # a killed holder leaves no stale lock
+    first, second = RunLock(tmp_path), RunLock(tmp_path, node_rank=1)  # the nodes of one multi-node job
+    first.release()
+    second.release()
