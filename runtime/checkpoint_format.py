@@ -47,7 +47,11 @@ class CheckpointReader:
         for file in sorted(self.path.glob("*.safetensors")):
             if not file.name.startswith("rng-"):
                 verify(file)
-                handle = safe_open(str(file), framework="pt")
+                try:
+                    handle = safe_open(str(file), framework="pt")
+                except Exception as exc:  # safetensors' own error types, for a torn file written without checksum
+                    raise CheckpointError(f"{file}: corrupt safetensors file ({str(exc).strip().splitlines()[0]})"
+                                          ) from None
                 self.where.update({key: handle for key in handle.keys()})
 
     def __contains__(self, key: str) -> bool:

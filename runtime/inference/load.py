@@ -11,7 +11,6 @@ from typing import Any, Optional, Protocol
 
 import torch
 import yaml
-from safetensors import safe_open
 
 from runtime.config import ConfigError, MoesysConfig, config_from_dict, config_to_dict
 from runtime.errors import UserError
@@ -19,8 +18,7 @@ from runtime.inference.hf_mixtral import load_hf_mixtral
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 from runtime.run_dir import CHECKPOINTS, CONFIG
-from runtime.checkpoint_format import latest_checkpoint
-from runtime.tensorfile import verify
+from runtime.checkpoint_format import MODEL, CheckpointReader, latest_checkpoint, tensor_key
 from runtime.train.tokenizer import ByteTokenizer
 
 
@@ -94,49 +92,23 @@ def _moesys_step_dir(path: Path) -> tuple[Path, dict]:
     return step, data
 
 
-class _StepFiles:
-    """Tensors of a step directory by key (model.NAME, model.NAME.{expert}); rng files skipped."""
-
-    def __init__(self, step: Path):
-        self.where: dict[str, Path] = {}
-        files = sorted(p for p in step.glob("*.safetensors") if not p.name.startswith("rng-"))
-        if not any(p.name == "dense.safetensors" for p in files):
-            raise InferError(f"{step}: dense.safetensors is missing")
-        for file in files:
-            verify(file)
-            try:
-                with safe_open(str(file), framework="pt") as f:
-                    for key in f.keys():
-                        if key.startswith("model."):
-                            self.where[key] = file
-            except Exception as exc:  # safetensors raises its own error types for torn or foreign files
-                raise InferError(f"{file}: corrupt safetensors file ({_first_line(exc)})") from None
-
-    def get(self, key: str) -> torch.Tensor:
-        if key not in self.where:
-            raise InferError(f"checkpoint has no tensor {key}; it was written for a different model config")
-        try:
-            with safe_open(str(self.where[key]), framework="pt") as f:
-                return f.get_tensor(key)
-        except Exception as exc:
-            raise InferError(f"{self.where[key]}: cannot read {key} ({_first_line(exc)})") from None
-
-
 def load_moesys(path: Path, dtype: Optional[torch.dtype] = None) -> LoadedModel:
     step, data = _moesys_step_dir(path)
     try:
         cfg = config_from_dict(data)
     except ConfigError as exc:
         raise InferError(f"checkpoint={path}: its config does not load ({exc})") from None
-    files = _StepFiles(step)
+    if not (step / "dense.safetensors").is_file():
+        raise InferError(f"{step}: dense.safetensors is missing")
+    files = CheckpointReader(step)  # the training checkpoint's own reader: every file's checksum verified
     with torch.device("meta"):
         model = Transformer(cfg.model)
     state = {}
     for name, param in model.named_parameters():
         if is_expert_param(name):
-            tensor = torch.stack([files.get(f"model.{name}.{g}") for g in range(param.shape[0])])
+            tensor = torch.stack([files.get(tensor_key(MODEL, name, g)) for g in range(param.shape[0])])
         else:
-            tensor = files.get(f"model.{name}")
+            tensor = files.get(tensor_key(MODEL, name))
         if tuple(tensor.shape) != tuple(param.shape):
             raise InferError(f"{name}: shape {tuple(tensor.shape)} in {step}, the config gives {tuple(param.shape)}")
         state[name] = tensor.to(dtype or tensor.dtype).contiguous()

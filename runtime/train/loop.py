@@ -124,7 +124,7 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
         for step in range(start + 1, tr.max_steps + 1):
             began = time.perf_counter()
             lm_loss, out = forward_backward(c, cfg, groups, step - 1, device, scaler)
-            aux_loss = out.aux_loss.detach().float() if hasattr(out, "aux_loss") else torch.zeros(())
+            aux_loss = out.aux_loss.detach().float()
             stopping, diverged = stop.agreed(groups, not bool(torch.isfinite(lm_loss + aux_loss)))
             _check_finite(step, lm_loss, aux_loss, diverged)
             norm = optimizer_step(c, cfg, groups, step - 1, scaler)
