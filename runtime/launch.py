@@ -26,6 +26,8 @@ from runtime.io import atomic_write_text
 WORKER_MODULE = "runtime.train.worker"
 SLURM_SCRIPT = "job.sbatch"
 SLURM_LOG = "slurm-%j.out"
+_NO_SBATCH = ("launcher=slurm submits with {command}, which is not on PATH; run moesys train on a SLURM login node, "
+              "or add --dry-run to print the sbatch script")
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,7 @@ def check_launchable(cfg: MoesysConfig, ram_bytes: float | None = None) -> None:
     """A job launched on this machine (local, multinode) needs the GPUs its topology declares and, on CPU, RAM
     (`ram_bytes`, default this machine's) for all its processes; a SLURM job needs sbatch."""
     if cfg.launcher.name == "slurm" and shutil.which("sbatch") is None:
-        raise UserError("launcher=slurm submits with sbatch, which is not on PATH; run moesys train on a SLURM "
-                        "login node, or add --dry-run to print the sbatch script")
+        raise UserError(_NO_SBATCH.format(command="sbatch"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.launcher.name != "slurm" and cfg.topology.gpus_per_node > gpus:
         raise UserError(f"topology.gpus_per_node={cfg.topology.gpus_per_node} but this machine has {gpus} GPU(s); "
@@ -145,8 +146,7 @@ def submit_slurm(spec: LaunchSpec, run_dir: Path) -> SlurmJob:
     try:
         done = subprocess.run(spec.argv, capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
-        raise UserError(f"launcher=slurm submits with {spec.argv[0]}, which is not on PATH; run moesys train on a "
-                        "SLURM login node, or add --dry-run to print the sbatch script") from None
+        raise UserError(_NO_SBATCH.format(command=spec.argv[0])) from None
     except subprocess.TimeoutExpired:
         raise UserError(f"{spec.argv[0]} did not answer in 120 s; the script is {script}") from None
     answer = (done.stdout + done.stderr).strip()

@@ -54,9 +54,13 @@ def prepare_run_dir(cfg: MoesysConfig) -> Path:
         (run_dir / LOGS).mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / CONFIG)
     except OSError as exc:
-        raise UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
-                        "set train.run_dir to a directory you can write") from None
+        raise _unwritable(run_dir, exc) from None
     return run_dir
+
+
+def _unwritable(run_dir: Path, exc: OSError) -> UserError:
+    return UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; set train.run_dir to a "
+                     "directory you can write")
 
 
 def save_config(cfg: MoesysConfig, path: Path) -> None:
@@ -135,8 +139,7 @@ class RunLock:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a+")
         except OSError as exc:
-            raise UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
-                            "set train.run_dir to a directory you can write") from None
+            raise _unwritable(run_dir, exc) from None
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -100,18 +100,25 @@ class ExpertStore:
         return sum(p.stat().st_size for p in self.live.glob("*.safetensors"))
 
 
-def claim_store(root: Path, owner: str) -> None:
-    """Make `owner` (a run directory) the owner of the store at `root`, or raise StoreError when another run
-    owns it: two runs sharing one store would overwrite each other's expert states without a sign."""
+def check_owner(root: Path, owner: str) -> bool:
+    """True when the store at `root` is `owner`'s (a run directory), False when it has no owner yet; StoreError when
+    another run owns it: two runs sharing one store would overwrite each other's expert states without a sign."""
     marker = Path(root) / OWNER
-    if marker.exists():
-        holder = marker.read_text().strip()
-        if holder != owner:
-            raise StoreError(f"storage.ssd_path {Path(root).parent} holds the expert store of another run ({holder}); "
-                             "give this run its own storage.ssd_path (or leave it empty: the run directory)")
+    if not marker.exists():
+        return False
+    holder = marker.read_text().strip()
+    if holder != owner:
+        raise StoreError(f"storage.ssd_path {Path(root).parent} holds the expert store of another run ({holder}); "
+                         "give this run its own storage.ssd_path (or leave it empty: the run directory)")
+    return True
+
+
+def claim_store(root: Path, owner: str) -> None:
+    """Make `owner` the owner of the store at `root` (check_owner's refusal when another run owns it)."""
+    if check_owner(root, owner):
         return
     try:
-        atomic_write_text(marker, owner + "\n")
+        atomic_write_text(Path(root) / OWNER, owner + "\n")
     except OSError as exc:
         raise StoreError(f"cannot write the expert store at {root}: {exc.strerror or exc}; set storage.ssd_path "
                          "to a directory you can write") from None

@@ -10,7 +10,7 @@ from pathlib import Path
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.run_dir import expert_store_root
-from runtime.storage.expert_store import OWNER
+from runtime.storage.expert_store import OWNER, check_owner
 from runtime.train.data import TokenDataset
 
 
@@ -28,11 +28,8 @@ def check_before_launch(cfg: MoesysConfig) -> None:
 
 
 def _check_store(root: Path, run_dir: str) -> None:
-    for marker in root.glob(f"*/{OWNER}"):
-        holder = marker.read_text().strip()
-        if holder != run_dir:
-            raise UserError(f"storage.ssd_path {root} holds the expert store of another run ({holder}); give this "
-                            "run its own storage.ssd_path (or leave it empty: the run directory)")
+    for marker in root.glob(f"*/{OWNER}"):  # one store per expert-parallel rank
+        check_owner(marker.parent, run_dir)
     probe = root
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
