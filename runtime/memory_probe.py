@@ -1,0 +1,65 @@
+"""A process's peak memory as the plan counts it: anonymous RSS on the host (what the OOM killer weighs; page
+cache and memory-mapped files are reclaimable and left out) and, on a GPU, CUDA's max allocated.
+
+The kernel keeps no high-water mark of anonymous memory, so `PeakMemory` samples /proc/self/status from a daemon
+thread (every `interval_s`) and also at every `sample()` call; a peak shorter than the interval can be missed, so
+callers sample at their known high points (end of backward, checkpoint writes).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_STATUS = "/proc/self/status"
+
+
+def rss_anon_bytes() -> int:
+    """Anonymous resident memory of this process now (RssAnon), 0 where /proc does not say."""
+    try:
+        with open(_STATUS) as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakMemory:
+    """Peak anonymous RSS of this process since start or the last `reset()`, sampled in the background."""
+
+    def __init__(self, interval_s: float = 0.02):
+        self.interval_s = interval_s
+        self.peak = rss_anon_bytes()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> int:
+        now = rss_anon_bytes()
+        self.peak = max(self.peak, now)
+        return now
+
+    def reset(self) -> None:
+        self.peak = rss_anon_bytes()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> PeakMemory:
+        self._thread = threading.Thread(target=self._run, name="moesys-peak-memory", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.sample()
+
+
+def cuda_peak_bytes(device: torch.device) -> int:
+    """CUDA's max allocated on `device` since the last reset, 0 off CUDA."""
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
