@@ -13,11 +13,9 @@ from torch import nn
 from runtime.config import ModelConfig
 from runtime.model.attention import Attention, KVCache, rope_cos_sin
 from runtime.model.ffn import DenseFFN
+from runtime.model.init import draw_seed, init_parameters
 from runtime.model.norms import RMSNorm, build_norm
-from runtime.moe.layer import MoELayer, expert_parameters
-
-INIT_STD = 0.02
-
+from runtime.moe.layer import MoELayer
 
 @dataclass
 class ModelOutput:
@@ -52,7 +50,9 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """tokens [B, S] -> ModelOutput; one code path for every ModelConfig, single device."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, seed: int | None = None):
+        """Built under `torch.device("meta")` nothing is allocated or initialized: the caller materializes what
+        this rank holds (runtime/train/build.py)."""
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -64,7 +64,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = build_norm(cfg)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.reset_parameters()
+        if not self.tok_embeddings.weight.is_meta:
+            self.reset_parameters(seed)
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -78,24 +79,10 @@ class Transformer(nn.Module):
         """An empty KV cache for incremental decoding with this model."""
         return KVCache(len(self.layers), max_len)
 
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """GPT-2 style: normal(0, 0.02) for every linear, embedding and expert weight; zero biases; unit norms."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, 0.0, INIT_STD)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-                nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        for layer in self.moe_layers():
-            for name, param in expert_parameters(layer):  # stacked w1/w2/w3 [e, ., .] and biases b1/b2/b3
-                if name.rsplit(".", 1)[-1].startswith("b"):
-                    nn.init.zeros_(param)
-                else:
-                    nn.init.normal_(param, 0.0, INIT_STD)
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """GPT-2 style init (runtime/model/init.py), each tensor and each expert from its own (seed, name, expert)
+        generator; without a seed, one is drawn from torch's global RNG."""
+        init_parameters(self, draw_seed() if seed is None else seed)
 
     def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, start_pos: int = 0) -> ModelOutput:
         """tokens [B, S] at positions start_pos..start_pos+S-1 (start_pos > 0 needs the cache of the prefix)."""

@@ -223,6 +223,8 @@ class GroupedExperts(nn.Module):
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r} is not one of {', '.join(IMPLS)}")
         self.num_experts, self.hidden, self.ffn = num_experts, hidden, ffn
+        self.first_expert = 0
+        """Global index of row 0: expert parallelism keeps a block of a layer's experts on each rank."""
         self.expert_type, self.impl = expert_type, impl
         swiglu = expert_type == "swiglu"
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn, hidden))

@@ -64,8 +64,8 @@ class ExpertParallelDispatcher(LocalDispatcher):
 def shard_experts(model: nn.Module, ep_size: int, ep_rank: int, ep_group, all_to_all: AllToAll) -> None:
     """Keep only this rank's block of experts in every MoE layer and give each layer an EP dispatcher.
 
-    The full model is built first on every rank from one seed, so expert g has the same initial weights
-    whatever the expert-parallel size.
+    On a model still on the meta device this allocates nothing; initialization then draws each kept expert from
+    its global index (runtime/model/init.py), so expert g starts the same whatever the expert-parallel size.
     """
     if ep_size == 1:
         return
@@ -78,4 +78,5 @@ def shard_experts(model: nn.Module, ep_size: int, ep_rank: int, ep_group, all_to
         for name, param in list(experts.named_parameters(recurse=False)):
             setattr(experts, name, nn.Parameter(param.detach()[block].clone()))
         experts.num_experts = local
+        experts.first_expert = ep_rank * local
         layer.dispatcher = ExpertParallelDispatcher(num, ep_size, ep_rank, ep_group, all_to_all)

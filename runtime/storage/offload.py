@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from runtime.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, tensor_key
+from runtime.model.init import init_expert
 from runtime.moe.experts import GroupedExperts, expert_ffn
 from runtime.moe.layer import EXPERT_PARAM_NAMES
 from runtime.optim import AdamWHyper, catch_up, expert_adamw_step, lr_at
@@ -444,45 +445,54 @@ class OffloadManager:
         self._opt_pool.shutdown(wait=True)
 
 
-def layer_specs(model: nn.Module, ep_rank: int = 0) -> list[tuple[nn.Module, LayerSpec]]:
-    """(MoE layer, spec) for every MoE layer of `model`, in forward order."""
+def layer_specs(model: nn.Module) -> list[tuple[nn.Module, LayerSpec]]:
+    """(MoE layer, spec) for every MoE layer of `model`, in forward order (shapes only: works on the meta device)."""
     names = {id(module): name for name, module in model.named_modules()}
     out = []
     for index, layer in enumerate(model.moe_layers()):
         experts: GroupedExperts = layer.experts
         params = tuple(n for n in EXPERT_PARAM_NAMES if getattr(experts, n, None) is not None)
         nbytes = STORED_SPARSE_BYTES * sum(getattr(experts, n)[0].numel() for n in params) + 4  # + step
-        out.append((layer, LayerSpec(index, names[id(experts)], experts.num_experts, ep_rank * experts.num_experts,
+        out.append((layer, LayerSpec(index, names[id(experts)], experts.num_experts, experts.first_expert,
                                      params, experts.expert_type, experts.impl, nbytes)))
     return out
 
 
-def install_offload(model: nn.Module, store: ExpertStore, device: torch.device, *, cache_experts: int,
+def install_offload(model: nn.Module, store: ExpertStore, device: torch.device, *, seed: int, cache_experts: int,
                     hit_threshold: float = 1, decay_beta: float = 0.5, decay_every: int = 10,
                     lr_schedule: Callable[[int], float], prefetch_depth: int = 1, adamw: AdamWHyper = AdamWHyper(),
                     tiers: Tiers | None = None, groups=None, fetch_all: bool = False,
                     write_initial: bool = True) -> OffloadManager:
-    """Move every MoE layer's experts into `store` (fp32 master + zero moments) and swap in OffloadedExperts."""
-    pairs = layer_specs(model, groups.ep_rank if groups is not None else 0)
+    """Swap every MoE layer's experts for OffloadedExperts whose states live in `store`.
+
+    With `write_initial` each expert is created in the store one at a time (fp32 master weights drawn from
+    (seed, name, global expert) as a resident model draws them, zero moments), so host memory holds one expert's
+    states at most; without it the store is filled later (a checkpoint's load). The model may be on the meta device:
+    its expert tensors are never read."""
+    pairs = layer_specs(model)
     manager = OffloadManager([s for _, s in pairs], store, cache_experts, hit_threshold, decay_beta, decay_every,
                              prefetch_depth, device, lr_schedule, adamw, tiers, groups, fetch_all)
     for layer, spec in pairs:
         experts = layer.experts
         if write_initial:
+            shapes = {n: tuple(getattr(experts, n).shape[1:]) for n in spec.names}
             for j in range(spec.num_local):
-                store.write(spec.key(j), new_state({n: getattr(experts, n)[j] for n in spec.names}))
+                key = spec.key(j)
+                store.write(key, new_state(init_expert(seed, spec.param_prefix, shapes, key[1])))
         manager.tiers.ssd.allocate(spec.num_local * spec.expert_bytes)
         layer.experts = OffloadedExperts(manager, spec)
     store.bytes_written = 0
     return manager
 
 
-def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, placement) -> OffloadManager | None:
+def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, placement,
+                        write_initial: bool = True) -> OffloadManager | None:
     """The offload runtime of `placement` (runtime/train/decided.py: RUN_DIR/plan.json, decided once by
     `moesys train`), or None when expert states stay on the device.
 
     Each rank keeps its own store under STORE/ep{r}-of-{n}-edp{k} (STORE: storage.ssd_path, or the run
-    directory's expert_store/), owned by this run.
+    directory's expert_store/), owned by this run. With offload=cpu the store backs a host cache that holds every
+    local expert once it has been used.
     """
     from runtime.run_dir import expert_store_root
 
@@ -493,7 +503,8 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, pla
     ep_rank, ep_size, edp_rank = (groups.ep_rank, groups.ep_size, groups.edp_rank) if groups is not None else (0, 1, 0)
     store = ExpertStore(expert_store_root(cfg) / f"ep{ep_rank}-of-{ep_size}-edp{edp_rank}",
                         owner=str(Path(cfg.train.run_dir).resolve()))
-    return install_offload(model, store, device, cache_experts=placement.cpu_cache_experts,
+    return install_offload(model, store, device, seed=cfg.train.seed, cache_experts=placement.cpu_cache_experts,
                            hit_threshold=st.hit_threshold, decay_beta=st.decay_beta, decay_every=st.decay_every,
                            prefetch_depth=st.prefetch_depth, lr_schedule=lambda step: lr_at(step, cfg.train),
-                           adamw=AdamWHyper(weight_decay=cfg.train.weight_decay), tiers=tiers, groups=groups)
+                           adamw=AdamWHyper(weight_decay=cfg.train.weight_decay), tiers=tiers, groups=groups,
+                           write_initial=write_initial)

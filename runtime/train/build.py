@@ -1,7 +1,9 @@
 """Build what a training worker needs: the expert-parallel model, AdamW, gradient reducers and data.
 
-Every rank builds the full model from one seed and then keeps its block of experts, so expert g starts with
-the same weights for any expert-parallel size (seed 004 section 2: expert + data parallelism).
+The model is first built on the meta device (shapes only) and cut to this rank's block of experts (seed 004
+section 2: expert + data parallelism); offloaded experts are then created straight into their store, and only what
+stays resident is allocated. Initial values are a function of (train.seed, name, global expert), so expert g starts
+the same for any expert-parallel size and any tier (runtime/model/init.py), and no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from runtime.config import MoesysConfig
+from runtime.model.init import init_parameters
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 from runtime.optim import ADAMW_BETAS, ADAMW_EPS
@@ -48,14 +51,28 @@ class Components:
     tasks: MultiTask | None = None
 
 
-def build_model(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Transformer:
-    torch.manual_seed(cfg.train.seed)
-    model = Transformer(cfg.model)
+def model_skeleton(cfg: MoesysConfig, groups: ParallelGroups) -> Transformer:
+    """The model on the meta device with only this rank's block of experts in each MoE layer: nothing allocated."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
     shard_experts(model, groups.ep_size, groups.ep_rank, groups.ep_group,
                   make_all_to_all(cfg.parallel.alltoall, groups))
-    if cfg.model.embedding_partition:  # seed 004 section 4.3: [V, H/N] column shard per data-parallel rank
+    return model
+
+
+def materialize(model: Transformer, cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Transformer:
+    """Allocate the skeleton's parameters on `device` and initialize them from train.seed; then cut the embedding
+    into this rank's columns when asked (seed 004 section 4.3)."""
+    model.to_empty(device=device)
+    init_parameters(model, cfg.train.seed)
+    if cfg.model.embedding_partition:  # [V, H/N] column shard per data-parallel rank
         partition_embedding(model, groups.dp_group)
-    return model.to(device)
+    return model
+
+
+def build_model(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Transformer:
+    """This rank's resident model: its dense part and its block of experts."""
+    return materialize(model_skeleton(cfg, groups), cfg, groups, device)
 
 
 def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -88,15 +105,17 @@ def build_sharded_optimizer(model: nn.Module, shard: DenseShard, cfg: MoesysConf
 
 
 def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device,
-                     placement: Placement | None = None) -> Components:
+                     placement: Placement | None = None, resuming: bool = False) -> Components:
     """Build the model, swap in what the config asks for (offloaded experts, task heads, sharded dense states)
     before the optimizer exists, then the parts that take part in each step. `placement`: the run's recorded
-    plan (RUN_DIR/plan.json); None decides it here, as single-process tests do."""
+    plan (RUN_DIR/plan.json); None decides it here, as single-process tests do. `resuming`: a checkpoint will be
+    loaded, so offloaded experts are not initialized in their store (the checkpoint rebuilds it)."""
     placement = placement or decide(cfg)[0]
-    model = build_model(cfg, groups, device)
+    model = model_skeleton(cfg, groups)
     offload = None
-    if cfg.storage.offload in ("cpu", "ssd", "auto"):  # replaces the experts before the optimizer
-        offload = offload_from_config(model, cfg, groups, device, placement)
+    if cfg.storage.offload in ("cpu", "ssd", "auto"):  # experts created in the store, before anything is allocated
+        offload = offload_from_config(model, cfg, groups, device, placement, write_initial=not resuming)
+    materialize(model, cfg, groups, device)
     tasks = None
     if cfg.tasks:  # task heads replace model.output
         tasks = build_multitask(cfg, model, groups, device, placement.task_gpus)

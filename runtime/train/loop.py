@@ -108,9 +108,10 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
     """Train until train.max_steps or a stop request; resume from the run directory's latest checkpoint."""
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(Path(run_dir).resolve())))
     stop = StopRequest()
-    c = build_components(cfg, groups, device, read_placement(run_dir))  # plan.json: decided once, by moesys train
-    start = 0
     ckpt = latest_checkpoint(run_dir)
+    c = build_components(cfg, groups, device, read_placement(run_dir),  # plan.json: decided once, by moesys train
+                         resuming=ckpt is not None)
+    start = 0
     if ckpt is not None:
         start = load_checkpoint(ckpt, c.model, c.optimizer, groups, parts=c.parts)
     else:

@@ -1,0 +1,82 @@
+"""Initial weights as a pure function of (seed, parameter name, global expert index).
+
+Every tensor, and every expert's slice of a stacked expert tensor, draws from its own generator seeded by a hash of
+those three, so a rank can create exactly its own part of the model (its experts, straight into the tier where
+they live) without building the rest: expert g starts the same for any expert-parallel size, any tier and any
+order of creation. GPT-2 style values: normal(0, 0.02) weights, zero biases, unit norm gains.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import Tensor, nn
+
+from runtime.model.norms import RMSNorm
+
+INIT_STD = 0.02
+
+
+def draw_seed() -> int:
+    """A model seed from torch's global RNG, for models built without one (torch.manual_seed still decides)."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def generator(seed: int, name: str, expert: int | None = None) -> torch.Generator:
+    """A CPU generator owned by one tensor (or one expert's slice of it)."""
+    digest = hashlib.blake2b(f"{seed}/{name}/{'' if expert is None else expert}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def fill_(tensor: Tensor, kind: str, seed: int, name: str, expert: int | None = None) -> Tensor:
+    """Fill `tensor` in place: kind normal (INIT_STD), zeros or ones. Values are drawn on the CPU, so a CUDA
+    tensor gets the same numbers as a CPU one."""
+    with torch.no_grad():
+        if kind == "zeros":
+            return tensor.zero_()
+        if kind == "ones":
+            return tensor.fill_(1.0)
+        gen = generator(seed, name, expert)
+        if tensor.device.type == "cpu" and tensor.dtype == torch.float32:
+            return tensor.normal_(0.0, INIT_STD, generator=gen)
+        return tensor.copy_(torch.empty(tensor.shape).normal_(0.0, INIT_STD, generator=gen))
+
+
+def expert_kind(param_name: str) -> str:
+    """Stacked expert tensors: w1/w2/w3 are weights, b1/b2/b3 biases."""
+    return "zeros" if param_name.rsplit(".", 1)[-1].startswith("b") else "normal"
+
+
+def init_expert(seed: int, prefix: str, shapes: dict[str, tuple[int, ...]], expert: int) -> dict[str, Tensor]:
+    """Global expert `expert`'s fp32 tensors of the experts module named `prefix` (`layers.1.ffn.experts`), one per
+    entry of `shapes` (w1 -> its per-expert shape): what the resident model holds in row `expert` of each."""
+    out = {}
+    for name, shape in shapes.items():
+        qualified = f"{prefix}.{name}"
+        out[name] = fill_(torch.empty(shape), expert_kind(qualified), seed, qualified, expert)
+    return out
+
+
+def _module_kind(module: nn.Module, param_name: str) -> str:
+    if param_name == "bias":
+        return "zeros"
+    if isinstance(module, (nn.LayerNorm, RMSNorm)):
+        return "ones"
+    return "normal"
+
+
+def init_parameters(model: nn.Module, seed: int) -> None:
+    """Initialize every parameter of `model` that is not on the meta device. A module with stacked experts says so
+    with `first_expert` (its row j is global expert first_expert + j); each row is drawn as `init_expert` draws it."""
+    for prefix, module in model.named_modules():
+        first = getattr(module, "first_expert", None)
+        for pname, param in module.named_parameters(recurse=False):
+            if param.is_meta:
+                continue
+            qualified = f"{prefix}.{pname}" if prefix else pname
+            if first is not None:
+                for j in range(param.shape[0]):
+                    fill_(param.data[j], expert_kind(qualified), seed, qualified, first + j)
+            else:
+                fill_(param.data, _module_kind(module, pname), seed, qualified)
