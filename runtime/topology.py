@@ -30,13 +30,40 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
+def cgroup_memory_limit() -> int | None:
+    """The memory limit of this process's cgroup (v2 memory.max or v1 memory.limit_in_bytes), None without one:
+    inside a container or a capped job that limit, not the machine's RAM, is what the OOM killer enforces."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidates = [Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max"]
+        elif "memory" in controllers.split(","):
+            candidates = [Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes"]
+        else:
+            continue
+        for file in candidates:
+            try:
+                text = file.read_text().strip()
+            except OSError:
+                continue
+            if text != "max" and int(text) < 2**60:
+                return int(text)
+    return None
+
+
 def detect_machine(ssd_path: str) -> Machine:
-    """Measure this node; the SSD figure is the free space of the filesystem that holds ssd_path."""
+    """Measure this node; the SSD figure is the free space of the filesystem that holds ssd_path. Host memory is
+    the RAM or, when lower, this process's cgroup memory limit."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpu_mem = min((torch.cuda.get_device_properties(i).total_memory for i in range(gpus)), default=0) / GB
     free = shutil.disk_usage(_existing_parent(Path(ssd_path))).free / GB
-    return Machine(gpus=gpus, gpu_memory_gb=round(gpu_mem, 2),
-                   cpu_memory_gb=round(psutil.virtual_memory().total / GB, 2), ssd_free_gb=round(free, 2))
+    ram = min(psutil.virtual_memory().total, cgroup_memory_limit() or 2**63)
+    return Machine(gpus=gpus, gpu_memory_gb=round(gpu_mem, 2), cpu_memory_gb=round(ram / GB, 2),
+                   ssd_free_gb=round(free, 2))
 
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")

@@ -35,3 +35,19 @@ def test_set_cpu_threads_shares_the_cpus_unless_the_user_chose(monkeypatch, thre
     torch.set_num_threads(5)
     assert set_cpu_threads(1) == 5  # the user's choice stands
     assert set_cpu_threads(2, respect_env=False) == 3  # torchrun's workers: OMP_NUM_THREADS=1 is torchrun's default
+
+
+def test_host_memory_is_the_cgroup_limit_when_lower():
+    """Inside a memory cgroup (a container, a capped job) the plan must size for the limit, not the machine's RAM."""
+    import subprocess
+    import sys
+
+    from runtime import memcap
+
+    if memcap.available():
+        pytest.skip(memcap.available())
+    probe = "from runtime.topology import detect_machine as d; print(d('.').cpu_memory_gb)"
+    with memcap.MemoryCap(3 * 2**30) as cap:
+        out = subprocess.run([sys.executable, "-c", probe], preexec_fn=cap.preexec, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) == round(3 * 2**30 / 1e9, 2)
