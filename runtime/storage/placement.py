@@ -7,6 +7,7 @@ picks where expert states live (storage.offload, or the first mode that fits for
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,9 +120,13 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
             cache_experts = local_experts
         else:
             ssd = int(STORED_SPARSE_BYTES * local_sparse)
-            fit = host_capacity // max(CACHED_SPARSE_BYTES * p.per_expert, 1)
+            # Beyond the cache, the host holds the experts in flight: the computing layer's active experts and
+            # those the prefetcher stages for the next prefetch_depth layers (runtime/storage/offload.py).
+            layer_active = math.ceil(st.alpha * cfg.model.num_experts / ep)
+            in_flight = int(STORED_SPARSE_BYTES * p.per_expert * layer_active * (1 + st.prefetch_depth))
+            fit = max(0, host_capacity - in_flight) // max(CACHED_SPARSE_BYTES * p.per_expert, 1)
             cache_experts = st.cpu_cache_experts or int(min(local_experts, fit))
-            host = int(CACHED_SPARSE_BYTES * cache_experts * p.per_expert)
+            host = int(CACHED_SPARSE_BYTES * cache_experts * p.per_expert) + in_flight
     device_capacity = int(t.gpu_memory_gb * GB) if t.gpus_per_node else ram_per_rank - host
     return RankEstimate(device=device, host=host, ssd=ssd, device_capacity=device_capacity,
                         host_capacity=host_capacity, cache_experts=cache_experts, local_experts=local_experts)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 
 from runtime.config import MoesysConfig, ModelConfig, StorageConfig, TopologyConfig
@@ -56,8 +58,12 @@ def test_ssd_cache_size_comes_from_host_memory():
     cfg = config(cpu_memory_gb=64)
     cfg.storage = StorageConfig(offload="ssd")
     plan = plan_placement(cfg)
-    per_expert_state = 16 * count_parameters(cfg.model).per_expert
-    assert plan.per_rank.cache_experts == int(64 * GB / 8 // per_expert_state)
+    per_expert = count_parameters(cfg.model).per_expert
+    # What the cache may use: the rank's RAM less the experts in flight (the computing layer's active experts and
+    # the next layer's, staged by the prefetcher; 12 bytes each: weights and moments, no gradient).
+    layer_active = math.ceil(cfg.storage.alpha * cfg.model.num_experts / cfg.topology.expert_parallel)
+    in_flight = 12 * per_expert * layer_active * (1 + cfg.storage.prefetch_depth)
+    assert plan.per_rank.cache_experts == int((64 * GB / 8 - in_flight) // (16 * per_expert))
     assert plan.per_rank.host <= plan.per_rank.host_capacity
 
 
