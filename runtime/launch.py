@@ -14,13 +14,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import torch
 
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.storage.budget import GB
 from runtime.storage.placement import plan_placement
+from runtime.topology import host_memory_bytes
 from runtime.io import atomic_write_text
 
 WORKER_MODULE = "runtime.train.worker"
@@ -50,7 +50,7 @@ def torchrun_prefix() -> list[str]:
 
 def check_launchable(cfg: MoesysConfig, ram_bytes: float | None = None) -> None:
     """A job launched on this machine (local, multinode) needs the GPUs its topology declares and, on CPU, RAM
-    (`ram_bytes`, default this machine's) for all its processes; a SLURM job needs sbatch."""
+    (`ram_bytes`, default this machine's or its cgroup limit) for all its processes; a SLURM job needs sbatch."""
     if cfg.launcher.name == "slurm" and shutil.which("sbatch") is None:
         raise UserError(_NO_SBATCH.format(command="sbatch"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -58,7 +58,7 @@ def check_launchable(cfg: MoesysConfig, ram_bytes: float | None = None) -> None:
         raise UserError(f"topology.gpus_per_node={cfg.topology.gpus_per_node} but this machine has {gpus} GPU(s); "
                         "use topology=local (this machine), topology=single (CPU processes) or launcher=slurm")
     if cfg.launcher.name != "slurm" and not cfg.topology.gpus_per_node:
-        check_host_memory(cfg, psutil.virtual_memory().total if ram_bytes is None else ram_bytes)
+        check_host_memory(cfg, host_memory_bytes() if ram_bytes is None else ram_bytes)
 
 
 def check_host_memory(cfg: MoesysConfig, ram_bytes: float) -> None:

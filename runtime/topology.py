@@ -55,14 +55,18 @@ def cgroup_memory_limit() -> int | None:
     return None
 
 
+def host_memory_bytes() -> int:
+    """Host memory this process's jobs may use: the RAM or, when lower, its cgroup's limit."""
+    return min(psutil.virtual_memory().total, cgroup_memory_limit() or 2**63)
+
+
 def detect_machine(ssd_path: str) -> Machine:
     """Measure this node; the SSD figure is the free space of the filesystem that holds ssd_path. Host memory is
     the RAM or, when lower, this process's cgroup memory limit."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpu_mem = min((torch.cuda.get_device_properties(i).total_memory for i in range(gpus)), default=0) / GB
     free = shutil.disk_usage(_existing_parent(Path(ssd_path))).free / GB
-    ram = min(psutil.virtual_memory().total, cgroup_memory_limit() or 2**63)
-    return Machine(gpus=gpus, gpu_memory_gb=round(gpu_mem, 2), cpu_memory_gb=round(ram / GB, 2),
+    return Machine(gpus=gpus, gpu_memory_gb=round(gpu_mem, 2), cpu_memory_gb=round(host_memory_bytes() / GB, 2),
                    ssd_free_gb=round(free, 2))
 
 
