@@ -19,11 +19,14 @@ Key = Hashable
 
 class SparsePrefetcher:
     """Stages states of predicted experts. `read(key)` reads from SSD; `cached(key)` says the CPU cache holds it;
-    `ready(layer)` blocks until the layer's states on SSD are final (its optimizer step finished)."""
+    `ready(layer)` blocks until the layer's states on SSD are final (its optimizer step finished); `hint(keys)`,
+    if given, asks the disk for all of a layer's files at once before they are read one by one, so the disk works
+    on the next ones while the first is copied."""
 
     def __init__(self, read: Callable[[Key], object], cached: Callable[[Key], bool],
-                 ready: Callable[[int], None], depth: int, lock: threading.RLock):
-        self.read, self.cached, self.ready = read, cached, ready
+                 ready: Callable[[int], None], depth: int, lock: threading.RLock,
+                 hint: Callable[[list[Key]], None] | None = None):
+        self.read, self.cached, self.ready, self.hint = read, cached, ready, hint
         self.depth = depth
         self.lock = lock
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesys-prefetch")
@@ -45,6 +48,10 @@ class SparsePrefetcher:
 
     def _stage(self, layer: int, keys: list[Key]) -> None:
         self.ready(layer)
+        if self.hint is not None:
+            with self.lock:
+                wanted = [k for k in keys if not self.cached(k) and k not in self.staged]
+            self.hint(wanted)
         for key in keys:
             with self.lock:
                 if self.cached(key) or key in self.staged:

@@ -103,7 +103,7 @@ class OffloadManager:
         self.cache: LFUCache[ExpertKey, ExpertState] = LFUCache(
             cache_experts, hit_threshold, decay_beta, decay_every, self._load, self._write_back)
         self.prefetcher = SparsePrefetcher(self._read, lambda k: k in self.cache, self._wait_updated,
-                                           prefetch_depth, self.cache.lock)
+                                           prefetch_depth, self.cache.lock, self._hint)
         self._opt_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesys-cpu-adamw")
         self.writes = WriteBehind()
         self._opt_future: Future | None = None
@@ -133,6 +133,10 @@ class OffloadManager:
         self.tiers.host.moved(nbytes)
         return state
 
+    def _hint(self, keys: list[ExpertKey]) -> None:
+        """The prefetcher is about to read `keys`: start the disk reads of those whose file is final."""
+        self.store.will_need([k for k in keys if not self.writes.pending(k)])
+
     def _drop_host(self, state: ExpertState) -> None:
         """The states left host memory (evicted, written back after a bypass, or unused); idempotent."""
         with self._host_lock:
@@ -148,20 +152,23 @@ class OffloadManager:
         uses is skipped: its optimizer update is pending, and `_settle` writes it once updated."""
         if key in self._states or any(key in live.keys for live in self._live.values()):
             return
-        self._write_behind(key, state, drop=key not in self.cache.entries, wait_update=True)
+        self._write_behind([(key, state)], drop=key not in self.cache.entries, wait_update=True)
 
-    def _write_behind(self, key: ExpertKey, state: ExpertState, drop: bool, wait_update: bool = False) -> None:
-        """Write the states to SSD on the write-behind thread (after their layer's CPU optimizer step when
-        wait_update: never write a half-updated expert); drop them from the host tier afterwards when `drop`."""
+    def _write_behind(self, items: list[tuple[ExpertKey, ExpertState]], drop: bool,
+                      wait_update: bool = False) -> None:
+        """Write the states to SSD as one write-behind job (one file per expert, each in large writes), after their
+        layer's CPU optimizer step when wait_update: never write a half-updated expert; drop them from the host
+        tier afterwards when `drop`. A reader of any of the keys waits for the whole job."""
         def job() -> None:
-            if wait_update:
-                self._in_memory[key[0]].wait()
-            self.store.write(key, state)
-            self.tiers.ssd.moved(state_bytes(state))
-            if drop:
-                self._drop_host(state)
+            for key, state in items:
+                if wait_update:
+                    self._in_memory[key[0]].wait()
+                self.store.write(key, state)
+                self.tiers.ssd.moved(state_bytes(state))
+                if drop:
+                    self._drop_host(state)
 
-        self.writes.submit(key, job)
+        self.writes.submit_many([key for key, _ in items], job)
 
     def fetch_everything(self) -> None:
         """Become the ZeRO-3-offload baseline `moesys bench offload` compares with: every local expert fetched,
@@ -312,12 +319,16 @@ class OffloadManager:
         self.prefetcher.schedule(self.order[: self.prefetcher.depth])
 
     def _settle(self, keys: list[ExpertKey], states: dict[ExpertKey, ExpertState]) -> None:
-        """Updated experts still in the cache become dirty; the others go home to SSD. Holds the cache lock."""
+        """One layer's updated experts: those still in the cache become dirty; the others (bypassed, or evicted
+        meanwhile) go home to SSD together, as one write-behind job. Holds the cache lock."""
+        home = []
         for key in keys:
             if self.cache.entries.get(key) is states[key]:
                 self.cache.mark_dirty(key)
-            else:  # bypassed or evicted meanwhile: SSD is its home
-                self._write_behind(key, states[key], drop=True)
+            else:
+                home.append((key, states[key]))
+        if home:
+            self._write_behind(home, drop=True)
 
     def _step_job(self, layers, grads, states, lr, clip_coef, step: int) -> None:
         h = self.adamw

@@ -107,7 +107,8 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
     host = ssd = 0
     cache_experts = 0
     ranks_per_node = t.processes_per_node
-    ram_per_rank = int(t.cpu_memory_gb * GB / ranks_per_node)
+    # What a rank's states may use of the node's RAM: its share, less the runtime every worker process carries.
+    ram_per_rank = max(0, int(t.cpu_memory_gb * GB / ranks_per_node) - PROCESS_RUNTIME_BYTES)
     if mode == "none":
         device["expert_states"] = int(DENSE_STATE_BYTES * local_sparse)
     else:

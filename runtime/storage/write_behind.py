@@ -1,6 +1,7 @@
 """Write-behind for the SSD tier: expert states leaving the CPU cache are written by one background thread, so an
-eviction in the middle of a forward pass costs a queue append instead of serialise + write + fsync on the training
-thread (the paper overlaps SSD traffic with compute; seed 004 section 3.2.2).
+eviction in the middle of a forward pass costs a queue append instead of serialise + write on the training thread
+(the paper overlaps SSD traffic with compute; seed 004 section 3.2.2). A job may write several keys (one layer's
+updated experts after its optimizer step), so the disk gets one run of large writes per layer.
 
 Order is what keeps it correct: jobs run first in, first out, and a reader of a key calls `wait_for(key)` before
 reading its file, so it never sees a version older than the last one handed in.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterable
 
 
 class WriteBehind:
@@ -24,20 +25,35 @@ class WriteBehind:
         self._error: BaseException | None = None
 
     def submit(self, key: Hashable, job: Callable[[], None]) -> None:
+        self.submit_many([key], job)
+
+    def submit_many(self, keys: Iterable[Hashable], job: Callable[[], None]) -> None:
+        """One job that writes every key of `keys`: a reader of any of them waits for the whole job."""
+        keys = list(keys)
+
         def run(number: int) -> None:
             try:
                 job()
             except BaseException as error:  # kept for the caller: nobody reads this thread's futures
                 with self._lock:
                     self._error = self._error or error
-            finally:  # before the future completes, so a waiter sees the key settled
+            finally:  # before the future completes, so a waiter sees the keys settled
                 with self._lock:
-                    if self._pending.get(key, (None,))[0] == number:
-                        del self._pending[key]
+                    for key in keys:
+                        if self._pending.get(key, (None,))[0] == number:
+                            del self._pending[key]
 
         with self._lock:
             self._submitted += 1
-            self._pending[key] = (self._submitted, self._pool.submit(run, self._submitted))
+            future = self._pool.submit(run, self._submitted)
+            for key in keys:
+                self._pending[key] = (self._submitted, future)
+
+    @property
+    def jobs(self) -> int:
+        """Jobs handed in so far (a batch of keys counts once)."""
+        with self._lock:
+            return self._submitted
 
     def pending(self, key: Hashable) -> bool:
         with self._lock:
