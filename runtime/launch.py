@@ -19,7 +19,7 @@ import torch
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.storage.budget import GB
-from runtime.storage.placement import plan_placement
+from runtime.storage.placement import LAUNCHER_BYTES, plan_placement
 from runtime.topology import host_memory_bytes
 from runtime.io import atomic_write_text
 
@@ -65,15 +65,16 @@ def check_host_memory(cfg: MoesysConfig, ram_bytes: float) -> None:
     """CPU processes of one node share its RAM: the plan's host bytes per process times nproc_per_node must fit."""
     nproc = cfg.topology.nproc_per_node
     each = plan_placement(cfg).process_host_bytes
-    if nproc * each <= ram_bytes:
+    if nproc * each + LAUNCHER_BYTES <= ram_bytes:
         return
-    fit = int(ram_bytes // each)
+    fit = int(max(0, ram_bytes - LAUNCHER_BYTES) // each)
     fixes = [f"lower topology.nproc_per_node to at most {fit} (topology.expert_parallel must divide it)" if fit
              else "shrink the model"]
     if cfg.train.micro_batch_size > 1:
         fixes.append("lower train.micro_batch_size")
     raise UserError(f"topology.nproc_per_node={nproc} CPU processes need about {nproc * each / GB:.1f} GB of RAM "
-                    f"({each / GB:.2f} GB each by the plan) but this machine has {ram_bytes / GB:.1f} GB; "
+                    f"({each / GB:.2f} GB each by the plan, and {LAUNCHER_BYTES / GB:.2f} GB for the launcher) but "
+                    f"this machine has {ram_bytes / GB:.1f} GB; "
                     f"{' or '.join(fixes)}")
 
 

@@ -25,6 +25,10 @@ PROCESS_RUNTIME_BYTES = int(0.4 * GB)
 slack, data. Measured 2026-11-23 (torch 2.13 CPU): a tiny-recipe worker's unique memory (USS) is 0.45-0.48 GB,
 of which the estimate counts 0.08 GB."""
 
+LAUNCHER_BYTES = int(0.32 * GB)
+"""Host memory of a node's launchers: the `moesys` command and torchrun (anonymous RSS 0.17 + 0.15 GB, measured
+2026-11-23, torch 2.13 CPU)."""
+
 
 @dataclass(frozen=True)
 class RankEstimate:
@@ -107,8 +111,8 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
     host = ssd = 0
     cache_experts = 0
     ranks_per_node = t.processes_per_node
-    # What a rank's states may use of the node's RAM: its share, less the runtime every worker process carries.
-    ram_per_rank = max(0, int(t.cpu_memory_gb * GB / ranks_per_node) - PROCESS_RUNTIME_BYTES)
+    # What a rank's states may use of the node's RAM: its share after the launcher's, less its own runtime.
+    ram_per_rank = max(0, int((t.cpu_memory_gb * GB - LAUNCHER_BYTES) / ranks_per_node) - PROCESS_RUNTIME_BYTES)
     if mode == "none":
         device["expert_states"] = int(DENSE_STATE_BYTES * local_sparse)
     else:

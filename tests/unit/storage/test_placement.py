@@ -70,7 +70,7 @@ def test_the_suggestion_search_is_bounded_for_a_huge_model(monkeypatch):
 
 
 def test_more_nodes_are_found_by_bisection_and_fit():
-    cfg = tiny(cpu_memory_gb=1.3, ssd_gb=0.001, expert_parallel=2, nproc_per_node=2)
+    cfg = tiny(cpu_memory_gb=1.8, ssd_gb=0.001, expert_parallel=2, nproc_per_node=2)
     cfg.storage = StorageConfig(offload="ssd")
     plan = plan_placement(cfg)
     line = next(s for s in plan.suggestions if s.startswith("topology.nodes="))
@@ -156,7 +156,7 @@ def test_without_a_gpu_the_device_pool_and_the_host_cache_share_one_rams_budget(
     """Each fits half of a rank's RAM on its own; together they do not (the plan counted the RAM twice)."""
     from runtime.config import ModelConfig, MoesysConfig
     from runtime.storage.budget import GB
-    from runtime.storage.placement import PROCESS_RUNTIME_BYTES, plan_placement
+    from runtime.storage.placement import LAUNCHER_BYTES, PROCESS_RUNTIME_BYTES, plan_placement
 
     cfg = MoesysConfig(model=ModelConfig(hidden_size=256, ffn_hidden_size=1024, num_layers=4, num_heads=4,
                                          num_experts=8))
@@ -164,11 +164,11 @@ def test_without_a_gpu_the_device_pool_and_the_host_cache_share_one_rams_budget(
     cfg.storage.offload, cfg.train.micro_batch_size, cfg.train.seq_len = "cpu", 1, 64
     r = plan_placement(cfg).per_rank
     ram = r.device_total + r.host
-    # 2 ranks: each gets its process runtime and 80% of what its states need for both
-    cfg.topology.cpu_memory_gb = 2 * (0.8 * ram + PROCESS_RUNTIME_BYTES) / GB
+    # 2 ranks: the launcher's share, then each its process runtime and 80% of what its states need for both
+    cfg.topology.cpu_memory_gb = (LAUNCHER_BYTES + 2 * (0.8 * ram + PROCESS_RUNTIME_BYTES)) / GB
     r = plan_placement(cfg).per_rank
     assert r.device_total < 0.8 * ram and r.host < 0.8 * ram  # either alone would fit its share
     assert not r.ok
     assert abs(r.device_capacity + r.host - 0.8 * ram) <= 1 and abs(r.host_capacity + r.device_total - 0.8 * ram) <= 1
-    cfg.topology.cpu_memory_gb = 2 * (1.01 * ram + PROCESS_RUNTIME_BYTES) / GB
+    cfg.topology.cpu_memory_gb = (LAUNCHER_BYTES + 2 * (1.01 * ram + PROCESS_RUNTIME_BYTES)) / GB
     assert plan_placement(cfg).per_rank.ok
