@@ -1,11 +1,14 @@
 """The SSD tier: every expert's fp32 master weights and AdamW moments on disk (seed 004 section 3.2.1, Eq. 1's 12S).
 
 One safetensors file per (MoE layer, global expert) under `root/live/`: an eviction writes back exactly one expert
-(a per-layer file would rewrite the whole layer for every eviction) and a file is replaced atomically (temp + fsync
-+ rename), so a reader sees the old or the new states, never a mix. Files are read memory-mapped.
+(a per-layer file would rewrite the whole layer for every eviction) and a file is replaced by rename, so a reader
+sees the old or the new states, never a mix. A file is written with one gather write and read with one scatter
+read (runtime/storage/live_files.py).
 
 The store is working memory, not a checkpoint: a checkpoint copies every expert's states into its own directory
-(see OffloadManager.save) and a resume rebuilds `live/` from it. A store belongs to one run: `root/OWNER` names
+(see OffloadManager.save) and a resume rebuilds `live/` from it. So live files are not fsynced (the kernel writes
+them back while training goes on); `durable=True` fsyncs each file and the directory, for a store that must
+survive a crash of the machine. A store belongs to one run: `root/OWNER` names
 the run directory that created it, and another run is refused instead of silently sharing (and overwriting) it.
 """
 
@@ -15,11 +18,10 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from runtime.errors import UserError
-from runtime.io import atomic_write_bytes, atomic_write_text
-from runtime.tensorfile import to_bytes
+from runtime.io import atomic_write_text
+from runtime.storage.live_files import read_file, write_file
 
 ExpertKey = tuple[int, int]
 """(MoE layer index, global expert index)."""
@@ -58,7 +60,7 @@ def version_name(version: int) -> str:
 class ExpertStore:
     """Reads and writes expert states under `root`; counts the bytes it moves."""
 
-    def __init__(self, root: str | Path, durable: bool = True, owner: str | None = None):
+    def __init__(self, root: str | Path, durable: bool = False, owner: str | None = None):
         self.root = Path(root)
         self.live = self.root / LIVE
         if owner is not None:
@@ -76,23 +78,15 @@ class ExpertStore:
         return self.path(key).exists()
 
     def write(self, key: ExpertKey, state: ExpertState) -> None:
-        """Atomically replace the expert's file (temp + fsync + rename + fsync of the directory)."""
-        data = to_bytes(state)
-        if self.durable:
-            atomic_write_bytes(self.path(key), data)
-        else:
-            tmp = self.path(key).with_suffix(".tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, self.path(key))
-        self.bytes_written += len(data)
+        """Replace the expert's file by rename (temp written first; fsynced with the directory when durable)."""
+        self.bytes_written += write_file(self.path(key), state, self.durable)
 
     def read(self, key: ExpertKey) -> ExpertState:
-        """The expert's states as fresh tensors, read from the memory-mapped file."""
-        path = self.path(key)
-        if not path.exists():
-            raise StoreError(f"expert store {self.root} has no states for layer {key[0]} expert {key[1]}")
-        with safe_open(str(path), framework="pt") as f:
-            state = {k: f.get_tensor(k) for k in f.keys()}
+        """The expert's states as fresh tensors, read from its file in one scatter read."""
+        try:
+            state = read_file(self.path(key))
+        except FileNotFoundError:
+            raise StoreError(f"expert store {self.root} has no states for layer {key[0]} expert {key[1]}") from None
         self.bytes_read += state_bytes(state)
         return state
 

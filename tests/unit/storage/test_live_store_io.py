@@ -1,17 +1,22 @@
 """The live store at speed: one write-behind job per layer with updated experts, a reader of a key waits for the
-batch that writes it."""
+batch that writes it, and live files are replaced by rename without fsync (durable writes stay available)."""
 
 from __future__ import annotations
 
+import os
 import time
 
+import pytest
 import torch
+from safetensors import safe_open
 
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.optim import lr_at
 from runtime.parallel.groups import build_groups
-from runtime.storage.expert_store import ExpertStore
+from runtime.storage.expert_store import ExpertStore, new_state
+from runtime.storage.live_files import read_file, write_file
 from runtime.storage.offload import install_offload
+from runtime.tensorfile import ChecksumError, verify
 from runtime.train.build import build_model
 
 CPU = torch.device("cpu")
@@ -38,6 +43,19 @@ def forward_backward(model, mgr, experts_of_layer):
         keys += [mgr.specs[index].key(e) for e in active]
     mgr.finish_backward()
     return keys
+
+
+class CountingFsync:
+    """os.fsync and os.fdatasync, counted on their way to the real calls."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        for name in ("fsync", "fdatasync"):
+            real = getattr(os, name)
+            monkeypatch.setattr(os, name, lambda fd, real=real: (self.count(), real(fd))[1])
+
+    def count(self) -> None:
+        self.calls += 1
 
 
 def test_one_write_job_per_layer_with_updates_and_reads_wait_for_it(tmp_path):
@@ -68,3 +86,45 @@ def test_one_write_job_per_layer_with_updates_and_reads_wait_for_it(tmp_path):
             assert all(torch.equal(back[name], updated[key][name]) for name in back)
         mgr._drop_host(back)
     mgr.close()
+
+
+def test_live_files_are_renamed_into_place_without_fsync(tmp_path, monkeypatch):
+    fsyncs = CountingFsync(monkeypatch)
+    model, mgr = offloaded(ExpertStore(tmp_path / "live"), layers=2)
+    forward_backward(model, mgr, lambda i: {1, 2})
+    mgr.step(1e-2)
+    mgr.drain()
+    assert mgr.store.bytes_written > 0 and fsyncs.calls == 0  # created and written back, never fsynced
+    mgr.close()
+
+    store = ExpertStore(tmp_path / "s")
+    store.write((0, 0), new_state({"w1": torch.zeros(4, 4)}))
+    before = store.path((0, 0)).read_bytes()
+    with open(store.path((0, 0)), "rb") as old:  # replaced by a rename: an open reader keeps the whole old file
+        store.write((0, 0), new_state({"w1": torch.ones(4, 4)}))
+        assert old.read() == before
+    assert torch.equal(store.read((0, 0))["param.w1"], torch.ones(4, 4))
+    assert sorted(p.name for p in store.live.iterdir()) == [store.path((0, 0)).name]  # no temp file left
+    durable = ExpertStore(tmp_path / "d", durable=True)
+    durable.write((0, 0), new_state({"w1": torch.zeros(4, 4)}))
+    assert fsyncs.calls >= 1  # durable writes are still there for what needs them
+
+
+def test_a_live_file_is_a_checksummed_safetensors_file_read_back_exactly(tmp_path):
+    tensors = {"w": torch.randn(5, 3), "h": torch.randn(7).to(torch.bfloat16), "step": torch.tensor(3.0),
+               "ids": torch.arange(4), "none": torch.zeros(0, 2), "t": torch.randn(3, 4).t()}
+    path = tmp_path / "x.safetensors"
+    size = write_file(path, tensors, durable=False)
+    assert size == path.stat().st_size
+    verify(path)
+    back = read_file(path)
+    with safe_open(str(path), framework="pt") as f:  # any safetensors reader reads it
+        theirs = {k: f.get_tensor(k) for k in f.keys()}
+    for got in (back, theirs):
+        assert got.keys() == tensors.keys()
+        for k, t in tensors.items():
+            assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t)
+    assert len({t.untyped_storage().data_ptr() for t in back.values() if t.numel()}) == 5  # each its own memory
+    path.write_bytes(path.read_bytes()[:-9])
+    with pytest.raises(ChecksumError, match="x.safetensors is damaged"):
+        read_file(path)

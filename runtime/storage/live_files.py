@@ -1,0 +1,116 @@
+"""The expert store's file I/O at disk speed: one gather write (os.writev) of a safetensors file straight from the
+tensors' memory, and one scatter read (os.preadv) straight into fresh tensors (seed 004 section 3.2.2: SSD traffic
+overlapped with compute needs large requests, not a serialised copy or page faults on a memory map).
+
+The files are the checksummed safetensors files of runtime/tensorfile.py (same header, same `moesys.crc32`), so
+`verify` and any safetensors reader read them. A file is replaced by rename (a reader sees the old or the new file,
+never a torn one); fsync only when `durable`: live files are working memory, rebuilt from a checkpoint on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+import threading
+import zlib
+from pathlib import Path
+
+import torch
+
+from runtime.io import fsync_dir
+from runtime.tensorfile import CHECKSUM_KEY, ChecksumError
+
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+_TORCH = {name: dtype for dtype, name in _DTYPES.items()}
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, no copy (through uint8: numpy has no bfloat16)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def encode(tensors: dict[str, torch.Tensor]) -> list:
+    """The file as buffers: the length-prefixed JSON header (checksum of the data section included), then every
+    tensor's own memory in dict order."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    raws = [_raw(t) for t in tensors.values()]
+    crc = 0
+    for raw in raws:
+        crc = zlib.crc32(raw, crc)
+    header: dict = {"__metadata__": {CHECKSUM_KEY: f"{crc:08x}"}}
+    offset = 0
+    for (key, t), raw in zip(tensors.items(), raws):
+        header[key] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data section stays 8-byte aligned, as safetensors writes it
+    return [struct.pack("<Q", len(encoded)) + encoded, *raws]
+
+
+def write_file(path: Path, tensors: dict[str, torch.Tensor], durable: bool) -> int:
+    """Replace `path` by a file of `tensors` written with one gather write; returns its size. A temp file beside
+    it is renamed over it; with `durable` it is fsynced first and the directory after."""
+    buffers = encode(tensors)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{threading.get_ident()}.tmp", dir=path.parent)
+    try:
+        try:
+            size = _transfer(fd, buffers)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+    return size
+
+
+def read_file(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, each in fresh memory of its own, filled by one scatter read; the
+    checksum is not verified here (tensorfile.verify does). A malformed or truncated file raises ChecksumError."""
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        try:
+            header_len = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
+            header = json.loads(os.pread(fd, header_len, 8))
+            header.pop("__metadata__", None)
+            tensors, end = {}, 0
+            for key, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                begin, stop = entry["data_offsets"]
+                t = torch.empty(entry["shape"], dtype=_TORCH[entry["dtype"]])
+                if begin != end or stop - begin != t.numel() * t.element_size():
+                    raise ValueError(f"{key} at bytes {begin}..{stop}")
+                tensors[key], end = t, stop
+        except (struct.error, ValueError, KeyError, TypeError) as exc:
+            raise ChecksumError(f"{path} is not a readable safetensors file ({exc}); it is damaged") from None
+        got = _transfer(fd, [_raw(t) for t in tensors.values()], read_at=8 + header_len)
+    if got != end:
+        raise ChecksumError(f"{path} is damaged: it holds {got} of its {end} tensor bytes")
+    return {key: tensors[key] for key in header}
+
+
+def _transfer(fd: int, buffers: list, read_at: int | None = None) -> int:
+    """Write every buffer at the file position (writev), or fill them from file offset `read_at` (preadv), in as
+    few system calls as the kernel allows; returns the bytes moved (fewer only at the end of a file)."""
+    views = [view for view in (memoryview(b).cast("B") for b in buffers) if len(view)]
+    done = i = 0
+    while i < len(views):
+        batch = views[i:i + _IOV_MAX]
+        n = os.writev(fd, batch) if read_at is None else os.preadv(fd, batch, read_at + done)
+        if n == 0:
+            break
+        done += n
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+    return done
