@@ -99,7 +99,8 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
     ep = t.expert_parallel
     local_experts = p.moe_layers * cfg.model.num_experts // ep
     local_sparse = local_experts * p.per_expert
-    layer_sparse = p.per_expert * cfg.model.num_experts // ep
+    layer_experts = cfg.model.num_experts // ep
+    layer_sparse = p.per_expert * layer_experts
     dense_share = p.dense / world if st.dense_shard else p.dense
     device = {"dense_states": int(DENSE_STATE_BYTES * dense_share), "activations": _activation_bytes(cfg)}
     if cfg.model.embedding_partition and not st.dense_shard:  # seed 004 section 4.3: [V, H/N] per rank
@@ -125,13 +126,14 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
             cache_experts = local_experts
         else:
             ssd = int(STORED_SPARSE_BYTES * local_sparse)
-            # Beyond the cache, the host holds the experts in flight: the computing layer's active experts and
-            # those the prefetcher stages for the next prefetch_depth layers (runtime/storage/offload.py).
-            layer_active = math.ceil(st.alpha * cfg.model.num_experts / ep)
-            in_flight = int(STORED_SPARSE_BYTES * p.per_expert * layer_active * (1 + st.prefetch_depth))
-            fit = max(0, host_capacity - in_flight) // max(CACHED_SPARSE_BYTES * p.per_expert, 1)
+            # A step keeps every expert it fetched on the host, with its gradient, from its forward to the CPU
+            # AdamW step (Eq. 1's CPU tier, 16aS): the cache may be smaller than that, the host may not. The
+            # prefetcher also stages the next prefetch_depth layers' experts (runtime/storage/offload.py).
+            step_active = math.ceil(st.alpha * local_experts)
+            staged = int(STORED_SPARSE_BYTES * p.per_expert * math.ceil(st.alpha * layer_experts) * st.prefetch_depth)
+            fit = max(0, host_capacity - staged) // max(CACHED_SPARSE_BYTES * p.per_expert, 1)
             cache_experts = st.cpu_cache_experts or int(min(local_experts, fit))
-            host = int(CACHED_SPARSE_BYTES * cache_experts * p.per_expert) + in_flight
+            host = int(CACHED_SPARSE_BYTES * max(cache_experts, step_active) * p.per_expert) + staged
     device_capacity = int(t.gpu_memory_gb * GB) if t.gpus_per_node else ram_per_rank - host
     return RankEstimate(device=device, host=host, ssd=ssd, device_capacity=device_capacity,
                         host_capacity=host_capacity, cache_experts=cache_experts, local_experts=local_experts)
