@@ -380,6 +380,7 @@ class OffloadManager:
                "ssd_read_bytes": self.store.bytes_read - self._ssd_read0,
                "ssd_write_bytes": self.store.bytes_written - self._ssd_written0,
                "prefetched_experts": self.prefetcher.prefetched, "catch_up_steps": self._caught_up,
+               "ssd_bytes": self.store.disk_bytes(),
                **self.tiers.step_metrics()}
         self._ssd_read0, self._ssd_written0 = self.store.bytes_read, self.store.bytes_written
         self._active, self._stall, self.prefetcher.prefetched, self._caught_up = 0, 0.0, 0, 0

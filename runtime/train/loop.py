@@ -24,6 +24,7 @@ from runtime.train.decided import read as read_placement
 from runtime.train.build import Components, build_components
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from runtime.train.metrics import MetricsWriter, memory_bytes, step_stats
+from runtime.train.rank_memory import RankMemory
 from runtime.train.parts import global_grad_norm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -108,6 +109,7 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
     """Train until train.max_steps or a stop request; resume from the run directory's latest checkpoint."""
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(Path(run_dir).resolve())))
     stop = StopRequest()
+    memory = RankMemory(run_dir, groups.rank, device).start()  # this worker's peak, building included
     ckpt = latest_checkpoint(run_dir)
     c = build_components(cfg, groups, device, read_placement(run_dir),  # plan.json: decided once, by moesys train
                          resuming=ckpt is not None)
@@ -129,9 +131,10 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
             stopping, diverged = stop.agreed(groups, not bool(torch.isfinite(lm_loss + aux_loss)))
             _check_finite(step, lm_loss, aux_loss, diverged)
             norm = optimizer_step(c, cfg, groups, step - 1, scaler)
-            stats = step_stats(lm_loss, out, groups, memory_bytes(device))
-            for part in c.parts:
-                stats.update(part.metrics())
+            part_stats = {k: v for part in c.parts for k, v in part.metrics().items()}
+            stats = step_stats(lm_loss, out, groups, memory_bytes(device),
+                               memory.per_rank(part_stats.get("offload/ssd_bytes", 0)))
+            stats.update(part_stats)
             objective_stats, rank_lines = c.objective.records(step)  # collective
             stats.update(objective_stats)
             elapsed = time.perf_counter() - began
@@ -154,5 +157,6 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
     finally:  # also on an error: no background work may outlive the run
         for part in c.parts:
             part.close()
+        memory.close()
     return {"steps": step, "stopped_early": step < tr.max_steps,
             "checkpoint": str(last_ckpt) if last_ckpt else None}

@@ -22,8 +22,10 @@ def memory_bytes(device: torch.device) -> int:
     return int(psutil.Process(os.getpid()).memory_info().rss)
 
 
-def step_stats(lm_loss: torch.Tensor, out, groups: ParallelGroups, memory: int) -> dict:
-    """Global means over ranks of the losses and of every gate metric per MoE layer; memory per rank.
+def step_stats(lm_loss: torch.Tensor, out, groups: ParallelGroups, memory: int,
+               per_rank: dict[str, int] | None = None) -> dict:
+    """Global means over ranks of the losses and of every gate metric per MoE layer; memory per rank, and each of
+    `per_rank` (this rank's value of each) as a list with one entry per rank. One all-reduce for all of it.
 
     Gate metrics (runtime.moe.metrics) come out as one list per metric with one entry per MoE layer, e.g.
     "gate_entropy": [2.01, 1.97], "expert_load": [[0.12, ...], ...] (fraction routed to each expert after capacity).
@@ -34,13 +36,14 @@ def step_stats(lm_loss: torch.Tensor, out, groups: ParallelGroups, memory: int) 
     parts = [lm_loss.float().reshape(1), out.aux_loss.detach().float().reshape(1)]
     parts += [torch.stack([s.losses[n].float() for s in stats]).mean().reshape(1) for n in loss_names]
     parts += [s.metrics[n].float().reshape(-1) for n in metric_names for s in stats]
-    mem = torch.zeros(groups.world_size, dtype=torch.float64)
-    mem[groups.rank] = memory
+    ranked = {"memory_bytes_per_rank": memory, **(per_rank or {})}
+    mem = torch.zeros(len(ranked), groups.world_size, dtype=torch.float64)  # exact for integers below 2**53
+    mem[:, groups.rank] = torch.tensor([float(v) for v in ranked.values()], dtype=torch.float64)
     flat = torch.cat([p.detach().cpu() for p in parts]).double()
     if groups.world_size > 1:
-        dist.all_reduce(flat)
-        dist.all_reduce(mem)
-        flat /= groups.world_size
+        both = torch.cat([flat, mem.reshape(-1)])
+        dist.all_reduce(both)
+        flat, mem = both[:flat.numel()] / groups.world_size, both[flat.numel():].reshape(mem.shape)
     values = iter(flat.tolist())
     out_stats = {"loss": next(values), "aux_loss": next(values)}
     out_stats.update({f"{n}_loss": next(values) for n in loss_names})
@@ -54,7 +57,7 @@ def step_stats(lm_loss: torch.Tensor, out, groups: ParallelGroups, memory: int) 
     loads = out_stats.get("expert_load", [])
     out_stats["expert_load_max_over_mean"] = (
         sum(max(layer) / (sum(layer) / len(layer)) for layer in loads) / len(loads) if loads else 1.0)
-    out_stats["memory_bytes_per_rank"] = [int(m) for m in mem.tolist()]
+    out_stats.update({name: [int(m) for m in row] for name, row in zip(ranked, mem.tolist())})
     return out_stats
 
 
