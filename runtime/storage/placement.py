@@ -20,10 +20,14 @@ from runtime.storage.suggest import serving_suggestions, training_suggestions
 
 MODES = ("none", "cpu", "ssd")
 SPARSE_HOME = {"none": "gpu", "cpu": "cpu", "ssd": "ssd"}
-PROCESS_RUNTIME_BYTES = int(0.4 * GB)
-"""Host memory a worker process takes beyond the states the estimate counts: the torch and gloo runtime, allocator
-slack, data. Measured 2026-11-23 (torch 2.13 CPU): a tiny-recipe worker's unique memory (USS) is 0.45-0.48 GB,
-of which the estimate counts 0.08 GB."""
+PROCESS_RUNTIME_BYTES = int(0.30 * GB)
+"""Host memory a worker process takes beyond the states and activations the estimate counts, as anonymous RSS (what
+the OOM killer weighs; shared library text is file-backed and left out). Measured 2026-11-23 on tiny-recipe
+workers (torch 2.13 CPU, gloo, glibc mmap threshold fixed by runtime/train/rank_memory.py): 148 MiB after importing
+torch and joining the gloo group, +68 MiB building the model on the meta device (torch imports sympy), +4 MiB data
+and gradient buckets, then allocator and autograd growth that levels off: RSS after a step is 248 MiB at step 1,
+271 at step 50, 303 at 200 and 309 at 400, of which 21 MiB are the states. 0.30 GB (288 MiB) is that plateau; the old
+0.4 GB was unique memory (USS), which counts private file pages too."""
 
 LAUNCHER_BYTES = int(0.32 * GB)
 """Host memory of a node's launchers: the `moesys` command and torchrun (anonymous RSS 0.17 + 0.15 GB, measured
