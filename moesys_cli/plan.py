@@ -2,18 +2,37 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
 from rich.table import Table
 
 from moesys_cli.options import Json, Overrides
 from moesys_cli.render import console, human_bytes, human_count, literal, print_json
 from moesys_cli.resolve import resolve_config
+from runtime.errors import UserError
 from runtime.storage.placement import plan_placement, plan_to_dict
+from runtime.train.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
+
+Compare = Annotated[Optional[Path], typer.Option(
+    "--compare", metavar="RUN_DIR", help="Set the run's recorded plan beside the peak memory each of its ranks "
+                                         "measured, per tier, with the ratio (the run's own config is used).")]
 
 
-def plan(overrides: Overrides = None, json_out: Json = False) -> None:
+def plan(overrides: Overrides = None, json_out: Json = False, compare: Compare = None) -> None:
     """Check memory budgets (Eq. 1) and say where each kind of state lives; a recipe with purpose=serve is judged
-    by its inference budget. Exit 0 fits, 1 does not, 2 bad input."""
+    by its inference budget. Exit 0 fits, 1 does not, 2 bad input. With --compare RUN_DIR: predicted against
+    measured memory of a run, exit 0."""
+    if compare is not None:
+        if overrides:
+            raise UserError(f"--compare reads the run's own config; drop the overrides ({' '.join(overrides)})")
+        rows = compare_run(compare)
+        if json_out:
+            print_json(comparison_to_dict(compare.resolve(), rows))
+        else:
+            _render_compare(compare.resolve(), rows)
+        raise typer.Exit(0)
     cfg = resolve_config(overrides or [])
     result = plan_to_dict(plan_placement(cfg))
     if json_out:
@@ -69,3 +88,21 @@ def _render(recipe: str | None, r: dict) -> None:
             console.print(f"[red]does not fit:[/] {literal(problem)}")
         for s in r["suggestions"]:
             console.print(f"[yellow]try:[/] {literal(s)}")
+
+
+def _render_compare(run_dir: Path, rows: list[TierComparison]) -> None:
+    table = Table(title=f"Plan against measured peaks, {literal(run_dir)}")
+    for col in ("rank", "tier", "predicted", "measured", "measured / predicted"):
+        table.add_column(col, justify="left" if col == "tier" else "right")
+    for row in rows:
+        ratio = "-" if row.ratio is None else f"{row.ratio:.2f}"
+        if row.within is False:
+            ratio = f"[red]{ratio}[/]"
+        table.add_row(str(row.rank), row.tier, human_bytes(row.predicted_bytes),
+                      "-" if row.measured_bytes is None else human_bytes(row.measured_bytes), ratio)
+    console.print(table)
+    off = [r for r in rows if r.within is False]
+    if off:
+        console.print(f"[yellow]{len(off)} of {len(rows)} off the plan by more than {TOLERANCE:.0%}[/]")
+    else:
+        console.print(f"[green]every rank and tier within {TOLERANCE:.0%} of the plan[/]")
