@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shlex
 import signal
+import socket
 from pathlib import Path
 from typing import Annotated
 
@@ -15,12 +16,16 @@ from moesys_cli.options import Json, Overrides
 from moesys_cli.render import console, error, print_json
 from moesys_cli.resolve import config_yaml, resolve_config
 from moesys_cli.slurm import submit
-from runtime.config import TrainConfig
+from runtime.config import MoesysConfig, TrainConfig
 from runtime.launch import build_launch, check_launchable
+from runtime.oom import OUT_OF_MEMORY_EXIT, OomWatch, oom_message, smallest_fix
 from runtime.process import Job, TorchrunLogs, resume_point
 from runtime.run_dir import (LOGS, RunLock, clear_fatal, default_run_dir, last_step_metrics, prepare_run_dir,
-                             read_fatal, run_summary)
+                             read_fatal, record_fatal, run_summary)
+from runtime.topology import host_memory_bytes
+from runtime.train.compare import recorded_plan
 from runtime.train.decided import record as record_placement
+from runtime.train.rank_memory import clear_rank_memory, read_rank_memory
 from runtime.train.preflight import check_before_launch
 
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and the command; run nothing.")]
@@ -40,6 +45,7 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     lock = RunLock(Path(cfg.train.run_dir), cfg.launcher.node_rank)  # held until exit: one job per run directory
     run_dir = prepare_run_dir(cfg)
     clear_fatal(run_dir)
+    clear_rank_memory(run_dir)
     _, replanned = record_placement(run_dir, cfg)  # plan.json: the workers read it; none of them plans again
     if replanned and not json_out:
         console.print(replanned, markup=False, highlight=False)
@@ -48,8 +54,9 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
         lock.release()
         submit(spec, run_dir, json_out)  # SLURM runs the job later: submit it, say how to follow it, exit 0
     logs = TorchrunLogs(run_dir / LOGS)
+    oom = OomWatch(run_dir / LOGS / "launcher.log")
     with Job(spec.argv, run_dir / LOGS / "launcher.log") as job:
-        code = _follow(job, logs, run_dir, cfg.train, quiet=json_out)
+        code = _follow(job, logs, run_dir, cfg, oom, quiet=json_out)
     summary = run_summary(run_dir)
     fatal = read_fatal(run_dir)
     if code != 0 and fatal is not None and job.stop_signal is None:  # a worker's own verdict, not retried
@@ -73,9 +80,11 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     raise typer.Exit(0)
 
 
-def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, tr: TrainConfig, quiet: bool) -> int:
+def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom: OomWatch, quiet: bool) -> int:
     """Show step, loss, tokens/s and expert load balance until the job ends, and say when it resumed from a
-    checkpoint or torchrun restarted its workers. Returns the job's exit code."""
+    checkpoint or torchrun restarted its workers. Returns the job's exit code, or OUT_OF_MEMORY_EXIT at once when
+    the OOM killer took a worker (leaving the with-block then stops torchrun before it restarts again)."""
+    tr = cfg.train
     columns = [TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
     with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
@@ -90,6 +99,10 @@ def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, tr: TrainConfig, quiet:
         restarts, stopping = 0, None
         while True:
             code = job.wait(timeout=0.5)
+            victim = oom.victim()  # before the restart it caused is reported: there will be no other
+            if victim is not None:
+                record_fatal(run_dir, OUT_OF_MEMORY_EXIT, _oom_killed(cfg, run_dir, victim))
+                return OUT_OF_MEMORY_EXIT
             if job.stop_signal is not None and stopping is None:
                 stopping = job.stop_signal
                 say(f"{signal.Signals(stopping).name}: the workers checkpoint at the end of the step and exit "
@@ -132,3 +145,18 @@ def _last_error(logs: TorchrunLogs, run_dir: Path) -> str:
     launcher = run_dir / LOGS / "launcher.log"
     lines = [line for line in launcher.read_text(errors="replace").splitlines() if any(c.isalnum() for c in line)]
     return lines[-1].strip()[:300] if lines else "no log output"
+
+
+def _oom_killed(cfg: MoesysConfig, run_dir: Path, local_rank: int) -> str:
+    """The one line for a worker the OOM killer took: its rank and last measured memory (its memory file, or the
+    last step line), the plan's estimate, and the plan's smallest change for the memory this machine gives."""
+    records = [r for r in read_rank_memory(run_dir)
+               if r.get("local_rank") == local_rank and r.get("host") == socket.gethostname()]
+    rank = records[0]["rank"] if records else cfg.launcher.node_rank * cfg.topology.nproc_per_node + local_rank
+    measured = [r.get("memory/peak_rss_anon", 0) for r in records]
+    m = last_step_metrics(run_dir)
+    if m and len(m.get("memory/peak_rss_anon") or []) > rank:
+        measured.append(m["memory/peak_rss_anon"][rank])
+    estimate = recorded_plan(run_dir)["per_rank"]["process_host_bytes"]
+    fix = smallest_fix(cfg, host_memory_bytes(), gpu=False)
+    return oom_message(rank, "killed by the kernel's OOM killer", max(measured, default=0), estimate, fix)

@@ -14,11 +14,13 @@ import torch  # noqa: E402
 import torch.distributed as dist
 
 from runtime.errors import JobError, UserError
+from runtime.oom import OUT_OF_MEMORY_EXIT, OutOfMemory, cuda_oom_message
 from runtime.io import atomic_write_json
 from runtime.parallel.groups import build_groups
 from runtime.process import die_with_parent
 from runtime.run_dir import SUMMARY, load_config, read_fatal, record_fatal
 from runtime.topology import set_cpu_threads
+from runtime.train.compare import recorded_plan
 from runtime.train.loop import train
 from runtime.train.rank_memory import fix_mmap_threshold
 
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(run_dir)
     except (UserError, JobError) as exc:
-        code = 2 if isinstance(exc, UserError) else 3
+        code = 2 if isinstance(exc, UserError) else OUT_OF_MEMORY_EXIT if isinstance(exc, OutOfMemory) else 3
         record_fatal(run_dir, code, str(exc))
         print(f"error: {exc}", file=sys.stderr)
         return code
@@ -79,7 +81,10 @@ def run(run_dir: Path) -> int:
         set_cpu_threads(local_world, respect_env=False)
     groups = build_groups(world, rank, cfg.topology.expert_parallel, cfg.parallel.ranks_per_node or local_world)
     try:
-        summary = train(cfg, run_dir, groups, device)
+        try:
+            summary = train(cfg, run_dir, groups, device)
+        except torch.OutOfMemoryError:  # a restart meets the same limit: one line, recorded as fatal
+            raise OutOfMemory(cuda_oom_message(cfg, recorded_plan(run_dir), rank, device)) from None
         if rank == 0:
             atomic_write_json(run_dir / SUMMARY, summary)
     finally:
