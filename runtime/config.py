@@ -196,6 +196,9 @@ class TrainConfig:
     """Seed of parameters, data order and routing noise."""
     checkpoint_every: int = 50
     """Steps between checkpoints; 0 keeps only the final one."""
+    final_checkpoint: bool = True
+    """Write a checkpoint when training ends (max_steps or a stop request). False for throwaway runs, e.g. a
+    benchmark whose checkpoint would not fit on the disk beside its expert store."""
     max_restarts: int = 3
     """Times torchrun restarts failed workers."""
     run_dir: Optional[str] = None

@@ -146,7 +146,8 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
                     writer.write_many([*rank_lines, record])
                 else:
                     writer.write(record)
-            if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.max_steps or stopping:
+            ending = (step == tr.max_steps or stopping) and tr.final_checkpoint
+            if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or ending:
                 last_ckpt = save_checkpoint(run_dir, step, c.model, c.optimizer, groups, cfg, parts=c.parts)
             if stopping:
                 break
