@@ -16,7 +16,7 @@ from moesys_cli.options import Json, Overrides
 from moesys_cli.render import console, error, print_json
 from moesys_cli.resolve import config_yaml, resolve_config
 from moesys_cli.slurm import submit
-from runtime.config import MoesysConfig, TrainConfig
+from runtime.config import MoesysConfig
 from runtime.launch import build_launch, check_launchable
 from runtime.oom import OUT_OF_MEMORY_EXIT, OomWatch, oom_message, smallest_fix
 from runtime.process import Job, TorchrunLogs, resume_point

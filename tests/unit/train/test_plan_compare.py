@@ -3,7 +3,6 @@ rank measured set beside the plan it was launched with."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
