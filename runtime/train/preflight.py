@@ -1,6 +1,6 @@
 """What `moesys train` checks before it launches anything: the errors each worker would otherwise meet at start,
-after torchrun had retried it (data shorter than a window, an expert store that cannot be written or that another
-run owns). Each raises a UserError of one line."""
+after torchrun had retried it (data shorter than a window, a plan that does not fit, an expert store that cannot be
+written or that another run owns). Each raises a UserError of one line."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.run_dir import expert_store_root
 from runtime.storage.expert_store import OWNER, check_owner
+from runtime.storage.placement import plan_placement
 from runtime.train.data import TokenDataset
 
 
 def check_before_launch(cfg: MoesysConfig) -> None:
-    """cfg.train.run_dir must be set (the directory the job will use)."""
+    """What would fail in every worker: a serving config, missing data, a plan that does not fit, an expert store
+    that is not writable or belongs to another run. cfg.train.run_dir must be set (the directory the job will use)."""
     if cfg.purpose != "train":
         raise UserError(f"this config is for serving (purpose={cfg.purpose}: {cfg.recipe or 'the recipe'} is planned "
                         "as an inference budget); serve it with moesys infer, or set purpose=train to train it")
@@ -23,8 +25,21 @@ def check_before_launch(cfg: MoesysConfig) -> None:
         {f"tasks.{name}.data": task.data for name, task in cfg.tasks.items()}
     for key, path in sources.items():
         TokenDataset.from_path(path, cfg.train.seq_len, key=key)  # DataError: missing, empty or too short
+    _check_plan(cfg)
     if cfg.storage.offload in ("ssd", "auto"):
         _check_store(expert_store_root(cfg), str(Path(cfg.train.run_dir).resolve()))
+
+
+def _check_plan(cfg: MoesysConfig) -> None:
+    """The run must fit by the plan: otherwise a worker fails on a tier's budget, or the OOM killer takes it, after
+    minutes of building and restarts."""
+    plan = plan_placement(cfg)
+    if plan.feasible:
+        return
+    first = plan.suggestions[0] if plan.suggestions else ""
+    fix = "" if not first else f"; {first}" if first.startswith("no ") else f"; try: {first}"
+    raise UserError(f"the plan says this run does not fit ({'; '.join(plan.problems)}){fix} "
+                    "(`moesys plan` with the same overrides shows the budget)")
 
 
 def _check_store(root: Path, run_dir: str) -> None:

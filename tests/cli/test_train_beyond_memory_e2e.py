@@ -69,3 +69,14 @@ def test_final_checkpoint_false_leaves_no_checkpoint(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["checkpoint"] is None
     assert not list((tmp_path / "checkpoints").glob("step_*"))
+
+
+def test_a_run_the_plan_says_does_not_fit_is_refused_before_launch(tmp_path):
+    from tests.cli.conftest import FAST_TINY, run_moesys
+
+    done = run_moesys("train", *FAST_TINY, "topology.cpu_memory_gb=0.9", "storage.offload=ssd",
+                      f"train.run_dir={tmp_path}")
+    assert done.returncode == 2, done.stdout + done.stderr
+    line = done.stderr.strip()
+    assert "the plan says this run does not fit" in line and "moesys plan" in line and "Traceback" not in line
+    assert len(line.splitlines()) == 1 and not (tmp_path / "logs").exists()
