@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
 
 def fsync_dir(path: Path) -> None:
@@ -20,13 +21,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
+    """A binary file to write (and seek in) that becomes `path` only when the block ends without an exception;
+    streaming writers use it to write a large file piece by piece with the same guarantee."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -34,6 +38,11 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
