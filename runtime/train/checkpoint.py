@@ -7,6 +7,8 @@ checkpoints/step_00000020/
   meta.json                step, world and expert-parallel sizes, the config
 checkpoints/latest         name of the newest complete checkpoint
 A checkpoint is written into .tmp-step_N, fsynced, then renamed: a killed job never leaves a torn one.
+Files are written and read tensor by tensor (an expert's slice at a time), so saving or loading needs memory for one
+tensor beyond the model and its optimizer state, not a second copy of them.
 """
 
 from __future__ import annotations
@@ -14,22 +16,22 @@ from __future__ import annotations
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from runtime.checkpoint_format import (STATE_KEYS, CheckpointError, CheckpointReader, latest_checkpoint, read_meta,
-                                       tensor_key)
+from runtime.checkpoint_format import (MODEL, STATE_KEYS, CheckpointError, CheckpointReader, latest_checkpoint,
+                                       read_meta, tensor_key)
 from runtime.config import MoesysConfig
 from runtime.io import atomic_write_json, atomic_write_text, fsync_dir
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.embedding_partition import gather_columns, partitioned_parameters, shard_of
-from runtime.parallel.groups import ParallelGroups
+from runtime.parallel.groups import ParallelGroups, group_size
 from runtime.run_dir import CHECKPOINTS
-from runtime.tensorfile import save_tensors, verify
+from runtime.tensorfile import TensorSpec, save_tensors, verify, write_tensors
 
 __all__ = ["CheckpointError", "check_fits", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -39,15 +41,61 @@ def _barrier(groups: ParallelGroups) -> None:
         dist.barrier()
 
 
-def _param_state(name: str, param: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """model/optimizer tensors of one parameter, keyed by kind."""
-    out = {"model": param.detach()}
+Entry = tuple[str, TensorSpec, Callable[[], torch.Tensor]]
+"""A tensor to write: its key, dtype and shape for the header, and how to produce it when its turn comes."""
+
+
+def _kinds(param: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor | None]:
+    """model/optimizer tensors of one parameter by kind; None for a moment AdamW has not created yet (saved as
+    zeros)."""
     state = optimizer.state.get(param, {})
-    for key in STATE_KEYS:
-        out[key] = state[key] if key in state else torch.zeros_like(param)
-    step = state.get("step", torch.tensor(0.0))
-    out["step"] = torch.as_tensor(step, dtype=torch.float32).reshape(1)
+    return {MODEL: param.detach(), **{k: state.get(k) for k in STATE_KEYS}}
+
+
+def _step(param: torch.Tensor, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    step = optimizer.state.get(param, {}).get("step", torch.tensor(0.0))
+    return torch.as_tensor(step, dtype=torch.float32).reshape(1)
+
+
+def _dense_entries(model: nn.Module, optimizer, groups: ParallelGroups, held: set[str]) -> list[Entry]:
+    """Every non-expert parameter's tensors; a partitioned table is gathered whole (a collective) when produced."""
+    shards = dict(partitioned_parameters(model))
+    out: list[Entry] = []
+    for pname, param in model.named_parameters():
+        if pname in held or is_expert_param(pname):
+            continue
+        for kind, t in _kinds(param, optimizer).items():
+            def make(t=t, param=param) -> torch.Tensor:
+                return t if t is not None else torch.zeros_like(param)
+            shape, dtype = tuple(param.shape), (t if t is not None else param).dtype
+            if pname in shards:  # the full [V, H] table and moments, loadable into any dp size
+                shape = (shape[0], shape[1] * group_size(groups.dp_group))
+                make = (lambda make=make: gather_columns(make(), groups.dp_group))
+            out.append((tensor_key(kind, pname), (dtype, shape), make))
+        out.append((tensor_key("step", pname), (torch.float32, (1,)), lambda p=param: _step(p, optimizer)))
     return out
+
+
+def _expert_entries(model: nn.Module, optimizer, groups: ParallelGroups, held: set[str]) -> list[Entry]:
+    """Every local expert's tensors under its global index: slices of the stacked parameters and moments (a slice
+    of a contiguous stack is contiguous, so it is written without a copy)."""
+    out: list[Entry] = []
+    for pname, param in model.named_parameters():
+        if pname in held or not is_expert_param(pname):
+            continue
+        kinds = _kinds(param, optimizer)
+        for j, g in enumerate(_local_to_global(groups, param.shape[0])):
+            for kind, t in kinds.items():
+                def make(t=t, j=j, param=param) -> torch.Tensor:
+                    return t[j] if t is not None else torch.zeros_like(param[j])
+                out.append((tensor_key(kind, pname, g), ((t if t is not None else param).dtype,
+                                                         tuple(param.shape[1:])), make))
+            out.append((tensor_key("step", pname, g), (torch.float32, (1,)), lambda p=param: _step(p, optimizer)))
+    return out
+
+
+def _write(path: Path, entries: list[Entry]) -> Path:
+    return write_tensors(path, {key: spec for key, spec, _ in entries}, ((key, make()) for key, _, make in entries))
 
 
 def _local_to_global(groups: ParallelGroups, local_experts: int) -> list[int]:
@@ -67,28 +115,16 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(groups)
-    dense: dict[str, torch.Tensor] = {}
-    experts: dict[str, torch.Tensor] = {}
-    shards = dict(partitioned_parameters(model))
     held = {name for part in parts for name in part.held_params()}
-    for pname, param in model.named_parameters():
-        if pname in held:
-            continue
-        tensors = _param_state(pname, param, optimizer)
-        if pname in shards:  # collective: the full [V, H] table and moments, loadable into any dp size
-            tensors = {k: t if k == "step" else gather_columns(t, groups.dp_group) for k, t in tensors.items()}
-        if is_expert_param(pname):
-            for g, j in zip(_local_to_global(groups, param.shape[0]), range(param.shape[0])):
-                for kind, t in tensors.items():
-                    experts[tensor_key(kind, pname, g)] = (t if kind == "step" else t[j]).contiguous().clone()
-        else:
-            for kind, t in tensors.items():
-                dense[tensor_key(kind, pname)] = t.contiguous()
+    dense, experts = _dense_entries(model, optimizer, groups, held), _expert_entries(model, optimizer, groups, held)
     files = []
     if groups.rank == 0:
-        files.append(save_tensors(tmp / "dense.safetensors", dense))
+        files.append(_write(tmp / "dense.safetensors", dense))
+    else:  # gathering a partitioned table is collective: every rank produces the dense tensors in the same order
+        for _, _, make in dense:
+            make()
     if groups.edp_rank == 0 and experts:
-        files.append(save_tensors(tmp / f"experts-ep{groups.ep_rank}.safetensors", experts))
+        files.append(_write(tmp / f"experts-ep{groups.ep_rank}.safetensors", experts))
     files.append(save_tensors(tmp / f"rng-rank{groups.rank}.safetensors", _rng_state()))
     for part in parts:  # may be collective: every rank, every part, in order
         files += part.save(tmp, step)
@@ -128,25 +164,16 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     for pname, param in model.named_parameters():
         if pname in held:
             continue
-        if is_expert_param(pname):
-            globals_ = _local_to_global(groups, param.shape[0])
-            tensors = {kind: [reader.get(tensor_key(kind, pname, g)) for g in globals_]
-                       for kind in ("model", *STATE_KEYS)}
-            values = {kind: torch.stack(ts) for kind, ts in tensors.items()}
-            step = reader.get(tensor_key("step", pname, globals_[0]))
+        expert = is_expert_param(pname)
+        globals_ = _local_to_global(groups, param.shape[0]) if expert else []
+        step = reader.get(tensor_key("step", pname, globals_[0] if expert else None))
+        keep = optimizer is not None and float(step) > 0
+        if expert:
+            moments = _load_experts(reader, path, pname, param, globals_, keep)
         else:
-            values = {kind: reader.get(tensor_key(kind, pname)) for kind in ("model", *STATE_KEYS)}
-            step = reader.get(tensor_key("step", pname))
-            if pname in shards:  # this rank's columns of the full table
-                values = {k: shard_of(v, groups.dp_ranks.index(groups.rank), groups.dp_size) for k, v in values.items()}
-        if values["model"].shape != param.shape:
-            raise CheckpointError(f"{pname} has shape {tuple(values['model'].shape)} in {path}, "
-                                  f"the model expects {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(values["model"])
-        if optimizer is not None and float(step) > 0:
-            optimizer.state[param] = {"step": step.reshape(()).clone(),
-                                      **{k: values[k].to(param.device, param.dtype) for k in STATE_KEYS}}
+            moments = _load_dense(reader, path, pname, param, groups, pname in shards, keep)
+        if keep:
+            optimizer.state[param] = {"step": step.reshape(()).clone(), **moments}
     rng_file = path / f"rng-rank{groups.rank}.safetensors"
     if restore_rng and meta["world_size"] == groups.world_size and rng_file.exists():
         verify(rng_file)
@@ -157,6 +184,42 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     for part in parts:
         part.load(reader, int(meta["step"]))
     return int(meta["step"])
+
+
+def _shape_error(pname: str, path: Path, found: tuple, expected: torch.Size) -> CheckpointError:
+    return CheckpointError(f"{pname} has shape {found} in {path}, the model expects {tuple(expected)}")
+
+
+def _load_experts(reader: CheckpointReader, path: Path, pname: str, param: torch.Tensor, globals_: list[int],
+                  keep: bool) -> dict[str, torch.Tensor]:
+    """Copy the local experts' weights into `param` expert by expert; with `keep`, also their moments into tensors
+    allocated once (the moments the optimizer will hold). Returns the moments."""
+    moments = {k: torch.zeros_like(param) for k in STATE_KEYS} if keep else {}
+    with torch.no_grad():
+        for j, g in enumerate(globals_):
+            value = reader.get(tensor_key(MODEL, pname, g))
+            if value.shape != param.shape[1:]:
+                raise _shape_error(pname, path, (len(globals_), *value.shape), param.shape)
+            param[j].copy_(value)
+            for kind, moment in moments.items():
+                moment[j].copy_(reader.get(tensor_key(kind, pname, g)))
+    return moments
+
+
+def _load_dense(reader: CheckpointReader, path: Path, pname: str, param: torch.Tensor, groups: ParallelGroups,
+                partitioned: bool, keep: bool) -> dict[str, torch.Tensor]:
+    """Copy one dense parameter (this rank's columns of a partitioned table); with `keep` return its moments."""
+    def get(kind: str) -> torch.Tensor:
+        value = reader.get(tensor_key(kind, pname))
+        return shard_of(value, groups.dp_ranks.index(groups.rank), groups.dp_size) if partitioned else value
+
+    value = get(MODEL)
+    if value.shape != param.shape:
+        raise _shape_error(pname, path, tuple(value.shape), param.shape)
+    with torch.no_grad():
+        param.copy_(value)
+    del value
+    return {k: get(k).to(param.device, param.dtype) for k in STATE_KEYS} if keep else {}
 
 
 def check_fits(path: Path, cfg: MoesysConfig) -> None:
