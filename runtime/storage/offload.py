@@ -16,8 +16,9 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from runtime.storage.cache import LFUCache
 from runtime.storage.expert_store import ExpertKey, ExpertState, ExpertStore, new_state, state_bytes
 from runtime.storage.tiers import Tiers
 from runtime.storage.write_behind import WriteBehind
-from runtime.tensorfile import save_tensors
+from runtime.tensorfile import spec_of, write_tensors
 
 
 @dataclass(frozen=True)
@@ -387,9 +388,10 @@ class OffloadManager:
         return {f"offload/{k}": v for k, v in out.items()}
 
     def save(self, directory: Path, step: int) -> list[Path]:
-        """Write this rank's experts into the checkpoint being assembled in `directory`: one file per MoE layer
-        (memory bounded by a layer's local experts), under the keys a resident checkpoint uses, every expert caught
-        up to `step`. The checkpoint is then a complete, immutable copy that inference and any EP size can load.
+        """Write this rank's experts into the checkpoint being assembled in `directory`: one file per MoE layer,
+        streamed one expert at a time (read from the cache or the store, caught up to `step`, written, dropped), so
+        host memory holds one expert's states beyond the cache. Keys are those a resident checkpoint uses: the
+        checkpoint is a complete, immutable copy that inference and any EP size can load.
         Expert-data-parallel replicas hold equal states, so only the first of them writes."""
         self.drain()
         assert step == self.steps_done, (step, self.steps_done)
@@ -398,22 +400,38 @@ class OffloadManager:
         ep_rank = self.groups.ep_rank if self.groups is not None else 0
         files = []
         for spec in self.specs.values():
-            tensors: dict[str, Tensor] = {}
-            for j in range(spec.num_local):
-                key = spec.key(j)
-                with self.cache.lock:
-                    state = self.cache.entries.get(key)
-                state = state if state is not None else self.store.read(key)
-                with torch.no_grad():
-                    catch_up(state, spec.names, step, self.lr_schedule, self.adamw)
-                for name in spec.names:
-                    param = f"{spec.param_prefix}.{name}"
-                    tensors[tensor_key(MODEL, param, key[1])] = state[f"param.{name}"]
-                    for kind in STATE_KEYS:
-                        tensors[tensor_key(kind, param, key[1])] = state[f"{kind}.{name}"]
-                    tensors[tensor_key("step", param, key[1])] = state["step"].reshape(1).clone()
-            files.append(save_tensors(directory / f"experts-ep{ep_rank}-L{spec.index:04d}.safetensors", tensors))
+            states = self._caught_up_states(spec, step)
+            first = next(states)  # every expert of a layer has its shapes: the header is known from the first
+            specs = {k: spec_of(t) for g in range(spec.first_global, spec.first_global + spec.num_local)
+                     for k, t in self._checkpoint_items(spec, g, first[1])}
+            stream = (item for g, state in chain([first], states)
+                      for item in self._checkpoint_items(spec, g, state))
+            del first
+            files.append(write_tensors(directory / f"experts-ep{ep_rank}-L{spec.index:04d}.safetensors", specs,
+                                       stream))
         return files
+
+    def _caught_up_states(self, spec: LayerSpec, step: int) -> Iterator[tuple[int, ExpertState]]:
+        """(global expert, states caught up to `step`) of the layer's local experts, read one at a time."""
+        for j in range(spec.num_local):
+            key = spec.key(j)
+            with self.cache.lock:
+                state = self.cache.entries.get(key)
+            state = state if state is not None else self.store.read(key)
+            with torch.no_grad():
+                catch_up(state, spec.names, step, self.lr_schedule, self.adamw)
+            yield key[1], state
+
+    @staticmethod
+    def _checkpoint_items(spec: LayerSpec, g: int, state: ExpertState) -> list[tuple[str, Tensor]]:
+        """One expert's states under the checkpoint keys of a resident model (runtime/checkpoint_format.py)."""
+        out = []
+        for name in spec.names:
+            param = f"{spec.param_prefix}.{name}"
+            out.append((tensor_key(MODEL, param, g), state[f"param.{name}"]))
+            out += [(tensor_key(kind, param, g), state[f"{kind}.{name}"]) for kind in STATE_KEYS]
+            out.append((tensor_key("step", param, g), state["step"].reshape(1)))
+        return out
 
     def load(self, reader: CheckpointReader, step: int) -> None:
         """Rebuild this rank's store from a checkpoint (written with offload or without, by any EP size) and drop
