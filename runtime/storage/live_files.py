@@ -20,36 +20,21 @@ from pathlib import Path
 import torch
 
 from runtime.io import fsync_dir
-from runtime.tensorfile import CHECKSUM_KEY, ChecksumError
+from runtime.tensorfile import _DTYPES, ChecksumError, _header, _raw, spec_of
 
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}
 _TORCH = {name: dtype for dtype, name in _DTYPES.items()}
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
-def _raw(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, no copy (through uint8: numpy has no bfloat16)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
 def encode(tensors: dict[str, torch.Tensor]) -> list:
-    """The file as buffers: the length-prefixed JSON header (checksum of the data section included), then every
-    tensor's own memory in dict order."""
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    """The file as buffers: tensorfile's header with the checksum of the data section filled in, then every
+    tensor's own memory in dict order (no copy of a contiguous CPU tensor)."""
     raws = [_raw(t) for t in tensors.values()]
     crc = 0
     for raw in raws:
         crc = zlib.crc32(raw, crc)
-    header: dict = {"__metadata__": {CHECKSUM_KEY: f"{crc:08x}"}}
-    offset = 0
-    for (key, t), raw in zip(tensors.items(), raws):
-        header[key] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
-        offset += len(raw)
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data section stays 8-byte aligned, as safetensors writes it
-    return [struct.pack("<Q", len(encoded)) + encoded, *raws]
+    head, crc_at = _header({k: spec_of(t) for k, t in tensors.items()}, None)
+    return [head[:crc_at] + f"{crc:08x}".encode() + head[crc_at + 8:], *raws]
 
 
 def write_file(path: Path, tensors: dict[str, torch.Tensor], durable: bool) -> int:
