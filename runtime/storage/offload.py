@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 from typing import Callable, Iterator
@@ -69,6 +69,9 @@ class _Live:
     device_bytes: int
     resident: bool = True
     grads_arrived: int = 0
+    hooks: list = field(default_factory=list)
+    """Handles of the leaves' hooks, which refer back to this object: a cycle through C++ that Python's garbage
+    collector cannot see, so `finish_backward` removes them (else every step's leaves and gradients leak)."""
 
 
 class OffloadedExperts(nn.Module):
@@ -219,7 +222,8 @@ class OffloadManager:
             self._evict_device(live)
             y_RD.register_hook(lambda grad, live=live: self._refetch_device(live))
             for leaf in leaves.values():
-                leaf.register_post_accumulate_grad_hook(lambda leaf, live=live: self._grad_arrived(live))
+                live.hooks.append(leaf.register_post_accumulate_grad_hook(
+                    lambda leaf, live=live: self._grad_arrived(live)))
         return y_RD
 
     def _grad_arrived(self, live: _Live) -> None:
@@ -268,6 +272,9 @@ class OffloadManager:
                 self._states[key] = state
             if live.resident:
                 self.tiers.device.release(live.device_bytes)
+            for hook in live.hooks:
+                hook.remove()
+            live.leaves.clear()
         self._live.clear()
         g = self.groups
         if g is not None and g.edp_size > 1:

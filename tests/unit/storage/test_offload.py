@@ -206,3 +206,26 @@ def test_resume_after_kill_with_store_ahead_of_checkpoint(tmp_path):
     second.close()
     first.close()
     assert step == 3 and losses == expected
+
+
+def test_a_step_leaves_no_tensors_behind(tmp_path):
+    """The device leaves' gradient hooks refer back to the layer's step record (a cycle through C++ the garbage
+    collector cannot see): without removing them every step leaked its leaves and gradients (0.15 GB a step on a
+    small model)."""
+    import gc
+
+    def tensors() -> int:
+        gc.collect()
+        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+    run = Run(config(), tmp_path, cache=3)
+    for step in range(3):
+        run.step(step)
+    run.mgr.drain()
+    before = tensors()
+    for step in range(3, 9):
+        run.step(step)
+    run.mgr.drain()
+    grew = tensors() - before
+    run.close()
+    assert grew < 40, grew  # about 110 a step before the fix
