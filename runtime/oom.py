@@ -16,6 +16,7 @@ from runtime.config import MoesysConfig
 from runtime.errors import JobError
 from runtime.storage.budget import GB
 from runtime.storage.placement import plan_placement
+from runtime.topology import memory_cgroup
 
 OUT_OF_MEMORY_EXIT = 137
 """Exit status of a job stopped by an out-of-memory death: what a shell shows for a process killed by SIGKILL."""
@@ -33,19 +34,11 @@ _KILLED = re.compile(r"failed \(exitcode: -9\) local_rank: (\d+) \(pid: (\d+)\)"
 def _cgroup_oom_file() -> Path | None:
     """This process's memory cgroup file that counts OOM kills (v1 memory.oom_control, v2 memory.events); None in
     the root group (no limit of its own: the kernel-wide count applies) or without /proc."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
+    found = memory_cgroup()
+    if found is None or found[0] in (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")):
         return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if path.strip("/") == "":
-            continue
-        if "memory" in controllers.split(","):
-            return Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.oom_control"
-        if controllers == "" and (Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events").exists():
-            return Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events"
-    return None
+    path, version = found
+    return path / ("memory.oom_control" if version == "v1" else "memory.events")
 
 
 def _oom_kill_count(path: Path) -> int | None:

@@ -30,29 +30,37 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def cgroup_memory_limit() -> int | None:
-    """The memory limit of this process's cgroup (v2 memory.max or v1 memory.limit_in_bytes), None without one:
-    inside a container or a capped job that limit, not the machine's RAM, is what the OOM killer enforces."""
+def memory_cgroup() -> tuple[Path, str] | None:
+    """This process's memory cgroup directory and its version ("v1" or "v2"); None without /proc, or on cgroup v2
+    in the root group (no memory files of its own)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return None
+    unified = None
     for line in lines:
         _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "v1"
         if controllers == "":
-            candidates = [Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max"]
-        elif "memory" in controllers.split(","):
-            candidates = [Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes"]
-        else:
-            continue
-        for file in candidates:
-            try:
-                text = file.read_text().strip()
-            except OSError:
-                continue
-            if text != "max" and int(text) < 2**60:
-                return int(text)
+            unified = Path("/sys/fs/cgroup") / path.lstrip("/")
+    if unified is not None and (unified / "memory.max").exists():
+        return unified, "v2"
     return None
+
+
+def cgroup_memory_limit() -> int | None:
+    """The memory limit of this process's cgroup (v1 memory.limit_in_bytes, v2 memory.max), None without one:
+    inside a container or a capped job that limit, not the machine's RAM, is what the OOM killer enforces."""
+    found = memory_cgroup()
+    if found is None:
+        return None
+    path, version = found
+    try:
+        text = (path / ("memory.limit_in_bytes" if version == "v1" else "memory.max")).read_text().strip()
+    except OSError:
+        return None
+    return None if text == "max" or int(text) >= 2**60 else int(text)
 
 
 def host_memory_bytes() -> int:
