@@ -131,15 +131,18 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
         else:
             ssd = int(STORED_SPARSE_BYTES * local_sparse)
             # A step keeps every expert it fetched on the host, with its gradient, from its forward to the CPU
-            # AdamW step (Eq. 1's CPU tier, 16aS): the cache may be smaller than that, the host may not. Those the
-            # cache does not keep are still on their way to SSD (write-behind) while the next step fetches its own,
-            # and the prefetcher stages the next prefetch_depth layers' experts (runtime/storage/offload.py).
+            # AdamW step (Eq. 1's CPU tier, 16aS): the cache may be smaller than that, the host may not. Cached
+            # experts hold their states (12 bytes a parameter) and, when active, a gradient (4). Those the cache does
+            # not keep are still on their way to SSD (write-behind) while the next step fetches its own, and the
+            # prefetcher stages the next prefetch_depth layers' experts (runtime/storage/offload.py).
             step_active = math.ceil(st.alpha * local_experts)
-            staged = int(STORED_SPARSE_BYTES * p.per_expert * math.ceil(st.alpha * layer_experts) * st.prefetch_depth)
-            fit = max(0, host_capacity - staged) // max(CACHED_SPARSE_BYTES * p.per_expert, 1)
+            staged = STORED_SPARSE_BYTES * math.ceil(st.alpha * layer_experts) * st.prefetch_depth
+            grads = (CACHED_SPARSE_BYTES - STORED_SPARSE_BYTES) * step_active
+            fit = max(0, host_capacity - (staged + grads) * p.per_expert) // max(STORED_SPARSE_BYTES * p.per_expert, 1)
             cache_experts = st.cpu_cache_experts or int(min(local_experts, fit))
             going_home = STORED_SPARSE_BYTES * max(0, step_active - cache_experts)
-            host = int((CACHED_SPARSE_BYTES * max(cache_experts, step_active) + going_home) * p.per_expert) + staged
+            host = int((STORED_SPARSE_BYTES * max(cache_experts, step_active) + grads + going_home + staged)
+                       * p.per_expert)
     device_capacity = int(t.gpu_memory_gb * GB) if t.gpus_per_node else ram_per_rank - host
     return RankEstimate(device=device, host=host, ssd=ssd, device_capacity=device_capacity,
                         host_capacity=host_capacity, cache_experts=cache_experts, local_experts=local_experts)

@@ -61,12 +61,14 @@ def test_ssd_cache_size_comes_from_host_memory():
     cfg.storage = StorageConfig(offload="ssd", alpha=0.1)
     plan = plan_placement(cfg)
     per_expert = count_parameters(cfg.model).per_expert
-    # What the cache may use: the rank's RAM less the experts the prefetcher stages for the next layer (12 bytes
-    # each: weights and moments, no gradient yet).
+    # What the cache may use: the rank's RAM less the experts the prefetcher stages for the next layer and the
+    # gradients of the step's active experts; a cached expert holds its weights and moments (12 bytes).
     layer_active = math.ceil(cfg.storage.alpha * cfg.model.num_experts / cfg.topology.expert_parallel)
+    step_active = math.ceil(cfg.storage.alpha * plan.per_rank.local_experts)
     staged = 12 * per_expert * layer_active * cfg.storage.prefetch_depth
+    grads = 4 * per_expert * step_active
     ram = (64 * GB - LAUNCHER_BYTES) / 8 - PROCESS_RUNTIME_BYTES
-    assert plan.per_rank.cache_experts == int((ram - staged) // (16 * per_expert))
+    assert plan.per_rank.cache_experts == int((ram - staged - grads) // (12 * per_expert))
     assert plan.per_rank.host <= plan.per_rank.host_capacity
 
 
