@@ -43,6 +43,11 @@ def _elastic(cfg: MoesysConfig) -> dict:
     return run_elastic_bench(cfg)
 
 
+def _beyond_memory(cfg: MoesysConfig) -> dict:
+    from runtime.bench.beyond_memory import run_beyond_memory_bench
+    return run_beyond_memory_bench()
+
+
 BENCHES: dict[str, Callable[[MoesysConfig], dict]] = {
     "moe-layer": _moe_layer,
     "train": _train,
@@ -50,9 +55,11 @@ BENCHES: dict[str, Callable[[MoesysConfig], dict]] = {
     "offload": _offload,
     "embedding": _embedding,
     "elastic": _elastic,
+    "beyond-memory": _beyond_memory,
 }
 HONOURED: dict[str, tuple[str, ...] | None] = {
     "moe-layer": (), "offload": (), "embedding": (), "ring": ("infer.ring_slots",), "train": None, "elastic": None,
+    "beyond-memory": (),
 }
 """The override keys each benchmark uses (None: the whole resolved config); any other override is refused rather
 than silently ignored, since a figure measured on another shape than asked for misleads."""
