@@ -23,11 +23,12 @@ SPARSE_HOME = {"none": "gpu", "cpu": "cpu", "ssd": "ssd"}
 PROCESS_RUNTIME_BYTES = int(0.30 * GB)
 """Host memory a worker process takes beyond the states and activations the estimate counts, as anonymous RSS (what
 the OOM killer weighs; shared library text is file-backed and left out). Measured 2026-11-23 on tiny-recipe
-workers (torch 2.13 CPU, gloo, glibc mmap threshold fixed by runtime/train/rank_memory.py): 148 MiB after importing
+workers (torch 2.13 CPU, gloo, heap trimmed after each step by runtime/train/rank_memory.py): 148 MiB after importing
 torch and joining the gloo group, +68 MiB building the model on the meta device (torch imports sympy), +4 MiB data
 and gradient buckets, then allocator and autograd growth that levels off: RSS after a step is 248 MiB at step 1,
 271 at step 50, 303 at 200 and 309 at 400, of which 21 MiB are the states. 0.30 GB (288 MiB) is that plateau; the old
-0.4 GB was unique memory (USS), which counts private file pages too."""
+0.4 GB was unique memory (USS), which counts private file pages too. With the heap trimmed instead of a fixed mmap
+threshold, the tiny recipe's 300-step peak is 1.03-1.04x the plan's 381 MB (moesys plan --compare)."""
 
 LAUNCHER_BYTES = int(0.32 * GB)
 """Host memory of a node's launchers: the `moesys` command and torchrun (anonymous RSS 0.17 + 0.15 GB, measured

@@ -20,8 +20,6 @@ import torch
 from runtime.io import atomic_write_json
 from runtime.memory_probe import PeakMemory, cuda_peak_bytes
 
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-MMAP_THRESHOLD_BYTES = 128 * 1024
 
 MEMORY_DIR = "memory"
 GROWTH = 1.02
@@ -60,8 +58,10 @@ class RankMemory(PeakMemory):
         return now
 
     def per_rank(self, ssd_bytes: int) -> dict[str, int]:
-        """This rank's entries of the PER_RANK_KEYS, sampled now (the end of a step is a high point)."""
+        """This rank's entries of the PER_RANK_KEYS, sampled now (the end of a step is a high point); then the
+        heap's free memory goes back to the OS (trim_heap)."""
         self.sample()
+        trim_heap()
         self.ssd_bytes = int(ssd_bytes)
         return dict(zip(PER_RANK_KEYS, (self.peak, cuda_peak_bytes(self.device), self.ssd_bytes)))
 
@@ -97,15 +97,15 @@ def clear_rank_memory(run_dir: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def fix_mmap_threshold() -> bool:
-    """Have glibc serve every allocation of 128 KiB or more (tensors) with its own mapping, returned to the OS when
-    freed. glibc's default raises this threshold to the largest block freed so far, after which activations come
-    from heap arenas that keep freed memory: measured 2026-11-23 on the tiny recipe (torch 2.13 CPU), a worker's
-    anonymous RSS grew ~2 MB per step without bound (278 MB at step 1, 643 MB at step 120, 813 MB at step 200); with
-    the threshold fixed it holds 248-290 MB (malloc_trim after each step shows the same floor), for ~10% step time
-    on that small model. Returns False where glibc's mallopt is not there (other C libraries)."""
+def trim_heap() -> bool:
+    """Give the heap's free memory back to the OS (glibc malloc_trim). glibc raises its mmap threshold to the
+    largest block freed so far, after which activations come from heap arenas that keep freed memory: measured
+    2026-11-23 on the tiny recipe (torch 2.13 CPU), a worker's anonymous RSS grew ~2 MB per step without bound (278 MB
+    at step 1, 813 MB at step 200). Trimmed after each step it holds 250-300 MB; a fixed 128 KiB mmap threshold holds
+    the same floor but made every tensor allocation a fresh mapping, 10-25% slower steps. False where glibc's
+    malloc_trim is not there (other C libraries)."""
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        malloc_trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    return bool(malloc_trim(0))

@@ -22,7 +22,6 @@ from runtime.run_dir import SUMMARY, load_config, read_fatal, record_fatal
 from runtime.topology import set_cpu_threads
 from runtime.train.compare import recorded_plan
 from runtime.train.loop import train
-from runtime.train.rank_memory import fix_mmap_threshold
 
 
 def init_distributed(timeout_s: float = 600.0) -> tuple[int, int, int, torch.device]:
@@ -74,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(run_dir: Path) -> int:
-    fix_mmap_threshold()  # freed tensors go back to the OS: memory stays what the plan estimates
     cfg = load_config(run_dir)
     rank, world, local_world, device = init_distributed(cfg.train.collective_timeout_s)
     if device.type == "cpu":  # a share of the CPUs this process may use; torchrun's OMP_NUM_THREADS=1 is its default
