@@ -22,7 +22,6 @@ OUT_OF_MEMORY_EXIT = 137
 """Exit status of a job stopped by an out-of-memory death: what a shell shows for a process killed by SIGKILL."""
 
 
-
 class OutOfMemory(JobError):
     """A worker ran out of memory (CUDA's OutOfMemoryError); the message is oom_message's line."""
 
