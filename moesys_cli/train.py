@@ -26,7 +26,7 @@ from runtime.topology import host_memory_bytes
 from runtime.train.compare import recorded_plan
 from runtime.train.decided import record as record_placement
 from runtime.train.rank_memory import clear_rank_memory, read_rank_memory
-from runtime.train.preflight import check_before_launch
+from runtime.train.preflight import check_before_launch, check_plan
 
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and the command; run nothing.")]
 
@@ -42,6 +42,7 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
         typer.echo(spec.script if spec.script else shlex.join(spec.argv))
         raise typer.Exit(0)
     check_launchable(cfg)
+    check_plan(cfg)  # a run the plan says does not fit fails later on a tier's budget or by the OOM killer
     lock = RunLock(Path(cfg.train.run_dir), cfg.launcher.node_rank)  # held until exit: one job per run directory
     run_dir = prepare_run_dir(cfg)
     clear_fatal(run_dir)

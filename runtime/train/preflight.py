@@ -16,8 +16,8 @@ from runtime.train.data import TokenDataset
 
 
 def check_before_launch(cfg: MoesysConfig) -> None:
-    """What would fail in every worker: a serving config, missing data, a plan that does not fit, an expert store
-    that is not writable or belongs to another run. cfg.train.run_dir must be set (the directory the job will use)."""
+    """What would fail in every worker: a serving config, missing data, an expert store that is not writable or
+    belongs to another run. cfg.train.run_dir must be set (the directory the job will use)."""
     if cfg.purpose != "train":
         raise UserError(f"this config is for serving (purpose={cfg.purpose}: {cfg.recipe or 'the recipe'} is planned "
                         "as an inference budget); serve it with moesys infer, or set purpose=train to train it")
@@ -25,14 +25,13 @@ def check_before_launch(cfg: MoesysConfig) -> None:
         {f"tasks.{name}.data": task.data for name, task in cfg.tasks.items()}
     for key, path in sources.items():
         TokenDataset.from_path(path, cfg.train.seq_len, key=key)  # DataError: missing, empty or too short
-    _check_plan(cfg)
     if cfg.storage.offload in ("ssd", "auto"):
         _check_store(expert_store_root(cfg), str(Path(cfg.train.run_dir).resolve()))
 
 
-def _check_plan(cfg: MoesysConfig) -> None:
+def check_plan(cfg: MoesysConfig) -> None:
     """The run must fit by the plan: otherwise a worker fails on a tier's budget, or the OOM killer takes it, after
-    minutes of building and restarts."""
+    minutes of building and restarts. Checked after the launch check, whose RAM message names the process count."""
     plan = plan_placement(cfg)
     if plan.feasible:
         return
