@@ -12,6 +12,8 @@ import os
 import time
 from pathlib import Path
 
+from runtime.topology import oom_kill_count
+
 ROOT = Path("/sys/fs/cgroup/memory")
 
 
@@ -63,11 +65,7 @@ class MemoryCap:
 
     def oom_kills(self) -> int:
         """How many processes the kernel's OOM killer has killed in this group."""
-        for line in self._read("memory.oom_control").splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-        return 0
+        return oom_kill_count(self.path / "memory.oom_control") or 0
 
     def __exit__(self, *exc) -> None:
         deadline = time.monotonic() + 10

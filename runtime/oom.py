@@ -16,7 +16,7 @@ from runtime.config import MoesysConfig
 from runtime.errors import JobError
 from runtime.storage.budget import GB
 from runtime.storage.placement import plan_placement
-from runtime.topology import memory_cgroup
+from runtime.topology import memory_cgroup, oom_kill_count
 
 OUT_OF_MEMORY_EXIT = 137
 """Exit status of a job stopped by an out-of-memory death: what a shell shows for a process killed by SIGKILL."""
@@ -40,23 +40,12 @@ def _cgroup_oom_file() -> Path | None:
     return path / ("memory.oom_control" if version == "v1" else "memory.events")
 
 
-def _oom_kill_count(path: Path) -> int | None:
-    try:
-        for line in path.read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return None
-
-
 def oom_kills() -> int | None:
     """OOM kills so far in this process's memory cgroup (its workers inherit it), else kernel-wide (/proc/vmstat);
     None where neither can be read."""
     own = _cgroup_oom_file()
-    count = _oom_kill_count(own) if own is not None else None
-    return count if count is not None else _oom_kill_count(Path("/proc/vmstat"))
+    count = oom_kill_count(own) if own is not None else None
+    return count if count is not None else oom_kill_count(Path("/proc/vmstat"))
 
 
 class OomWatch:

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors.torch import save
 
 from runtime.errors import UserError
 from runtime.io import atomic_file
@@ -35,18 +34,6 @@ TensorSpec = tuple[torch.dtype, tuple[int, ...]]
 
 class ChecksumError(UserError):
     """A tensor file whose bytes do not match the checksum it was written with."""
-
-
-def to_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
-    """The safetensors serialization of `tensors` with the checksum of its data section in the header."""
-    blob = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
-    header_len = struct.unpack("<Q", blob[:8])[0]
-    header = json.loads(blob[8:8 + header_len])
-    data = memoryview(blob)[8 + header_len:]
-    header.setdefault("__metadata__", {})[CHECKSUM_KEY] = f"{zlib.crc32(data):08x}"
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data section stays 8-byte aligned, as safetensors writes it
-    return struct.pack("<Q", len(encoded)) + encoded + bytes(data)
 
 
 def spec_of(t: torch.Tensor) -> TensorSpec:

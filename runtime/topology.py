@@ -49,6 +49,19 @@ def memory_cgroup() -> tuple[Path, str] | None:
     return None
 
 
+def oom_kill_count(path: Path) -> int | None:
+    """The `oom_kill` counter of a cgroup's memory.oom_control / memory.events, or of /proc/vmstat; None when it
+    cannot be read."""
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def cgroup_memory_limit() -> int | None:
     """The memory limit of this process's cgroup (v1 memory.limit_in_bytes, v2 memory.max), None without one:
     inside a container or a capped job that limit, not the machine's RAM, is what the OOM killer enforces."""

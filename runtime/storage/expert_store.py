@@ -28,7 +28,6 @@ ExpertKey = tuple[int, int]
 ExpertState = dict[str, torch.Tensor]
 """param.NAME, exp_avg.NAME, exp_avg_sq.NAME for NAME in w1, w2, (w3, b1, b2, b3), and step (a 0-d float32)."""
 
-STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
 LIVE = "live"
 OWNER = "OWNER"
 
@@ -53,10 +52,6 @@ def state_bytes(state: ExpertState) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def version_name(version: int) -> str:
-    return f"v{version:08d}"
-
-
 class ExpertStore:
     """Reads and writes expert states under `root`; counts the bytes it moves."""
 
@@ -69,6 +64,7 @@ class ExpertStore:
         self.durable = durable
         self.bytes_read = 0
         self.bytes_written = 0
+        self._sizes: dict[ExpertKey, int] = {}
 
     def path(self, key: ExpertKey) -> Path:
         layer, expert = key
@@ -79,7 +75,9 @@ class ExpertStore:
 
     def write(self, key: ExpertKey, state: ExpertState) -> None:
         """Replace the expert's file by rename (temp written first; fsynced with the directory when durable)."""
-        self.bytes_written += write_file(self.path(key), state, self.durable)
+        size = write_file(self.path(key), state, self.durable)
+        self._sizes[key] = size
+        self.bytes_written += size
 
     def read(self, key: ExpertKey) -> ExpertState:
         """The expert's states as fresh tensors, read from its file in one scatter read."""
@@ -104,7 +102,8 @@ class ExpertStore:
                 os.close(fd)
 
     def disk_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.live.glob("*.safetensors"))
+        """Bytes of the files this store has written (kept as it writes: no directory scan every step)."""
+        return sum(self._sizes.values())
 
 
 def check_owner(root: Path, owner: str) -> bool:
