@@ -1,5 +1,5 @@
-"""`moesys infer`: generate from a moesys run directory or a Hugging Face Mixtral directory with ring-memory expert
-offloading (seed 004 section 3.3.2)."""
+"""`moesys infer`: generate from a moesys run directory or a Hugging Face Mixtral directory, streaming the checkpoint
+and placing experts per layer within a device budget (auto), or with ring-memory offloading (seed 004 section 3.3.2)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ InferArgs = Annotated[
     typer.Argument(help='checkpoint=DIR, prompt="text" (repeat for a batch), prompt_ids=[1,2,3] and infer.* '
                         "overrides, e.g. infer.max_new_tokens=16 infer.ring_slots=2", show_default=False),
 ]
-Offload = Annotated[Optional[str], typer.Option("--offload", help="ring, ondemand or none (overrides infer.offload).",
-                                                show_default=False)]
+Offload = Annotated[Optional[str], typer.Option(
+    "--offload", help="auto (default: per-layer placement within infer.ring_slots layers), ring, ondemand or none "
+                      "(overrides infer.offload).", show_default=False)]
 USAGE = "moesys infer takes checkpoint=DIR, prompt=TEXT, prompt_ids=[..] and infer.KEY=VALUE"
 
 
@@ -71,7 +72,8 @@ def parse_infer_args(args: list[str]) -> InferRequest:
 
 
 def infer(args: InferArgs = None, offload: Offload = None, json_out: Json = False) -> None:
-    """Generate tokens; prints prefill/decode tokens/s, peak bytes per tier and the copy time hidden by compute."""
+    """Generate tokens; prints prefill/decode tokens/s, where each layer's experts were, bytes read per token and
+    peak memory."""
     request = parse_infer_args(args or [])
     result = run_inference(request.checkpoint, request.overrides, request.prompts, request.prompt_ids, offload)
     if json_out:
@@ -80,10 +82,21 @@ def infer(args: InferArgs = None, offload: Offload = None, json_out: Json = Fals
         _render(result)
 
 
+def _placement(layers: list[str]) -> str:
+    """'resident x3, inplace x5' in layer order."""
+    runs: list[list] = []
+    for policy in layers:
+        if runs and runs[-1][0] == policy:
+            runs[-1][1] += 1
+        else:
+            runs.append([policy, 1])
+    return ", ".join(f"{p} x{n}" for p, n in runs)
+
+
 def _render(r: dict) -> None:
-    ring = f" K={r['ring_slots']} of N={r['moe_layers']}" if r["ring_slots"] else f" (N={r['moe_layers']} MoE layers)"
+    budget = f" K={r['ring_slots']} of N={r['moe_layers']}" if r["ring_slots"] else f" (N={r['moe_layers']} MoE layers)"
     console.print(f"[bold]moesys infer[/] {r['kind']} checkpoint {literal(r['checkpoint'])} on {r['device']}, "
-                  f"--offload {r['offload']}{ring}")
+                  f"--offload {r['offload']}{budget}")
     for i, tokens in enumerate(r["tokens"]):
         shown = repr(r["text"][i]) if r["text"] is not None else str(tokens)
         console.print(f"[dim]{i}:[/] {literal(shown)}", highlight=False)
@@ -93,9 +106,14 @@ def _render(r: dict) -> None:
     rows = [
         ("prefill", f"{r['prefill_tokens_per_s']:.1f} tokens/s ({r['prefill_tokens']} tokens)"),
         ("decode", f"{r['decode_tokens_per_s']:.1f} tokens/s ({r['decode_tokens']} tokens)"),
+        ("experts by layer", _placement(r["placement"])),
         ("device peak", f"{human_bytes(dev['total'])} (dense {human_bytes(dev['dense'])}, experts "
                         f"{human_bytes(dev['experts'])}, KV cache {human_bytes(dev['kv_cache'])})"),
         ("host experts", human_bytes(host["experts"])),
+        ("process memory peak", f"{human_bytes(r['peak_rss_anon_bytes'])} anonymous"),
+        ("store read per token", f"{human_bytes(r['store_bytes_per_token'])} (from disk "
+                                 f"{human_bytes(r['disk_read_bytes_per_token'])}, page cache "
+                                 f"{human_bytes(r['page_cache_bytes_per_token'])})"),
         ("copied per token", human_bytes(r["copied_bytes_per_token"])),
         ("copy time hidden", "no copies" if hidden is None else f"{100 * hidden:.0f}% of {r['copy_s'] * 1e3:.1f} ms"),
     ]

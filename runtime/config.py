@@ -230,9 +230,11 @@ class InferConfig:
     seed: int = 0
     """Sampling seed."""
     ring_slots: int = 2
-    """Device slots K of the ring memory."""
-    offload: str = "ring"
-    """ring, ondemand or none."""
+    """The device budget for experts: K slots of one MoE layer's experts each (ring memory's slots; auto's
+    resident layers and expert cache)."""
+    offload: str = "auto"
+    """auto (per-layer placement within the budget, experts fetched or computed where they lie only when routed),
+    ring, ondemand or none."""
 
 
 @dataclass
@@ -296,7 +298,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "storage.offload": ("none", "cpu", "ssd", "auto"),
     "parallel.alltoall": ("flat", "hierarchical"),
     "train.precision": ("fp32", "bf16", "fp16"),
-    "infer.offload": ("ring", "ondemand", "none"),
+    "infer.offload": ("auto", "ring", "ondemand", "none"),
     "launcher.name": ("local", "multinode", "slurm"),
 }
 

@@ -27,6 +27,19 @@ def rss_anon_bytes() -> int:
     return 0
 
 
+def disk_read_bytes() -> int:
+    """Bytes this process caused to be read from storage (/proc/self/io read_bytes: page-cache hits, including
+    memory-mapped pages already cached, are not counted), 0 where /proc does not say."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 class PeakMemory:
     """Peak anonymous RSS of this process since start or the last `reset()`, sampled in the background."""
 

@@ -12,11 +12,12 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from runtime.inference.load import InferError, load_model, resolve_infer_config
+from runtime.inference.load import InferError, open_checkpoint, resolve_infer_config
 from runtime.inference.offload import Offloader
-from runtime.inference.ring import make_offloader
+from runtime.inference.modes import make_offloader
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
+from runtime.memory_probe import PeakMemory, disk_read_bytes
 from runtime.topology import set_cpu_threads
 
 
@@ -144,29 +145,35 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
                   prompts: Optional[list[str]] = None, prompt_ids: Optional[list[list[int]]] = None,
                   offload: Optional[str] = None, device: Optional[str | torch.device] = None,
                   cache_dir: Optional[Path] = None) -> dict[str, Any]:
-    """Load a checkpoint, apply infer.* overrides (offload overrides infer.offload), generate; a JSON-ready dict."""
-    loaded = load_model(checkpoint)
-    overrides = dict(infer_overrides or {})
-    if offload is not None:
-        overrides["offload"] = offload
-    cfg = resolve_infer_config(loaded.config_data, overrides)
-    inf = cfg.infer
-    ids = _prompt_ids(loaded, cfg, prompts, prompt_ids)
-    check_prompts(ids, inf.max_new_tokens, cfg.model.vocab_size, cfg.model.max_seq_len)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cpu":
-        set_cpu_threads(1)  # the only process: every usable CPU, unless the user set OMP_NUM_THREADS
-    model = loaded.model
-    dense_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not is_expert_param(n))
-    offloader = make_offloader(model, inf.offload, device, inf.ring_slots, cache_dir, _fingerprint(loaded.path))
-    try:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        gen = generate(model, ids, inf.max_new_tokens, inf.temperature, inf.top_k, inf.seed, offloader)
-        stats = offloader.stats()
-    finally:
-        offloader.close()
+    """Open a checkpoint (streamed: experts are read where they lie), apply infer.* overrides (offload overrides
+    infer.offload), place the experts, generate; a JSON-ready dict of tokens, speed, memory and bytes moved."""
+    with PeakMemory() as host_peak:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cpu":
+            set_cpu_threads(1)  # the only process: every usable CPU, unless the user set OMP_NUM_THREADS
+        loaded = open_checkpoint(checkpoint, device=device)
+        overrides = dict(infer_overrides or {})
+        if offload is not None:
+            overrides["offload"] = offload
+        cfg = resolve_infer_config(loaded.config_data, overrides)
+        inf = cfg.infer
+        ids = _prompt_ids(loaded, cfg, prompts, prompt_ids)
+        check_prompts(ids, inf.max_new_tokens, cfg.model.vocab_size, cfg.model.max_seq_len)
+        model = loaded.model
+        dense_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not is_expert_param(n))
+        offloader = make_offloader(model, inf.offload, device, inf.ring_slots, cache_dir, _fingerprint(loaded.path),
+                                   source=loaded.experts)
+        try:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            read_before = disk_read_bytes()
+            gen = generate(model, ids, inf.max_new_tokens, inf.temperature, inf.top_k, inf.seed, offloader)
+            disk_read = disk_read_bytes() - read_before
+            stats = offloader.stats()
+        finally:
+            offloader.close()
     new_tokens = sum(len(t) for t in gen.tokens)
+    per_token = (lambda n: n / new_tokens) if new_tokens else (lambda n: 0.0)
     device_peak = {"dense": dense_bytes, "experts": stats["expert_device_bytes"], "kv_cache": gen.kv_cache_bytes}
     device_peak["total"] = sum(device_peak.values())
     if device.type == "cuda":
@@ -174,13 +181,21 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
     tok = loaded.tokenizer
     return {
         "checkpoint": str(loaded.path), "kind": loaded.kind, "device": str(device), "offload": inf.offload,
-        "ring_slots": inf.ring_slots if inf.offload == "ring" else None, "moe_layers": stats["moe_layers"],
+        "ring_slots": inf.ring_slots if inf.offload in ("ring", "auto") else None, "moe_layers": stats["moe_layers"],
+        "placement": stats["placement"],
         "prompt_tokens": ids, "tokens": gen.tokens,
         "text": [tok.decode(t) for t in gen.tokens] if tok is not None else None,
         "prefill_tokens_per_s": gen.prefill_tokens_per_s, "decode_tokens_per_s": gen.decode_tokens_per_s,
         "prefill_tokens": gen.prefill_tokens, "decode_tokens": gen.decode_tokens,
         "peak_bytes": {"device": device_peak, "host": {"experts": stats["expert_host_bytes"]}},
+        "peak_rss_anon_bytes": host_peak.peak,
         "copied_bytes": stats["copied_bytes"],
-        "copied_bytes_per_token": stats["copied_bytes"] / new_tokens if new_tokens else 0.0,
+        "copied_bytes_per_token": per_token(stats["copied_bytes"]),
+        "store_bytes_per_token": per_token(stats["store_bytes"]),
+        "disk_read_bytes_per_token": per_token(disk_read),
+        "page_cache_bytes_per_token": per_token(max(0, stats["store_bytes"] - disk_read)),
         "copy_s": stats["copy_s"], "copy_hidden_share": stats["copy_hidden_share"],
+        **({"experts_computed": {k: stats[k] for k in ("inplace_computes", "cpu_computes", "fetched_experts",
+                                                       "cache_hits")}, "expert_costs": stats["costs"]}
+           if inf.offload == "auto" else {}),
     }

@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from runtime.errors import UserError
 from runtime.io import fsync_dir, fsync_file
 from runtime.config import ModelConfig
+from runtime.inference.expert_source import ExpertSource
+from runtime.inference.mapped import TensorFiles, copy_to
 from runtime.model.transformer import Transformer
+from runtime.moe.layer import is_expert_param
 
 PathLike = Union[str, os.PathLike]
 INDEX = "model.safetensors.index.json"
@@ -107,8 +109,8 @@ def _dense_names(cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
-class _TensorFiles:
-    """Every tensor of a checkpoint directory, by name, read lazily from its safetensors file."""
+class _TensorFiles(TensorFiles):
+    """Every tensor of a checkpoint directory by name, each a view of its file's memory map (read when used)."""
 
     def __init__(self, path: Path):
         index = path / INDEX
@@ -122,24 +124,15 @@ class _TensorFiles:
             files = sorted(path.glob("*.safetensors"))
         if not files:
             raise HFCheckpointError(f"{path}: no *.safetensors files")
-        self.where: dict[str, Path] = {}
         for file in files:
             if not file.is_file():
                 raise HFCheckpointError(f"{file}: listed in {INDEX} but missing")
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    self.where[key] = file
-        self.used: set[str] = set()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.where
+        super().__init__(files)
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.where:
             raise HFCheckpointError(f"missing tensor {name}")
-        self.used.add(name)
-        with safe_open(str(self.where[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        return super().get(name)
 
     def unused(self) -> list[str]:
         return sorted(n for n in self.where if n not in self.used and not n.endswith(IGNORED_SUFFIXES))
@@ -148,24 +141,24 @@ class _TensorFiles:
 def _checked(files: _TensorFiles, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     tensor = files.get(name)
     if tuple(tensor.shape) != shape:
-        raise HFCheckpointError(f"{name} in {files.where[name]}: shape {tuple(tensor.shape)}, expected {shape}")
+        raise HFCheckpointError(f"{name} in {files.file_of(name)}: shape {tuple(tensor.shape)}, expected {shape}")
     return tensor
 
 
-def _expert_tensors(files: _TensorFiles, cfg: ModelConfig, i: int) -> dict[str, torch.Tensor]:
-    """Layer i's router [E, D] and stacked experts (w1/w3 [E, F, D], w2 [E, D, F]) from either layout."""
+def _expert_tensors(files: _TensorFiles, cfg: ModelConfig, i: int) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
+    """Layer i's router [E, D] and its experts, one view per expert (w1/w3 [F, D], w2 [D, F]), from either layout."""
     E, D, F = cfg.num_experts, cfg.hidden_size, cfg.ffn_size
     classic, fused = f"model.layers.{i}.block_sparse_moe", f"model.layers.{i}.mlp"
     if f"{fused}.experts.gate_up_proj" in files:
         gate_up_E2FD = _checked(files, f"{fused}.experts.gate_up_proj", (E, 2 * F, D))  # gate rows, then up rows
-        return {"w1": gate_up_E2FD[:, :F], "w3": gate_up_E2FD[:, F:],
-                "w2": _checked(files, f"{fused}.experts.down_proj", (E, D, F)),
-                "gate": _checked(files, f"{fused}.gate.weight", (E, D))}
+        down_EDF = _checked(files, f"{fused}.experts.down_proj", (E, D, F))
+        experts = {"w1": [gate_up_E2FD[j, :F] for j in range(E)], "w3": [gate_up_E2FD[j, F:] for j in range(E)],
+                   "w2": list(down_EDF.unbind(0))}
+        return _checked(files, f"{fused}.gate.weight", (E, D)), experts
     shapes = {"w1": (F, D), "w2": (D, F), "w3": (F, D)}
-    out = {w: torch.stack([_checked(files, f"{classic}.experts.{j}.{w}.weight", shape) for j in range(E)])
-           for w, shape in shapes.items()}
-    out["gate"] = _checked(files, f"{classic}.gate.weight", (E, D))
-    return out
+    experts = {w: [_checked(files, f"{classic}.experts.{j}.{w}.weight", shape) for j in range(E)]
+               for w, shape in shapes.items()}
+    return _checked(files, f"{classic}.gate.weight", (E, D)), experts
 
 
 def _read_config(path: Path) -> dict:
@@ -180,43 +173,49 @@ def _read_config(path: Path) -> dict:
         raise HFCheckpointError(f"{config}: not valid JSON ({exc})") from None
 
 
-def load_hf_mixtral(path: PathLike, dtype: Optional[torch.dtype] = None,
-                    device: Union[str, torch.device] = "cpu") -> tuple[ModelConfig, Transformer]:
-    """Read a Mixtral checkpoint directory into a moesys Transformer (eval mode; dtype None keeps the stored one)."""
+def open_hf_mixtral(path: PathLike, dtype: Optional[torch.dtype] = None,
+                    device: Union[str, torch.device] = "cpu") -> tuple[ModelConfig, Transformer, ExpertSource]:
+    """Read a Mixtral checkpoint directory without reading its experts: (config, eval-mode model whose dense
+    weights are on `device` and whose experts are still on the meta device, where the experts lie in the files).
+    dtype None keeps the stored one."""
     path = Path(path)
     cfg = config_from_hf(_read_config(path), str(path / "config.json"))
     files = _TensorFiles(path)
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = dict(model.named_parameters())
-    state: dict[str, torch.Tensor] = {}
-    for ours, hf in _dense_names(cfg).items():
-        state[ours] = _checked(files, hf, tuple(expected[ours].shape))
-    ours_of = {"w1": "ffn.experts.w1", "w2": "ffn.experts.w2", "w3": "ffn.experts.w3", "gate": "ffn.router.gate.weight"}
+    state = {ours: _checked(files, hf, tuple(expected[ours].shape)) for ours, hf in _dense_names(cfg).items()}
+    layers = []
     for i in range(cfg.num_layers):
-        for k, t in _expert_tensors(files, cfg, i).items():
-            state[f"layers.{i}.{ours_of[k]}"] = t
+        state[f"layers.{i}.ffn.router.gate.weight"], experts = _expert_tensors(files, cfg, i)
+        layers.append(experts)
     extra = files.unused()
     if extra:
-        raise HFCheckpointError(f"unexpected tensor {extra[0]} in {files.where[extra[0]]} ({len(extra)} in all)")
+        raise HFCheckpointError(f"unexpected tensor {extra[0]} in {files.file_of(extra[0])} ({len(extra)} in all)")
     if cfg.tie_embeddings and "lm_head.weight" in files:
         files.used.add("lm_head.weight")  # a tied checkpoint may still store the head: it is the embedding
     unknown = sorted(set(state) - set(expected))
     if unknown:  # the MoE layer's parameter names changed under this importer
         raise HFCheckpointError(f"moesys has no parameter {unknown[0]} to load into")
-    missing = sorted(set(expected) - set(state))
+    missing = sorted(n for n in set(expected) - set(state) if not is_expert_param(n))
     if missing:
         raise HFCheckpointError(f"no checkpoint tensor maps to moesys parameter {missing[0]}")
     for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):  # moesys and HF disagree on a layout
-            raise HFCheckpointError(f"moesys parameter {name}: shape {tuple(expected[name].shape)}, "
-                                    f"checkpoint gives {tuple(tensor.shape)}")
-        state[name] = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()
-    model.load_state_dict(state, strict=True, assign=True)
+        state[name] = copy_to(tensor, device, dtype)
+    model.load_state_dict(state, strict=False, assign=True)
     leftover = [n for n, b in model.named_buffers() if b.is_meta]
     if leftover:
         raise HFCheckpointError(f"moesys buffer {leftover[0]} has no value in the checkpoint")
-    return cfg, model.eval()
+    return cfg, model.eval(), ExpertSource(layers, "swiglu", dtype)
+
+
+def load_hf_mixtral(path: PathLike, dtype: Optional[torch.dtype] = None,
+                    device: Union[str, torch.device] = "cpu") -> tuple[ModelConfig, Transformer]:
+    """Read a Mixtral checkpoint directory into a moesys Transformer with every expert on `device` (eval mode)."""
+    cfg, model, source = open_hf_mixtral(path, dtype, device)
+    for m, layer in enumerate(model.moe_layers()):
+        source.fill(layer.experts, m, torch.device(device))
+    return cfg, model
 
 
 # ---- export ----
@@ -268,4 +267,5 @@ def _publish(tmp: Path, path: Path) -> None:
     fsync_dir(path)
 
 
-__all__ = ["HFCheckpointError", "config_from_hf", "config_to_hf", "hf_state_dict", "load_hf_mixtral", "save_hf_mixtral"]
+__all__ = ["HFCheckpointError", "config_from_hf", "config_to_hf", "hf_state_dict", "load_hf_mixtral", "open_hf_mixtral",
+           "save_hf_mixtral"]

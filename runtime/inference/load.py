@@ -1,5 +1,9 @@
 """Open a checkpoint for inference: a moesys run directory (or one of its step_N directories) or a Hugging Face
-Mixtral-layout directory, as one single-process Transformer with every expert, plus its config and tokenizer.
+Mixtral-layout directory, as one single-process Transformer, its config and tokenizer, and where its experts lie.
+
+Files are memory-mapped and streamed: dense weights are copied to the device one tensor at a time, experts are
+read only when an offload mode places or computes them, so opening a model larger than memory costs its dense
+weights.
 """
 
 from __future__ import annotations
@@ -14,11 +18,15 @@ import yaml
 
 from runtime.config import ConfigError, MoesysConfig, config_from_dict, config_to_dict
 from runtime.errors import UserError
-from runtime.inference.hf_mixtral import load_hf_mixtral
+from runtime.inference.expert_source import ExpertSource
+from runtime.inference.hf_mixtral import open_hf_mixtral
+from runtime.inference.mapped import TensorFiles, copy_to
 from runtime.model.transformer import Transformer
+from runtime.moe.experts import GroupedExperts
 from runtime.moe.layer import is_expert_param
 from runtime.run_dir import CHECKPOINTS, CONFIG
-from runtime.checkpoint_format import MODEL, CheckpointReader, latest_checkpoint, tensor_key
+from runtime.checkpoint_format import MODEL, latest_checkpoint, tensor_key
+from runtime.tensorfile import verify
 from runtime.train.tokenizer import ByteTokenizer
 
 
@@ -44,6 +52,8 @@ class LoadedModel:
     tokenizer: Optional[Tokenizer]
     """None when prompts must be token ids."""
     path: Path
+    experts: ExpertSource
+    """Where the experts lie; the model's experts stay on the meta device until placed (see open_checkpoint)."""
 
 
 def checkpoint_kind(path: Path) -> str:
@@ -92,7 +102,12 @@ def _moesys_step_dir(path: Path) -> tuple[Path, dict]:
     return step, data
 
 
-def load_moesys(path: Path, dtype: Optional[torch.dtype] = None) -> LoadedModel:
+def _expert_prefixes(model: Transformer) -> list[str]:
+    """The parameter-name prefix of each MoE layer's experts, in model order ("layers.1.ffn.experts")."""
+    return [name for name, mod in model.named_modules() if isinstance(mod, GroupedExperts)]
+
+
+def open_moesys(path: Path, dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu") -> LoadedModel:
     step, data = _moesys_step_dir(path)
     try:
         cfg = config_from_dict(data)
@@ -100,23 +115,44 @@ def load_moesys(path: Path, dtype: Optional[torch.dtype] = None) -> LoadedModel:
         raise InferError(f"checkpoint={path}: its config does not load ({exc})") from None
     if not (step / "dense.safetensors").is_file():
         raise InferError(f"{step}: dense.safetensors is missing")
-    files = CheckpointReader(step)  # the training checkpoint's own reader: every file's checksum verified
+    weight_files = [f for f in sorted(step.glob("*.safetensors")) if not f.name.startswith("rng-")]
+    for file in weight_files:
+        verify(file)  # a damaged file is named before anything loads from it (a streamed read, 1 MB of memory)
+    files = TensorFiles(weight_files)
     with torch.device("meta"):
         model = Transformer(cfg.model)
     state = {}
     for name, param in model.named_parameters():
         if is_expert_param(name):
-            tensor = torch.stack([files.get(tensor_key(MODEL, name, g)) for g in range(param.shape[0])])
-        else:
-            tensor = files.get(tensor_key(MODEL, name))
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise InferError(f"{name}: shape {tuple(tensor.shape)} in {step}, the config gives {tuple(param.shape)}")
-        state[name] = tensor.to(dtype or tensor.dtype).contiguous()
-    model.load_state_dict(state, strict=True, assign=True)
+            continue
+        key = tensor_key(MODEL, name)
+        if key not in files:
+            raise InferError(f"{step}: no tensor {key}; was it written by a different model config?")
+        state[name] = _shape_checked(files.get(key), param, name, step)
+    layers = []
+    for prefix in _expert_prefixes(model):
+        weights = {}
+        for wname, param in getattr(model.get_submodule(prefix), "weights")().items():
+            if param is None:
+                continue
+            keys = [tensor_key(MODEL, f"{prefix}.{wname}", g) for g in range(param.shape[0])]
+            missing = [k for k in keys if k not in files]
+            if missing:
+                raise InferError(f"{step}: no tensor {missing[0]}; was it written by a different model config?")
+            weights[wname] = [_shape_checked(files.get(k), param[0], k, step) for k in keys]
+        layers.append(weights)
+    model.load_state_dict({k: copy_to(v, device, dtype) for k, v in state.items()}, strict=False, assign=True)
     if any(b.is_meta for b in model.buffers()):
         raise InferError(f"{step}: a model buffer has no value in the checkpoint")
     tokenizer = ByteTokenizer() if cfg.model.vocab_size >= ByteTokenizer.vocab_size else None
-    return LoadedModel(config_to_dict(cfg), model.eval(), "moesys", tokenizer, path)
+    source = ExpertSource(layers, cfg.model.expert_type, dtype)
+    return LoadedModel(config_to_dict(cfg), model.eval(), "moesys", tokenizer, path, source)
+
+
+def _shape_checked(tensor: torch.Tensor, param: torch.Tensor, name: str, step: Path) -> torch.Tensor:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise InferError(f"{name}: shape {tuple(tensor.shape)} in {step}, the config gives {tuple(param.shape)}")
+    return tensor
 
 
 # ---- Hugging Face Mixtral directories ----
@@ -146,23 +182,34 @@ def _hf_tokenizer(path: Path) -> Optional[Tokenizer]:
         return None
 
 
-def load_hf(path: Path, dtype: Optional[torch.dtype] = None) -> LoadedModel:
+def open_hf(path: Path, dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu") -> LoadedModel:
     try:
-        model_cfg, model = load_hf_mixtral(path, dtype=dtype)
+        model_cfg, model, source = open_hf_mixtral(path, dtype=dtype, device=device)
     except UserError:
         raise
     except Exception as exc:  # torn safetensors files and the like
         raise InferError(f"checkpoint={path}: cannot read ({_first_line(exc)})") from None
     cfg = MoesysConfig(model=model_cfg, purpose="serve")  # served as it is: its vocabulary need not be bytes
     cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
-    return LoadedModel(config_to_dict(cfg), model, "hf", _hf_tokenizer(path), path)
+    return LoadedModel(config_to_dict(cfg), model, "hf", _hf_tokenizer(path), path, source)
+
+
+def open_checkpoint(checkpoint: str | Path, dtype: Optional[torch.dtype] = None,
+                    device: torch.device | str = "cpu") -> LoadedModel:
+    """Open a moesys run directory or a Hugging Face Mixtral directory for inference without reading its experts:
+    dense weights are copied to `device`, experts stay where they lie in the files (`LoadedModel.experts`) and on
+    the meta device in the model until an offload mode places them."""
+    path = Path(checkpoint).expanduser()
+    kind = checkpoint_kind(path)
+    return open_moesys(path, dtype, device) if kind == "moesys" else open_hf(path, dtype, device)
 
 
 def load_model(checkpoint: str | Path, dtype: Optional[torch.dtype] = None) -> LoadedModel:
-    """Read a moesys run directory or a Hugging Face Mixtral directory into a CPU model with all experts."""
-    path = Path(checkpoint).expanduser()
-    kind = checkpoint_kind(path)
-    return load_moesys(path, dtype) if kind == "moesys" else load_hf(path, dtype)
+    """Read a checkpoint into a CPU model with every expert resident (a copy of the whole model in memory)."""
+    loaded = open_checkpoint(checkpoint, dtype)
+    for m, layer in enumerate(loaded.model.moe_layers()):
+        loaded.experts.fill(layer.experts, m, torch.device("cpu"))
+    return loaded
 
 
 def resolve_infer_config(config_data: dict[str, Any], infer_overrides: dict[str, Any]) -> MoesysConfig:

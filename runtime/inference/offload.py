@@ -18,12 +18,13 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from runtime.inference.expert_source import ExpertSource
 from runtime.inference.load import InferError
+from runtime.inference.mapped import DTYPES, MappedFileError, read_header
 from runtime.model.transformer import Transformer
-from runtime.moe.experts import GroupedExperts, expert_ffn
+from runtime.moe.experts import expert_ffn
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-MODES = ("ring", "ondemand", "none")
+MODES = ("auto", "ring", "ondemand", "none")
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,6 @@ class Field:
     shape: tuple[int, ...]
     begin: int
     end: int
-
-
-def _header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(size)), 8 + size
 
 
 class ExpertStore:
@@ -56,7 +51,7 @@ class ExpertStore:
         self.fields: dict[str, Field] = {}
         for m in range(num_layers):
             path = self.directory / f"layer{m}.safetensors"
-            header, start = _header(path)
+            header, start = read_header(path)
             header.pop("__metadata__", None)
             fields = {k: Field(DTYPES[v["dtype"]], tuple(v["shape"]), *v["data_offsets"]) for k, v in header.items()}
             if m == 0:
@@ -85,28 +80,27 @@ class ExpertStore:
         return {k: region[f.begin:f.end].view(f.dtype).view(f.shape) for k, f in self.fields.items()}
 
     @staticmethod
-    def export(layers: list[GroupedExperts], directory: Path, fingerprint: str = "") -> None:
-        """Write each layer's stacked expert weights once; files whose fingerprint matches are kept."""
+    def export(source: ExpertSource, directory: Path, fingerprint: str = "") -> None:
+        """Write each layer's stacked experts once, one layer in memory at a time; files whose fingerprint and
+        shapes match are kept."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        for m, experts in enumerate(layers):
+        for m in range(source.num_layers):
             path = directory / f"layer{m}.safetensors"
-            tensors = {k: v.detach().cpu().contiguous() for k, v in experts.weights().items() if v is not None}
-            if path.is_file() and fingerprint and _matches(path, tensors, fingerprint):
+            if path.is_file() and fingerprint and _matches(path, source.stacked_shapes(m), fingerprint):
                 continue
             tmp = directory / f".layer{m}.{os.getpid()}.tmp"
-            save_file(tensors, str(tmp), metadata={"fingerprint": fingerprint})
+            save_file(source.stacked(m), str(tmp), metadata={"fingerprint": fingerprint})
             os.replace(tmp, path)
 
 
-def _matches(path: Path, tensors: dict[str, Tensor], fingerprint: str) -> bool:
+def _matches(path: Path, shapes: dict[str, tuple[int, ...]], fingerprint: str) -> bool:
     try:
-        header, _ = _header(path)
-    except (OSError, ValueError):
+        header, _ = read_header(path)
+    except MappedFileError:
         return False
     meta = header.pop("__metadata__", {}) or {}
-    return meta.get("fingerprint") == fingerprint and {k: tuple(v["shape"]) for k, v in header.items()} == {
-        k: tuple(t.shape) for k, t in tensors.items()}
+    return meta.get("fingerprint") == fingerprint and {k: tuple(v["shape"]) for k, v in header.items()} == shapes
 
 
 # ---- timelines: when copies ran, when compute ran, when compute waited ----
@@ -213,6 +207,8 @@ class Offloader:
         hidden = overlap_s(copies, self.timeline.seconds("compute")) - overlap_s(copies, self.timeline.seconds("wait"))
         return {
             "offload": self.mode, "moe_layers": self.num_layers, "slots": getattr(self, "num_slots", None),
+            "placement": [self.mode if self.mode in ("ring", "ondemand") else "resident"] * self.num_layers,
+            "store_bytes": self.copied_bytes,
             "expert_device_bytes": self.expert_device_bytes, "expert_host_bytes": self.expert_host_bytes,
             "copied_bytes": self.copied_bytes, "copies": self.copies, "copy_s": copy_s,
             "copy_hidden_s": max(0.0, hidden), "copy_hidden_share": max(0.0, hidden) / copy_s if copy_s > 0 else None,

@@ -8,17 +8,14 @@ stream with events, or a background copy thread on CPU) while uses u+1..u+K-1 co
 
 from __future__ import annotations
 
-import hashlib
-import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from runtime.inference.load import InferError
-from runtime.inference.offload import MODES, ExpertStore, OnDemandOffloader, Offloader, SlotOffloader
+from runtime.inference.offload import ExpertStore, SlotOffloader
 from runtime.model.transformer import Transformer
 
 
@@ -122,43 +119,3 @@ def check_ring_slots(slots: int, moe_layers: int) -> None:
         raise InferError("the model has no MoE layers to offload; use --offload none")
     if not 1 <= slots <= moe_layers:
         raise InferError(f"infer.ring_slots={slots} must be between 1 and the model's {moe_layers} MoE layers")
-
-
-def default_cache_dir(fingerprint: str) -> Path:
-    """Where a checkpoint's per-layer expert store is exported (reused while the checkpoint is unchanged)."""
-    digest = hashlib.sha1(fingerprint.encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "moesys-experts" / digest
-
-
-def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slots: int = 2,
-                   cache_dir: Optional[Path] = None, fingerprint: str = "") -> Offloader:
-    """Move `model` (CPU, all experts resident) onto `device` under offload mode ring, ondemand or none.
-
-    ring/ondemand export the experts into the on-disk store (cache_dir; default from the fingerprint), drop them
-    from the model, and leave only dense weights and the slots on the device.
-    """
-    if mode not in MODES:
-        raise InferError(f"--offload {mode!r} is not one of {', '.join(MODES)}")
-    device = torch.device(device)
-    moe = model.moe_layers()
-    if mode == "none":
-        return Offloader(model.to(device), device)
-    if mode == "ring":
-        check_ring_slots(ring_slots, len(moe))
-    elif not moe:
-        raise InferError("the model has no MoE layers to offload; use --offload none")
-    scratch = cache_dir is None and not fingerprint  # nothing to key a reusable store on: a private temp dir
-    if cache_dir is not None:
-        cache = Path(cache_dir)
-    else:
-        cache = Path(tempfile.mkdtemp(prefix="moesys-experts-")) if scratch else default_cache_dir(fingerprint)
-    ExpertStore.export([layer.experts for layer in moe], cache, fingerprint)
-    store = ExpertStore(cache, len(moe), pin=device.type == "cuda")
-    if mode == "ondemand":
-        offloader: SlotOffloader = OnDemandOffloader(model, device, store)
-    else:
-        offloader = RingOffloader(model, device, store, ring_slots)
-    if scratch:
-        offloader.scratch_dir = cache  # removed by close(); the mapped pages stay valid until unmapped
-    model.to(device)
-    return offloader

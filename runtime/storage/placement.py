@@ -182,7 +182,7 @@ def _inference(cfg: MoesysConfig, p: ParamCounts) -> dict[str, Any]:
 
 def _serving_problems(cfg: MoesysConfig, p: ParamCounts, inference: dict[str, Any]) -> list[str]:
     problems = []
-    if cfg.infer.offload == "ring" and p.moe_layers and cfg.infer.ring_slots > p.moe_layers:
+    if cfg.infer.offload in ("ring", "auto") and p.moe_layers and cfg.infer.ring_slots > p.moe_layers:
         problems.append(f"infer.ring_slots={cfg.infer.ring_slots} exceeds the model's {p.moe_layers} MoE layers")
     if not inference["ok"]:
         problems.append(f"serving with infer.offload={cfg.infer.offload} needs {inference['required_bytes'] / GB:.2f} "

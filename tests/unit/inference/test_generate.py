@@ -90,7 +90,7 @@ def test_moesys_checkpoint_offload_modes_match_none(run_dir, resident, offload, 
 
 
 def test_moesys_checkpoint_logits_match(run_dir):
-    from runtime.inference.ring import make_offloader
+    from runtime.inference.modes import make_offloader
     ref_model = load_model(run_dir).model
     ring_model = load_model(run_dir).model
     off = make_offloader(ring_model, "ring", torch.device("cpu"), 2)

@@ -1,0 +1,184 @@
+"""`--offload auto`: a placement per MoE layer chosen from the budget of K layer-sized device slots, and experts
+fetched only when the routing selects them.
+
+Layers 0..K-1 keep their experts resident on the device. Every other layer is *streamed*: a forward computes only
+the experts its tokens were routed to, reading their weights from the checkpoint's memory map.
+- Without a GPU the host tier and the device are the same RAM, so a streamed expert is computed in place from
+  the mapped file: no copy at all, the page cache holds what is hot (policy `inplace`).
+- On CUDA a streamed layer keeps one slot as a cache of fetched experts (so K-1 layers are resident) and each
+  routed expert missing from it is either computed on the CPU from the mapped file, with only its rows crossing
+  the bus (as llama.cpp's --n-cpu-moe and Fiddler do), or copied to the device, whichever a cost model measured
+  on this machine at start says is faster for the rows at hand (policy `hybrid`): decode's few rows go to the
+  CPU, prefill's many rows fetch the weights.
+The ring's whole-layer copies (seed 004's ring memory) remain `--offload ring`; with K = N every mode is resident.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from runtime.inference.expert_source import ExpertSource, ExpertWeights
+from runtime.inference.offload import Offloader
+from runtime.model.transformer import Transformer
+from runtime.moe.experts import ffn_one
+
+RESIDENT, INPLACE, HYBRID = "resident", "inplace", "hybrid"
+
+
+def _cast(weights: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
+    return {k: v.to(dtype) for k, v in weights.items()}
+
+
+@dataclass(frozen=True)
+class ExpertCosts:
+    """Seconds to run one expert on the CPU (intercept + per row) and to copy one expert to the device."""
+
+    cpu_s: float
+    cpu_s_per_row: float
+    fetch_s: float
+
+    def cpu_is_faster(self, rows: int) -> bool:
+        return self.cpu_s + self.cpu_s_per_row * max(0, rows - 1) < self.fetch_s
+
+
+def _median_s(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_costs(weights: ExpertWeights, kind: str, device: torch.device, dtype: torch.dtype) -> ExpertCosts:
+    """Time one expert on this machine: on the CPU at 1 and 32 rows, and its copy to `device` (warm pages)."""
+    hidden = weights["w1"].shape[1]
+    cpu = _cast(weights, dtype)
+    x1, x32 = torch.randn(1, hidden, dtype=dtype), torch.randn(32, hidden, dtype=dtype)
+    ffn_one(x32, **cpu, kind=kind)  # warm-up: pages in, kernels chosen
+    one = _median_s(lambda: ffn_one(x1, **cpu, kind=kind))
+    many = _median_s(lambda: ffn_one(x32, **cpu, kind=kind))
+
+    def fetch() -> None:
+        {k: v.to(device, dtype, copy=True) for k, v in weights.items()}
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fetch()
+    return ExpertCosts(one, max(0.0, many - one) / 31, _median_s(fetch))
+
+
+class StreamedExperts(nn.Module):
+    """Stands in for a streamed layer's GroupedExperts: its offloader computes the routed experts."""
+
+    def __init__(self, offloader: "AutoOffloader", index: int):
+        super().__init__()
+        self.offloader, self.index = offloader, index
+
+    def forward(self, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
+        return self.offloader.compute(self.index, x_RD, tokens_per_expert_e)
+
+
+class AutoOffloader(Offloader):
+    """Layers 0..K-1 resident (K-1 on CUDA, whose last slot caches fetched experts); the rest streamed."""
+
+    mode = "auto"
+
+    def __init__(self, model: Transformer, device: torch.device, source: ExpertSource, num_slots: int,
+                 streamed_policy: Optional[str] = None, costs: Optional[ExpertCosts] = None):
+        """streamed_policy and costs default to this machine's (inplace without a GPU; hybrid with measured costs
+        on CUDA); tests set them to run the hybrid path on the CPU."""
+        super().__init__(model, device)
+        self.source, self.num_slots = source, num_slots
+        streamed_policy = streamed_policy or (HYBRID if device.type == "cuda" else INPLACE)
+        resident = self.num_layers if num_slots >= self.num_layers else (
+            num_slots - 1 if streamed_policy == HYBRID else num_slots)
+        self.placement = [RESIDENT if m < resident else streamed_policy for m in range(self.num_layers)]
+        self.kind = source.expert_type
+        self.resident_bytes = 0
+        for m, layer in enumerate(model.moe_layers()):
+            if self.placement[m] == RESIDENT:
+                if layer.experts.w1.is_meta:  # else the model's own experts, moved with the model
+                    source.fill(layer.experts, m, device)
+                self.resident_bytes += source.layer_bytes(m)
+            else:
+                layer.experts = StreamedExperts(self, m)
+        self.cache: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
+        self.cache_capacity = source.num_experts if HYBRID in self.placement else 0
+        """Fetched experts kept on the device: one layer's worth (the slot the resident layers left free)."""
+        self.costs = costs
+        self.reset_stats()
+
+    def _ensure_costs(self, m: int, dtype: torch.dtype) -> ExpertCosts:
+        if self.costs is None:
+            self.costs = measure_costs(self.source.expert(m, 0), self.kind, self.device, dtype)
+        return self.costs
+
+    # ---- compute ----
+
+    def compute(self, m: int, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
+        """Rows grouped by expert -> outputs in the same order; only experts with rows are read."""
+        counts = tokens_per_expert_e.tolist()
+        outputs = [self._expert(m, j, rows) for j, rows in enumerate(x_RD.split(counts)) if counts[j]]
+        return torch.cat(outputs) if outputs else x_RD.new_zeros(0, x_RD.shape[1])
+
+    def _expert(self, m: int, j: int, x_ND: Tensor) -> Tensor:
+        if self.placement[m] == INPLACE:
+            self.streamed_bytes += self.source.expert_bytes(m, j)
+            self.inplace_computes += 1
+            return ffn_one(x_ND, **_cast(self.source.expert(m, j), x_ND.dtype), kind=self.kind)
+        cached = self.cache.get((m, j))
+        if cached is not None:
+            self.cache.move_to_end((m, j))
+            self.cache_hits += 1
+            return ffn_one(x_ND, **cached, kind=self.kind)
+        self.streamed_bytes += self.source.expert_bytes(m, j)
+        if self._ensure_costs(m, x_ND.dtype).cpu_is_faster(x_ND.shape[0]):
+            self.cpu_computes += 1
+            y = ffn_one(x_ND.cpu(), **_cast(self.source.expert(m, j), x_ND.dtype), kind=self.kind)
+            return y.to(self.device)
+        return ffn_one(x_ND, **self._fetch(m, j, x_ND.dtype), kind=self.kind)
+
+    def _fetch(self, m: int, j: int, dtype: torch.dtype) -> ExpertWeights:
+        """Copy expert j of layer m to the device (compute waits for it) and keep it in the LRU cache."""
+        start = self.timeline.mark()
+        weights = {k: v.to(self.device, dtype, copy=True) for k, v in self.source.expert(m, j).items()}
+        end = self.timeline.mark()
+        self.timeline.add("copy", start, end)
+        self.timeline.add("wait", start, end)
+        self.copied_bytes += self.source.expert_bytes(m, j)
+        self.copies += 1
+        self.cache[(m, j)] = weights
+        while len(self.cache) > self.cache_capacity:
+            self.cache.popitem(last=False)
+        return weights
+
+    # ---- accounting ----
+
+    @property
+    def expert_device_bytes(self) -> int:
+        cache = self.cache_capacity * self.source.expert_bytes(0) if self.cache_capacity else 0
+        return self.resident_bytes + cache
+
+    @property
+    def expert_host_bytes(self) -> int:
+        return sum(self.source.layer_bytes(m) for m, p in enumerate(self.placement) if p != RESIDENT)
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.streamed_bytes = self.inplace_computes = self.cpu_computes = self.cache_hits = 0
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out.update({"placement": list(self.placement), "store_bytes": self.streamed_bytes,
+                    "inplace_computes": self.inplace_computes, "cpu_computes": self.cpu_computes,
+                    "fetched_experts": self.copies, "cache_hits": self.cache_hits,
+                    "costs": None if self.costs is None else vars(self.costs)})
+        return out

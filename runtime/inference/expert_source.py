@@ -1,0 +1,78 @@
+"""Where each MoE layer's experts lie: one tensor per expert and weight, usually a view of the checkpoint's memory
+map, so nothing of an expert is read until it is placed on the device or computed in place.
+
+Every placement reads from here: `none` copies each layer into the model, ring/ondemand write the per-layer store
+one layer at a time, and `auto` computes cold experts straight from these views.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from runtime.model.transformer import Transformer
+from runtime.moe.experts import GroupedExperts
+
+ExpertWeights = dict[str, Tensor]
+"""One expert's weights by GroupedExperts name: w1 [F, D], w2 [D, F], optional w3 [F, D], b1, b2, b3."""
+
+
+class ExpertSource:
+    """Per MoE layer, per weight name, one tensor per expert (layers in model order)."""
+
+    def __init__(self, layers: list[dict[str, list[Tensor]]], expert_type: str, dtype: Optional[torch.dtype] = None):
+        self.layers, self.expert_type = layers, expert_type
+        self.dtype = dtype
+        """The dtype experts are placed and computed in; None keeps the stored one."""
+        self.num_experts = len(next(iter(layers[0].values()))) if layers else 0
+
+    @classmethod
+    def from_model(cls, model: Transformer) -> "ExpertSource":
+        """The experts a model holds (views of its parameters): the source when a model was built in memory."""
+        layers, kind = [], "gelu"
+        for layer in model.moe_layers():
+            experts: GroupedExperts = layer.experts
+            kind = experts.expert_type
+            layers.append({k: list(v.detach().unbind(0)) for k, v in experts.weights().items() if v is not None})
+        return cls(layers, kind)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def expert(self, layer: int, j: int) -> ExpertWeights:
+        return {k: v[j] for k, v in self.layers[layer].items()}
+
+    def expert_bytes(self, layer: int, j: int = 0) -> int:
+        return sum(v[j].numel() * v[j].element_size() for v in self.layers[layer].values())
+
+    def layer_bytes(self, layer: int) -> int:
+        return sum(self.expert_bytes(layer, j) for j in range(self.num_experts))
+
+    def stacked_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        return {k: (len(v), *v[0].shape) for k, v in self.layers[layer].items()}
+
+    def stacked(self, layer: int, dtype: Optional[torch.dtype] = None) -> dict[str, Tensor]:
+        """The layer's experts as stacked CPU tensors (one copy of one layer: what ring/ondemand's store holds)."""
+        out = {}
+        for k, views in self.layers[layer].items():
+            t = torch.empty((len(views), *views[0].shape), dtype=dtype or self.dtype or views[0].dtype)
+            for j, v in enumerate(views):
+                t[j].copy_(v)
+            out[k] = t
+        return out
+
+    def fill(self, experts: GroupedExperts, layer: int, device: torch.device) -> None:
+        """Give a (meta or resident) GroupedExperts this layer's weights on `device`, copied expert by expert so
+        at most one layer is ever in memory twice (its mapped pages and the device copy)."""
+        for name, views in self.layers[layer].items():
+            param = getattr(experts, name)
+            if param is None:
+                continue
+            dtype = (self.dtype or views[0].dtype) if param.is_meta else param.dtype
+            data = torch.empty((len(views), *views[0].shape), dtype=dtype, device=device)
+            for j, v in enumerate(views):
+                data[j].copy_(v)
+            setattr(experts, name, torch.nn.Parameter(data, requires_grad=False))
