@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -110,7 +110,8 @@ class AutoOffloader(Offloader):
                 self.resident_bytes += source.layer_bytes(m)
             else:
                 layer.experts = StreamedExperts(self, m)
-        self.cache: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
+        self.cache: dict[tuple[int, int], ExpertWeights] = {}
+        self.uses: Counter[tuple[int, int]] = Counter()
         self.cache_capacity = source.num_experts if HYBRID in self.placement else 0
         """Fetched experts kept on the device: one layer's worth (the slot the resident layers left free)."""
         self.costs = costs
@@ -126,6 +127,7 @@ class AutoOffloader(Offloader):
     def compute(self, m: int, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
         """Rows grouped by expert -> outputs in the same order; only experts with rows are read."""
         counts = tokens_per_expert_e.tolist()
+        self.source.will_need(m, [j for j, n in enumerate(counts) if n and (m, j) not in self.cache])
         outputs = [self._expert(m, j, rows) for j, rows in enumerate(x_RD.split(counts)) if counts[j]]
         return torch.cat(outputs) if outputs else x_RD.new_zeros(0, x_RD.shape[1])
 
@@ -134,9 +136,9 @@ class AutoOffloader(Offloader):
             self.streamed_bytes += self.source.expert_bytes(m, j)
             self.inplace_computes += 1
             return ffn_one(x_ND, **_cast(self.source.expert(m, j), x_ND.dtype), kind=self.kind)
+        self.uses[(m, j)] += 1
         cached = self.cache.get((m, j))
         if cached is not None:
-            self.cache.move_to_end((m, j))
             self.cache_hits += 1
             return ffn_one(x_ND, **cached, kind=self.kind)
         self.streamed_bytes += self.source.expert_bytes(m, j)
@@ -147,7 +149,9 @@ class AutoOffloader(Offloader):
         return ffn_one(x_ND, **self._fetch(m, j, x_ND.dtype), kind=self.kind)
 
     def _fetch(self, m: int, j: int, dtype: torch.dtype) -> ExpertWeights:
-        """Copy expert j of layer m to the device (compute waits for it) and keep it in the LRU cache."""
+        """Copy expert j of layer m to the device (compute waits for it); cache it if it is used more often than
+        the least used cached expert. Streamed layers are visited in a cycle, which LRU would turn into a miss on
+        every visit once they hold more experts than the cache; counting uses keeps the popular ones."""
         start = self.timeline.mark()
         weights = {k: v.to(self.device, dtype, copy=True) for k, v in self.source.expert(m, j).items()}
         end = self.timeline.mark()
@@ -155,9 +159,12 @@ class AutoOffloader(Offloader):
         self.timeline.add("wait", start, end)
         self.copied_bytes += self.source.expert_bytes(m, j)
         self.copies += 1
+        if len(self.cache) >= self.cache_capacity:
+            coldest = min(self.cache, key=self.uses.__getitem__, default=None)
+            if coldest is None or self.uses[coldest] >= self.uses[(m, j)]:
+                return weights
+            del self.cache[coldest]
         self.cache[(m, j)] = weights
-        while len(self.cache) > self.cache_capacity:
-            self.cache.popitem(last=False)
         return weights
 
     # ---- accounting ----

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from runtime.inference.mapped import TensorFiles
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
 
@@ -22,8 +23,9 @@ ExpertWeights = dict[str, Tensor]
 class ExpertSource:
     """Per MoE layer, per weight name, one tensor per expert (layers in model order)."""
 
-    def __init__(self, layers: list[dict[str, list[Tensor]]], expert_type: str, dtype: Optional[torch.dtype] = None):
-        self.layers, self.expert_type = layers, expert_type
+    def __init__(self, layers: list[dict[str, list[Tensor]]], expert_type: str, dtype: Optional[torch.dtype] = None,
+                 files: Optional[TensorFiles] = None):
+        self.layers, self.expert_type, self.files = layers, expert_type, files
         self.dtype = dtype
         """The dtype experts are placed and computed in; None keeps the stored one."""
         self.num_experts = len(next(iter(layers[0].values()))) if layers else 0
@@ -44,6 +46,12 @@ class ExpertSource:
 
     def expert(self, layer: int, j: int) -> ExpertWeights:
         return {k: v[j] for k, v in self.layers[layer].items()}
+
+    def will_need(self, layer: int, experts: list[int]) -> None:
+        """Start reading these experts' bytes from the files (when they are mapped files) all at once, so the
+        compute that follows faults on pages already on their way instead of reading them one by one."""
+        if self.files is not None:
+            self.files.will_need(v[j] for v in self.layers[layer].values() for j in experts)
 
     def expert_bytes(self, layer: int, j: int = 0) -> int:
         return sum(v[j].numel() * v[j].element_size() for v in self.layers[layer].values())

@@ -206,7 +206,7 @@ def open_hf_mixtral(path: PathLike, dtype: Optional[torch.dtype] = None,
     leftover = [n for n, b in model.named_buffers() if b.is_meta]
     if leftover:
         raise HFCheckpointError(f"moesys buffer {leftover[0]} has no value in the checkpoint")
-    return cfg, model.eval(), ExpertSource(layers, "swiglu", dtype)
+    return cfg, model.eval(), ExpertSource(layers, "swiglu", dtype, files)
 
 
 def load_hf_mixtral(path: PathLike, dtype: Optional[torch.dtype] = None,

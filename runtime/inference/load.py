@@ -145,7 +145,7 @@ def open_moesys(path: Path, dtype: Optional[torch.dtype] = None, device: torch.d
     if any(b.is_meta for b in model.buffers()):
         raise InferError(f"{step}: a model buffer has no value in the checkpoint")
     tokenizer = ByteTokenizer() if cfg.model.vocab_size >= ByteTokenizer.vocab_size else None
-    source = ExpertSource(layers, cfg.model.expert_type, dtype)
+    source = ExpertSource(layers, cfg.model.expert_type, dtype, files)
     return LoadedModel(config_to_dict(cfg), model.eval(), "moesys", tokenizer, path, source)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import mmap
 import struct
-import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -57,6 +56,22 @@ class MappedFile:
             if self.data_start + end > size:
                 raise MappedFileError(f"{self.path}: tensor {name} ends past the end of the file (truncated?)")
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else None
+        if self._map is not None and hasattr(mmap, "MADV_RANDOM"):
+            # Tensors are read where they are used, not in file order: the kernel's readahead around a fault
+            # would read the neighbouring (unrouted) experts too. `will_need` asks for exactly what is used.
+            self._map.madvise(mmap.MADV_RANDOM)
+
+    def contains(self, t: Tensor) -> bool:
+        if self._bytes is None:
+            return False
+        offset = t.data_ptr() - self._bytes.data_ptr()
+        return 0 <= offset < self._bytes.numel()
+
+    def will_need(self, t: Tensor) -> None:
+        """Start reading the pages of `t` (a view of this map) in the background, as one request."""
+        offset = t.data_ptr() - self._bytes.data_ptr()
+        begin = offset - offset % mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_WILLNEED, begin, offset + t.numel() * t.element_size() - begin)
 
     def names(self) -> Iterable[str]:
         return self.header.keys()
@@ -91,7 +106,6 @@ class TensorFiles:
             for name in file.names():
                 self.where[name] = file
         self.used: set[str] = set()
-        self._lock = threading.Lock()
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -100,8 +114,7 @@ class TensorFiles:
         file = self.where.get(name)
         if file is None:
             raise KeyError(name)
-        with self._lock:
-            self.used.add(name)
+        self.used.add(name)
         return file.tensor(name)
 
     def nbytes(self, name: str) -> int:
@@ -109,3 +122,11 @@ class TensorFiles:
 
     def file_of(self, name: str) -> Path:
         return self.where[name].path
+
+    def will_need(self, tensors: Iterable[Tensor]) -> None:
+        """Ask the kernel to read these views' pages now, each as one request (a no-op for other tensors)."""
+        for t in tensors:
+            for file in self.files:
+                if file.contains(t):
+                    file.will_need(t)
+                    break

@@ -77,15 +77,20 @@ def resident(run_dir):
     return run_inference(run_dir, {"max_new_tokens": 6}, prompts=PROMPTS, offload="none")
 
 
-@pytest.mark.parametrize("offload,slots", [("ondemand", 1), ("ring", 1), ("ring", 3)])
+@pytest.mark.parametrize("offload,slots", [("ondemand", 1), ("ring", 1), ("ring", 3), ("auto", 1), ("auto", 2),
+                                           ("auto", 3)])
 def test_moesys_checkpoint_offload_modes_match_none(run_dir, resident, offload, slots):
     ref = resident
     got = run_inference(run_dir, {"max_new_tokens": 6, "ring_slots": slots}, prompts=PROMPTS, offload=offload)
     assert got["tokens"] == ref["tokens"] and got["text"] == ref["text"]
     assert got["prompt_tokens"][0] == list(b"the weather")
-    dev = got["peak_bytes"]["device"]
-    assert dev["experts"] * 3 == ref["peak_bytes"]["device"]["experts"] * slots
-    assert got["peak_bytes"]["host"]["experts"] == ref["peak_bytes"]["device"]["experts"]
+    all_experts = ref["peak_bytes"]["device"]["experts"]
+    assert got["peak_bytes"]["device"]["experts"] * 3 == all_experts * slots  # K of the 3 layers' worth
+    streamed = 3 - slots if offload == "auto" else 3  # auto: the layers not resident; ring: the whole store
+    assert got["peak_bytes"]["host"]["experts"] * 3 == all_experts * streamed
+    if offload == "auto":
+        assert got["placement"] == ["resident"] * slots + ["inplace"] * (3 - slots)
+        assert (got["store_bytes_per_token"] > 0) == (slots < 3) and got["copied_bytes"] == 0
     assert json.loads(json.dumps(got)) == got  # JSON-ready
 
 

@@ -1,0 +1,65 @@
+"""A random Hugging Face Mixtral checkpoint written tensor by tensor (never the whole model in memory), as shards
+with a model.safetensors.index.json: what the offloaded-inference tests and benchmarks serve, at any size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from runtime.inference.hf_mixtral import INDEX
+
+
+def write_random_mixtral(path: Path, hidden: int, ffn: int, layers: int, experts: int, vocab: int, heads: int = 8,
+                         kv_heads: int | None = None, top_k: int = 2, dtype: torch.dtype = torch.bfloat16,
+                         seed: int = 0, max_seq_len: int = 4096) -> int:
+    """Write config.json and one shard per decoder layer (plus one for embeddings and head) in the classic
+    per-expert layout; returns the bytes of tensor data written. Weights are N(0, 0.02), norms 1."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    kv_heads = kv_heads or heads
+    config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": hidden,
+              "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "vocab_size": vocab, "num_local_experts": experts,
+              "num_experts_per_tok": top_k, "max_position_embeddings": max_seq_len, "rms_norm_eps": 1e-5,
+              "rope_theta": 1e6, "tie_word_embeddings": False, "hidden_act": "silu",
+              "torch_dtype": str(dtype).removeprefix("torch.")}
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * 0.02).to(dtype)
+
+    weight_map: dict[str, str] = {}
+    written = 0
+
+    def shard(index: int, tensors: dict[str, torch.Tensor]) -> None:
+        nonlocal written
+        name = f"model-{index:05d}-of-{layers + 1:05d}.safetensors"
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        written += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def ones() -> torch.Tensor:
+        return torch.ones(hidden, dtype=dtype)
+
+    shard(0, {"model.embed_tokens.weight": rand(vocab, hidden), "lm_head.weight": rand(vocab, hidden),
+              "model.norm.weight": ones()})
+    head_dim = hidden // heads
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        tensors = {f"{p}.input_layernorm.weight": ones(), f"{p}.post_attention_layernorm.weight": ones(),
+                   f"{p}.self_attn.q_proj.weight": rand(hidden, hidden),
+                   f"{p}.self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+                   f"{p}.self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+                   f"{p}.self_attn.o_proj.weight": rand(hidden, hidden),
+                   f"{p}.block_sparse_moe.gate.weight": rand(experts, hidden)}
+        for j in range(experts):
+            e = f"{p}.block_sparse_moe.experts.{j}"
+            tensors.update({f"{e}.w1.weight": rand(ffn, hidden), f"{e}.w3.weight": rand(ffn, hidden),
+                            f"{e}.w2.weight": rand(hidden, ffn)})
+        shard(i + 1, tensors)
+    (path / INDEX).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return written
