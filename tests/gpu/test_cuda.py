@@ -1,4 +1,5 @@
-"""The same code on CUDA: MoE layer, training step with NCCL-free single rank, ring inference with a copy stream."""
+"""The same code on CUDA: MoE layer, training step with NCCL-free single rank, ring inference with a copy stream,
+auto placement with experts computed on the CPU or fetched."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import pytest
 import torch
 
 from runtime.config import ModelConfig
-from runtime.inference.generate import generate
+from runtime.inference.auto import AutoOffloader, ExpertCosts
+from runtime.inference.generate import generate, run_inference
+from runtime.inference.load import open_checkpoint
+from runtime.inference.random_checkpoint import write_random_mixtral
 from runtime.inference.modes import make_offloader
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import MoELayer
@@ -45,3 +49,24 @@ def test_ring_matches_resident_on_cuda(tmp_path):
         offloader = make_offloader(model, mode, CUDA, ring_slots=2, cache_dir=tmp_path / mode)
         tokens[mode] = generate(model, prompts, 8, offloader=offloader).tokens
     assert tokens["ring"] == tokens["none"] == tokens["ondemand"]
+
+
+def test_auto_placement_on_cuda_matches_resident(tmp_path):
+    """auto on CUDA: resident layers plus hybrid layers (routed experts computed on the CPU from the mapped files or
+    fetched into the device cache, by the costs measured on this machine), and each choice forced."""
+    path = tmp_path / "mixtral"
+    write_random_mixtral(path, hidden=128, ffn=256, layers=4, experts=8, vocab=512, dtype=torch.float32)
+    ids = [[3, 14, 15, 92, 65, 35, 89, 79]]
+    ref = run_inference(path, {"max_new_tokens": 8}, prompt_ids=ids, offload="none", device=CUDA)["tokens"]
+    for slots in (1, 2, 4):
+        got = run_inference(path, {"max_new_tokens": 8, "ring_slots": slots}, prompt_ids=ids, offload="auto",
+                            device=CUDA)
+        assert got["tokens"] == ref, slots
+        resident = 4 if slots == 4 else slots - 1  # below K = N one slot is the fetched experts' cache
+        assert got["placement"] == ["resident"] * resident + ["hybrid"] * (4 - resident)
+    for costs in (ExpertCosts(0.0, 0.0, 1.0), ExpertCosts(1.0, 0.0, 0.0), ExpertCosts(0.0, 1.0, 0.5)):
+        loaded = open_checkpoint(path, device=CUDA)
+        offloader = AutoOffloader(loaded.model, CUDA, loaded.experts, 2, costs=costs)
+        loaded.model.to(CUDA)
+        assert generate(loaded.model, ids, 8, offloader=offloader).tokens == ref
+        offloader.close()
