@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.inference.expert_source import ExpertSource, ExpertWeights
@@ -92,7 +93,8 @@ class AutoOffloader(Offloader):
     mode = "auto"
 
     def __init__(self, model: Transformer, device: torch.device, source: ExpertSource, num_slots: int,
-                 streamed_policy: Optional[str] = None, costs: Optional[ExpertCosts] = None):
+                 streamed_policy: Optional[str] = None, costs: Optional[ExpertCosts] = None,
+                 predict_ahead: bool = False):
         """streamed_policy and costs default to this machine's (inplace without a GPU; hybrid with measured costs
         on CUDA); tests set them to run the hybrid path on the CPU."""
         super().__init__(model, device)
@@ -115,6 +117,13 @@ class AutoOffloader(Offloader):
         self.cache_capacity = source.num_experts if HYBRID in self.placement else 0
         """Fetched experts kept on the device: one layer's worth (the slot the resident layers left free)."""
         self.costs = costs
+        self.predict_ahead = predict_ahead
+        """Prefetch a streamed layer's guessed experts while the layer before it computes (CPU, in place; off by
+        default, see infer.prefetch)."""
+        moe = model.moe_layers()
+        self.gates = [layer.router.gate.weight for layer in moe]
+        self.top_k = moe[0].router.top_k if moe else 1
+        self.predicted: dict[int, set[int]] = {}
         self.reset_stats()
 
     def _ensure_costs(self, m: int, dtype: torch.dtype) -> ExpertCosts:
@@ -127,9 +136,29 @@ class AutoOffloader(Offloader):
     def compute(self, m: int, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
         """Rows grouped by expert -> outputs in the same order; only experts with rows are read."""
         counts = tokens_per_expert_e.tolist()
-        self.source.will_need(m, [j for j, n in enumerate(counts) if n and (m, j) not in self.cache])
+        routed = [j for j, n in enumerate(counts) if n]
+        self._score_prediction(m, routed)
+        self.source.will_need(m, [j for j in routed if (m, j) not in self.cache])
+        if self.predict_ahead and m + 1 < self.num_layers and self.placement[m + 1] == INPLACE:
+            self._prefetch_predicted(m + 1, x_RD)
         outputs = [self._expert(m, j, rows) for j, rows in enumerate(x_RD.split(counts)) if counts[j]]
         return torch.cat(outputs) if outputs else x_RD.new_zeros(0, x_RD.shape[1])
+
+    def _prefetch_predicted(self, m: int, x_RD: Tensor) -> None:
+        """Guess layer m's experts by applying its gate to the previous layer's expert inputs (the residual stream
+        changes little between layers) and start reading them while this layer computes."""
+        gate_ED = self.gates[m]
+        top_k = min(self.top_k, gate_ED.shape[0])
+        guess = F.linear(x_RD.to(gate_ED.dtype), gate_ED).topk(top_k, dim=-1).indices.unique().tolist()
+        self.predicted[m] = set(guess)
+        self.source.will_need(m, guess)
+
+    def _score_prediction(self, m: int, routed: list[int]) -> None:
+        guess = self.predicted.pop(m, None)
+        if guess is not None:
+            self.predicted_hits += len(guess.intersection(routed))
+            self.predicted_needed += len(routed)
+            self.predicted_wasted += len(guess.difference(routed))
 
     def _expert(self, m: int, j: int, x_ND: Tensor) -> Tensor:
         if self.placement[m] == INPLACE:
@@ -181,11 +210,14 @@ class AutoOffloader(Offloader):
     def reset_stats(self) -> None:
         super().reset_stats()
         self.streamed_bytes = self.inplace_computes = self.cpu_computes = self.cache_hits = 0
+        self.predicted_hits = self.predicted_needed = self.predicted_wasted = 0
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out.update({"placement": list(self.placement), "store_bytes": self.streamed_bytes,
                     "inplace_computes": self.inplace_computes, "cpu_computes": self.cpu_computes,
                     "fetched_experts": self.copies, "cache_hits": self.cache_hits,
+                    "prefetch": {"predicted_right": self.predicted_hits, "routed": self.predicted_needed,
+                                 "predicted_wrong": self.predicted_wasted},
                     "costs": None if self.costs is None else vars(self.costs)})
         return out

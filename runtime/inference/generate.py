@@ -162,7 +162,7 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
         model = loaded.model
         dense_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not is_expert_param(n))
         offloader = make_offloader(model, inf.offload, device, inf.ring_slots, cache_dir, _fingerprint(loaded.path),
-                                   source=loaded.experts)
+                                   source=loaded.experts, prefetch=inf.prefetch)
         try:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -196,6 +196,7 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
         "page_cache_bytes_per_token": per_token(max(0, stats["store_bytes"] - disk_read)),
         "copy_s": stats["copy_s"], "copy_hidden_share": stats["copy_hidden_share"],
         **({"experts_computed": {k: stats[k] for k in ("inplace_computes", "cpu_computes", "fetched_experts",
-                                                       "cache_hits")}, "expert_costs": stats["costs"]}
+                                                       "cache_hits")}, "expert_costs": stats["costs"],
+            "prefetch": stats["prefetch"]}
            if inf.offload == "auto" else {}),
     }

@@ -30,7 +30,7 @@ def default_cache_dir(fingerprint: str) -> Path:
 
 def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slots: int = 2,
                    cache_dir: Optional[Path] = None, fingerprint: str = "",
-                   source: Optional[ExpertSource] = None) -> Offloader:
+                   source: Optional[ExpertSource] = None, prefetch: bool = False) -> Offloader:
     """Place `model`'s experts on `device` under offload mode auto, ring, ondemand or none, and move the rest.
 
     `source` says where the experts lie (a checkpoint opened by `open_checkpoint`, whose model's experts are still
@@ -54,7 +54,7 @@ def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slo
     elif not moe:
         raise InferError("the model has no MoE layers to offload; use --offload none")
     if mode == "auto":
-        offloader: Offloader = AutoOffloader(model, device, source, ring_slots)
+        offloader: Offloader = AutoOffloader(model, device, source, ring_slots, predict_ahead=prefetch)
         model.to(device)
         return offloader
     scratch = cache_dir is None and not fingerprint  # nothing to key a reusable store on: a private temp dir

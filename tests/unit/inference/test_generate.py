@@ -94,6 +94,13 @@ def test_moesys_checkpoint_offload_modes_match_none(run_dir, resident, offload, 
     assert json.loads(json.dumps(got)) == got  # JSON-ready
 
 
+def test_auto_prefetch_of_predicted_experts_keeps_the_tokens_and_counts_its_guesses(run_dir, resident):
+    got = run_inference(run_dir, {"max_new_tokens": 6, "ring_slots": 1, "prefetch": True}, prompts=PROMPTS)
+    assert got["tokens"] == resident["tokens"]
+    guesses = got["prefetch"]
+    assert guesses["routed"] > 0 and guesses["predicted_right"] + guesses["predicted_wrong"] > 0
+
+
 def test_moesys_checkpoint_logits_match(run_dir):
     from runtime.inference.modes import make_offloader
     ref_model = load_model(run_dir).model
