@@ -181,7 +181,7 @@ def serving_suggestions(cfg: MoesysConfig, inference: dict, moe_layers: int) -> 
     or why not even one does."""
     slots = inference["max_ring_slots"]
     if slots >= 1:
-        prefix = "" if cfg.infer.offload == "ring" else "infer.offload=ring with "
+        prefix = "" if cfg.infer.offload in ("ring", "auto") else "infer.offload=auto with "
         return [f"{prefix}infer.ring_slots={slots} fits"]
     what, need = "dense weights", inference["dense_bytes"]
     if moe_layers:

@@ -118,7 +118,7 @@ def test_a_serving_recipe_is_judged_by_its_inference_budget():
 
 
 @pytest.mark.parametrize("infer,suggestion", [
-    (dict(offload="none"), "infer.offload=ring with infer.ring_slots=27 fits"),
+    (dict(offload="none"), "infer.offload=auto with infer.ring_slots=27 fits"),
     (dict(ring_slots=30), "infer.ring_slots=27 fits"),
     (dict(ring_slots=40), "infer.ring_slots=27 fits"),
 ])
