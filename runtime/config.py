@@ -242,6 +242,47 @@ class InferConfig:
 
 
 @dataclass
+class ExportConfig:
+    """`moesys export`: one servable model from a training checkpoint."""
+
+    format: str = "moesys"
+    """moesys (a checkpoint `moesys infer` and `moesys serve` read, without optimizer state) or hf (the Hugging
+    Face Mixtral layout; Mixtral-style models only)."""
+    dtype: Optional[str] = None
+    """fp32, bf16 or fp16; null keeps the checkpoint's."""
+    max_shard_gb: float = 5.0
+    """Largest safetensors file written; larger models are split into shards with an index."""
+
+
+@dataclass
+class StudentConfig:
+    """`moesys distill`: the smaller model trained from a teacher."""
+
+    num_experts: int = 0
+    """Experts per MoE layer of the student (fewer than the teacher's); 0 means not set."""
+
+
+@dataclass
+class DistillConfig:
+    """`moesys distill`: how the student learns from the teacher."""
+
+    temperature: float = 2.0
+    """Softmax temperature of the soft targets."""
+    kd_weight: float = 0.5
+    """Weight of the distillation loss; the language-model loss gets 1 - kd_weight."""
+
+
+@dataclass
+class ServeConfig:
+    """`moesys serve`: the HTTP service."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """TCP port to listen on."""
+
+
+@dataclass
 class LauncherConfig:
     """How `moesys train` starts its processes."""
 
@@ -286,6 +327,10 @@ class MoesysConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     infer: InferConfig = field(default_factory=InferConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    student: StudentConfig = field(default_factory=StudentConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     tasks: Dict[str, TaskConfig] = field(default_factory=dict)
     recipe: Optional[str] = None
     """Name of the recipe this config came from."""
@@ -304,6 +349,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "infer.offload": ("auto", "ring", "ondemand", "none"),
     "launcher.name": ("local", "multinode", "slurm"),
+    "export.format": ("moesys", "hf"),
 }
 
 
@@ -410,6 +456,13 @@ def validate(cfg: MoesysConfig) -> None:
     need(inf.temperature >= 0, f"infer.temperature must be >= 0 (got {inf.temperature})")
     need(inf.top_k >= 0, f"infer.top_k must be >= 0 (got {inf.top_k})")
     need(inf.ring_slots >= 1, f"infer.ring_slots must be >= 1 (got {inf.ring_slots})")
+    ex = cfg.export
+    need(ex.dtype in (None, "fp32", "bf16", "fp16"), f"export.dtype={ex.dtype!r} is not one of fp32, bf16, fp16, null")
+    need(ex.max_shard_gb > 0, f"export.max_shard_gb must be positive (got {ex.max_shard_gb})")
+    need(cfg.student.num_experts >= 0, f"student.num_experts must be >= 0 (got {cfg.student.num_experts})")
+    need(cfg.distill.temperature > 0, f"distill.temperature must be positive (got {cfg.distill.temperature})")
+    need(0 <= cfg.distill.kd_weight <= 1, f"distill.kd_weight must be between 0 and 1 (got {cfg.distill.kd_weight})")
+    need(0 <= cfg.serve.port <= 65535, f"serve.port must be between 0 and 65535 (got {cfg.serve.port})")
 
     for name, task in cfg.tasks.items():
         need(task.batch_size > 0, f"tasks.{name}.batch_size must be positive (got {task.batch_size})")
