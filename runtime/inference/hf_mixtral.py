@@ -95,7 +95,7 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
 
 # ---- tensor names ----
 
-def _dense_names(cfg: ModelConfig) -> dict[str, str]:
+def dense_names(cfg: ModelConfig) -> dict[str, str]:
     """moesys parameter name -> HF tensor name, for every parameter that maps one to one."""
     names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
@@ -184,7 +184,7 @@ def open_hf_mixtral(path: PathLike, dtype: Optional[torch.dtype] = None,
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = dict(model.named_parameters())
-    state = {ours: _checked(files, hf, tuple(expected[ours].shape)) for ours, hf in _dense_names(cfg).items()}
+    state = {ours: _checked(files, hf, tuple(expected[ours].shape)) for ours, hf in dense_names(cfg).items()}
     layers = []
     for i in range(cfg.num_layers):
         state[f"layers.{i}.ffn.router.gate.weight"], experts = _expert_tensors(files, cfg, i)
@@ -220,17 +220,22 @@ def load_hf_mixtral(path: PathLike, dtype: Optional[torch.dtype] = None,
 
 # ---- export ----
 
-def hf_state_dict(model: Transformer, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The model's tensors under classic HF Mixtral names (per-expert w1/w2/w3), each its own contiguous copy."""
-    params = dict(model.named_parameters())
-    out = {hf: params[ours].detach() for ours, hf in _dense_names(cfg).items()}
+def hf_tensor_names(cfg: ModelConfig) -> list[tuple[str, str, Optional[int]]]:
+    """(HF name, moesys parameter, expert index or None) for every tensor of the classic Mixtral layout, in the
+    order it is written: dense weights, then each layer's router and experts."""
+    out: list[tuple[str, str, Optional[int]]] = [(hf, ours, None) for ours, hf in dense_names(cfg).items()]
     for i in range(cfg.num_layers):
         prefix, ours = f"model.layers.{i}.block_sparse_moe", f"layers.{i}.ffn"
-        out[f"{prefix}.gate.weight"] = params[f"{ours}.router.gate.weight"].detach()
-        for w in ("w1", "w2", "w3"):
-            stacked = params[f"{ours}.experts.{w}"].detach()
-            for j in range(cfg.num_experts):
-                out[f"{prefix}.experts.{j}.{w}.weight"] = stacked[j]
+        out.append((f"{prefix}.gate.weight", f"{ours}.router.gate.weight", None))
+        for j in range(cfg.num_experts):
+            out += [(f"{prefix}.experts.{j}.{w}.weight", f"{ours}.experts.{w}", j) for w in ("w1", "w2", "w3")]
+    return out
+
+
+def hf_state_dict(model: Transformer, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The model's tensors under classic HF Mixtral names (per-expert w1/w2/w3), each its own contiguous copy."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    out = {hf: params[ours] if j is None else params[ours][j] for hf, ours, j in hf_tensor_names(cfg)}
     return {k: v.to("cpu").contiguous().clone() for k, v in out.items()}
 
 
@@ -267,5 +272,5 @@ def _publish(tmp: Path, path: Path) -> None:
     fsync_dir(path)
 
 
-__all__ = ["HFCheckpointError", "config_from_hf", "config_to_hf", "hf_state_dict", "load_hf_mixtral", "open_hf_mixtral",
-           "save_hf_mixtral"]
+__all__ = ["HFCheckpointError", "config_from_hf", "config_to_hf", "dense_names", "hf_state_dict", "hf_tensor_names",
+           "load_hf_mixtral", "open_hf_mixtral", "save_hf_mixtral"]

@@ -107,18 +107,35 @@ def _expert_prefixes(model: Transformer) -> list[str]:
     return [name for name, mod in model.named_modules() if isinstance(mod, GroupedExperts)]
 
 
-def open_moesys(path: Path, dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu") -> LoadedModel:
+@dataclass
+class MoesysCheckpoint:
+    """A moesys checkpoint opened for reading: every tensor mapped (model weights under `model.PARAM` and
+    `model.PARAM.G` for global expert G, whatever expert-parallel size, dense sharding or embedding partition wrote
+    them), every file's checksum verified."""
+
+    step_dir: Path
+    config: MoesysConfig
+    files: TensorFiles
+
+
+def read_moesys(path: Path) -> MoesysCheckpoint:
+    """Open a run directory's latest checkpoint, one step directory, or an export of either."""
     step, data = _moesys_step_dir(path)
     try:
         cfg = config_from_dict(data)
     except ConfigError as exc:
         raise InferError(f"checkpoint={path}: its config does not load ({exc})") from None
-    if not (step / "dense.safetensors").is_file():
-        raise InferError(f"{step}: dense.safetensors is missing")
     weight_files = [f for f in sorted(step.glob("*.safetensors")) if not f.name.startswith("rng-")]
+    if not weight_files:
+        raise InferError(f"{step}: no weight files (*.safetensors)")
     for file in weight_files:
         verify(file)  # a damaged file is named before anything loads from it (a streamed read, 1 MB of memory)
-    files = TensorFiles(weight_files)
+    return MoesysCheckpoint(step, cfg, TensorFiles(weight_files))
+
+
+def open_moesys(path: Path, dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu") -> LoadedModel:
+    checkpoint = read_moesys(path)
+    step, cfg, files = checkpoint.step_dir, checkpoint.config, checkpoint.files
     with torch.device("meta"):
         model = Transformer(cfg.model)
     state = {}

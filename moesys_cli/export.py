@@ -1,0 +1,58 @@
+"""`moesys export`: fuse a training checkpoint into one servable model (moesys or Hugging Face Mixtral layout)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, List, Optional
+
+import typer
+import yaml
+
+from moesys_cli.options import Json
+from moesys_cli.render import console, human_bytes, literal, print_json
+from runtime.config import config_from_dict
+from runtime.errors import UserError
+from runtime.inference.export import export_checkpoint
+
+ExportArgs = Annotated[
+    Optional[List[str]],
+    typer.Argument(help="checkpoint=RUN_DIR (or a step directory), out=DIR and export.* overrides, e.g. "
+                        "export.format=hf export.dtype=bf16", show_default=False),
+]
+USAGE = "moesys export takes checkpoint=RUN_DIR, out=DIR and export.KEY=VALUE"
+
+
+def parse_export_args(args: list[str]) -> tuple[str, str, dict[str, Any]]:
+    """(checkpoint, out, export.* overrides as YAML scalars)."""
+    found: dict[str, str] = {}
+    overrides: dict[str, Any] = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise UserError(f"argument {arg!r} is not key=value; {USAGE}")
+        if key in ("checkpoint", "out"):
+            found[key] = value
+        elif key.startswith("export.") and key.count(".") == 1:
+            try:
+                overrides[key[len("export."):]] = yaml.safe_load(value) if value else None
+            except yaml.YAMLError:
+                overrides[key[len("export."):]] = value
+        else:
+            raise UserError(f"unknown argument {key!r}; {USAGE}")
+    for key in ("checkpoint", "out"):
+        if not found.get(key):
+            raise UserError(f"no {key} given; {USAGE}")
+    return found["checkpoint"], found["out"], overrides
+
+
+def export(args: ExportArgs = None, json_out: Json = False) -> None:
+    """Write one model without optimizer state, merged across expert-parallel ranks, streamed tensor by tensor."""
+    checkpoint, out, overrides = parse_export_args(args or [])
+    ex = config_from_dict({"export": overrides}).export  # types, choices and unknown keys checked in one place
+    result = export_checkpoint(checkpoint, out, ex.format, ex.dtype, ex.max_shard_gb)
+    if json_out:
+        print_json(result)
+        return
+    console.print(f"[bold]moesys export[/] {literal(result['checkpoint'])} -> {literal(result['out'])} "
+                  f"({result['format']}): {result['tensors']} tensors, {human_bytes(result['bytes'])} in "
+                  f"{len(result['files'])} file(s); the checkpoint was {human_bytes(result['checkpoint_bytes'])} "
+                  "with optimizer state", highlight=False)

@@ -1,0 +1,157 @@
+"""`moesys export`: a training checkpoint fused into one servable model (seed 004 section 3.3.1, figure 3).
+
+The checkpoint's model tensors are already keyed by global name and global expert index whatever the expert-
+parallel size, dense sharding or embedding partition of the run, so fusing is a streamed copy: each tensor is read
+from the checkpoint's memory map and written into the output, one at a time (the model need not fit in memory),
+leaving out optimizer moments, step counts and RNG states. Output files are bounded by export.max_shard_gb and
+carry checksums; the directory is written under a temporary name and renamed when complete.
+
+- moesys format: config.yaml + meta.json + model safetensors under the checkpoint's own keys, so `moesys infer`
+  and `moesys serve` read it as they read a run.
+- hf format: the Hugging Face Mixtral layout (config.json, model.safetensors or shards with an index), so
+  transformers loads it; models that are not Mixtral-style are refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import yaml
+
+from runtime.checkpoint_format import MODEL, tensor_key
+from runtime.config import MoesysConfig, config_to_dict
+from runtime.errors import UserError
+from runtime.inference.hf_mixtral import INDEX, config_to_hf, hf_tensor_names
+from runtime.inference.load import read_moesys
+from runtime.io import atomic_write_json, atomic_write_text, fsync_dir
+from runtime.model.transformer import Transformer
+from runtime.moe.layer import is_expert_param
+from runtime.tensorfile import write_tensors
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FORMATS = ("moesys", "hf")
+
+
+class ExportError(UserError):
+    """An export that cannot be written (output exists, model not of the requested family)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One output tensor: its name in the export and its key in the checkpoint."""
+
+    name: str
+    key: str
+
+
+def _entries(cfg: MoesysConfig, fmt: str) -> list[Entry]:
+    """Every model tensor in output order: dense weights, then each MoE layer's router and experts."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    params = dict(model.named_parameters())
+    if fmt == "moesys":
+        out = []
+        for name, p in params.items():
+            if is_expert_param(name):
+                out += [Entry(tensor_key(MODEL, name, g), tensor_key(MODEL, name, g)) for g in range(p.shape[0])]
+            else:
+                out.append(Entry(tensor_key(MODEL, name), tensor_key(MODEL, name)))
+        return out
+    return [Entry(hf, tensor_key(MODEL, ours, j)) for hf, ours, j in hf_tensor_names(cfg.model)]
+
+
+def _shards(entries: list[Entry], nbytes: dict[str, int], max_bytes: int) -> list[list[Entry]]:
+    """Consecutive runs of entries of at most max_bytes each (a larger tensor gets a file of its own)."""
+    shards: list[list[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + nbytes[e.key] > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += nbytes[e.key]
+    return shards
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "moesys", dtype: Optional[str] = None,
+                      max_shard_gb: float = 5.0) -> dict:
+    """Write the checkpoint's model as one model in `out` (which must not exist or be empty); a summary dict."""
+    if fmt not in FORMATS:
+        raise ExportError(f"export.format={fmt!r} is not one of {', '.join(FORMATS)}")
+    source = read_moesys(Path(checkpoint).expanduser())
+    cfg, files = source.config, source.files
+    to_dtype = DTYPES[dtype] if dtype else None
+    if fmt == "hf":
+        try:
+            hf_config = config_to_hf(cfg.model, to_dtype or files.get(tensor_key(MODEL, "tok_embeddings.weight")).dtype)
+        except UserError as exc:
+            raise ExportError(f"export.format=hf: {exc}; use export.format=moesys") from None
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"out={out} already exists and is not empty; choose a new directory")
+    entries = _entries(cfg, fmt)
+    missing = [e.key for e in entries if e.key not in files]
+    if missing:
+        raise ExportError(f"{source.step_dir}: no tensor {missing[0]}; was it written by a different model config?")
+    itemsize = {e.key: (to_dtype or files.get(e.key).dtype).itemsize for e in entries}
+    nbytes = {e.key: files.nbytes(e.key) // files.get(e.key).element_size() * itemsize[e.key] for e in entries}
+    shards = _shards(entries, nbytes, max(1, int(max_shard_gb * 1e9)))
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        names = _write_shards(tmp, shards, files, to_dtype, fmt)
+        if len(shards) > 1:
+            weight_map = {e.name: name for name, shard in zip(names, shards) for e in shard}
+            atomic_write_json(tmp / INDEX, {"metadata": {"total_size": sum(nbytes.values())},
+                                            "weight_map": weight_map})
+        if fmt == "hf":
+            atomic_write_json(tmp / "config.json", hf_config)
+        else:
+            atomic_write_text(tmp / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+            atomic_write_json(tmp / "meta.json", {"step": _step(source.step_dir), "exported_from":
+                                                  str(source.step_dir.resolve()), "format": "moesys-export"})
+        fsync_dir(tmp)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"checkpoint": str(source.step_dir), "out": str(out), "format": fmt, "files": names,
+            "tensors": len(entries), "bytes": sum(nbytes.values()),
+            "checkpoint_bytes": sum(f.path.stat().st_size for f in files.files)}
+
+
+def _write_shards(directory: Path, shards: list[list[Entry]], files, to_dtype: Optional[torch.dtype],
+                  fmt: str) -> list[str]:
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    metadata = {"format": "pt"}  # transformers refuses safetensors files without it
+
+    def tensor(e: Entry) -> torch.Tensor:
+        t = files.get(e.key)
+        return t.to(to_dtype) if to_dtype is not None else t
+
+    for name, shard in zip(names, shards):
+        specs = {}
+        for e in shard:
+            t = files.get(e.key)
+            specs[e.name] = (to_dtype or t.dtype, tuple(t.shape))
+        stream: Iterator = ((e.name, tensor(e)) for e in shard)
+        write_tensors(directory / name, specs, stream, metadata)
+    return names
+
+
+def _step(step_dir: Path) -> Optional[int]:
+    try:
+        return json.loads((step_dir / "meta.json").read_text()).get("step")
+    except (OSError, ValueError):
+        return None
