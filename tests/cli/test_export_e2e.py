@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from runtime.inference.load import load_model
+from runtime.inference.static_graph import StaticDenseModel
 from tests.cli.conftest import FAST_TINY, run_moesys
 
 MIXTRAL_STYLE = ["model.expert_type=swiglu", "model.norm=rmsnorm", "model.position=rope", "model.bias=false",
@@ -43,7 +44,10 @@ def test_moesys_export_holds_the_runs_model_without_optimizer_state(run, tmp_pat
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["files"] == ["model.safetensors"] and summary["bytes"] * 2.5 < summary["checkpoint_bytes"]
-    assert torch.equal(logits(load_model(out).model), logits(load_model(run).model))
+    exported = load_model(out).model
+    assert torch.equal(logits(exported), logits(load_model(run).model))
+    # the exported model's dense path as a static graph for the prompt's bucket: the same logits
+    assert torch.equal(StaticDenseModel(exported, [(1, len(IDS[0]))])(torch.tensor(IDS)), logits(exported))
     again = run_moesys("export", f"checkpoint={run}", f"out={out}")
     assert again.returncode == 2 and "already exists and is not empty" in again.stderr
     assert len(again.stderr.strip().splitlines()) == 1
