@@ -11,7 +11,6 @@ from moesys_cli.options import Json
 from moesys_cli.render import console, human_bytes, literal, print_json
 from runtime.config import config_from_dict
 from runtime.errors import UserError
-from runtime.inference.export import export_checkpoint
 
 ExportArgs = Annotated[
     Optional[List[str]],
@@ -48,6 +47,8 @@ def export(args: ExportArgs = None, json_out: Json = False) -> None:
     """Write one model without optimizer state, merged across expert-parallel ranks, streamed tensor by tensor."""
     checkpoint, out, overrides = parse_export_args(args or [])
     ex = config_from_dict({"export": overrides}).export  # types, choices and unknown keys checked in one place
+    from runtime.inference.export import export_checkpoint  # torch: loaded only by verbs that compute
+
     result = export_checkpoint(checkpoint, out, ex.format, ex.dtype, ex.max_shard_gb)
     if json_out:
         print_json(result)

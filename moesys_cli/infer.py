@@ -13,7 +13,6 @@ from rich.table import Table
 from moesys_cli.options import Json
 from moesys_cli.render import console, human_bytes, literal, print_json
 from runtime.errors import UserError
-from runtime.inference.generate import run_inference
 
 InferArgs = Annotated[
     Optional[List[str]],
@@ -75,6 +74,8 @@ def infer(args: InferArgs = None, offload: Offload = None, json_out: Json = Fals
     """Generate tokens; prints prefill/decode tokens/s, where each layer's experts were, bytes read per token and
     peak memory."""
     request = parse_infer_args(args or [])
+    from runtime.inference.generate import run_inference  # torch: loaded only by verbs that compute
+
     result = run_inference(request.checkpoint, request.overrides, request.prompts, request.prompt_ids, offload)
     if json_out:
         print_json(result)

@@ -26,7 +26,6 @@ from runtime.topology import host_memory_bytes
 from runtime.train.compare import recorded_plan
 from runtime.train.decided import record as record_placement
 from runtime.train.rank_memory import clear_rank_memory, read_rank_memory
-from runtime.train.preflight import check_before_launch, check_plan
 
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and the command; run nothing.")]
 
@@ -35,6 +34,8 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     """Train with expert + data parallelism in torchrun processes; exits with the job's status."""
     cfg = resolve_config(overrides or [])
     cfg.train.run_dir = str(Path(cfg.train.run_dir or default_run_dir(cfg)).resolve())
+    from runtime.train.preflight import check_before_launch, check_plan  # reads the data: loads torch
+
     check_before_launch(cfg)  # what every worker would otherwise fail on, after torchrun's retries
     if dry_run:
         spec = build_launch(cfg, Path(cfg.train.run_dir))

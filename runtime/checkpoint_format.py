@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
 
 from runtime.errors import UserError
 from runtime.run_dir import CHECKPOINTS
-from runtime.tensorfile import verify
+
+if TYPE_CHECKING:
+    import torch
 
 MODEL = "model"
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -42,6 +44,8 @@ class CheckpointReader:
     checksum is verified when the reader opens it, so a damaged file is named before anything loads from it."""
 
     def __init__(self, path: Path):
+        from runtime.tensorfile import verify  # torch: only readers of tensors load it
+
         self.path = Path(path)
         self.where = {}
         for file in sorted(self.path.glob("*.safetensors")):

@@ -14,8 +14,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.storage.budget import GB
@@ -39,6 +37,12 @@ class LaunchSpec:
     nproc_per_node: int = 1
 
 
+def cuda_device_count() -> int:
+    import torch  # only when a topology asks for GPUs: CPU launches start without loading torch here
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def torchrun_prefix() -> list[str]:
     """torchrun from this environment, so workers import the same moesys and torch."""
     beside = Path(sys.executable).with_name("torchrun")
@@ -53,7 +57,7 @@ def check_launchable(cfg: MoesysConfig, ram_bytes: float | None = None) -> None:
     (`ram_bytes`, default this machine's or its cgroup limit) for all its processes; a SLURM job needs sbatch."""
     if cfg.launcher.name == "slurm" and shutil.which("sbatch") is None:
         raise UserError(_NO_SBATCH.format(command="sbatch"))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = cuda_device_count() if cfg.launcher.name != "slurm" and cfg.topology.gpus_per_node else 0
     if cfg.launcher.name != "slurm" and cfg.topology.gpus_per_node > gpus:
         raise UserError(f"topology.gpus_per_node={cfg.topology.gpus_per_node} but this machine has {gpus} GPU(s); "
                         "use topology=local (this machine), topology=single (CPU processes) or launcher=slurm")
@@ -80,7 +84,7 @@ def check_host_memory(cfg: MoesysConfig, ram_bytes: float) -> None:
 
 def processes_per_node(cfg: MoesysConfig) -> int:
     """One process per GPU when GPUs are configured and present, else topology.nproc_per_node CPU processes."""
-    if cfg.topology.gpus_per_node and torch.cuda.is_available():
+    if cfg.topology.gpus_per_node and cuda_device_count():
         return cfg.topology.gpus_per_node
     return cfg.topology.nproc_per_node
 

@@ -9,8 +9,10 @@ callers sample at their known high points (end of backward, checkpoint writes).
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _STATUS = "/proc/self/status"
 
@@ -75,4 +77,8 @@ class PeakMemory:
 
 def cuda_peak_bytes(device: torch.device) -> int:
     """CUDA's max allocated on `device` since the last reset, 0 off CUDA."""
-    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
+    if device.type != "cuda":
+        return 0
+    import torch
+
+    return int(torch.cuda.max_memory_allocated(device))

@@ -9,14 +9,16 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from runtime.config import MoesysConfig
 from runtime.errors import JobError
 from runtime.storage.budget import GB
 from runtime.storage.placement import plan_placement
 from runtime.topology import memory_cgroup, oom_kill_count
+
+if TYPE_CHECKING:
+    import torch
 
 OUT_OF_MEMORY_EXIT = 137
 """Exit status of a job stopped by an out-of-memory death: what a shell shows for a process killed by SIGKILL."""
@@ -104,6 +106,8 @@ def oom_message(rank: int, how: str, measured: int | None, estimate: int, fix: s
 
 def cuda_oom_message(cfg: MoesysConfig, plan: dict, rank: int, device: torch.device) -> str:
     """The one line for a worker whose CUDA allocation failed; `plan` as RUN_DIR/plan.json records it."""
+    import torch  # a CUDA worker has it loaded already
+
     measured = int(torch.cuda.max_memory_allocated(device))
     fix = smallest_fix(cfg, int(torch.cuda.get_device_properties(device).total_memory), gpu=True)
     return oom_message(rank, "CUDA out of memory", measured, int(plan["per_rank"]["device_total"]), fix)

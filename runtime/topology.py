@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-import torch
 
 GB = 1e9
 
@@ -84,6 +83,8 @@ def host_memory_bytes() -> int:
 def detect_machine(ssd_path: str) -> Machine:
     """Measure this node; the SSD figure is the free space of the filesystem that holds ssd_path. Host memory is
     the RAM or, when lower, this process's cgroup memory limit."""
+    import torch  # here, not at import: `moesys plan` and `moesys config` start without loading torch
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpu_mem = min((torch.cuda.get_device_properties(i).total_memory for i in range(gpus)), default=0) / GB
     free = shutil.disk_usage(_existing_parent(Path(ssd_path))).free / GB
@@ -113,6 +114,8 @@ def usable_cpus() -> int:
 def set_cpu_threads(processes: int = 1, respect_env: bool = True) -> int:
     """Give torch's intra-op pool this process's share of the usable CPUs (`processes` on this node share them),
     unless the user chose OMP_NUM_THREADS and respect_env is set. Returns the thread count in effect."""
+    import torch
+
     if not (respect_env and os.environ.get("OMP_NUM_THREADS")):
         torch.set_num_threads(max(1, usable_cpus() // max(1, processes)))
     return torch.get_num_threads()

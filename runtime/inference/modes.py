@@ -17,7 +17,7 @@ import torch
 from runtime.inference.auto import AutoOffloader
 from runtime.inference.expert_source import ExpertSource
 from runtime.inference.load import InferError
-from runtime.inference.offload import MODES, ExpertStore, OnDemandOffloader, Offloader, SlotOffloader
+from runtime.inference.offload import MODES, ExpertStore, OnDemandOffloader, Offloader
 from runtime.inference.ring import RingOffloader, check_ring_slots
 from runtime.model.transformer import Transformer
 

@@ -5,7 +5,6 @@ timelines, and the `none` and `ondemand` modes. The ring itself is in runtime/in
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import shutil

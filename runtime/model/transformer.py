@@ -14,7 +14,7 @@ from runtime.config import ModelConfig
 from runtime.model.attention import Attention, KVCache, rope_cos_sin
 from runtime.model.ffn import DenseFFN
 from runtime.model.init import draw_seed, init_parameters
-from runtime.model.norms import RMSNorm, build_norm
+from runtime.model.norms import build_norm
 from runtime.moe.layer import MoELayer
 
 @dataclass

@@ -14,7 +14,6 @@ from runtime.config import MoesysConfig
 from runtime.io import atomic_write_json
 from runtime.storage.budget import GB
 from runtime.storage.placement import plan_placement, plan_to_dict
-from runtime.train.tasks import task_gpu_counts
 
 PLAN = "plan.json"
 
@@ -41,7 +40,11 @@ def decide(cfg: MoesysConfig) -> tuple[Placement, dict]:
     st, r = cfg.storage, plan.per_rank
     mode = plan.mode if st.offload == "auto" else st.offload
     cache = r.local_experts if mode == "cpu" else min(st.cpu_cache_experts or r.cache_experts, r.local_experts)
-    task_gpus = task_gpu_counts(cfg, cfg.topology.world_size, plan) if cfg.tasks else {}
+    task_gpus = {}
+    if cfg.tasks:
+        from runtime.train.tasks import task_gpu_counts  # torch; only multi-task recipes need it
+
+        task_gpus = task_gpu_counts(cfg, cfg.topology.world_size, plan)
     placement = Placement(mode, cache if mode != "none" else 0, r.local_experts, r.device_capacity, r.host_capacity,
                           int(cfg.topology.ssd_gb * GB / cfg.topology.processes_per_node), task_gpus)
     return placement, plan_to_dict(plan)

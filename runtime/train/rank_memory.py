@@ -14,11 +14,13 @@ import socket
 import threading
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from runtime.io import atomic_write_json
 from runtime.memory_probe import PeakMemory, cuda_peak_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 
 MEMORY_DIR = "memory"
