@@ -20,10 +20,11 @@ from runtime.config import MoesysConfig
 from runtime.launch import build_launch, check_launchable
 from runtime.oom import OUT_OF_MEMORY_EXIT, OomWatch, oom_message, smallest_fix
 from runtime.process import Job, TorchrunLogs, resume_point
-from runtime.run_dir import (LOGS, RunLock, clear_fatal, default_run_dir, last_step_metrics, prepare_run_dir,
+from runtime.run_dir import (RunLock, clear_fatal, default_run_dir, last_step_metrics, node_logs, prepare_run_dir,
                              read_fatal, record_fatal, run_summary)
 from runtime.topology import host_memory_bytes
 from runtime.train.compare import recorded_plan
+from runtime.train.preflight import check_before_launch, check_plan
 from runtime.train.decided import record as record_placement
 from runtime.train.rank_memory import clear_rank_memory, read_rank_memory
 
@@ -34,13 +35,11 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     """Train with expert + data parallelism in torchrun processes; exits with the job's status."""
     cfg = resolve_config(overrides or [])
     cfg.train.run_dir = str(Path(cfg.train.run_dir or default_run_dir(cfg)).resolve())
-    from runtime.train.preflight import check_before_launch, check_plan  # reads the data: loads torch
-
     check_before_launch(cfg)  # what every worker would otherwise fail on, after torchrun's retries
     if dry_run:
         spec = build_launch(cfg, Path(cfg.train.run_dir))
         typer.echo(config_yaml(cfg))
-        typer.echo(spec.script if spec.script else shlex.join(spec.argv))
+        typer.echo(spec.script if spec.script else shlex.join([*(f"{k}={v}" for k, v in spec.env.items()), *spec.argv]))
         raise typer.Exit(0)
     check_launchable(cfg)
     check_plan(cfg)  # a run the plan says does not fit fails later on a tier's budget or by the OOM killer
@@ -55,9 +54,11 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     if spec.script:
         lock.release()
         submit(spec, run_dir, json_out)  # SLURM runs the job later: submit it, say how to follow it, exit 0
-    logs = TorchrunLogs(run_dir / LOGS)
-    oom = OomWatch(run_dir / LOGS / "launcher.log")
-    with Job(spec.argv, run_dir / LOGS / "launcher.log") as job:
+    logs_dir = node_logs(run_dir, cfg)  # this node's, in a run directory the nodes share
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    logs = TorchrunLogs(logs_dir)
+    oom = OomWatch(logs_dir / "launcher.log")
+    with Job(spec.argv, logs_dir / "launcher.log", env=spec.env) as job:
         code = _follow(job, logs, run_dir, cfg, oom, quiet=json_out)
     summary = run_summary(run_dir)
     fatal = read_fatal(run_dir)
@@ -68,10 +69,10 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
         error(f"{_stopped(run_dir, summary['steps'])}; resume with: {_resume_command(overrides or [], run_dir)}")
         raise typer.Exit(128 + job.stop_signal)
     if code < 0:  # torchrun itself was killed; its workers died with it
-        error(f"training failed: torchrun was killed by {signal.Signals(-code).name} (logs in {run_dir / LOGS})")
+        error(f"training failed: torchrun was killed by {signal.Signals(-code).name} (logs in {logs_dir})")
         raise typer.Exit(128 - code)
     if code != 0:
-        error(f"training failed with exit code {code}: {_last_error(logs, run_dir)} (logs in {run_dir / LOGS})")
+        error(f"training failed with exit code {code}: {_last_error(logs, logs_dir, cfg)} (logs in {logs_dir})")
         raise typer.Exit(code)
     if json_out:
         print_json(summary)
@@ -138,13 +139,14 @@ def _resume_command(overrides: list[str], run_dir: Path) -> str:
     return shlex.join(["moesys", "train", *kept, f"train.run_dir={run_dir}"])
 
 
-def _last_error(logs: TorchrunLogs, run_dir: Path) -> str:
-    """The error of the rank that failed first (the others' errors are mostly its echo: a closed connection),
-    else the last line of the launcher log."""
+def _last_error(logs: TorchrunLogs, logs_dir: Path, cfg: MoesysConfig) -> str:
+    """The error of this node's rank that failed first (the others' errors are mostly its echo: a closed
+    connection), else the last line of the launcher log."""
     failure = logs.failure()
     if failure:
-        return f"local rank {failure.local_rank}: {failure.message[:300]}"
-    launcher = run_dir / LOGS / "launcher.log"
+        node = f"node {cfg.launcher.node_rank} " if cfg.launcher.name == "multinode" else ""
+        return f"{node}local rank {failure.local_rank}: {failure.message[:300]}"
+    launcher = logs_dir / "launcher.log"
     lines = [line for line in launcher.read_text(errors="replace").splitlines() if any(c.isalnum() for c in line)]
     return lines[-1].strip()[:300] if lines else "no log output"
 

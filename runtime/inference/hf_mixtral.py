@@ -145,7 +145,8 @@ def _checked(files: _TensorFiles, name: str, shape: tuple[int, ...]) -> torch.Te
     return tensor
 
 
-def _expert_tensors(files: _TensorFiles, cfg: ModelConfig, i: int) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
+def _expert_tensors(files: _TensorFiles, cfg: ModelConfig,
+                    i: int) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
     """Layer i's router [E, D] and its experts, one view per expert (w1/w3 [F, D], w2 [D, F]), from either layout."""
     E, D, F = cfg.num_experts, cfg.hidden_size, cfg.ffn_size
     classic, fused = f"model.layers.{i}.block_sparse_moe", f"model.layers.{i}.mlp"

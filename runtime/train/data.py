@@ -12,37 +12,8 @@ from typing import Mapping, Optional
 
 import torch
 
-from runtime.errors import UserError
+from runtime.train.text import CORPUS_DIR, DOC_SEPARATOR, DataError, check_token_count, read_text_bytes  # noqa: F401
 from runtime.train.tokenizer import ByteTokenizer
-
-CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
-DOC_SEPARATOR = b"\n\n"
-
-
-class DataError(UserError):
-    """Training data that cannot be used; the message names the path."""
-
-
-def read_text_bytes(path: Optional[str | Path] = None, key: str = "train.data") -> bytes:
-    """The bytes of a text file, or of a directory's *.txt files (sorted, joined by a blank line).
-
-    None reads the corpus shipped with moesys; `key` is the config key named in errors.
-    """
-    source = CORPUS_DIR if path is None else Path(path).expanduser()
-    if not source.exists():
-        raise DataError(f"{key}={source} does not exist")
-    if source.is_dir():
-        files = sorted(p for p in source.glob("*.txt") if p.is_file())
-        if not files:
-            raise DataError(f"{key}={source} holds no *.txt files")
-        parts = [p.read_bytes().strip() for p in files]
-        data = DOC_SEPARATOR.join(p for p in parts if p)
-    else:
-        data = source.read_bytes().strip()
-    if not data:
-        raise DataError(f"{key}={source} is empty")
-    return data
-
 
 class TokenDataset:
     """A flat token stream cut into windows of seq_len + 1 tokens (input and target shifted by one).
@@ -55,9 +26,7 @@ class TokenDataset:
         if seq_len <= 0:
             raise DataError(f"{name}: seq_len must be positive (got {seq_len})")
         tokens = tokens.reshape(-1)
-        if tokens.numel() < seq_len + 1:
-            raise DataError(f"{name} holds {tokens.numel()} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; "
-                            "lower train.seq_len or give more text")
+        check_token_count(tokens.numel(), seq_len, name)
         self.tokens = tokens
         self.seq_len = seq_len
         self.seed = seed

@@ -10,9 +10,8 @@ from pathlib import Path
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.run_dir import expert_store_root
-from runtime.storage.expert_store import OWNER, check_owner
 from runtime.storage.placement import plan_placement
-from runtime.train.data import TokenDataset
+from runtime.train.text import check_text
 
 
 def check_before_launch(cfg: MoesysConfig) -> None:
@@ -24,7 +23,7 @@ def check_before_launch(cfg: MoesysConfig) -> None:
     sources = {"train.data": cfg.train.data} if not cfg.tasks else \
         {f"tasks.{name}.data": task.data for name, task in cfg.tasks.items()}
     for key, path in sources.items():
-        TokenDataset.from_path(path, cfg.train.seq_len, key=key)  # DataError: missing, empty or too short
+        check_text(path, cfg.train.seq_len, key)  # DataError: missing, empty or too short
     if cfg.storage.offload in ("ssd", "auto"):
         _check_store(expert_store_root(cfg), str(Path(cfg.train.run_dir).resolve()))
 
@@ -42,6 +41,8 @@ def check_plan(cfg: MoesysConfig) -> None:
 
 
 def _check_store(root: Path, run_dir: str) -> None:
+    from runtime.storage.expert_store import OWNER, check_owner  # torch: only offloaded runs pay for it
+
     for marker in root.glob(f"*/{OWNER}"):  # one store per expert-parallel rank
         check_owner(marker.parent, run_dir)
     probe = root

@@ -14,7 +14,8 @@ import pytest
 from tests.cli.conftest import losses, run_moesys
 
 pytestmark = pytest.mark.slow
-STEPS = 100
+STEPS = 40
+"""Past step 20, where the missed zero-gradient AdamW steps of idle experts had moved losses 8% apart."""
 
 
 def train(cwd: Path, name: str, *overrides: str, steps: int = STEPS) -> list[float]:

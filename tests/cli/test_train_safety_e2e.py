@@ -23,12 +23,12 @@ def train(cwd: Path, *overrides: str, timeout: float = 600) -> subprocess.Comple
 
 
 def test_runs_started_from_one_directory_keep_their_own_expert_stores(tmp_path):
-    ssd = ["storage.offload=ssd", *ONE_PROC, "train.checkpoint_every=5"]
-    for args in (["train.max_steps=10", "train.run_dir=runs/control"],  # the same two legs, nothing between
-                 ["train.max_steps=15", "train.run_dir=runs/control"],
-                 ["train.max_steps=10", "train.run_dir=runs/A"],
-                 ["train.max_steps=10", "train.seed=99", "train.run_dir=runs/B"],
-                 ["train.max_steps=15", "train.run_dir=runs/A"]):
+    ssd = ["storage.offload=ssd", *ONE_PROC, "train.checkpoint_every=3"]
+    for args in (["train.max_steps=6", "train.run_dir=runs/control"],  # the same two legs, nothing between
+                 ["train.max_steps=9", "train.run_dir=runs/control"],
+                 ["train.max_steps=6", "train.run_dir=runs/A"],
+                 ["train.max_steps=6", "train.seed=99", "train.run_dir=runs/B"],
+                 ["train.max_steps=9", "train.run_dir=runs/A"]):
         proc = train(tmp_path, *ssd, *args)
         assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "runs/A/expert_store").is_dir() and not (tmp_path / "moesys_ssd").exists()
