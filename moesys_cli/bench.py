@@ -28,6 +28,11 @@ def _ring(cfg: MoesysConfig) -> dict:
     return run_ring_bench(ring_slots=cfg.infer.ring_slots)
 
 
+def _infer(cfg: MoesysConfig) -> dict:
+    from runtime.bench.infer import run_infer_bench
+    return run_infer_bench(ring_slots=cfg.infer.ring_slots)
+
+
 def _offload(cfg: MoesysConfig) -> dict:
     from runtime.bench.offload import run_offload_bench
     return run_offload_bench()
@@ -48,18 +53,26 @@ def _beyond_memory(cfg: MoesysConfig) -> dict:
     return run_beyond_memory_bench()
 
 
+def _alltoall(cfg: MoesysConfig) -> dict:
+    from runtime.bench.alltoall import run_alltoall_bench
+    return run_alltoall_bench(cfg)
+
+
 BENCHES: dict[str, Callable[[MoesysConfig], dict]] = {
     "moe-layer": _moe_layer,
     "train": _train,
     "ring": _ring,
+    "infer": _infer,
     "offload": _offload,
     "embedding": _embedding,
     "elastic": _elastic,
     "beyond-memory": _beyond_memory,
+    "alltoall": _alltoall,
 }
 HONOURED: dict[str, tuple[str, ...] | None] = {
-    "moe-layer": (), "offload": (), "embedding": (), "ring": ("infer.ring_slots",), "train": None, "elastic": None,
-    "beyond-memory": (),
+    "moe-layer": (), "offload": (), "embedding": (), "ring": ("infer.ring_slots",),
+    "infer": ("infer.ring_slots",), "train": None, "elastic": None,
+    "beyond-memory": (), "alltoall": None,
 }
 """The override keys each benchmark uses (None: the whole resolved config); any other override is refused rather
 than silently ignored, since a figure measured on another shape than asked for misleads."""

@@ -1,0 +1,222 @@
+"""Offloaded inference against the peer a user would pick (seed 004 section 3.3.2; issue 16's targets).
+
+One random bf16 Hugging Face Mixtral checkpoint, written as shards with an index (8 layers of 8 experts, experts
+89% of the parameters at the default shape), decoded greedily by, each in a fresh process:
+- transformers with every weight in memory,
+- transformers + accelerate with the same expert budget: `device_map` keeps layers 0..K-1's experts in memory
+  and sends the other layers' experts to an offload folder on disk (everything else stays in memory),
+- `moesys infer --offload none`, `--offload auto` and `--offload ring` with infer.ring_slots=K.
+Decode tokens/s is the median of `repeats` generations in each process (decode = the tokens after the first,
+timed apart from the prompt). Then `moesys infer --offload auto` runs inside a memory cgroup of half the
+checkpoint's size (with the budget that fits there, CAPPED_SLOTS), from a cold page cache (the kernel's page cache
+dropped) and from a warm one, and must give the tokens of uncapped `--offload none`. Greedy tokens of transformers
+are compared too; in bf16 its op order differs, so on a random model they can part after a few tokens
+(`matching_prefix` counts how many agree).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from runtime import memcap
+
+SHAPE = {"hidden": 1024, "ffn": 3584, "layers": 8, "experts": 8, "vocab": 32000, "heads": 8}
+PROMPT = list(range(100, 116))
+NEW_TOKENS = 32
+REPEATS = 3
+MOESYS_MODES = ("none", "auto", "ring")
+CAPPED_SLOTS = 1
+"""The budget inside the cap: half of the default checkpoint is 0.80 GB, which holds the dense weights (0.20 GB),
+the process's runtime (about 0.3 GB) and one layer's experts (0.18 GB), not three."""
+
+
+def _decode_rate(generate, prompt_len: int, new_tokens: int, repeats: int) -> tuple[list[int], float]:
+    """(tokens, decode tokens/s): generate(n) makes n greedy tokens; decode = (t(n) - t(1)) over n - 1 tokens."""
+    generate(2)  # warm-up
+    rates, tokens = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        generate(1)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        tokens = generate(new_tokens)
+        rates.append((new_tokens - 1) / max(1e-9, time.perf_counter() - start - first))
+    return tokens, statistics.median(rates)
+
+
+def _hf_worker(checkpoint: str, slots: int, offload_dir: Optional[str], new_tokens: int, repeats: int) -> dict:
+    """transformers (+ accelerate's disk offload when offload_dir is given), in this process."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    kwargs: dict[str, Any] = {"dtype": torch.bfloat16}
+    if offload_dir is not None:
+        config = transformers.AutoConfig.from_pretrained(checkpoint)
+        device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+        for i in range(config.num_hidden_layers):
+            for part in ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp.gate"):
+                device_map[f"model.layers.{i}.{part}"] = "cpu"
+            device_map[f"model.layers.{i}.mlp.experts"] = "cpu" if i < slots else "disk"
+        kwargs.update(device_map=device_map, offload_folder=offload_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs).eval()
+    ids = torch.tensor([PROMPT])
+
+    def generate(n: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return out[0, len(PROMPT):].tolist()
+
+    read_before = _read_bytes()
+    tokens, rate = _decode_rate(generate, len(PROMPT), new_tokens, repeats)
+    offloaded = sum(f.stat().st_size for f in Path(offload_dir).rglob("*") if f.is_file()) if offload_dir else 0
+    return {"tokens": tokens, "decode_tokens_per_s": rate, "offload_folder_bytes": offloaded,
+            "disk_read_bytes": _read_bytes() - read_before}
+
+
+def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repeats: int) -> dict:
+    """moesys in this process: the checkpoint opened and placed once, then timed generations."""
+    import torch
+
+    from runtime.inference.generate import generate
+    from runtime.inference.load import open_checkpoint
+    from runtime.inference.modes import make_offloader
+    from runtime.topology import set_cpu_threads
+
+    set_cpu_threads(1)
+    loaded = open_checkpoint(checkpoint)
+    offloader = make_offloader(loaded.model, mode, torch.device("cpu"), slots, source=loaded.experts)
+    tokens, rate = _decode_rate(lambda n: generate(loaded.model, [PROMPT], n, offloader=offloader).tokens[0],
+                                len(PROMPT), new_tokens, repeats)
+    offloader.reset_stats()
+    generate(loaded.model, [PROMPT], new_tokens, offloader=offloader)
+    stats = offloader.stats()
+    offloader.close()
+    return {"tokens": tokens, "decode_tokens_per_s": rate, "placement": stats["placement"],
+            "store_bytes_per_token": stats["store_bytes"] / new_tokens,
+            "copied_bytes_per_token": stats["copied_bytes"] / new_tokens}
+
+
+def _read_bytes() -> int:
+    from runtime.memory_probe import disk_read_bytes
+
+    return disk_read_bytes()
+
+
+def _subprocess(call: str, args: dict, isolate: bool = True, timeout: float = 900) -> dict:
+    """Run `call(**args)` of this module in a fresh Python process (in this one when not isolate); its result."""
+    if not isolate:
+        return json.loads(json.dumps(globals()[call](**args)))
+    code = f"import json, sys; from runtime.bench import infer as b; print(json.dumps(b.{call}(**json.loads(sys.argv[1]))))"
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True,
+                          timeout=timeout)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return {"error": last, "returncode": done.returncode}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _infer_cli(checkpoint: Path, slots: int, new_tokens: int, cap: Optional[memcap.MemoryCap] = None) -> dict:
+    """`moesys infer --offload auto` as a user runs it (the installed command), in the cap when given."""
+    moesys = shutil.which("moesys") or "moesys"
+    done = subprocess.run([moesys, "infer", f"checkpoint={checkpoint}", f"prompt_ids={PROMPT}",
+                           f"infer.max_new_tokens={new_tokens}", f"infer.ring_slots={slots}", "--offload", "auto",
+                           "--json"], capture_output=True, text=True, timeout=900,
+                          preexec_fn=cap.preexec if cap else None)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]}
+    r = json.loads(done.stdout)
+    return {k: r[k] for k in ("tokens", "decode_tokens_per_s", "store_bytes_per_token", "disk_read_bytes_per_token",
+                              "page_cache_bytes_per_token", "peak_rss_anon_bytes", "placement")}
+
+
+def drop_page_cache() -> Optional[str]:
+    """Empty the kernel's page cache (root only); None when done, else why not."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return None
+    except OSError as exc:
+        return f"cannot drop the page cache ({exc.strerror or exc})"
+
+
+def _matching_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _ratio(a: dict, b: dict) -> Optional[float]:
+    if "decode_tokens_per_s" not in a or "decode_tokens_per_s" not in b:
+        return None
+    return a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+
+
+def run_infer_bench(ring_slots: int = 3, shape: Optional[dict] = None, new_tokens: int = NEW_TOKENS,
+                    repeats: int = REPEATS, capped: bool = True, workdir: Optional[Path] = None,
+                    isolate: bool = True) -> dict:
+    """Every system on one checkpoint; the ratios the issue targets and the capped cold/warm runs. isolate=False
+    runs the systems in this process (tests: the same code without a fresh interpreter for each)."""
+    from runtime.inference.random_checkpoint import write_random_mixtral
+
+    shape = dict(SHAPE, **(shape or {}))
+    root = Path(tempfile.mkdtemp(prefix="moesys-bench-infer-", dir=workdir))
+    try:
+        checkpoint = root / "mixtral"
+        size = write_random_mixtral(checkpoint, shape["hidden"], shape["ffn"], shape["layers"], shape["experts"],
+                                    shape["vocab"], heads=shape["heads"])
+        expert_bytes = 3 * shape["hidden"] * shape["ffn"] * 2 * shape["experts"] * shape["layers"]
+        common = {"checkpoint": str(checkpoint), "slots": ring_slots, "new_tokens": new_tokens, "repeats": repeats}
+        systems: dict[str, dict] = {
+            "transformers": _subprocess("_hf_worker", {**common, "offload_dir": None}, isolate),
+            "accelerate_disk": _subprocess("_hf_worker", {**common, "offload_dir": str(root / "offload")}, isolate),
+        }
+        for mode in MOESYS_MODES:
+            systems[f"moesys_{mode}"] = _subprocess("_moesys_worker", {**common, "mode": mode}, isolate)
+        reference = systems["moesys_none"].get("tokens")
+        for result in systems.values():
+            result["same_tokens_as_none"] = result.get("tokens") == reference
+            result["matching_prefix"] = _matching_prefix(result.get("tokens") or [], reference or [])
+        out: dict[str, Any] = {
+            "shape": shape, "checkpoint_bytes": size, "expert_share": expert_bytes / size, "ring_slots": ring_slots,
+            "prompt_tokens": len(PROMPT), "new_tokens": new_tokens, "systems": systems,
+            "auto_vs_none": _ratio(systems["moesys_auto"], systems["moesys_none"]),
+            "auto_vs_accelerate": _ratio(systems["moesys_auto"], systems["accelerate_disk"]),
+            "ring_vs_none": _ratio(systems["moesys_ring"], systems["moesys_none"]),
+            "none_vs_transformers": _ratio(systems["moesys_none"], systems["transformers"]),
+            "targets": {"auto_vs_none": 0.9, "auto_vs_accelerate": 1.6},
+        }
+        if capped:
+            out["capped"] = _capped_runs(checkpoint, size, new_tokens, reference)
+        return out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _capped_runs(checkpoint: Path, size: int, new_tokens: int, reference, slots: int = CAPPED_SLOTS) -> dict:
+    """auto inside a memory cgroup of half the checkpoint: cold page cache, then warm."""
+    why = memcap.available()
+    if why:
+        return {"skipped": why}
+    out: dict[str, Any] = {"cap_bytes": size // 2, "ring_slots": slots}
+    for run in ("cold", "warm"):
+        if run == "cold":
+            dropped = drop_page_cache()
+            if dropped:
+                out["cold_note"] = dropped
+        with memcap.MemoryCap(size // 2, "moesys-bench-infer") as cap:
+            result = _infer_cli(checkpoint, slots, new_tokens, cap)
+            result.update(oom_kills=cap.oom_kills(), cgroup_peak_bytes=cap.max_usage())
+        result["same_tokens_as_none"] = result.get("tokens") == reference
+        out[run] = result
+    return out
