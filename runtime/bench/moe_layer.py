@@ -24,20 +24,23 @@ def _equal_counts(rows: int, experts: int) -> torch.Tensor:
 
 def run_moe_layer_bench(tokens: int = 4096, hidden: int = 512, ffn: int = 2048, experts: int = 8, top_k: int = 2,
                         repeats: int = 7, warmup: int = 1, expert_type: str = "gelu", bias: bool = True,
-                        seed: int = 0) -> dict:
-    """Forward+backward tokens/s of moe, ceiling and loop, measured round-robin; returns a JSON-ready dict."""
+                        seed: int = 0, device: str | None = None) -> dict:
+    """Forward+backward tokens/s of moe, ceiling and loop, measured round-robin; returns a JSON-ready dict.
+    device: default the GPU where there is one (as `bench ring`), else the CPU."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     torch.manual_seed(seed)
     cfg = ModelConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, top_k=top_k,
                       expert_type=expert_type, bias=bias, capacity_factor=0.0)
-    layer = MoELayer(cfg)
+    layer = MoELayer(cfg).to(dev)
     weights = layer.experts.weights()
-    x_TD = torch.randn(tokens, hidden, requires_grad=True)
-    g_TD = torch.randn(tokens, hidden)
+    x_TD = torch.randn(tokens, hidden, device=dev, requires_grad=True)
+    g_TD = torch.randn(tokens, hidden, device=dev)
     rows = tokens * top_k
-    x_RD = torch.randn(rows, hidden, requires_grad=True)
-    g_RD = torch.randn(rows, hidden)
-    counts_e = _equal_counts(rows, experts)
-    one = torch.ones(())
+    x_RD = torch.randn(rows, hidden, device=dev, requires_grad=True)
+    g_RD = torch.randn(rows, hidden, device=dev)
+    counts_e = _equal_counts(rows, experts).to(dev)
+    one = torch.ones((), device=dev)
 
     def moe() -> None:
         y, stats = layer(x_TD)
@@ -58,8 +61,10 @@ def run_moe_layer_bench(tokens: int = 4096, hidden: int = 512, ffn: int = 2048, 
         for name, fn in runs.items():
             layer.zero_grad(set_to_none=True)
             x_TD.grad = x_RD.grad = None
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     tps = {name: tokens / statistics.median(ts) for name, ts in times.items()}
@@ -71,6 +76,7 @@ def run_moe_layer_bench(tokens: int = 4096, hidden: int = 512, ffn: int = 2048, 
                    "expert_type": expert_type, "bias": bias, "repeats": repeats, "warmup": warmup},
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "expert_impl": layer.experts.impl,
         "moe_tokens_per_s": tps["moe"],
         "ceiling_tokens_per_s": tps["ceiling"],
