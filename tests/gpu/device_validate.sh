@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# GPU validation on a lent device machine (the device tool's `run`), in two calls of under 8 minutes each:
+#   bash tests/gpu/device_validate.sh A   # env, pinned H2D bandwidth, tests/gpu, tiny training none/cpu/ssd, big model
+#   bash tests/gpu/device_validate.sh B   # bench moe-layer, ring, offload; tests/unit + tests/config
+# Needs hydra-core 1.3.2, omegaconf 2.3.0, antlr4-python3-runtime 4.9.3 as wheels in WHL (default .whl), carried.
+# Logs: $OUT/logs-PART.tgz (re-packed after every step, so a killed call still returns what ran) and
+# $OUT/summary-PART.txt (one line per step: name, exit status, seconds).
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+PART=${1:-A}
+WHL=${WHL:-.whl}
+OUT=${OUT:-/tmp/out}
+L=/tmp/L
+mkdir -p "$L" "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+mkdir -p /tmp/bin
+printf '#!/bin/sh\nexec python3 -c "import sys; from moesys_cli.app import main; sys.argv[0] = \\"moesys\\"; main()" "$@"\n' \
+  > /tmp/bin/moesys
+chmod +x /tmp/bin/moesys
+export PATH=/tmp/bin:$PATH
+R=/tmp/runs
+mkdir -p $R
+
+step() {  # step NAME TIMEOUT_S CMD...: log in $L/NAME.log, a summary line, logs re-packed into $OUT
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout -k 5 "$limit" bash -c "$*" >"$L/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc ${SECONDS}s_total $((SECONDS - t0))s" | tee -a "$OUT/summary-$PART.txt"
+  tar -C "$L" -czf "$OUT/logs-$PART.tgz" .
+}
+
+TRAIN="moesys train recipe=tiny topology=local train.precision=bf16 train.log_every=10 train.checkpoint_every=0"
+TRAIN="$TRAIN train.final_checkpoint=false --json"
+
+if [ "$PART" = A ]; then
+  step env 30 'nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; moesys --help | head -5; nproc; free -g; df -h /tmp'
+  step h2d 60 'python3 - <<EOF
+import torch, time
+n = 1 << 30
+src = torch.empty(n, dtype=torch.uint8).pin_memory()
+dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+for pinned, s in (("pinned", src), ("pageable", torch.empty(n, dtype=torch.uint8))):
+    dst.copy_(s, non_blocking=True); torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter(); dst.copy_(s, non_blocking=True); torch.cuda.synchronize(); times.append(time.perf_counter() - t)
+    print(pinned, "H2D GB/s per rep", [round(n / x / 1e9, 2) for x in times], "best", n / min(times) / 1e9)
+t = time.perf_counter(); src.copy_(dst, non_blocking=True); torch.cuda.synchronize(); print("pinned D2H GB/s", n / (time.perf_counter() - t) / 1e9)
+EOF'
+  step tests_gpu 150 'python3 -m pytest -p no:cacheprovider -q -rs tests/gpu tests/unit/train/test_worker_device.py'
+  for mode in none cpu ssd; do
+    step "train_$mode" 90 "$TRAIN storage=$mode train.max_steps=60 train.run_dir=$R/$mode && moesys plan --compare $R/$mode --json"
+  done
+  step train_ep2_cpu_procs 90 "$TRAIN topology=single train.max_steps=20 train.run_dir=$R/ep2cpu"  # 2 CPU ranks, GPU unused
+  # 2 ranks on the one GPU: refused before launch (gpus_per_node > GPUs present); NCCL would refuse a duplicate GPU
+  step train_ep2_one_gpu 30 "$TRAIN topology.detect=false topology.gpus_per_node=2 topology.gpu_memory_gb=80 topology.expert_parallel=2 train.max_steps=5 train.run_dir=$R/ep2gpu"
+  BIG="model.hidden_size=2048 model.ffn_hidden_size=4096 model.num_experts=32 model.num_layers=6 model.num_heads=16"  # plan: ~53 GB on the GPU
+  step plan_big 30 "moesys plan recipe=tiny topology=local train.precision=bf16 $BIG --json"
+  step train_big 150 "$TRAIN $BIG train.max_steps=10 train.log_every=1 train.run_dir=$R/big && moesys plan --compare $R/big --json"
+else
+  step bench_moe_layer 90 'moesys bench moe-layer --json'
+  step bench_ring 150 'moesys bench ring --json'
+  step bench_offload 150 'moesys bench offload --json'
+  step tests_unit 200 'python3 -m pytest -p no:cacheprovider -q -x -n 8 tests/unit tests/config'
+fi
+cat "$OUT/summary-$PART.txt"
