@@ -18,8 +18,9 @@ from moesys_cli.resolve import config_yaml, resolve_config
 from moesys_cli.slurm import submit
 from runtime.config import MoesysConfig
 from runtime.launch import build_launch, check_launchable
+from runtime.node_watch import LostNodeWatch
 from runtime.oom import OUT_OF_MEMORY_EXIT, OomWatch, oom_message, smallest_fix
-from runtime.process import Job, TorchrunLogs, resume_point
+from runtime.process import Job, TorchrunLogs, resume_point, worker_pids
 from runtime.run_dir import (RunLock, clear_fatal, default_run_dir, last_step_metrics, node_logs, prepare_run_dir,
                              read_fatal, record_fatal, run_summary)
 from runtime.topology import host_memory_bytes
@@ -59,7 +60,8 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     logs = TorchrunLogs(logs_dir)
     oom = OomWatch(logs_dir / "launcher.log")
     with Job(spec.argv, logs_dir / "launcher.log", env=spec.env) as job:
-        code = _follow(job, logs, run_dir, cfg, oom, quiet=json_out)
+        lost = _lost_node_watch(cfg, job)
+        code = _follow(job, logs, run_dir, cfg, oom, lost, quiet=json_out)
     summary = run_summary(run_dir)
     fatal = read_fatal(run_dir)
     if code != 0 and fatal is not None and job.stop_signal is None:  # a worker's own verdict, not retried
@@ -68,6 +70,10 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     if job.stop_signal is not None and (code != 0 or summary["stopped_early"]):
         error(f"{_stopped(run_dir, summary['steps'])}; resume with: {_resume_command(overrides or [], run_dir)}")
         raise typer.Exit(128 + job.stop_signal)
+    if lost is not None and lost.reason:
+        error(f"training failed on node {cfg.launcher.node_rank}: {lost.reason}; {_last_error(logs, logs_dir, cfg)} "
+              f"(logs in {logs_dir})")
+        raise typer.Exit(1)
     if code < 0:  # torchrun itself was killed; its workers died with it
         error(f"training failed: torchrun was killed by {signal.Signals(-code).name} (logs in {logs_dir})")
         raise typer.Exit(128 - code)
@@ -83,10 +89,18 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     raise typer.Exit(0)
 
 
-def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom: OomWatch, quiet: bool) -> int:
+def _lost_node_watch(cfg: MoesysConfig, job: Job) -> LostNodeWatch | None:
+    if cfg.launcher.name != "multinode" or cfg.topology.nodes < 2:
+        return None
+    return LostNodeWatch(job.proc.pid, cfg.launcher.rdzv_endpoint, grace_s=max(10.0, cfg.train.collective_timeout_s))
+
+
+def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom: OomWatch,
+            lost: LostNodeWatch | None, quiet: bool) -> int:
     """Show step, loss, tokens/s and expert load balance until the job ends, and say when it resumed from a
     checkpoint or torchrun restarted its workers. Returns the job's exit code, or OUT_OF_MEMORY_EXIT at once when
-    the OOM killer took a worker (leaving the with-block then stops torchrun before it restarts again)."""
+    the OOM killer took a worker (leaving the with-block then stops torchrun before it restarts again), or 1 once
+    a multinode job is lost on this node (torchrun is stopped: it may be blocked on the network for minutes)."""
     tr = cfg.train
     columns = [TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
@@ -100,6 +114,7 @@ def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom:
         if resumed:
             say(f"resumed from step {resumed[1]} ({resumed[0]})")
         restarts, stopping = 0, None
+        workers, generation_restarts = frozenset(), 0  # this node's workers now, and restarts when they started
         while True:
             code = job.wait(timeout=0.5)
             victim = oom.victim()  # before the restart it caused is reported: there will be no other
@@ -115,6 +130,14 @@ def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom:
                 point = resume_point(run_dir)
                 say(f"worker restarted ({restarts} of {tr.max_restarts} restarts), back to step "
                     f"{point[1] if point else 0}")
+            pids = worker_pids(job.proc.pid) if cfg.launcher.name == "multinode" else frozenset()
+            if pids and not pids & workers:  # new workers; torchrun restarts a node's workers without counting
+                if workers and logs.restarts() == generation_restarts and read_fatal(run_dir) is None:
+                    point = resume_point(run_dir)  # when another node's failed: say so, as for a counted one
+                    say(f"workers restarted with the other nodes (not counted in train.max_restarts), back to step "
+                        f"{point[1] if point else 0}")
+                generation_restarts = logs.restarts()
+            workers = pids or workers
             m = last_step_metrics(run_dir)
             if m:
                 progress.update(task, completed=m["step"],
@@ -122,6 +145,9 @@ def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom:
                                      f"load max/mean {m['expert_load_max_over_mean']:.2f}")
             if code is not None:
                 return code
+            if lost is not None and lost.lost():
+                job.kill()
+                return 1
 
 
 def _stopped(run_dir: Path, step: int) -> str:

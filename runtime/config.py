@@ -294,6 +294,10 @@ class LauncherConfig:
     """c10d rendezvous host:port (multinode)."""
     rdzv_id: str = "moesys"
     """Rendezvous job id (multinode)."""
+    local_addr: Optional[str] = None
+    """This node's address on the network the nodes share (multinode); null: its hostname. torchrun publishes it
+    to the other nodes and gloo/NCCL bind to its interface: set it where the hostname resolves to a loopback
+    address or to another network."""
     partition: Optional[str] = None
     """SLURM partition."""
     time: str = "24:00:00"
@@ -415,6 +419,9 @@ def validate(cfg: MoesysConfig) -> None:
              f"topology.expert_parallel={t.expert_parallel} must divide the world size (topology.nodes x "
              f"{'gpus_per_node' if t.gpus_per_node else 'nproc_per_node'} = {t.world_size})")
 
+    if cfg.launcher.name == "multinode" and t.nodes > 0:
+        need(0 <= cfg.launcher.node_rank < t.nodes,
+             f"launcher.node_rank={cfg.launcher.node_rank} must be in 0..{t.nodes - 1} (topology.nodes={t.nodes})")
     per_node = cfg.parallel.ranks_per_node or t.processes_per_node
     if cfg.parallel.alltoall == "hierarchical" and per_node > 0 and t.expert_parallel > per_node:
         need(t.expert_parallel % per_node == 0,

@@ -6,13 +6,18 @@ A SLURM job is submitted and left to the scheduler (`submit_slurm`): nothing her
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
@@ -20,8 +25,11 @@ from runtime.storage.budget import GB
 from runtime.storage.placement import LAUNCHER_BYTES, plan_placement
 from runtime.topology import host_memory_bytes
 from runtime.io import atomic_write_text
+from runtime.run_dir import node_logs
 
 WORKER_MODULE = "runtime.train.worker"
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""torchrun's workers then get a new TCP store from rank 0 every rendezvous round (see multinode_env)."""
 SLURM_SCRIPT = "job.sbatch"
 SLURM_LOG = "slurm-%j.out"
 _NO_SBATCH = ("launcher=slurm submits with {command}, which is not on PATH; run moesys train on a SLURM login node, "
@@ -35,6 +43,8 @@ class LaunchSpec:
     script: str | None = None
     """The sbatch script text, when the launcher is slurm."""
     nproc_per_node: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables the command runs with, beyond this process's own."""
 
 
 def cuda_device_count() -> int:
@@ -63,6 +73,55 @@ def check_launchable(cfg: MoesysConfig, ram_bytes: float | None = None) -> None:
                         "use topology=local (this machine), topology=single (CPU processes) or launcher=slurm")
     if cfg.launcher.name != "slurm" and not cfg.topology.gpus_per_node:
         check_host_memory(cfg, host_memory_bytes() if ram_bytes is None else ram_bytes)
+    if cfg.launcher.name == "multinode" and cfg.topology.nodes > 1:
+        check_node_address(cfg.launcher.local_addr)
+
+
+def check_node_address(local_addr: str | None, hostname: str | None = None) -> None:
+    """The address torchrun publishes for this node must reach it from the others: launcher.local_addr, which must
+    be one of this machine's, or else this machine's name (`hostname`, default its FQDN as torchrun takes it),
+    which must not resolve to a loopback address (the other nodes would connect to themselves, and hang)."""
+    if local_addr:
+        if interface_of(local_addr) is None:
+            raise UserError(f"launcher.local_addr={local_addr} is not an address of this machine; set it to this "
+                            "node's address on the network the nodes share")
+        return
+    name = hostname or socket.getfqdn()
+    addresses = _addresses(name)
+    if all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        what = "resolves to a loopback address, which the other nodes cannot reach" if addresses else \
+            "does not resolve to an address"
+        raise UserError(f"launcher=multinode: this machine's name {name!r} {what}; set launcher.local_addr to this "
+                        "node's address on the network the nodes share")
+
+
+def _addresses(host: str) -> list[str]:
+    try:
+        return sorted({info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
+    except (socket.gaierror, UnicodeError):
+        return []
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface of this machine that holds `address` (an IP address or a name resolving to one)."""
+    wanted = set(_addresses(address))
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] in wanted for a in addrs):
+            return name
+    return None
+
+
+def multinode_env(cfg: MoesysConfig) -> dict[str, str]:
+    """A fresh TCP store for every rendezvous round (torchrun's shared store is reused across rounds, and a
+    worker restarted on one node must not meet the keys of the previous round); gloo and NCCL bound to the
+    interface of launcher.local_addr, unless the user chose one."""
+    env = dict(FRESH_STORE)
+    interface = interface_of(cfg.launcher.local_addr) if cfg.launcher.local_addr else None
+    if interface:
+        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if key not in os.environ:
+                env[key] = interface
+    return env
 
 
 def check_host_memory(cfg: MoesysConfig, ram_bytes: float) -> None:
@@ -93,15 +152,19 @@ def build_launch(cfg: MoesysConfig, run_dir: Path) -> LaunchSpec:
     launcher, nproc = cfg.launcher, processes_per_node(cfg)
     worker = ["-m", WORKER_MODULE, str(run_dir)]
     common = [f"--nproc_per_node={nproc}", f"--max_restarts={cfg.train.max_restarts}",
-              f"--log_dir={run_dir / 'logs'}", "--redirects=3"]
+              f"--log_dir={node_logs(run_dir, cfg)}", "--redirects=3"]
     if launcher.name == "local":
         argv = [*torchrun_prefix(), "--standalone", "--nnodes=1", *common, *worker]
         return LaunchSpec(argv=argv, nproc_per_node=nproc)
     if launcher.name == "multinode":
-        argv = [*torchrun_prefix(), f"--nnodes={cfg.topology.nodes}", f"--node_rank={launcher.node_rank}",
-                "--rdzv_backend=c10d", f"--rdzv_endpoint={launcher.rdzv_endpoint}", f"--rdzv_id={launcher.rdzv_id}",
-                *common, *worker]
-        return LaunchSpec(argv=argv, nproc_per_node=nproc)
+        # c10d ignores --node_rank (the rendezvous orders the nodes); node 0 hosts the rendezvous store, said
+        # explicitly: torchrun's guess (the endpoint names this machine) misses an address of a secondary NIC.
+        hosts = "true" if launcher.node_rank == 0 else "false"
+        local = [f"--local_addr={launcher.local_addr}"] if launcher.local_addr else []
+        argv = [*torchrun_prefix(), f"--nnodes={cfg.topology.nodes}", "--rdzv_backend=c10d",
+                f"--rdzv_endpoint={launcher.rdzv_endpoint}", f"--rdzv_id={launcher.rdzv_id}",
+                f"--rdzv_conf=is_host={hosts}", *local, *common, *worker]
+        return LaunchSpec(argv=argv, nproc_per_node=nproc, env=multinode_env(cfg))
     script = slurm_script(cfg, run_dir, cfg.topology.gpus_per_node or nproc)
     return LaunchSpec(argv=["sbatch", str(run_dir / SLURM_SCRIPT)], script=script, nproc_per_node=nproc)
 
@@ -124,6 +187,7 @@ def slurm_script(cfg: MoesysConfig, run_dir: Path, nproc: int) -> str:
     torchrun = " ".join(shlex.quote(a) for a in torchrun_prefix())
     lines += [
         "set -euo pipefail",
+        *(f"export {k}={v}" for k, v in FRESH_STORE.items()),
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"srun {torchrun} --nnodes=\"$SLURM_NNODES\" --nproc_per_node={nproc} "
         f"--max_restarts={cfg.train.max_restarts} --rdzv_backend=c10d "

@@ -65,8 +65,9 @@ class Job:
     of the step and exit); a second one kills the command, and its workers die with it.
     """
 
-    def __init__(self, argv: list[str], log_path: Path):
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.argv, self.log_path = argv, Path(log_path)
+        self.env = {**os.environ, **env} if env else None
         self.stop_signal: int | None = None
         """The first stop signal received (signal.SIGINT or signal.SIGTERM), or None."""
         self.proc: subprocess.Popen | None = None
@@ -77,7 +78,7 @@ class Job:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=_tie_to(os.getpid(), signal.SIGTERM))
+                                         env=self.env, preexec_fn=_tie_to(os.getpid(), signal.SIGTERM))
         if self.stop_signal is not None:  # arrived while starting
             self.proc.send_signal(self.stop_signal)
         return self
@@ -96,6 +97,16 @@ class Job:
         except subprocess.TimeoutExpired:
             return None
 
+    def kill(self, grace_s: float = 5.0) -> None:
+        """Stop the command now: SIGTERM, then SIGKILL after grace_s (a torchrun blocked in a network call does
+        not get to its SIGTERM handler)."""
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
     def __exit__(self, *exc) -> None:
         try:
             if self.proc is not None and self.proc.poll() is None:  # the follower failed: stop the job, gently
@@ -104,6 +115,27 @@ class Job:
         finally:
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
+
+
+def worker_pids(agent_pid: int) -> frozenset[int]:
+    """The workers torchrun (`agent_pid`) runs now: its live children that run the worker module. Empty when
+    torchrun has ended, or between two attempts."""
+    import psutil
+
+    from runtime.launch import WORKER_MODULE
+
+    found = set()
+    try:
+        children = psutil.Process(agent_pid).children()
+    except psutil.Error:
+        return frozenset()
+    for child in children:
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and WORKER_MODULE in child.cmdline():
+                found.add(child.pid)
+        except psutil.Error:
+            continue
+    return frozenset(found)
 
 
 @dataclass(frozen=True)
@@ -138,11 +170,17 @@ def _error_json_message(path: Path) -> str | None:
     return message.strip().splitlines()[-1] if isinstance(message, str) and message.strip() else None
 
 
+_ECHO = re.compile(r"Connection (closed|reset) by peer|Broken pipe")
+"""An error that only echoes a peer's failure: the connection to it ended."""
+
+
 def first_failure(attempt_dir: Path) -> RankError | None:
     """The error of the rank that failed first in one attempt of torchrun's log tree, or None.
 
     A rank failed when it has an error.json or its stderr.log ends a traceback; the one whose file was written
-    first failed first. The others usually fail because of it (a peer's closed connection), later."""
+    first failed first. The others usually fail because of it (a peer's closed connection), later; such an echo
+    is quoted only when no rank has another error (a rank's file may be written last after it failed first: a
+    rank that timed out keeps logging while it shuts down, and its peer on the same node sees the close first)."""
     found = []
     for rank_dir in Path(attempt_dir).iterdir():
         if not rank_dir.name.isdigit():
@@ -153,10 +191,10 @@ def first_failure(attempt_dir: Path) -> RankError | None:
         if message is None and stderr.exists():
             message, source = exception_line(stderr.read_text(errors="replace")), stderr
         if message:
-            found.append((source.stat().st_mtime_ns, int(rank_dir.name), message))
+            found.append((bool(_ECHO.search(message)), source.stat().st_mtime_ns, int(rank_dir.name), message))
     if not found:
         return None
-    _, rank, message = min(found)
+    _, _, rank, message = min(found)
     return RankError(rank, message)
 
 

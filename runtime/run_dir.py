@@ -28,6 +28,14 @@ def default_run_dir(cfg: MoesysConfig) -> Path:
     return Path("outputs") / f"{cfg.recipe or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def node_logs(run_dir: Path, cfg: MoesysConfig) -> Path:
+    """This node's logs: RUN_DIR/logs, or RUN_DIR/logs/node<N> in a multinode job, whose nodes share the run
+    directory (each node's torchrun writes the same local-rank tree, and each launcher follows its own)."""
+    if cfg.launcher.name == "multinode":
+        return Path(run_dir) / LOGS / f"node{cfg.launcher.node_rank}"
+    return Path(run_dir) / LOGS
+
+
 def expert_store_root(cfg: MoesysConfig) -> Path:
     """Where this run's SSD expert store lives: storage.ssd_path, or expert_store/ inside the run directory."""
     if cfg.storage.ssd_path:

@@ -37,20 +37,23 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int, int, torch.dev
     if world > 1:
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=timeout, store=_attempt_store(rank, world, timeout))
+                                timeout=timeout, store=_attempt_store(world, timeout))
     return rank, world, local_world, device
 
 
-def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store | None:
+def _attempt_store(world: int, timeout: datetime.timedelta) -> dist.Store | None:
     """torchrun's store outlives a restart of the workers; prefix every key with the restart count so that a
     restarted worker never reads the address a dead worker of the previous attempt published (a hang seen
-    under load after a worker was SIGKILLed)."""
+    under load after a worker was SIGKILLed). A multinode job has no shared store (runtime/launch.py): rank 0
+    hosts a new one every round, and the nodes' restart counts differ (a node whose workers did not fail
+    restarts them without counting), so no prefix there."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or "MASTER_ADDR" not in os.environ:
         return None
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_hosts and rank == 0, timeout=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
     return dist.PrefixStore(f"moesys/attempt_{attempt}", store)
 
 

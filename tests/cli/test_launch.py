@@ -20,8 +20,10 @@ def test_multinode_launch_uses_c10d_rendezvous(tmp_path):
     cfg = resolve_config(["recipe=tiny", "launcher=multinode", "topology.nodes=3", "launcher.node_rank=2",
                           "launcher.rdzv_endpoint=head:29400", "topology.expert_parallel=2"])
     argv = build_launch(cfg, tmp_path).argv
-    assert argv[len(torchrun_prefix()):][:5] == ["--nnodes=3", "--node_rank=2", "--rdzv_backend=c10d",
-                                                 "--rdzv_endpoint=head:29400", "--rdzv_id=moesys"]
+    # c10d orders the nodes itself (torchrun ignores --node_rank); node 0 hosts the rendezvous store.
+    assert argv[len(torchrun_prefix()):][:5] == ["--nnodes=3", "--rdzv_backend=c10d", "--rdzv_endpoint=head:29400",
+                                                 "--rdzv_id=moesys", "--rdzv_conf=is_host=false"]
+    assert f"--log_dir={tmp_path / 'logs' / 'node2'}" in argv  # the nodes share the run directory
     assert argv[-3:] == ["-m", WORKER_MODULE, str(tmp_path)]
 
 
@@ -33,6 +35,7 @@ def test_slurm_script_runs_srun_torchrun_on_every_node(tmp_path):
     assert "#SBATCH --partition=a100" in spec.script
     srun = [line for line in spec.script.splitlines() if line.startswith("srun ")][0]
     assert "--nproc_per_node=8" in srun and "--rdzv_backend=c10d" in srun and f"-m {WORKER_MODULE}" in srun
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in spec.script  # a fresh store every round
 
 
 def test_dry_run_prints_config_and_command_and_runs_nothing(tmp_path):

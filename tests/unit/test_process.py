@@ -49,6 +49,15 @@ def test_the_rank_whose_traceback_came_first_is_quoted_not_its_peer(tmp_path):
     assert failure.message == "safetensors_rust.SafetensorError: Error while deserializing header: header too large"
 
 
+def test_a_peer_that_only_saw_the_connection_close_is_not_quoted_even_when_it_wrote_first(tmp_path):
+    a = attempt(tmp_path)
+    write(a / "0" / "stderr.log", CLOSED, 2_000_000_000)
+    write(a / "1" / "stderr.log", HEADER + "W1124 shutting down\n", 2_000_500_000)  # failed first, wrote last
+    assert first_failure(a).local_rank == 1
+    write(a / "1" / "stderr.log", "W1123 a warning\n", 2_000_500_000)  # no other error: the echo is all there is
+    assert first_failure(a).local_rank == 0
+
+
 def test_error_json_counts_as_a_failure_and_ranks_without_a_traceback_do_not(tmp_path):
     a = attempt(tmp_path)
     write(a / "0" / "stderr.log", "W1123 a warning written at start\n", 1_000_000)  # rank 0 never failed

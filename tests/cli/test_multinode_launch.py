@@ -1,0 +1,84 @@
+"""What `moesys train launcher=multinode` decides before it starts torchrun on a node: who hosts the rendezvous, the
+address it publishes and the interface collectives bind to, a fresh store per round, this node's logs, and a node
+that cannot be reached is refused, or, once its job is lost, noticed."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from moesys_cli.resolve import resolve_config
+from runtime.config import ConfigError
+from runtime.errors import UserError
+from runtime.launch import build_launch, check_node_address, interface_of
+from runtime.node_watch import LostNodeWatch, reachable
+from runtime.run_dir import node_logs
+
+NODE = ["recipe=tiny", "launcher=multinode", "topology.nodes=2", "topology.expert_parallel=4",
+        "launcher.rdzv_endpoint=10.1.2.3:29400"]
+
+
+def test_node_0_hosts_the_rendezvous_and_publishes_its_local_addr(tmp_path, monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's choice wins
+    spec = build_launch(resolve_config([*NODE, "launcher.node_rank=0", "launcher.local_addr=127.0.0.1"]), tmp_path)
+    assert "--rdzv_conf=is_host=true" in spec.argv and "--local_addr=127.0.0.1" in spec.argv
+    assert spec.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": interface_of("127.0.0.1")}
+    assert f"--log_dir={tmp_path / 'logs' / 'node0'}" in spec.argv
+    other = build_launch(resolve_config([*NODE, "launcher.node_rank=1"]), tmp_path)
+    assert "--rdzv_conf=is_host=false" in other.argv and not any(a.startswith("--local_addr") for a in other.argv)
+    assert other.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def test_the_dry_run_shows_the_environment_of_the_command(tmp_path):
+    from tests.cli.conftest import run_moesys
+    out = run_moesys("train", *NODE, "launcher.node_rank=1", f"train.run_dir={tmp_path}", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1].startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 ")
+
+
+def test_node_logs_are_per_node_only_for_multinode(tmp_path):
+    assert node_logs(tmp_path, resolve_config(["recipe=tiny"])) == tmp_path / "logs"
+    assert node_logs(tmp_path, resolve_config([*NODE, "launcher.node_rank=1"])) == tmp_path / "logs" / "node1"
+
+
+def test_a_node_rank_outside_the_nodes_is_refused():
+    with pytest.raises(ConfigError, match=r"launcher.node_rank=2 must be in 0..1"):
+        resolve_config([*NODE, "launcher.node_rank=2"])
+
+
+def test_an_address_the_other_nodes_cannot_reach_is_refused_before_launch():
+    with pytest.raises(UserError, match="name .localhost. resolves to a loopback address.*set launcher.local_addr"):
+        check_node_address(None, hostname="localhost")
+    with pytest.raises(UserError, match="launcher.local_addr=192.0.2.77 is not an address of this machine"):
+        check_node_address("192.0.2.77")  # TEST-NET-1: never configured on a real machine
+    check_node_address("127.0.0.1")  # one of this machine's: accepted
+    check_node_address(None, hostname="192.0.2.77")  # a name that resolves to a routable address: accepted
+
+
+def test_a_node_whose_workers_ended_and_whose_rendezvous_is_gone_is_lost():
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        open_endpoint = f"127.0.0.1:{listening.getsockname()[1]}"
+        assert reachable(open_endpoint)
+    closed_endpoint = open_endpoint  # nothing listens there any more
+    assert not reachable(closed_endpoint)
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # a torchrun with no workers
+    try:
+        watch = LostNodeWatch(agent.pid, closed_endpoint, grace_s=0.0, probe_every_s=0.0)
+        reason = watch.lost() or watch.lost()
+        assert reason and f"rendezvous endpoint {closed_endpoint} has not answered" in reason
+        assert watch.reason == reason
+        with socket.socket() as listening:
+            listening.bind(("127.0.0.1", 0))
+            listening.listen()
+            alive = LostNodeWatch(agent.pid, f"127.0.0.1:{listening.getsockname()[1]}", grace_s=0.0,
+                                  probe_every_s=0.0)
+            assert alive.lost() is None and alive.lost() is None  # a rendezvous that answers: a restart, not lost
+    finally:
+        agent.kill()
+        agent.wait()
