@@ -17,10 +17,10 @@ from moesys_cli.render import console, error, print_json
 from moesys_cli.resolve import config_yaml, resolve_config
 from moesys_cli.slurm import submit
 from runtime.config import MoesysConfig
-from runtime.launch import build_launch, check_launchable
+from runtime.launch import build_launch, check_launchable, rendezvous_join_s
 from runtime.node_watch import LostNodeWatch
 from runtime.oom import OUT_OF_MEMORY_EXIT, OomWatch, oom_message, smallest_fix
-from runtime.process import Job, TorchrunLogs, resume_point, worker_pids
+from runtime.process import Job, TorchrunLogs, exception_line, resume_point, worker_pids
 from runtime.run_dir import (RunLock, clear_fatal, default_run_dir, last_step_metrics, node_logs, prepare_run_dir,
                              read_fatal, record_fatal, run_summary)
 from runtime.topology import host_memory_bytes
@@ -59,6 +59,7 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     logs_dir.mkdir(parents=True, exist_ok=True)
     logs = TorchrunLogs(logs_dir)
     oom = OomWatch(logs_dir / "launcher.log")
+    launched_at = oom.offset  # the launcher log's size before this launch (a resume appends to it)
     with Job(spec.argv, logs_dir / "launcher.log", env=spec.env) as job:
         lost = _lost_node_watch(cfg, job)
         code = _follow(job, logs, run_dir, cfg, oom, lost, quiet=json_out)
@@ -71,14 +72,15 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
         error(f"{_stopped(run_dir, summary['steps'])}; resume with: {_resume_command(overrides or [], run_dir)}")
         raise typer.Exit(128 + job.stop_signal)
     if lost is not None and lost.reason:
-        error(f"training failed on node {cfg.launcher.node_rank}: {lost.reason}; {_last_error(logs, logs_dir, cfg)} "
-              f"(logs in {logs_dir})")
+        cause = _last_error(logs, logs_dir, cfg, launched_at)
+        error(f"training failed on node {cfg.launcher.node_rank}: {lost.reason}; {cause} (logs in {logs_dir})")
         raise typer.Exit(1)
     if code < 0:  # torchrun itself was killed; its workers died with it
         error(f"training failed: torchrun was killed by {signal.Signals(-code).name} (logs in {logs_dir})")
         raise typer.Exit(128 - code)
     if code != 0:
-        error(f"training failed with exit code {code}: {_last_error(logs, logs_dir, cfg)} (logs in {logs_dir})")
+        cause = _last_error(logs, logs_dir, cfg, launched_at)
+        error(f"training failed with exit code {code}: {cause} (logs in {logs_dir})")
         raise typer.Exit(code)
     if json_out:
         print_json(summary)
@@ -165,14 +167,27 @@ def _resume_command(overrides: list[str], run_dir: Path) -> str:
     return shlex.join(["moesys", "train", *kept, f"train.run_dir={run_dir}"])
 
 
-def _last_error(logs: TorchrunLogs, logs_dir: Path, cfg: MoesysConfig) -> str:
+def _last_error(logs: TorchrunLogs, logs_dir: Path, cfg: MoesysConfig, launched_at: int = 0) -> str:
     """The error of this node's rank that failed first (the others' errors are mostly its echo: a closed
-    connection), else the last line of the launcher log."""
+    connection), else the last line of the launcher log; first, for a multinode job whose torchrun gave up
+    waiting for the other nodes (launcher log from byte `launched_at`, this launch's), that."""
     failure = logs.failure()
+    launcher = logs_dir / "launcher.log"
+    quoted = None
     if failure:
         node = f"node {cfg.launcher.node_rank} " if cfg.launcher.name == "multinode" else ""
-        return f"{node}local rank {failure.local_rank}: {failure.message[:300]}"
-    launcher = logs_dir / "launcher.log"
+        quoted = f"{node}local rank {failure.local_rank}: {failure.message[:300]}"
+    agent_error = None
+    if cfg.launcher.name == "multinode" and launcher.exists():
+        with launcher.open("rb") as f:
+            f.seek(launched_at)
+            agent_error = exception_line(f.read().decode(errors="replace"))
+    if agent_error and agent_error.endswith("RendezvousTimeoutError"):  # a node never came (back)
+        waited = (f"the other nodes did not join the rendezvous at {cfg.launcher.rdzv_endpoint} within "
+                  f"{rendezvous_join_s(cfg)} s (a node's moesys train is gone, or cannot reach it)")
+        return f"{waited}; before that, {quoted}" if quoted else waited
+    if quoted:
+        return quoted
     lines = [line for line in launcher.read_text(errors="replace").splitlines() if any(c.isalnum() for c in line)]
     return lines[-1].strip()[:300] if lines else "no log output"
 

@@ -30,6 +30,8 @@ from runtime.run_dir import node_logs
 WORKER_MODULE = "runtime.train.worker"
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """torchrun's workers then get a new TCP store from rank 0 every rendezvous round (see multinode_env)."""
+JOIN_TIMEOUT_MIN_S = 60
+"""The least time a multinode node waits for the others to join (the commands are started by hand)."""
 SLURM_SCRIPT = "job.sbatch"
 SLURM_LOG = "slurm-%j.out"
 _NO_SBATCH = ("launcher=slurm submits with {command}, which is not on PATH; run moesys train on a SLURM login node, "
@@ -111,6 +113,12 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+def rendezvous_join_s(cfg: MoesysConfig) -> int:
+    """Seconds a node waits for the others to join the rendezvous, at the start and after a restart:
+    train.collective_timeout_s, at least JOIN_TIMEOUT_MIN_S."""
+    return int(max(JOIN_TIMEOUT_MIN_S, cfg.train.collective_timeout_s))
+
+
 def multinode_env(cfg: MoesysConfig) -> dict[str, str]:
     """A fresh TCP store for every rendezvous round (torchrun's shared store is reused across rounds, and a
     worker restarted on one node must not meet the keys of the previous round); gloo and NCCL bound to the
@@ -159,11 +167,13 @@ def build_launch(cfg: MoesysConfig, run_dir: Path) -> LaunchSpec:
     if launcher.name == "multinode":
         # c10d ignores --node_rank (the rendezvous orders the nodes); node 0 hosts the rendezvous store, said
         # explicitly: torchrun's guess (the endpoint names this machine) misses an address of a secondary NIC.
+        # A node waits for the others (at the start, and after a restart) as long as for a peer in a collective.
         hosts = "true" if launcher.node_rank == 0 else "false"
+        join_s = rendezvous_join_s(cfg)
         local = [f"--local_addr={launcher.local_addr}"] if launcher.local_addr else []
         argv = [*torchrun_prefix(), f"--nnodes={cfg.topology.nodes}", "--rdzv_backend=c10d",
                 f"--rdzv_endpoint={launcher.rdzv_endpoint}", f"--rdzv_id={launcher.rdzv_id}",
-                f"--rdzv_conf=is_host={hosts}", *local, *common, *worker]
+                f"--rdzv_conf=is_host={hosts},join_timeout={join_s}", *local, *common, *worker]
         return LaunchSpec(argv=argv, nproc_per_node=nproc, env=multinode_env(cfg))
     script = slurm_script(cfg, run_dir, cfg.topology.gpus_per_node or nproc)
     return LaunchSpec(argv=["sbatch", str(run_dir / SLURM_SCRIPT)], script=script, nproc_per_node=nproc)

@@ -25,11 +25,12 @@ def test_node_0_hosts_the_rendezvous_and_publishes_its_local_addr(tmp_path, monk
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's choice wins
     spec = build_launch(resolve_config([*NODE, "launcher.node_rank=0", "launcher.local_addr=127.0.0.1"]), tmp_path)
-    assert "--rdzv_conf=is_host=true" in spec.argv and "--local_addr=127.0.0.1" in spec.argv
+    assert "--rdzv_conf=is_host=true,join_timeout=300" in spec.argv and "--local_addr=127.0.0.1" in spec.argv
     assert spec.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": interface_of("127.0.0.1")}
     assert f"--log_dir={tmp_path / 'logs' / 'node0'}" in spec.argv
     other = build_launch(resolve_config([*NODE, "launcher.node_rank=1"]), tmp_path)
-    assert "--rdzv_conf=is_host=false" in other.argv and not any(a.startswith("--local_addr") for a in other.argv)
+    assert "--rdzv_conf=is_host=false,join_timeout=300" in other.argv  # as long as for a peer in a collective
+    assert not any(a.startswith("--local_addr") for a in other.argv)
     assert other.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
@@ -82,3 +83,28 @@ def test_a_node_whose_workers_ended_and_whose_rendezvous_is_gone_is_lost():
     finally:
         agent.kill()
         agent.wait()
+
+
+def test_a_node_that_never_rejoined_is_named_with_the_failure_before_it(tmp_path):
+    from moesys_cli.train import _last_error
+    from runtime.process import TorchrunLogs
+
+    cfg = resolve_config([*NODE, "launcher.node_rank=0", "train.collective_timeout_s=5"])
+    logs_dir = node_logs(tmp_path, cfg)
+    logs_dir.mkdir(parents=True)
+    timeout = ("Traceback (most recent call last):\n  File \"torchrun\", line 8, in <module>\n"
+               "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError\n")
+    (logs_dir / "launcher.log").write_text(timeout)  # an earlier launch's
+    launched_at = (logs_dir / "launcher.log").stat().st_size
+    logs = TorchrunLogs(logs_dir)
+    rank0 = logs_dir / "moesys_x1" / "attempt_0" / "0"
+    rank0.mkdir(parents=True)
+    (rank0 / "stderr.log").write_text("[rank0]: Traceback (most recent call last):\n"
+                                      "[rank0]: RuntimeError: Read error [10.1.2.4]:1: Connection reset by peer\n")
+    assert _last_error(logs, logs_dir, cfg, launched_at).startswith("node 0 local rank 0: RuntimeError: Read error")
+    with (logs_dir / "launcher.log").open("a") as log:
+        log.write("W1124 starting\n" + timeout)  # this launch's torchrun gave up on the lost node
+    message = _last_error(logs, logs_dir, cfg, launched_at)
+    assert message.startswith("the other nodes did not join the rendezvous at 10.1.2.3:29400 within 60 s")
+    assert message.endswith("before that, node 0 local rank 0: RuntimeError: Read error [10.1.2.4]:1: Connection "
+                            "reset by peer")
