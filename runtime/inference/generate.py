@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -79,9 +79,13 @@ def _sync(device: torch.device) -> None:
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, offloader: Optional[Offloader] = None,
-             keep_logits: bool = False) -> Generation:
+             keep_logits: bool = False, on_token: Optional[Callable[[list[int], Tensor], None]] = None) -> Generation:
     """Prompts of equal length run as one batch (no padding, so batching never changes a result); each batch is
-    one prefill forward, then max_new_tokens - 1 single-token forwards against the KV cache."""
+    one prefill forward, then max_new_tokens - 1 single-token forwards against the KV cache.
+
+    on_token(members, ids_B), when given, sees each step's new ids (on the device) of the batch made of
+    prompts[members], between forwards: a streaming server sends them on, and an exception it raises stops the
+    generation there (its client has gone) without leaving a forward half done."""
     cfg = model.cfg
     check_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_seq_len)
     device = model.tok_embeddings.weight.device
@@ -105,6 +109,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             else:
                 logits_BV = model(new[-1][:, None], cache, length + step - 1).logits[:, -1]
             new.append(sample_next(logits_BV, temperature, top_k, generator))
+            if on_token is not None:
+                on_token(members, new[-1])
             if keep_logits:
                 for row, i in enumerate(members):
                     logits_of[i].append(logits_BV[row].float().cpu())
