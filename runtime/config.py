@@ -279,7 +279,16 @@ class ServeConfig:
     host: str = "127.0.0.1"
     """Address to listen on."""
     port: int = 8000
-    """TCP port to listen on."""
+    """TCP port to listen on; 0 picks a free one (printed when the server listens)."""
+    max_batch_size: int = 1
+    """Requests run together in one forward pass: greedy ones of equal prompt length and max_tokens, on a dropless
+    model (model.capacity_factor=0). 1 runs each alone, so its tokens are exactly `moesys infer`'s for the same
+    prompt and seed; a batched row's logits differ from a lone run's by float rounding (about 1e-7 in fp32),
+    which can flip a near-tie."""
+    max_queue: int = 64
+    """Requests waiting for the generation worker; one more is refused with HTTP 503."""
+    drain_timeout_s: float = 60.0
+    """On SIGTERM, how long requests in flight may take to finish before they are cancelled."""
 
 
 @dataclass
@@ -470,6 +479,9 @@ def validate(cfg: MoesysConfig) -> None:
     need(cfg.distill.temperature > 0, f"distill.temperature must be positive (got {cfg.distill.temperature})")
     need(0 <= cfg.distill.kd_weight <= 1, f"distill.kd_weight must be between 0 and 1 (got {cfg.distill.kd_weight})")
     need(0 <= cfg.serve.port <= 65535, f"serve.port must be between 0 and 65535 (got {cfg.serve.port})")
+    need(cfg.serve.max_batch_size >= 1, f"serve.max_batch_size must be >= 1 (got {cfg.serve.max_batch_size})")
+    need(cfg.serve.max_queue >= 1, f"serve.max_queue must be >= 1 (got {cfg.serve.max_queue})")
+    need(cfg.serve.drain_timeout_s > 0, f"serve.drain_timeout_s must be positive (got {cfg.serve.drain_timeout_s})")
 
     for name, task in cfg.tasks.items():
         need(task.batch_size > 0, f"tasks.{name}.batch_size must be positive (got {task.batch_size})")
