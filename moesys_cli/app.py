@@ -14,6 +14,7 @@ from moesys_cli import export as export_cmd
 from moesys_cli import infer as infer_cmd
 from moesys_cli import plan as plan_cmd
 from moesys_cli import rebalance as rebalance_cmd
+from moesys_cli import serve as serve_cmd
 from moesys_cli import train as train_cmd
 from moesys_cli.options import epilog
 from moesys_cli.render import error
@@ -33,6 +34,7 @@ app.command("plan", context_settings=CONTEXT, epilog=EPILOG)(plan_cmd.plan)
 app.command("train", context_settings=CONTEXT, epilog=EPILOG)(train_cmd.train)
 app.command("infer", context_settings=CONTEXT, epilog=epilog(recipes=False))(infer_cmd.infer)
 app.command("export", context_settings=CONTEXT, epilog=epilog(recipes=False))(export_cmd.export)
+app.command("serve", context_settings=CONTEXT, epilog=epilog(recipes=False))(serve_cmd.serve)
 app.command("rebalance", context_settings=CONTEXT, epilog=EPILOG)(rebalance_cmd.rebalance)
 app.command("bench", context_settings=CONTEXT, epilog=EPILOG)(bench_cmd.bench)
 app.command("config", context_settings=CONTEXT, epilog=EPILOG)(config_cmd.config)

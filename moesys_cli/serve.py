@@ -1,0 +1,76 @@
+"""`moesys serve`: one checkpoint behind an OpenAI-compatible HTTP completions endpoint, its experts placed by the
+same offload modes as `moesys infer` (seed 004 section 3.3.1's request/response deployment)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, List, Optional
+
+import typer
+import yaml
+
+from moesys_cli.infer import Offload
+from moesys_cli.render import console, literal
+from runtime.config import config_from_dict
+from runtime.errors import UserError
+
+ServeArgs = Annotated[
+    Optional[List[str]],
+    typer.Argument(help="checkpoint=DIR, then infer.* overrides (a request's defaults and the expert placement, "
+                        "e.g. infer.max_new_tokens=64 infer.ring_slots=2) and serve.* overrides (e.g. "
+                        "serve.max_batch_size=8)", show_default=False),
+]
+Host = Annotated[Optional[str], typer.Option("--host", help="Address to listen on (overrides serve.host).",
+                                             show_default=False)]
+Port = Annotated[Optional[int], typer.Option("--port", help="TCP port (overrides serve.port); 0 picks a free one.",
+                                             show_default=False)]
+USAGE = "moesys serve takes checkpoint=DIR, infer.KEY=VALUE and serve.KEY=VALUE"
+
+
+def parse_serve_args(args: list[str]) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(checkpoint, infer.* overrides, serve.* overrides); values are YAML scalars."""
+    checkpoint = None
+    sections: dict[str, dict[str, Any]] = {"infer": {}, "serve": {}}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise UserError(f"argument {arg!r} is not key=value; {USAGE}")
+        section, _, name = key.partition(".")
+        if key == "checkpoint":
+            checkpoint = value
+        elif section in sections and name and "." not in name:
+            try:
+                sections[section][name] = yaml.safe_load(value) if value else None
+            except yaml.YAMLError:
+                sections[section][name] = value
+        else:
+            raise UserError(f"unknown argument {key!r}; {USAGE}")
+    if not checkpoint:
+        raise UserError(f"no checkpoint given; {USAGE}")
+    return checkpoint, sections["infer"], sections["serve"]
+
+
+def serve(args: ServeArgs = None, offload: Offload = None, host: Host = None, port: Port = None) -> None:
+    """Serve POST /v1/completions (prompt text or token ids, max_tokens, temperature, top_k, seed, stream) and
+    GET /health until SIGTERM or Ctrl-C, which let the requests in flight finish and exit 0."""
+    checkpoint, infer_overrides, serve_overrides = parse_serve_args(args or [])
+    if host is not None:
+        serve_overrides["host"] = host
+    if port is not None:
+        serve_overrides["port"] = port
+    config_from_dict({"infer": infer_overrides, "serve": serve_overrides})  # bad keys refused before loading
+    from runtime.serving.server import serve as run_server  # torch: loaded only by verbs that compute
+    from runtime.serving.service import open_service
+
+    service = open_service(checkpoint, infer_overrides, serve_overrides, offload)
+    described = (f"model {literal(service.name)} ({service.loaded.kind}), --offload {service.config.infer.offload} on "
+                 f"{service.device}, context {service.config.model.max_seq_len} tokens, "
+                 f"max batch {service.worker.max_batch_size}")
+
+    def listening(url: str) -> None:
+        console.print(f"[bold]moesys serve[/] listening on {url} ({described}); POST {url}/v1/completions, "
+                      f"GET {url}/health", highlight=False, soft_wrap=True)
+
+    run_server(service, on_listen=listening)
+    w = service.worker
+    console.print(f"[bold]moesys serve[/] stopped: {w.completed} requests completed, {w.cancelled} cancelled, "
+                  f"{w.failed} failed", highlight=False)

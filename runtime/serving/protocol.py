@@ -1,0 +1,162 @@
+"""The OpenAI completions protocol as `moesys serve` speaks it: a request body checked field by field into a
+`CompletionRequest`, and the response, stream chunk and error bodies in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_k", "seed", "stream")
+MAX_SEED = 2**63 - 1
+
+
+class RequestError(ValueError):
+    """A request the server refuses: HTTP status, a one-line message and the offending field (OpenAI's `param`)."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a request that leaves a field out gets: the checkpoint's infer.* settings, as `moesys infer` uses."""
+
+    max_tokens: int
+    temperature: float
+    top_k: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """One checked request, its prompt as token ids."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    seed: int
+    stream: bool
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(body: dict, key: str, default: int, low: int, high: int) -> int:
+    value = body.get(key, default)
+    if not _is_int(value):
+        raise RequestError(f"{key} must be an integer (got {json.dumps(value)})", key)
+    if not low <= value <= high:
+        raise RequestError(f"{key}={value} is out of range {low}..{high}", key)
+    return value
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a RequestError saying why it is not one."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object (got {type(body).__name__})")
+    return body
+
+
+def parse_completion(body: dict[str, Any], defaults: Defaults, tokenizer: Any, vocab_size: int,
+                     context: int) -> CompletionRequest:
+    """Check every field of a /v1/completions body; the prompt must leave room for max_tokens in the context."""
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise RequestError(f"unknown field {unknown[0]!r}; this server takes {', '.join(FIELDS)}", unknown[0])
+    if "model" in body and not isinstance(body["model"], str):
+        raise RequestError("model must be a string", "model")
+    if "prompt" not in body:
+        raise RequestError("prompt is required: text, or a list of token ids", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer: give the prompt as a list of token ids", "prompt")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise RequestError("prompt must be text or a list of token ids (one prompt per request)", "prompt")
+    if not ids:
+        raise RequestError("prompt is empty: give at least one token", "prompt")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}", "prompt")
+    if len(ids) >= context:
+        raise RequestError(f"prompt of {len(ids)} tokens does not fit the model's context of {context} tokens "
+                           "with a token to generate", "prompt")
+    room = context - len(ids)
+    max_tokens = body.get("max_tokens", min(defaults.max_tokens, room))
+    if _is_int(max_tokens) and max_tokens > room:
+        raise RequestError(f"max_tokens={max_tokens} with a prompt of {len(ids)} tokens exceeds the model's context "
+                           f"of {context} tokens (at most {room})", "max_tokens")
+    max_tokens = _int(body, "max_tokens", max_tokens, 1, room)
+    temperature = body.get("temperature", defaults.temperature)
+    number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+    if not number or not math.isfinite(temperature) or temperature < 0:
+        raise RequestError(f"temperature must be a number >= 0 (got {json.dumps(temperature)}); 0 is greedy",
+                           "temperature")
+    top_k = _int(body, "top_k", defaults.top_k, 0, vocab_size)
+    seed = _int(body, "seed", defaults.seed, 0, MAX_SEED)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream must be true or false (got {json.dumps(stream)})", "stream")
+    return CompletionRequest(ids, max_tokens, float(temperature), top_k, seed, stream)
+
+
+# ---- response bodies ----
+
+def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def completion_body(request_id: str, model: str, tokens: list[int], text: Optional[str],
+                    prompt_tokens: int) -> dict[str, Any]:
+    """The whole answer: one choice with its text (None without a tokenizer) and token ids, and the usage."""
+    choice = {"index": 0, "text": text, "token_ids": tokens, "logprobs": None, "finish_reason": "length"}
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
+                                           "total_tokens": prompt_tokens + len(tokens)}}
+
+
+def chunk_body(request_id: str, model: str, tokens: list[int], text: Optional[str],
+               finish_reason: Optional[str] = None) -> dict[str, Any]:
+    """One server-sent event's completion chunk: the new tokens since the last chunk."""
+    choice = {"index": 0, "text": text, "token_ids": tokens, "logprobs": None, "finish_reason": finish_reason}
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [choice]}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event line pair: `data: JSON` (or `data: [DONE]`)."""
+    payload = data if isinstance(data, str) else json.dumps(data)
+    return f"data: {payload}\n\n".encode()
+
+
+class TextStream:
+    """Text of a growing list of ids, given out in pieces whose concatenation is the text of all the ids: a
+    trailing incomplete UTF-8 character (U+FFFD at the end) is held back until its bytes arrive."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids)
+        if not final:
+            text = text.rstrip("\ufffd")
+        if not text.startswith(self.sent):  # a tokenizer whose prefix decodes differently: wait for the end
+            return ""
+        piece, self.sent = text[len(self.sent):], text
+        return piece

@@ -1,0 +1,81 @@
+"""One served model: a checkpoint opened and placed exactly as `moesys infer` does (same loader, same offload
+modes), its resolved config, and the generation worker that owns it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from runtime.config import MoesysConfig
+from runtime.inference.generate import _fingerprint
+from runtime.inference.load import LoadedModel, open_checkpoint, resolve_infer_config
+from runtime.inference.modes import make_offloader
+from runtime.inference.offload import Offloader
+from runtime.serving.protocol import Defaults
+from runtime.serving.worker import GenerationWorker
+from runtime.topology import set_cpu_threads
+
+
+def resolve_serve_config(config_data: dict[str, Any], infer_overrides: dict[str, Any],
+                         serve_overrides: dict[str, Any]) -> MoesysConfig:
+    """The checkpoint's config with `serve.*` then `infer.*` overrides applied and validated."""
+    data = json.loads(json.dumps(config_data))
+    data.setdefault("serve", {}).update(serve_overrides)
+    return resolve_infer_config(data, infer_overrides)
+
+
+@dataclass
+class Service:
+    """What the HTTP layer serves: model name, config, tokenizer (None: token-id prompts only) and the worker."""
+
+    name: str
+    config: MoesysConfig
+    loaded: LoadedModel
+    offloader: Offloader
+    worker: GenerationWorker
+    device: torch.device
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+    @property
+    def defaults(self) -> Defaults:
+        inf = self.config.infer
+        return Defaults(inf.max_new_tokens, inf.temperature, inf.top_k, inf.seed)
+
+    def health(self) -> dict[str, Any]:
+        w = self.worker
+        return {"status": "ok", "model": self.name, "kind": self.loaded.kind, "device": str(self.device),
+                "offload": self.config.infer.offload, "context": self.config.model.max_seq_len,
+                "max_batch_size": w.max_batch_size, "queued": w.queued, "running": w.running,
+                "completed": w.completed, "failed": w.failed, "cancelled": w.cancelled, "batches": w.batches}
+
+    def close(self) -> None:
+        """Stop the worker (what is still queued is refused) and release the offloader."""
+        self.worker.stop()
+        self.offloader.close()
+
+
+def open_service(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any]] = None,
+                 serve_overrides: Optional[dict[str, Any]] = None, offload: Optional[str] = None,
+                 device: Optional[str | torch.device] = None, cache_dir: Optional[Path] = None) -> Service:
+    """Open and place a checkpoint as `run_inference` does (offload overrides infer.offload), and start its worker.
+    Requests default to the checkpoint's infer.max_new_tokens, temperature, top_k and seed."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        set_cpu_threads(1)  # as `moesys infer`: the one model process gets every usable CPU
+    loaded = open_checkpoint(checkpoint, device=device)
+    overrides = dict(infer_overrides or {})
+    if offload is not None:
+        overrides["offload"] = offload
+    cfg = resolve_serve_config(loaded.config_data, overrides, dict(serve_overrides or {}))
+    inf = cfg.infer
+    offloader = make_offloader(loaded.model, inf.offload, device, inf.ring_slots, cache_dir,
+                               _fingerprint(loaded.path), source=loaded.experts, prefetch=inf.prefetch)
+    worker = GenerationWorker(loaded.model, offloader, cfg.serve.max_batch_size, cfg.serve.max_queue)
+    return Service(loaded.path.resolve().name, cfg, loaded, offloader, worker, device)

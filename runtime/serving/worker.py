@@ -1,0 +1,171 @@
+"""The one generation worker of `moesys serve`: a thread that owns the model and its offloader, takes requests
+from a bounded queue in arrival order and runs them, alone or batched when batching keeps their tokens (greedy
+requests of equal prompt length and max_tokens on a dropless model, up to serve.max_batch_size)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from torch import Tensor
+
+from runtime.inference.generate import generate
+from runtime.inference.offload import Offloader
+from runtime.model.transformer import Transformer
+from runtime.serving.protocol import CompletionRequest, RequestError
+
+log = logging.getLogger("moesys.serve")
+
+
+class Cancelled(Exception):
+    """Every client of a batch has gone: its generation stops between two forwards."""
+
+
+class Stopped(RequestError):
+    """A request the worker will not run because the server is stopping (HTTP 503)."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down; retry on another instance", status=503, kind="server_error")
+
+
+@dataclass(eq=False)
+class Job:
+    """One request inside the worker. Both callbacks run on the worker thread and must not block."""
+
+    request: CompletionRequest
+    finish: Callable[[Optional[list[int]], Optional[BaseException]], None]
+    """Called once: (new token ids, None), or (None, the error)."""
+    on_tokens: Optional[Callable[[list[int]], None]] = None
+    """Streaming: called with each new token id as it is made."""
+    cancelled: bool = False
+    """Set by the server when the client has gone; the worker skips or stops the job."""
+
+
+def batchable(a: CompletionRequest, b: CompletionRequest) -> bool:
+    """Rows of one batch must not see each other: greedy (a sampled row's draws depend on the batch's shared
+    generator), and of equal length and max_tokens (no padding, one KV cache length)."""
+    return (a.temperature == 0 and b.temperature == 0 and len(a.prompt_ids) == len(b.prompt_ids)
+            and a.max_tokens == b.max_tokens)
+
+
+class GenerationWorker:
+    """Runs jobs one batch at a time on its own thread; `submit` from any thread."""
+
+    def __init__(self, model: Transformer, offloader: Offloader, max_batch_size: int = 1, max_queue: int = 64):
+        dropless = model.cfg.capacity_factor == 0  # with a capacity, which tokens an expert drops depends on the batch
+        self.model, self.offloader = model, offloader
+        self.max_batch_size = max_batch_size if dropless else 1
+        self.max_queue = max_queue
+        self.completed = self.failed = self.cancelled = 0
+        self.batches = 0
+        """Generations run so far, each over a batch of one or more requests."""
+        self.running = 0
+        self._pending: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="moesys-generation", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; RequestError 503 when the queue is full or the worker is stopping."""
+        with self._cv:
+            if self._stopping:
+                raise Stopped()
+            if len(self._pending) >= self.max_queue:
+                raise RequestError(f"the server is busy ({self.max_queue} requests queued, serve.max_queue); "
+                                   "retry later", status=503, kind="server_error")
+            self._pending.append(job)
+            self._cv.notify()
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Finish the batch in hand, refuse what is still queued (503) and end the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def _take_batch(self) -> list[Job]:
+        """The oldest live job, and as many queued jobs that batch with it as fit (oldest first)."""
+        while self._pending:
+            head = self._pending.popleft()
+            if head.cancelled:
+                self.cancelled += 1
+                continue
+            batch = [head]
+            if self.max_batch_size > 1:
+                for job in list(self._pending):
+                    if len(batch) == self.max_batch_size:
+                        break
+                    if not job.cancelled and batchable(head.request, job.request):
+                        self._pending.remove(job)
+                        batch.append(job)
+            return batch
+        return []
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    refused, self._pending = list(self._pending), deque()
+                    for job in refused:
+                        _finish(job, None, Stopped())
+                    return
+                batch = self._take_batch()
+                self.running = len(batch)
+            if batch:
+                self._run_batch(batch)
+            with self._cv:
+                self.running = 0
+
+    def _run_batch(self, jobs: list[Job]) -> None:
+        first = jobs[0].request
+        streaming = any(job.on_tokens is not None for job in jobs)
+
+        def on_token(members: list[int], ids_B: Tensor) -> None:
+            if all(job.cancelled for job in jobs):
+                raise Cancelled()
+            if streaming:
+                ids = ids_B.tolist()
+                for row, i in enumerate(members):
+                    job = jobs[i]
+                    if job.on_tokens is not None and not job.cancelled:
+                        try:
+                            job.on_tokens([ids[row]])
+                        except Exception:  # its event loop has closed: the client is gone
+                            job.cancelled = True
+
+        self.batches += 1
+        self.offloader.reset_stats()  # its timeline would otherwise grow with every forward for the server's life
+        try:
+            gen = generate(self.model, [job.request.prompt_ids for job in jobs], first.max_tokens, first.temperature,
+                           first.top_k, first.seed, self.offloader, on_token=on_token)
+        except Cancelled as exc:
+            self.cancelled += len(jobs)
+            for job in jobs:
+                _finish(job, None, exc)
+            return
+        except Exception as exc:  # one bad batch must not take the service down
+            log.exception("generation failed")
+            self.failed += len(jobs)
+            for job in jobs:
+                _finish(job, None, exc)
+            return
+        self.completed += len(jobs)
+        for job, tokens in zip(jobs, gen.tokens):
+            _finish(job, tokens, None)
+
+
+def _finish(job: Job, tokens: Optional[list[int]], error: Optional[BaseException]) -> None:
+    try:
+        job.finish(tokens, error)
+    except Exception:  # the client's event loop has closed: nobody is waiting for this answer
+        log.debug("a finished job had no one to tell", exc_info=True)
