@@ -4,12 +4,15 @@ One random bf16 Hugging Face Mixtral checkpoint, written as shards with an index
 89% of the parameters at the default shape), decoded greedily by, each in a fresh process:
 - transformers with every weight in memory,
 - transformers + accelerate with the same expert budget: `device_map` keeps layers 0..K-1's experts in memory
-  and sends the other layers' experts to an offload folder on disk (everything else stays in memory),
+  and sends the other layers' experts to an offload folder on disk (everything else stays in memory). accelerate
+  1.15 with transformers 5.x writes that folder as safetensors and maps each offloaded module per forward without
+  a copy, so only the routed experts' pages are read, from the page cache when the machine has room for it,
 - `moesys infer --offload none`, `--offload auto` and `--offload ring` with infer.ring_slots=K.
 Decode tokens/s is the median of `repeats` generations in each process (decode = the tokens after the first,
 timed apart from the prompt). Then `moesys infer --offload auto` runs inside a memory cgroup of half the
 checkpoint's size (with the budget that fits there, CAPPED_SLOTS), from a cold page cache (the kernel's page cache
-dropped) and from a warm one, and must give the tokens of uncapped `--offload none`. Greedy tokens of transformers
+dropped) and from a warm one, and must give the tokens of uncapped `--offload none`; accelerate runs in the same
+cap with the same budget, where its page cache counts against the budget as auto's does. Greedy tokens of transformers
 are compared too; in bf16 its op order differs, so on a random model they can part after a few tokens
 (`matching_prefix` counts how many agree).
 """
@@ -76,11 +79,12 @@ def _hf_worker(checkpoint: str, slots: int, offload_dir: Optional[str], new_toke
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         return out[0, len(PROMPT):].tolist()
 
-    read_before = _read_bytes()
     tokens, rate = _decode_rate(generate, len(PROMPT), new_tokens, repeats)
+    read_before = _read_bytes()
+    generate(new_tokens)
     offloaded = sum(f.stat().st_size for f in Path(offload_dir).rglob("*") if f.is_file()) if offload_dir else 0
     return {"tokens": tokens, "decode_tokens_per_s": rate, "offload_folder_bytes": offloaded,
-            "disk_read_bytes": _read_bytes() - read_before}
+            "disk_read_bytes_per_token": (_read_bytes() - read_before) / new_tokens}
 
 
 def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repeats: int) -> dict:
@@ -98,12 +102,15 @@ def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repe
     tokens, rate = _decode_rate(lambda n: generate(loaded.model, [PROMPT], n, offloader=offloader).tokens[0],
                                 len(PROMPT), new_tokens, repeats)
     offloader.reset_stats()
+    read_before = _read_bytes()
     generate(loaded.model, [PROMPT], new_tokens, offloader=offloader)
+    read = _read_bytes() - read_before
     stats = offloader.stats()
     offloader.close()
     return {"tokens": tokens, "decode_tokens_per_s": rate, "placement": stats["placement"],
             "store_bytes_per_token": stats["store_bytes"] / new_tokens,
-            "copied_bytes_per_token": stats["copied_bytes"] / new_tokens}
+            "copied_bytes_per_token": stats["copied_bytes"] / new_tokens,
+            "disk_read_bytes_per_token": read / new_tokens}
 
 
 def _read_bytes() -> int:
@@ -112,13 +119,16 @@ def _read_bytes() -> int:
     return disk_read_bytes()
 
 
-def _subprocess(call: str, args: dict, isolate: bool = True, timeout: float = 900) -> dict:
-    """Run `call(**args)` of this module in a fresh Python process (in this one when not isolate); its result."""
+def _subprocess(call: str, args: dict, isolate: bool = True, timeout: float = 900,
+                cap: Optional[memcap.MemoryCap] = None) -> dict:
+    """Run `call(**args)` of this module in a fresh Python process (in this one when not isolate), inside `cap`
+    when given; its result."""
     if not isolate:
         return json.loads(json.dumps(globals()[call](**args)))
-    code = f"import json, sys; from runtime.bench import infer as b; print(json.dumps(b.{call}(**json.loads(sys.argv[1]))))"
+    code = ("import json, sys; from runtime.bench import infer as b; "
+            f"print(json.dumps(b.{call}(**json.loads(sys.argv[1]))))")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, preexec_fn=cap.preexec if cap else None)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
         return {"error": last, "returncode": done.returncode}
@@ -197,14 +207,18 @@ def run_infer_bench(ring_slots: int = 3, shape: Optional[dict] = None, new_token
             "targets": {"auto_vs_none": 0.9, "auto_vs_accelerate": 1.6},
         }
         if capped:
-            out["capped"] = _capped_runs(checkpoint, size, new_tokens, reference)
+            out["capped"] = _capped_runs(checkpoint, size, new_tokens, reference,
+                                         systems["accelerate_disk"].get("tokens"))
         return out
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _capped_runs(checkpoint: Path, size: int, new_tokens: int, reference, slots: int = CAPPED_SLOTS) -> dict:
-    """auto inside a memory cgroup of half the checkpoint: cold page cache, then warm."""
+def _capped_runs(checkpoint: Path, size: int, new_tokens: int, reference, accelerate_reference,
+                 slots: int = CAPPED_SLOTS) -> dict:
+    """auto inside a memory cgroup of half the checkpoint: cold page cache, then warm; then accelerate's disk
+    offload in the same cap with the same budget (its page cache is charged to the cgroup, as auto's is: outside a
+    cap both read the offloaded experts from a page cache as large as the machine)."""
     why = memcap.available()
     if why:
         return {"skipped": why}
@@ -219,4 +233,12 @@ def _capped_runs(checkpoint: Path, size: int, new_tokens: int, reference, slots:
             result.update(oom_kills=cap.oom_kills(), cgroup_peak_bytes=cap.max_usage())
         result["same_tokens_as_none"] = (result.get("tokens") or [None])[0] == reference  # one prompt
         out[run] = result
+    with memcap.MemoryCap(size // 2, "moesys-bench-infer-accelerate") as cap:
+        result = _subprocess("_hf_worker", {"checkpoint": str(checkpoint), "slots": slots, "new_tokens": new_tokens,
+                                            "repeats": 1, "offload_dir": str(checkpoint.parent / "offload-capped")},
+                             cap=cap)
+        result.update(oom_kills=cap.oom_kills(), cgroup_peak_bytes=cap.max_usage())
+    result["same_tokens_as_uncapped"] = result.get("tokens") == accelerate_reference
+    out["accelerate_disk"] = result
+    out["auto_vs_accelerate"] = _ratio(out["warm"], result)
     return out

@@ -19,7 +19,7 @@ def test_every_system_decodes_the_same_tokens_and_accelerate_offloads_to_disk():
     for name, result in systems.items():
         assert "error" not in result, (name, result)
         assert result["same_tokens_as_none"] and len(result["tokens"]) == 6, name
-        assert result["decode_tokens_per_s"] > 0
+        assert result["decode_tokens_per_s"] > 0 and result["disk_read_bytes_per_token"] >= 0
     expert_layer_bytes = 3 * 128 * 256 * 2 * 4  # bf16 w1, w2, w3 of 4 experts
     assert systems["accelerate_disk"]["offload_folder_bytes"] >= 2 * expert_layer_bytes  # layers 2 and 3
     assert systems["moesys_auto"]["placement"] == ["resident", "resident", "inplace", "inplace"]
