@@ -58,6 +58,11 @@ def _alltoall(cfg: MoesysConfig) -> dict:
     return run_alltoall_bench(cfg)
 
 
+def _serve(cfg: MoesysConfig) -> dict:
+    from runtime.bench.serve import run_serve_bench
+    return run_serve_bench()
+
+
 BENCHES: dict[str, Callable[[MoesysConfig], dict]] = {
     "moe-layer": _moe_layer,
     "train": _train,
@@ -68,11 +73,12 @@ BENCHES: dict[str, Callable[[MoesysConfig], dict]] = {
     "elastic": _elastic,
     "beyond-memory": _beyond_memory,
     "alltoall": _alltoall,
+    "serve": _serve,
 }
 HONOURED: dict[str, tuple[str, ...] | None] = {
     "moe-layer": (), "offload": (), "embedding": (), "ring": ("infer.ring_slots",),
     "infer": ("infer.ring_slots",), "train": None, "elastic": None,
-    "beyond-memory": (), "alltoall": None,
+    "beyond-memory": (), "alltoall": None, "serve": (),
 }
 """The override keys each benchmark uses (None: the whole resolved config); any other override is refused rather
 than silently ignored, since a figure measured on another shape than asked for misleads."""
