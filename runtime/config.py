@@ -270,6 +270,16 @@ class DistillConfig:
     """Softmax temperature of the soft targets."""
     kd_weight: float = 0.5
     """Weight of the distillation loss; the language-model loss gets 1 - kd_weight."""
+    teacher: Optional[str] = None
+    """The teacher's checkpoint (a step directory) a student run learns from; `moesys distill` sets it from
+    checkpoint=. null: the run is not a distillation."""
+    heldout_data: Optional[str] = None
+    """Held-out text (a file or a directory of *.txt) for the teacher's expert usage and both held-out losses;
+    null holds out the last distill.heldout_fraction of train.data, which the student then does not train on."""
+    heldout_fraction: float = 0.05
+    """Share of train.data's tokens held out when distill.heldout_data is null."""
+    heldout_windows: int = 64
+    """Most train.seq_len windows of held-out text used (the first ones, not overlapping)."""
 
 
 @dataclass
@@ -478,6 +488,16 @@ def validate(cfg: MoesysConfig) -> None:
     need(cfg.student.num_experts >= 0, f"student.num_experts must be >= 0 (got {cfg.student.num_experts})")
     need(cfg.distill.temperature > 0, f"distill.temperature must be positive (got {cfg.distill.temperature})")
     need(0 <= cfg.distill.kd_weight <= 1, f"distill.kd_weight must be between 0 and 1 (got {cfg.distill.kd_weight})")
+    d, student = cfg.distill, cfg.student.num_experts
+    need(0 < d.heldout_fraction < 1, f"distill.heldout_fraction must be in (0, 1) (got {d.heldout_fraction})")
+    need(d.heldout_windows > 0, f"distill.heldout_windows must be positive (got {d.heldout_windows})")
+    if d.teacher:  # a student run; that it has fewer experts than its teacher is checked where the teacher is read
+        need(student > 0, "student.num_experts must be set (e.g. student.num_experts=4) for a distillation")
+        need(student <= 0 or student == m.num_experts, f"student.num_experts={student} and model.num_experts="
+             f"{m.num_experts} differ: set the student's experts with student.num_experts only")
+        need(student <= 0 or student >= m.top_k,
+             f"student.num_experts={student} is below model.top_k={m.top_k}: each token needs top_k experts")
+        need(not cfg.tasks, "moesys distill trains a language model, and this config has tasks (multi-task heads)")
     need(0 <= cfg.serve.port <= 65535, f"serve.port must be between 0 and 65535 (got {cfg.serve.port})")
     need(cfg.serve.max_batch_size >= 1, f"serve.max_batch_size must be >= 1 (got {cfg.serve.max_batch_size})")
     need(cfg.serve.max_queue >= 1, f"serve.max_queue must be >= 1 (got {cfg.serve.max_queue})")
