@@ -7,7 +7,7 @@ import shlex
 import signal
 import socket
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Callable
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -42,19 +42,37 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
         typer.echo(config_yaml(cfg))
         typer.echo(spec.script if spec.script else shlex.join([*(f"{k}={v}" for k, v in spec.env.items()), *spec.argv]))
         raise typer.Exit(0)
+    summary = run_job(cfg, _resume_command(overrides or [], Path(cfg.train.run_dir)), quiet=json_out)
+    if json_out:
+        print_json(summary)
+    else:
+        console.print(f"done: {summary['steps']} steps, loss {summary['initial_loss']:.3f} -> "
+                      f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:.0f} tokens/s; "
+                      f"checkpoint {summary['checkpoint']}", markup=False, highlight=False)
+    raise typer.Exit(0)
+
+
+def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
+            prepare: Callable[[Path], None] | None = None) -> dict:
+    """Launch the resolved config's torchrun job in its run directory and follow it to its end. Returns the run's
+    summary; a failed or stopped job says why in one line (with `resume_command` when it can continue) and raises
+    typer.Exit with its status. `prepare(run_dir)` runs under the run directory's lock before the workers start
+    (`moesys distill` writes the student's first checkpoint there)."""
     check_launchable(cfg)
     check_plan(cfg)  # a run the plan says does not fit fails later on a tier's budget or by the OOM killer
     lock = RunLock(Path(cfg.train.run_dir), cfg.launcher.node_rank)  # held until exit: one job per run directory
     run_dir = prepare_run_dir(cfg)
+    if prepare is not None:
+        prepare(run_dir)
     clear_fatal(run_dir)
     clear_rank_memory(run_dir)
     _, replanned = record_placement(run_dir, cfg)  # plan.json: the workers read it; none of them plans again
-    if replanned and not json_out:
+    if replanned and not quiet:
         console.print(replanned, markup=False, highlight=False)
     spec = build_launch(cfg, run_dir)
     if spec.script:
         lock.release()
-        submit(spec, run_dir, json_out)  # SLURM runs the job later: submit it, say how to follow it, exit 0
+        submit(spec, run_dir, quiet)  # SLURM runs the job later: submit it, say how to follow it, exit 0
     logs_dir = node_logs(run_dir, cfg)  # this node's, in a run directory the nodes share
     logs_dir.mkdir(parents=True, exist_ok=True)
     logs = TorchrunLogs(logs_dir)
@@ -62,14 +80,14 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     launched_at = oom.offset  # the launcher log's size before this launch (a resume appends to it)
     with Job(spec.argv, logs_dir / "launcher.log", env=spec.env) as job:
         lost = _lost_node_watch(cfg, job)
-        code = _follow(job, logs, run_dir, cfg, oom, lost, quiet=json_out)
+        code = _follow(job, logs, run_dir, cfg, oom, lost, quiet=quiet)
     summary = run_summary(run_dir)
     fatal = read_fatal(run_dir)
     if code != 0 and fatal is not None and job.stop_signal is None:  # a worker's own verdict, not retried
         error(fatal[1])
         raise typer.Exit(fatal[0])
     if job.stop_signal is not None and (code != 0 or summary["stopped_early"]):
-        error(f"{_stopped(run_dir, summary['steps'])}; resume with: {_resume_command(overrides or [], run_dir)}")
+        error(f"{_stopped(run_dir, summary['steps'])}; resume with: {resume_command}")
         raise typer.Exit(128 + job.stop_signal)
     if lost is not None and lost.reason:
         cause = _last_error(logs, logs_dir, cfg, launched_at)
@@ -82,13 +100,7 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
         cause = _last_error(logs, logs_dir, cfg, launched_at)
         error(f"training failed with exit code {code}: {cause} (logs in {logs_dir})")
         raise typer.Exit(code)
-    if json_out:
-        print_json(summary)
-    else:
-        console.print(f"done: {summary['steps']} steps, loss {summary['initial_loss']:.3f} -> "
-                      f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:.0f} tokens/s; "
-                      f"checkpoint {summary['checkpoint']}", markup=False, highlight=False)
-    raise typer.Exit(0)
+    return summary
 
 
 def _lost_node_watch(cfg: MoesysConfig, job: Job) -> LostNodeWatch | None:
@@ -113,7 +125,7 @@ def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom:
 
         task = progress.add_task("train", total=tr.max_steps, info="starting workers")
         resumed = resume_point(run_dir)
-        if resumed:
+        if resumed and resumed[1] > 0:  # a step-0 checkpoint is a starting point (moesys distill's student)
             say(f"resumed from step {resumed[1]} ({resumed[0]})")
         restarts, stopping = 0, None
         workers, generation_restarts = frozenset(), 0  # this node's workers now, and restarts when they started
