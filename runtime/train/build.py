@@ -27,6 +27,7 @@ from runtime.parallel.groups import ParallelGroups
 from runtime.storage.offload import OffloadManager, offload_from_config
 from runtime.train.data import TokenDataset
 from runtime.train.decided import Placement, decide
+from runtime.train.distill import Distillation
 from runtime.train.objective import LanguageModel
 from runtime.train.parts import (OffloadedExperts, Part, PartitionedEmbedding, Replicated, ShardedDense,
                                  TaskHeads)
@@ -42,7 +43,7 @@ class Components:
 
     model: Transformer
     optimizer: torch.optim.Optimizer
-    objective: LanguageModel | MultiTask
+    objective: LanguageModel | MultiTask  # Distillation is a LanguageModel
     parts: list[Part]
     dense_params: list[nn.Parameter] = field(default_factory=list)
     expert_params: list[nn.Parameter] = field(default_factory=list)
@@ -137,8 +138,14 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
         parts.append(OffloadedExperts(offload, groups))
     if tasks:
         parts.append(TaskHeads(tasks, optimizer))
-    objective = tasks or LanguageModel(
-        TokenDataset.from_path(Path(cfg.train.data) if cfg.train.data else None, cfg.train.seq_len, cfg.train.seed),
-        groups, cfg.train.micro_batch_size, cfg.train.seq_len)
+    if tasks:
+        objective = tasks
+    elif cfg.distill.teacher:  # moesys distill: the student also matches a frozen teacher's soft targets
+        objective = Distillation.from_config(cfg, groups, device)
+    else:
+        objective = LanguageModel(
+            TokenDataset.from_path(Path(cfg.train.data) if cfg.train.data else None, cfg.train.seq_len,
+                                   cfg.train.seed),
+            groups, cfg.train.micro_batch_size, cfg.train.seq_len)
     return Components(model=model, optimizer=optimizer, objective=objective, parts=parts, dense_params=dense,
                       expert_params=experts, offload=offload, dense_shard=dense_shard, tasks=tasks)
