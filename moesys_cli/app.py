@@ -10,6 +10,7 @@ import typer
 
 from moesys_cli import bench as bench_cmd
 from moesys_cli import config as config_cmd
+from moesys_cli import distill as distill_cmd
 from moesys_cli import export as export_cmd
 from moesys_cli import infer as infer_cmd
 from moesys_cli import plan as plan_cmd
@@ -34,6 +35,7 @@ app.command("plan", context_settings=CONTEXT, epilog=EPILOG)(plan_cmd.plan)
 app.command("train", context_settings=CONTEXT, epilog=EPILOG)(train_cmd.train)
 app.command("infer", context_settings=CONTEXT, epilog=epilog(recipes=False))(infer_cmd.infer)
 app.command("export", context_settings=CONTEXT, epilog=epilog(recipes=False))(export_cmd.export)
+app.command("distill", context_settings=CONTEXT, epilog=epilog(recipes=False))(distill_cmd.distill)
 app.command("serve", context_settings=CONTEXT, epilog=epilog(recipes=False))(serve_cmd.serve)
 app.command("rebalance", context_settings=CONTEXT, epilog=EPILOG)(rebalance_cmd.rebalance)
 app.command("bench", context_settings=CONTEXT, epilog=EPILOG)(bench_cmd.bench)
