@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import types
 import typing
@@ -211,6 +212,9 @@ class TrainConfig:
     """Steps between metrics lines."""
     collective_timeout_s: float = 300.0
     """Seconds a rank waits in a collective for its peers before the job fails with a line naming it."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files (RUN_DIR/tensorboard/, rank 0) with the metrics.jsonl values: scalars per
+    step, each MoE layer's expert load as a histogram. Needs the extra: pip install 'moesys[tensorboard]'."""
 
 
 @dataclass
@@ -390,8 +394,10 @@ BYTE_VOCAB = 256
 """Tokens of moesys's byte-level tokenizer (runtime/train/tokenizer.py): the smallest vocabulary it can train."""
 
 
-def validate(cfg: MoesysConfig) -> None:
-    """Check every cross-field rule and raise one ConfigError that lists all problems."""
+def validate(cfg: MoesysConfig, packages: bool = True) -> None:
+    """Check every cross-field rule and raise one ConfigError that lists all problems. packages: also check that the
+    optional packages the config asks for are installed (train.tensorboard); off for a config read back from a run or
+    a checkpoint, which may be served or reported on a machine without them."""
     problems: list[str] = []
 
     def need(ok: bool, message: str) -> None:
@@ -476,6 +482,9 @@ def validate(cfg: MoesysConfig) -> None:
          "does not unscale); use train.precision=bf16 or fp32")
     need(tr.seq_len <= m.max_seq_len,
          f"train.seq_len={tr.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    need(not (packages and tr.tensorboard) or importlib.util.find_spec("tensorboard") is not None,
+         "train.tensorboard=true needs the tensorboard package, which is not installed: pip install "
+         "'moesys[tensorboard]' (or set train.tensorboard=false)")
 
     inf = cfg.infer
     need(inf.max_new_tokens > 0, f"infer.max_new_tokens must be positive (got {inf.max_new_tokens})")
@@ -561,5 +570,5 @@ def config_from_dict(data: dict) -> MoesysConfig:
     """Rebuild and validate a MoesysConfig from plain data (the inverse of config_to_dict)."""
     cfg = _build(MoesysConfig, data, "")
     resolve_auto(cfg)
-    validate(cfg)
+    validate(cfg, packages=False)
     return cfg

@@ -23,9 +23,10 @@ from runtime.parallel.timeouts import is_timeout, timeout_error
 from runtime.train.decided import read as read_placement
 from runtime.train.build import Components, build_components
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from runtime.train.metrics import MetricsWriter, memory_bytes, step_stats
+from runtime.train.metrics import MetricsWriter, memory_bytes, start_marks, step_stats
 from runtime.train.rank_memory import RankMemory
 from runtime.train.parts import global_grad_norm
+from runtime.train.tensorboard import open_tensorboard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -120,6 +121,8 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
         torch.manual_seed(cfg.train.seed + 1 + groups.rank)  # router noise differs per rank
     scaler = torch.amp.GradScaler(device.type) if cfg.train.precision == "fp16" else None
     writer = MetricsWriter(run_dir, start) if groups.rank == 0 else None
+    board = open_tensorboard(cfg, run_dir, start) if writer else None
+    marks = start_marks(start)  # on the first line this worker writes
     tr = cfg.train
     tokens_per_step = c.objective.tokens_per_step
     step, last_ckpt = start, ckpt
@@ -141,11 +144,14 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
             if writer:
                 record = {"step": step, "max_steps": tr.max_steps, **stats, "grad_norm": norm,
                           "lr": lr_at(step - 1, tr), "tokens_per_s": tokens_per_step / elapsed,
-                          "step_time_s": elapsed}
+                          "step_time_s": elapsed, **marks}
+                marks = {}
                 if rank_lines:  # per-rank task speeds first, the step line last (readers follow the last line)
                     writer.write_many([*rank_lines, record])
                 else:
                     writer.write(record)
+                if board:
+                    board.write(record, rank_lines)
             ending = (step == tr.max_steps or stopping) and tr.final_checkpoint
             if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or ending:
                 last_ckpt = save_checkpoint(run_dir, step, c.model, c.optimizer, groups, cfg, parts=c.parts)
@@ -159,5 +165,7 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
         for part in c.parts:
             part.close()
         memory.close()
+        if board:
+            board.close()
     return {"steps": step, "stopped_early": step < tr.max_steps,
             "checkpoint": str(last_ckpt) if last_ckpt else None}

@@ -61,6 +61,13 @@ def step_stats(lm_loss: torch.Tensor, out, groups: ParallelGroups, memory: int,
     return out_stats
 
 
+def start_marks(resumed_from: int) -> dict:
+    """Fields of the first step line a worker writes: `resumed_from` (the checkpoint's step) and `restart` (torchrun's
+    restarts of this launch's workers), so a reader sees where the run resumed or restarted; empty on a fresh start."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return {**({"resumed_from": resumed_from} if resumed_from > 0 else {}), **({"restart": restart} if restart else {})}
+
+
 class MetricsWriter:
     """Appends one JSON object per step to run_dir/metrics.jsonl; on resume drops lines past the checkpoint and
     a line torn by a kill mid-write (read_metrics skips it)."""
