@@ -201,6 +201,7 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
         "disk_read_bytes_per_token": per_token(disk_read),
         "page_cache_bytes_per_token": per_token(max(0, stats["store_bytes"] - disk_read)),
         "copy_s": stats["copy_s"], "copy_hidden_share": stats["copy_hidden_share"],
+        "timeline": stats["timeline"],  # spans of copy/compute/wait of the last decoded token (moesys report)
         **({"experts_computed": {k: stats[k] for k in ("inplace_computes", "cpu_computes", "fetched_experts",
                                                        "cache_hits")}, "expert_costs": stats["costs"],
             "prefetch": stats["prefetch"]}

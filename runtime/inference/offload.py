@@ -146,6 +146,17 @@ class Timeline:
         for spans in self.spans.values():
             spans.clear()
 
+    def last_forward(self) -> dict[str, list[list[float]]]:
+        """The copy/compute timeline of one token: the last forward's compute span (the last decoded token) and the
+        copy and wait spans that overlap it, in seconds from that forward's start (a copy started during the
+        token before begins below 0). Empty before any forward."""
+        compute = self.seconds("compute")
+        if not compute:
+            return {}
+        start, end = compute[-1]
+        return {kind: [[round(s - start, 7), round(e - start, 7)] for s, e in self.seconds(kind)
+                       if e > start and s < end] for kind in self.spans}  # lists: JSON-ready
+
 
 # ---- offloaders ----
 
@@ -211,6 +222,7 @@ class Offloader:
             "expert_device_bytes": self.expert_device_bytes, "expert_host_bytes": self.expert_host_bytes,
             "copied_bytes": self.copied_bytes, "copies": self.copies, "copy_s": copy_s,
             "copy_hidden_s": max(0.0, hidden), "copy_hidden_share": max(0.0, hidden) / copy_s if copy_s > 0 else None,
+            "timeline": self.timeline.last_forward(),
         }
 
     def close(self) -> None:
