@@ -15,6 +15,7 @@ from moesys_cli import export as export_cmd
 from moesys_cli import infer as infer_cmd
 from moesys_cli import plan as plan_cmd
 from moesys_cli import rebalance as rebalance_cmd
+from moesys_cli import report as report_cmd
 from moesys_cli import serve as serve_cmd
 from moesys_cli import train as train_cmd
 from moesys_cli.options import epilog
@@ -39,6 +40,7 @@ app.command("distill", context_settings=CONTEXT, epilog=epilog(recipes=False))(d
 app.command("serve", context_settings=CONTEXT, epilog=epilog(recipes=False))(serve_cmd.serve)
 app.command("rebalance", context_settings=CONTEXT, epilog=EPILOG)(rebalance_cmd.rebalance)
 app.command("bench", context_settings=CONTEXT, epilog=EPILOG)(bench_cmd.bench)
+app.command("report", context_settings=CONTEXT)(report_cmd.report)
 app.command("config", context_settings=CONTEXT, epilog=EPILOG)(config_cmd.config)
 
 

@@ -4,6 +4,7 @@ and placing experts per layer within a device budget (auto), or with ring-memory
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, List, Optional
 
 import typer
@@ -22,6 +23,9 @@ InferArgs = Annotated[
 Offload = Annotated[Optional[str], typer.Option(
     "--offload", help="auto (default: per-layer placement within infer.ring_slots layers), ring, ondemand or none "
                       "(overrides infer.offload).", show_default=False)]
+Report = Annotated[Optional[Path], typer.Option(
+    "--report", metavar="FILE.html", help="Also write the result as one HTML page (moesys report): per-layer "
+                                          "policy, bytes per token, a token's copy/compute timeline.")]
 USAGE = "moesys infer takes checkpoint=DIR, prompt=TEXT, prompt_ids=[..] and infer.KEY=VALUE"
 
 
@@ -70,17 +74,25 @@ def parse_infer_args(args: list[str]) -> InferRequest:
     return request
 
 
-def infer(args: InferArgs = None, offload: Offload = None, json_out: Json = False) -> None:
+def infer(args: InferArgs = None, offload: Offload = None, json_out: Json = False, report: Report = None) -> None:
     """Generate tokens; prints prefill/decode tokens/s, where each layer's experts were, bytes read per token and
     peak memory."""
     request = parse_infer_args(args or [])
+    if report is not None and not report.resolve().parent.is_dir():  # refused before the model loads
+        raise UserError(f"--report {report}: the directory {report.resolve().parent} does not exist")
     from runtime.inference.generate import run_inference  # torch: loaded only by verbs that compute
 
     result = run_inference(request.checkpoint, request.overrides, request.prompts, request.prompt_ids, offload)
+    if report is not None:
+        from runtime.report.inference import write_inference_report  # matplotlib: only when asked
+
+        write_inference_report(result, report)
     if json_out:
         print_json(result)
     else:
         _render(result)
+        if report is not None:
+            console.print(f"report: {literal(report.resolve())}", highlight=False)
 
 
 def _placement(layers: list[str]) -> str:
