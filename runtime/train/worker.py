@@ -24,19 +24,25 @@ from runtime.train.compare import recorded_plan
 from runtime.train.loop import train
 
 
-def init_distributed(timeout_s: float = 600.0) -> tuple[int, int, int, torch.device]:
+# CPU tensors (metrics, object gathers, offloaded experts' states) go through gloo even on a GPU job.
+BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}
+
+
+def init_distributed(timeout_s: float = 600.0, gpus: bool | None = None) -> tuple[int, int, int, torch.device]:
     """(rank, world size, processes on this node, device) from torchrun's environment; NCCL on GPUs, gloo on CPU.
+    gpus: whether this job runs on GPUs (topology.gpus_per_node > 0); None takes one where CUDA is available.
+    A CPU topology stays on the CPU on a GPU machine: its plan, its process count and its RAM check assumed so.
     timeout_s bounds every wait on a peer (train.collective_timeout_s)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if torch.cuda.is_available():
+    if (torch.cuda.is_available() if gpus is None else gpus):
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if world > 1:
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+        dist.init_process_group(BACKENDS[device.type], rank=rank, world_size=world,
                                 timeout=timeout, store=_attempt_store(world, timeout))
     return rank, world, local_world, device
 
@@ -77,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(run_dir: Path) -> int:
     cfg = load_config(run_dir)
-    rank, world, local_world, device = init_distributed(cfg.train.collective_timeout_s)
+    rank, world, local_world, device = init_distributed(cfg.train.collective_timeout_s,
+                                                     gpus=bool(cfg.topology.gpus_per_node))
     if device.type == "cpu":  # a share of the CPUs this process may use; torchrun's OMP_NUM_THREADS=1 is its default
         set_cpu_threads(local_world, respect_env=False)
     groups = build_groups(world, rank, cfg.topology.expert_parallel, cfg.parallel.ranks_per_node or local_world)
