@@ -10,11 +10,8 @@ import typer
 from typer.testing import CliRunner
 
 from moesys_cli.infer import infer, parse_infer_args
-from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.errors import UserError
-from runtime.parallel.groups import build_groups
-from runtime.run_dir import prepare_run_dir
-from runtime.train.loop import train
+from tests.trained_run import train_run_dir
 
 # the real app and main(); registers `infer` there unless the app already has it
 MAIN = """
@@ -30,14 +27,7 @@ m.main()
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    model = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, vocab_size=256, ffn_hidden_size=64,
-                        num_experts=4, max_seq_len=48)
-    cfg = MoesysConfig(model=model, train=TrainConfig(max_steps=1, micro_batch_size=2, seq_len=16, warmup_steps=1,
-                                                      run_dir=str(tmp_path_factory.mktemp("run"))))
-    cfg.topology.nproc_per_node = 1
-    path = prepare_run_dir(cfg)
-    train(cfg, path, build_groups(1, 0, 1, 1), torch.device("cpu"))
-    return path
+    return train_run_dir(tmp_path_factory.mktemp("run"))
 
 
 def _app() -> typer.Typer:

@@ -6,14 +6,12 @@ import json
 import pytest
 import torch
 
-from runtime.config import ModelConfig, MoesysConfig, TrainConfig
+from runtime.config import ModelConfig
 from runtime.errors import UserError
 from runtime.inference.generate import generate, run_inference, sample_next
 from runtime.inference.load import InferError, load_model
 from runtime.model.transformer import Transformer
-from runtime.parallel.groups import build_groups
-from runtime.run_dir import prepare_run_dir
-from runtime.train.loop import train
+from tests.trained_run import train_run_dir
 
 TINY = ModelConfig(hidden_size=32, num_layers=3, num_heads=2, vocab_size=256, ffn_hidden_size=64, num_experts=4,
                    top_k=2, max_seq_len=48)
@@ -22,12 +20,7 @@ TINY = ModelConfig(hidden_size=32, num_layers=3, num_heads=2, vocab_size=256, ff
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A real moesys run directory: 2 training steps of a 3-layer MoE, single process."""
-    cfg = MoesysConfig(model=TINY, train=TrainConfig(max_steps=2, micro_batch_size=2, seq_len=32, warmup_steps=1,
-                                                     run_dir=str(tmp_path_factory.mktemp("run"))))
-    cfg.topology.nproc_per_node = 1
-    path = prepare_run_dir(cfg)
-    train(cfg, path, build_groups(1, 0, 1, 1), torch.device("cpu"))
-    return path
+    return train_run_dir(tmp_path_factory.mktemp("run"), TINY, steps=2, seq_len=32)
 
 
 def _reference_greedy(model, prompt, n):

@@ -9,15 +9,11 @@ import threading
 from urllib.parse import urlsplit
 
 import pytest
-import torch
 
-from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.inference.generate import run_inference
-from runtime.parallel.groups import build_groups
-from runtime.run_dir import prepare_run_dir
 from runtime.serving.server import BackgroundServer
 from runtime.serving.service import open_service
-from runtime.train.loop import train
+from tests.trained_run import train_run_dir
 
 INFER = {"max_new_tokens": 6, "ring_slots": 1}
 
@@ -25,14 +21,7 @@ INFER = {"max_new_tokens": 6, "ring_slots": 1}
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A real moesys run directory (byte tokenizer): one training step of a 2-layer MoE, single process."""
-    model = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, vocab_size=256, ffn_hidden_size=64,
-                        num_experts=4, max_seq_len=48)
-    cfg = MoesysConfig(model=model, train=TrainConfig(max_steps=1, micro_batch_size=2, seq_len=16, warmup_steps=1,
-                                                      run_dir=str(tmp_path_factory.mktemp("run"))))
-    cfg.topology.nproc_per_node = 1
-    path = prepare_run_dir(cfg)
-    train(cfg, path, build_groups(1, 0, 1, 1), torch.device("cpu"))
-    return path
+    return train_run_dir(tmp_path_factory.mktemp("run"))
 
 
 def _server(run_dir, offload="none", **serve):
