@@ -1,0 +1,30 @@
+"""Atomic files: the target appears whole or not at all, with the mode a plain open() gives it."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from runtime.io import atomic_file, atomic_write_text
+
+
+def test_the_file_appears_with_the_umask_mode_and_leaves_no_temporary(tmp_path):
+    target = tmp_path / "report.html"
+    atomic_write_text(target, "<html></html>")
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    assert target.read_text() == "<html></html>"
+    assert stat.S_IMODE(target.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain", "report.html"]
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    target = tmp_path / "config.yaml"
+    target.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_file(target) as f:
+            f.write(b"half")
+            raise RuntimeError("killed mid-write")
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["config.yaml"]
