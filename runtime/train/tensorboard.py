@@ -71,13 +71,14 @@ def task_samples_per_s(rank_lines: Iterable[dict]) -> dict[str, float]:
 
 class TensorBoardLog:
     """The run's event files; steps past `resumed_from` written by an earlier attempt are purged by TensorBoard's
-    readers (SummaryWriter's purge_step), as metrics.jsonl drops its lines past the checkpoint."""
+    readers (SummaryWriter's purge_step), as metrics.jsonl drops its lines past the checkpoint. A restart before
+    the first checkpoint (resumed_from 0) purges from step 1: nothing of an earlier attempt stays."""
 
     def __init__(self, run_dir: Path, resumed_from: int = 0):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
         self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD),
-                                    purge_step=resumed_from + 1 if resumed_from > 0 else None, flush_secs=10)
+                                    purge_step=resumed_from + 1, flush_secs=10)
 
     def write(self, record: dict, rank_lines: Iterable[dict] = ()) -> None:
         step = record["step"]

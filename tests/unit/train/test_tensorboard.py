@@ -51,6 +51,22 @@ def test_steps_written_again_after_a_resume_replace_the_old_ones(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("task_samples_per_s/a")] == [(3, 4.0), (4, 4.0)]
 
 
+def test_a_restart_before_the_first_checkpoint_replaces_every_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = TensorBoardLog(tmp_path)
+    for step in (1, 2, 3):  # a worker killed at step 3 with no checkpoint yet: the restart begins at step 1
+        first.write({"step": step, "loss": float(step)})
+    first.close()
+    restarted = TensorBoardLog(tmp_path, resumed_from=0)
+    for step in (1, 2):
+        restarted.write({"step": step, "loss": 10.0 * step})
+    restarted.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 10.0), (2, 20.0)]
+
+
 def test_without_the_tensorboard_package_the_key_is_a_one_line_error_at_validation(monkeypatch):
     cfg = MoesysConfig()
     cfg.train.tensorboard = True
