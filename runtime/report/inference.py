@@ -17,8 +17,44 @@ PER_TOKEN = {"store_bytes_per_token": "store read", "disk_read_bytes_per_token":
              "page_cache_bytes_per_token": "from page cache", "copied_bytes_per_token": "copied to device"}
 
 
+NUMBERS = ("decode_tokens_per_s", "store_bytes_per_token", "prefill_tokens_per_s", "peak_rss_anon_bytes",
+           "copy_hidden_share", "copy_s", *PER_TOKEN)
+"""Fields drawn as numbers; each may be absent or null except the REQUIRED ones."""
+
+
 def is_inference_result(data: object) -> bool:
     return isinstance(data, dict) and all(k in data for k in REQUIRED)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _spans(value: object) -> bool:
+    """A timeline kind's spans: [[start, end], ...] in seconds."""
+    return isinstance(value, list) and all(isinstance(s, list) and len(s) == 2 and all(map(_number, s))
+                                           for s in value)
+
+
+def check_inference_result(r: dict, source: str) -> None:
+    """A UserError naming the first field whose type is not what `moesys infer --json` writes."""
+    def bad(key: str, want: str) -> UserError:
+        return UserError(f"{source or 'the input'}: field {key!r} is {json.dumps(r[key])[:40]}, not {want}; "
+                         "pass the unmodified output of moesys infer --json")
+
+    for key in NUMBERS:
+        if r.get(key) is not None and not _number(r[key]) or key in REQUIRED[1:] and r[key] is None:
+            raise bad(key, "a number")
+    if not isinstance(r["placement"], list):
+        raise bad("placement", "a list of per-layer policies")
+    for key, kind in (("peak_bytes", dict), ("experts_computed", dict), ("timeline", dict)):
+        if r.get(key) is not None and not isinstance(r[key], kind):
+            raise bad(key, "an object")
+    if any(not _spans(v) for v in (r.get("timeline") or {}).values()):
+        raise bad("timeline", "lists of [start, end] spans")
+    device = (r.get("peak_bytes") or {}).get("device")
+    if device is not None and not (isinstance(device, dict) and all(map(_number, device.values()))):
+        raise bad("peak_bytes", "byte counts per device part")
 
 
 def _summary(page: Page, r: dict) -> None:
@@ -81,6 +117,7 @@ def write_inference_report(result: dict, out: str | Path, source: str = "") -> d
     if not is_inference_result(result):
         raise UserError(f"{source or 'the input'} is not a moesys infer --json result (it lacks "
                         f"{', '.join(k for k in REQUIRED if k not in (result if isinstance(result, dict) else {}))})")
+    check_inference_result(result, source)
     name = Path(source).name if source else Path(str(result.get("checkpoint", "inference"))).name
     page = inference_page(result, f"moesys report: inference of {name}")
     out = Path(out)

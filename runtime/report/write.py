@@ -26,6 +26,8 @@ def write_report(source: str | Path, out: str | Path | None = None) -> dict:
         raise UserError(f"{source} does not exist; pass a run directory (train.run_dir of a moesys train run) or a "
                         "moesys infer --json file")
     out = Path(out) if out else default_out(source)
+    if out.is_dir():
+        raise UserError(f"out={out} is a directory; pass a file name, e.g. out={out / DEFAULT_NAME}")
     if not out.parent.is_dir():
         raise UserError(f"out={out}: the directory {out.parent} does not exist")
     try:
@@ -36,5 +38,9 @@ def write_report(source: str | Path, out: str | Path | None = None) -> dict:
         except (ValueError, UnicodeDecodeError):
             raise UserError(f"{source} is neither a run directory nor a JSON file (moesys infer --json)") from None
         return write_inference_report(data, out, str(source))
-    except PermissionError as exc:
-        raise UserError(f"cannot write out={out}: {exc.strerror}") from None
+    except OSError as exc:  # the page is written last, beside out: any other file named is one it read
+        written = exc.filename is not None and Path(exc.filename).parent.resolve() == out.parent.resolve() \
+            and Path(exc.filename).name.startswith((out.name, f".{out.name}."))
+        if written or exc.filename is None:
+            raise UserError(f"cannot write out={out}: {exc.strerror or exc}") from None
+        raise UserError(f"cannot read {exc.filename}: {exc.strerror or exc}") from None

@@ -118,3 +118,24 @@ def test_a_run_without_steps_yet_renders_and_bad_sources_are_one_line_errors(tmp
         write_report(tmp_path / "other.json")
     with pytest.raises(UserError, match="not a run directory"):
         write_report(tmp_path)
+
+
+def test_a_directory_as_out_an_unreadable_run_file_and_mistyped_fields_are_one_line_errors(tmp_path):
+    run_dir = _run(tmp_path, [_step(1)])
+    with pytest.raises(UserError, match="is a directory; pass a file name"):
+        write_report(run_dir, out=tmp_path)
+    (run_dir / "metrics.jsonl").unlink()
+    (run_dir / "metrics.jsonl").mkdir()  # read fails with the file's name: not blamed on out=
+    with pytest.raises(UserError, match=r"cannot read .*metrics\.jsonl"):
+        write_report(run_dir)
+    result = {"placement": ["resident"], "decode_tokens_per_s": 3.0, "store_bytes_per_token": 0,
+              "timeline": {"compute": [[0.0, 0.1]]}}
+    for field, value, want in (("decode_tokens_per_s", None, "a number"), ("copy_s", "1 ms", "a number"),
+                               ("placement", "resident", "a list"),
+                               ("timeline", {"copy": [[0.0]]}, r"lists of \[start, end\] spans"),
+                               ("peak_bytes", {"device": {"total": "big"}}, "byte counts")):
+        (tmp_path / "r.json").write_text(json.dumps({**result, field: value}))
+        with pytest.raises(UserError, match=f"field '{field}' .* not {want}"):
+            write_report(tmp_path / "r.json")
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    assert write_report(tmp_path / "r.json")["kind"] == "inference"
