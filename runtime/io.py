@@ -12,11 +12,26 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
-FILE_MODE = 0o666 & ~_UMASK
-"""The mode open() would give a new file (mkstemp's is 0600): exported models, reports and run files are readable
-by whoever may read their directory, as files the user wrote by hand are."""
+def umask() -> int:
+    """This process's umask, read without changing it (os.umask can only set it, racing other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def new_file_mode() -> int:
+    """The mode open() gives a new file (mkstemp's is 0600): exported models, reports and run files are readable by
+    whoever may read their directory, as files the user wrote by hand are."""
+    return 0o666 & ~umask()
+
+
+def new_dir_mode() -> int:
+    """The mode mkdir gives a new directory (mkdtemp's is 0700)."""
+    return 0o777 & ~umask()
 
 
 def fsync_dir(path: Path) -> None:
@@ -35,7 +50,7 @@ def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, FILE_MODE)
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
