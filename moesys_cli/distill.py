@@ -82,7 +82,10 @@ def distill(args: DistillArgs = None, json_out: Json = False) -> None:
     recorded = recorded_teacher(run_dir)
     if recorded and recorded != cfg.distill.teacher:  # a resume keeps the teacher the student started from
         say(f"{run_dir} learns from {recorded}; it continues with that teacher")
-        cfg.distill.teacher = recorded
+        teacher = find_teacher(recorded)  # and the student config that teacher gives, not the new one's
+        cfg = student_config(teacher, experts, overrides)
+        check_student(teacher, cfg)
+        cfg.train.run_dir = str(run_dir)
     check_before_launch(cfg)
     say(f"distill: teacher {cfg.distill.teacher} ({teacher.num_experts} experts per MoE layer) -> student "
         f"{run_dir} ({experts})")

@@ -23,12 +23,23 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from runtime.checkpoint_format import (MODEL, STATE_KEYS, CheckpointError, CheckpointReader, latest_checkpoint,
-                                       read_meta, tensor_key)
+from runtime.checkpoint_format import (
+    MODEL,
+    STATE_KEYS,
+    CheckpointError,
+    CheckpointReader,
+    latest_checkpoint,
+    read_meta,
+    tensor_key,
+)
 from runtime.config import MoesysConfig
 from runtime.io import atomic_write_json, atomic_write_text, fsync_dir
 from runtime.moe.layer import is_expert_param
-from runtime.parallel.embedding_partition import gather_columns, partitioned_parameters, shard_of
+from runtime.parallel.embedding_partition import (
+    gather_columns,
+    partitioned_parameters,
+    shard_of,
+)
 from runtime.parallel.groups import ParallelGroups, group_size
 from runtime.run_dir import CHECKPOINTS
 from runtime.tensorfile import TensorSpec, save_tensors, verify, write_tensors
@@ -131,17 +142,30 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     _barrier(groups)
     final = root / name
     if groups.rank == 0:
-        meta = {"step": step, "world_size": groups.world_size, "expert_parallel": groups.ep_size,
-                "num_experts": cfg.model.num_experts, "config": asdict(cfg)}
-        atomic_write_json(tmp / "meta.json", meta)
-        fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        fsync_dir(root)
-        atomic_write_text(root / "latest", name + "\n")
+        commit_checkpoint(tmp, checkpoint_meta(step, groups.world_size, groups.ep_size, cfg))
         for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier(groups)
+    return final
+
+
+def checkpoint_meta(step: int, world_size: int, expert_parallel: int, cfg: MoesysConfig) -> dict:
+    """meta.json: the step, the layout that wrote the checkpoint, and the full config."""
+    return {"step": step, "world_size": world_size, "expert_parallel": expert_parallel,
+            "num_experts": cfg.model.num_experts, "config": asdict(cfg)}
+
+
+def commit_checkpoint(tmp: Path, meta: dict) -> Path:
+    """Make the written directory `tmp` (CHECKPOINTS/.tmp-NAME) the checkpoint NAME: meta.json last, fsync, rename
+    over any earlier one of that name, then `latest`. A crash before the rename leaves only a .tmp- directory."""
+    root, name = tmp.parent, tmp.name.removeprefix(".tmp-")
+    final = root / name
+    atomic_write_json(tmp / "meta.json", meta)
+    fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    fsync_dir(root)
+    atomic_write_text(root / "latest", name + "\n")
     return final
 
 

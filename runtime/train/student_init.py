@@ -7,21 +7,27 @@ Legend: E teacher experts, K student experts, D model dim.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from runtime.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, latest_checkpoint, tensor_key
+from runtime.checkpoint_format import (
+    MODEL,
+    STATE_KEYS,
+    CheckpointReader,
+    latest_checkpoint,
+    tensor_key,
+)
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
-from runtime.io import atomic_write_json, atomic_write_text, fsync_dir
+from runtime.io import atomic_write_json
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import MoELayer, is_expert_param
 from runtime.run_dir import CHECKPOINTS
 from runtime.tensorfile import save_tensors, write_tensors
+from runtime.train.checkpoint import checkpoint_meta, commit_checkpoint
 from runtime.train.distill import heldout_windows, load_frozen, split_heldout
 
 SELECTION = "distill.json"
@@ -144,7 +150,7 @@ def _add_param(entries: dict, pname: str, expert: int | None, like: torch.Tensor
 def _write_checkpoint(run_dir: Path, cfg: MoesysConfig, dense: dict, experts: dict) -> Path:
     root = run_dir / CHECKPOINTS
     name = "step_00000000"
-    tmp, final = root / f".tmp-{name}", root / name
+    tmp = root / f".tmp-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for file, entries in (("dense.safetensors", dense), ("experts-ep0.safetensors", experts)):
@@ -154,11 +160,4 @@ def _write_checkpoint(run_dir: Path, cfg: MoesysConfig, dense: dict, experts: di
     for rank in range(world):  # as loop.train seeds a fresh run: router noise differs per rank
         state = torch.Generator().manual_seed(cfg.train.seed + 1 + rank).get_state()
         save_tensors(tmp / f"rng-rank{rank}.safetensors", {"cpu": state})
-    meta = {"step": 0, "world_size": world, "expert_parallel": cfg.topology.expert_parallel,
-            "num_experts": cfg.model.num_experts, "config": dataclasses.asdict(cfg)}
-    atomic_write_json(tmp / "meta.json", meta)
-    fsync_dir(tmp)
-    tmp.rename(final)
-    fsync_dir(root)
-    atomic_write_text(root / "latest", name + "\n")
-    return final
+    return commit_checkpoint(tmp, checkpoint_meta(0, world, cfg.topology.expert_parallel, cfg))
