@@ -14,6 +14,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from runtime.page_cache import evict
+
 BLOCK = 16 << 20
 
 
@@ -56,7 +58,7 @@ def measure_disk(directory: str | Path, nbytes: int = 1 << 30) -> DiskBandwidth:
             os.close(fd)
         write_s = time.perf_counter() - began
         if not direct:
-            _drop_cache(path)
+            evict(path)
         fd = _open(path, os.O_RDONLY, direct)
         began = time.perf_counter()
         try:
@@ -79,11 +81,3 @@ def _write_block(fd: int, buffer: mmap.mmap) -> None:
     view = memoryview(buffer)
     while view:
         view = view[os.write(fd, view):]
-
-
-def _drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)

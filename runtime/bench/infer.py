@@ -10,11 +10,12 @@ One random bf16 Hugging Face Mixtral checkpoint, written as shards with an index
 - `moesys infer --offload none`, `--offload auto` and `--offload ring` with infer.ring_slots=K.
 Decode tokens/s is the median of `repeats` generations in each process (decode = the tokens after the first,
 timed apart from the prompt). Then `moesys infer --offload auto` runs inside a memory cgroup of half the
-checkpoint's size (with the budget that fits there, CAPPED_SLOTS), from a cold page cache (the kernel's page cache
-dropped) and from a warm one, and must give the tokens of uncapped `--offload none`; accelerate runs in the same
-cap with the same budget, where its page cache counts against the budget as auto's does. Greedy tokens of transformers
-are compared too; in bf16 its op order differs, so on a random model they can part after a few tokens
-(`matching_prefix` counts how many agree).
+checkpoint's size (with the budget that fits there, CAPPED_SLOTS), from a cold page cache (the checkpoint's files
+evicted from it, runtime/page_cache.py) and from a warm one, and must give the tokens of uncapped `--offload none`;
+accelerate runs in the same cap with the same budget, where its page cache counts against the budget as auto's
+does. A system that fails or runs past its time limit gets an {"error": ...} row instead of results. Greedy tokens
+of transformers are compared too; in bf16 its op order differs, so on a random model they can part after a few
+tokens (`matching_prefix` counts how many agree).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from runtime import memcap
+from runtime.page_cache import evict_dir
 
 SHAPE = {"hidden": 1024, "ffn": 3584, "layers": 8, "experts": 8, "vocab": 32000, "heads": 8}
 PROMPT = list(range(100, 116))
@@ -42,7 +44,7 @@ CAPPED_SLOTS = 1
 the process's runtime (about 0.3 GB) and one layer's experts (0.18 GB), not three."""
 
 
-def _decode_rate(generate, prompt_len: int, new_tokens: int, repeats: int) -> tuple[list[int], float]:
+def _decode_rate(generate, new_tokens: int, repeats: int) -> tuple[list[int], float]:
     """(tokens, decode tokens/s): generate(n) makes n greedy tokens; decode = (t(n) - t(1)) over n - 1 tokens."""
     generate(2)  # warm-up
     rates, tokens = [], []
@@ -79,7 +81,7 @@ def _hf_worker(checkpoint: str, slots: int, offload_dir: Optional[str], new_toke
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         return out[0, len(PROMPT):].tolist()
 
-    tokens, rate = _decode_rate(generate, len(PROMPT), new_tokens, repeats)
+    tokens, rate = _decode_rate(generate, new_tokens, repeats)
     read_before = _read_bytes()
     generate(new_tokens)
     offloaded = sum(f.stat().st_size for f in Path(offload_dir).rglob("*") if f.is_file()) if offload_dir else 0
@@ -100,7 +102,7 @@ def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repe
     loaded = open_checkpoint(checkpoint)
     offloader = make_offloader(loaded.model, mode, torch.device("cpu"), slots, source=loaded.experts)
     tokens, rate = _decode_rate(lambda n: generate(loaded.model, [PROMPT], n, offloader=offloader).tokens[0],
-                                len(PROMPT), new_tokens, repeats)
+                                new_tokens, repeats)
     offloader.reset_stats()
     read_before = _read_bytes()
     generate(loaded.model, [PROMPT], new_tokens, offloader=offloader)
@@ -122,26 +124,34 @@ def _read_bytes() -> int:
 def _subprocess(call: str, args: dict, isolate: bool = True, timeout: float = 900,
                 cap: Optional[memcap.MemoryCap] = None) -> dict:
     """Run `call(**args)` of this module in a fresh Python process (in this one when not isolate), inside `cap`
-    when given; its result."""
+    when given; its result, or {"error": ...} when it fails or runs past `timeout` seconds."""
     if not isolate:
         return json.loads(json.dumps(globals()[call](**args)))
     code = ("import json, sys; from runtime.bench import infer as b; "
             f"print(json.dumps(b.{call}(**json.loads(sys.argv[1]))))")
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=cap.preexec if cap else None)
+    try:
+        done = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True,
+                              timeout=timeout, preexec_fn=cap.preexec if cap else None)
+    except subprocess.TimeoutExpired:
+        return {"error": f"{call} ran past its {timeout:g} s limit and was killed"}
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
         return {"error": last, "returncode": done.returncode}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _infer_cli(checkpoint: Path, slots: int, new_tokens: int, cap: Optional[memcap.MemoryCap] = None) -> dict:
-    """`moesys infer --offload auto` as a user runs it (the installed command), in the cap when given."""
+def _infer_cli(checkpoint: Path, slots: int, new_tokens: int, cap: Optional[memcap.MemoryCap] = None,
+               timeout: float = 900) -> dict:
+    """`moesys infer --offload auto` as a user runs it (the installed command), in the cap when given; its result,
+    or {"error": ...} when it fails or runs past `timeout` seconds."""
     moesys = shutil.which("moesys") or "moesys"
-    done = subprocess.run([moesys, "infer", f"checkpoint={checkpoint}", f"prompt_ids={PROMPT}",
-                           f"infer.max_new_tokens={new_tokens}", f"infer.ring_slots={slots}", "--offload", "auto",
-                           "--json"], capture_output=True, text=True, timeout=900,
-                          preexec_fn=cap.preexec if cap else None)
+    try:
+        done = subprocess.run([moesys, "infer", f"checkpoint={checkpoint}", f"prompt_ids={PROMPT}",
+                               f"infer.max_new_tokens={new_tokens}", f"infer.ring_slots={slots}", "--offload",
+                               "auto", "--json"], capture_output=True, text=True, timeout=timeout,
+                              preexec_fn=cap.preexec if cap else None)
+    except subprocess.TimeoutExpired:
+        return {"error": f"moesys infer ran past its {timeout:g} s limit and was killed"}
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]}
     r = json.loads(done.stdout)
@@ -149,14 +159,11 @@ def _infer_cli(checkpoint: Path, slots: int, new_tokens: int, cap: Optional[memc
                               "page_cache_bytes_per_token", "peak_rss_anon_bytes", "placement")}
 
 
-def drop_page_cache() -> Optional[str]:
-    """Empty the kernel's page cache (root only); None when done, else why not."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return None
-    except OSError as exc:
-        return f"cannot drop the page cache ({exc.strerror or exc})"
+def drop_page_cache(directory: Path) -> Optional[str]:
+    """Evict `directory`'s files from the page cache (no root needed); None when done, else why not."""
+    if not evict_dir(directory):
+        return f"cannot evict the files of {directory} from the page cache"
+    return None
 
 
 def _matching_prefix(a: list[int], b: list[int]) -> int:
@@ -172,11 +179,12 @@ def _ratio(a: dict, b: dict) -> Optional[float]:
     return a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
 
 
-def run_infer_bench(ring_slots: int = 3, shape: Optional[dict] = None, new_tokens: int = NEW_TOKENS,
+def run_infer_bench(ring_slots: int, shape: Optional[dict] = None, new_tokens: int = NEW_TOKENS,
                     repeats: int = REPEATS, capped: bool = True, workdir: Optional[Path] = None,
                     isolate: bool = True) -> dict:
-    """Every system on one checkpoint; the ratios the issue targets and the capped cold/warm runs. isolate=False
-    runs the systems in this process (tests: the same code without a fresh interpreter for each)."""
+    """Every system on one checkpoint with an expert budget of `ring_slots` layers (`moesys bench infer` passes
+    infer.ring_slots); the ratios the issue targets and the capped cold/warm runs. isolate=False runs the systems in
+    this process (tests: the same code without a fresh interpreter for each)."""
     from runtime.inference.random_checkpoint import write_random_mixtral
 
     shape = dict(SHAPE, **(shape or {}))
@@ -225,7 +233,7 @@ def _capped_runs(checkpoint: Path, size: int, new_tokens: int, reference, accele
     out: dict[str, Any] = {"cap_bytes": size // 2, "ring_slots": slots}
     for run in ("cold", "warm"):
         if run == "cold":
-            dropped = drop_page_cache()
+            dropped = drop_page_cache(checkpoint)
             if dropped:
                 out["cold_note"] = dropped
         with memcap.MemoryCap(size // 2, "moesys-bench-infer") as cap:

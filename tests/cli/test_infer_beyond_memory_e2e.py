@@ -10,7 +10,6 @@ from the memory-mapped shards, so only the routed experts' pages are ever read.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 from runtime import memcap
 from runtime.inference.random_checkpoint import write_random_mixtral
+from runtime.page_cache import evict_dir
 from tests.cli.conftest import moesys_bin
 
 pytestmark = pytest.mark.skipif(memcap.available() is not None, reason=f"no memory cap: {memcap.available()}")
@@ -33,24 +33,13 @@ def infer(checkpoint: Path, args: list[str], cap: memcap.MemoryCap | None = None
     return json.loads(done.stdout)
 
 
-def drop_page_cache(directory: Path) -> None:
-    """Evict the checkpoint's pages (clean once synced), so the capped run reads from the disk: a cold start."""
-    for file in directory.glob("*.safetensors"):
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def test_a_checkpoint_twice_the_memory_cap_generates_the_uncapped_tokens(tmp_path):
     checkpoint = tmp_path / "mixtral"
     size = write_random_mixtral(checkpoint, hidden=512, ffn=2048, layers=16, experts=12, vocab=2048)
     reference = infer(checkpoint, ["--offload", "none"])
 
     cap_bytes = size // 2
-    drop_page_cache(checkpoint)
+    evict_dir(checkpoint, "*.safetensors")  # the capped run reads the checkpoint from the disk: a cold start
     with memcap.MemoryCap(cap_bytes, "moesys-infer-test") as cap:
         got = infer(checkpoint, ["infer.ring_slots=1"], cap)
         oom_kills = cap.oom_kills()
