@@ -2,7 +2,7 @@
 
 none: every layer resident on the device. ondemand: one slot, each layer copied just before it runs. ring: K slots
 turned over by use (seed 004's ring memory). auto: K-slot budget split into resident layers and layers streamed
-expert by expert (runtime/inference/auto.py).
+expert by expert (runtime/inference/auto.py); K at or above the number of MoE layers keeps them all resident.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slo
     `source` says where the experts lie (a checkpoint opened by `open_checkpoint`, whose model's experts are still
     on the meta device); without it they are the model's own resident experts. ring/ondemand export the experts
     into the on-disk store (cache_dir; default from the fingerprint) one layer at a time; auto computes streamed
-    layers from the source itself.
+    layers from the source itself. auto takes any budget of at least one slot (more slots than MoE layers: all
+    resident) and runs a model without MoE layers as none; ring checks 1 <= ring_slots <= MoE layers.
     """
     if mode not in MODES:
         raise InferError(f"--offload {mode!r} is not one of {', '.join(MODES)}")
@@ -44,17 +45,23 @@ def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slo
     moe = model.moe_layers()
     if source is None:
         source = ExpertSource.from_model(model)
+    if mode == "auto":
+        if ring_slots < 1:
+            raise InferError(f"infer.ring_slots={ring_slots} must be at least 1")
+        if not moe:
+            mode = "none"  # nothing to stream: the dense model, resident
     if mode == "none":
         for m, layer in enumerate(moe):
             if layer.experts.w1.is_meta:
                 source.fill(layer.experts, m, device)
         return Offloader(model.to(device), device)
-    if mode in ("ring", "auto"):
+    if mode == "ring":
         check_ring_slots(ring_slots, len(moe))
     elif not moe:
         raise InferError("the model has no MoE layers to offload; use --offload none")
     if mode == "auto":
-        offloader: Offloader = AutoOffloader(model, device, source, ring_slots, predict_ahead=prefetch)
+        slots = min(ring_slots, len(moe))  # K >= N: every layer resident
+        offloader: Offloader = AutoOffloader(model, device, source, slots, predict_ahead=prefetch)
         model.to(device)
         return offloader
     scratch = cache_dir is None and not fingerprint  # nothing to key a reusable store on: a private temp dir

@@ -78,7 +78,7 @@ def test_parse_infer_args():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["infer.ring_slots=3"], "infer.ring_slots=3 must be between 1 and the model's 2 MoE layers"),
+    (["infer.ring_slots=3", "infer.offload=ring"], "infer.ring_slots=3 must be between 1 and the model's 2 MoE layers"),
     (["infer.max_new_tokens=60"], "exceeds model.max_seq_len=48"),
 ])
 def test_bad_input_is_a_user_error(run_dir, args, message):

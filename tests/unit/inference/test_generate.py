@@ -111,7 +111,8 @@ def test_moesys_checkpoint_logits_match(run_dir):
 def test_bad_checkpoints_and_inputs(run_dir, tmp_path):
     cases = [
         (tmp_path / "nowhere", {}, "no such directory"),
-        (run_dir, {"ring_slots": 4}, "infer.ring_slots=4 must be between 1 and the model's 3 MoE layers"),
+        (run_dir, {"ring_slots": 4, "offload": "ring"},
+         "infer.ring_slots=4 must be between 1 and the model's 3 MoE layers"),
         (run_dir, {"ring_slots": 0}, "infer.ring_slots must be >= 1"),
         (run_dir, {"max_new_tokens": 40}, "exceeds model.max_seq_len=48"),
         (run_dir, {"max_new_tokens": 4, "prompt": None}, "no prompt"),
