@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -48,12 +49,18 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _shown(value: Any) -> str:
+    """A field's value as JSON, cut to 40 characters: an error message stays one short line."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _int(body: dict, key: str, default: int, low: int, high: int) -> int:
     value = body.get(key, default)
     if not _is_int(value):
-        raise RequestError(f"{key} must be an integer (got {json.dumps(value)})", key)
+        raise RequestError(f"{key} must be an integer (got {_shown(value)})", key)
     if not low <= value <= high:
-        raise RequestError(f"{key}={value} is out of range {low}..{high}", key)
+        raise RequestError(f"{key}={_shown(value)} is out of range {low}..{high}", key)
     return value
 
 
@@ -61,8 +68,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a RequestError saying why it is not one."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RequestError(f"the request body is not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # also a number past Python's digit limit, or nesting too deep
+        raise RequestError(f"the request body is not valid JSON ({str(exc).splitlines()[0][:200]})") from None
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object (got {type(body).__name__})")
     return body
@@ -82,6 +89,11 @@ def parse_completion(body: dict[str, Any], defaults: Defaults, tokenizer: Any, v
     if isinstance(prompt, str):
         if tokenizer is None:
             raise RequestError("this model has no tokenizer: give the prompt as a list of token ids", "prompt")
+        try:
+            prompt.encode("utf-8")  # JSON allows a lone surrogate such as "\ud800", which is no character
+        except UnicodeEncodeError as exc:
+            raise RequestError(f"prompt is not valid Unicode text: a lone surrogate at character {exc.start}",
+                               "prompt") from None
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         ids = list(prompt)
@@ -91,27 +103,34 @@ def parse_completion(body: dict[str, Any], defaults: Defaults, tokenizer: Any, v
         raise RequestError("prompt is empty: give at least one token", "prompt")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}", "prompt")
+        raise RequestError(f"prompt token id {_shown(bad[0])} is outside the vocabulary 0..{vocab_size - 1}", "prompt")
     if len(ids) >= context:
         raise RequestError(f"prompt of {len(ids)} tokens does not fit the model's context of {context} tokens "
                            "with a token to generate", "prompt")
     room = context - len(ids)
     max_tokens = body.get("max_tokens", min(defaults.max_tokens, room))
     if _is_int(max_tokens) and max_tokens > room:
-        raise RequestError(f"max_tokens={max_tokens} with a prompt of {len(ids)} tokens exceeds the model's context "
-                           f"of {context} tokens (at most {room})", "max_tokens")
+        raise RequestError(f"max_tokens={_shown(max_tokens)} with a prompt of {len(ids)} tokens exceeds the model's "
+                           f"context of {context} tokens (at most {room})", "max_tokens")
     max_tokens = _int(body, "max_tokens", max_tokens, 1, room)
-    temperature = body.get("temperature", defaults.temperature)
-    number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
-    if not number or not math.isfinite(temperature) or temperature < 0:
-        raise RequestError(f"temperature must be a number >= 0 (got {json.dumps(temperature)}); 0 is greedy",
-                           "temperature")
+    temperature = _temperature(body.get("temperature", defaults.temperature))
     top_k = _int(body, "top_k", defaults.top_k, 0, vocab_size)
     seed = _int(body, "seed", defaults.seed, 0, MAX_SEED)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise RequestError(f"stream must be true or false (got {json.dumps(stream)})", "stream")
-    return CompletionRequest(ids, max_tokens, float(temperature), top_k, seed, stream)
+        raise RequestError(f"stream must be true or false (got {_shown(stream)})", "stream")
+    return CompletionRequest(ids, max_tokens, temperature, top_k, seed, stream)
+
+
+def _temperature(value: Any) -> float:
+    """A finite number >= 0 as a float (an integer too large for a float is refused, not an OverflowError)."""
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number < 0:
+        raise RequestError(f"temperature must be a number >= 0 (got {_shown(value)}); 0 is greedy", "temperature")
+    return number
 
 
 # ---- response bodies ----
@@ -145,8 +164,12 @@ def sse(data: dict[str, Any] | str) -> bytes:
 
 
 class TextStream:
-    """Text of a growing list of ids, given out in pieces whose concatenation is the text of all the ids: a
-    trailing incomplete UTF-8 character (U+FFFD at the end) is held back until its bytes arrive."""
+    """Text of a growing list of ids, given out in pieces whose concatenation is the text of all the ids. Until the
+    last piece, a trailing U+FFFD (maybe a UTF-8 character whose bytes have not all arrived) is held back, and so is
+    everything while the text does not start with what was sent (a tokenizer that decodes a prefix differently
+    from the whole); the last piece is the text past what it has in common with what was sent, so nothing is lost,
+    though then the pieces also hold the prefix's differing end.
+    """
 
     def __init__(self, tokenizer: Any):
         self.tokenizer, self.ids, self.sent = tokenizer, [], ""
@@ -154,9 +177,11 @@ class TextStream:
     def push(self, ids: list[int], final: bool = False) -> str:
         self.ids.extend(ids)
         text = self.tokenizer.decode(self.ids)
-        if not final:
-            text = text.rstrip("\ufffd")
-        if not text.startswith(self.sent):  # a tokenizer whose prefix decodes differently: wait for the end
+        if final:
+            piece, self.sent = text[len(os.path.commonprefix([text, self.sent])):], text
+            return piece
+        text = text.rstrip("\ufffd")
+        if not text.startswith(self.sent):  # may start with it again once more ids arrive
             return ""
         piece, self.sent = text[len(self.sent):], text
         return piece
