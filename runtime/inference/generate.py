@@ -80,8 +80,9 @@ def _sync(device: torch.device) -> None:
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, offloader: Optional[Offloader] = None,
              keep_logits: bool = False, on_token: Optional[Callable[[list[int], Tensor], None]] = None) -> Generation:
-    """Prompts of equal length run as one batch (no padding, so batching never changes a result); each batch is
-    one prefill forward, then max_new_tokens - 1 single-token forwards against the KV cache.
+    """Prompts of equal length run as one batch (no padding: a row never sees another row's tokens, though its
+    logits may differ from a lone run's by float rounding, which can flip a greedy near-tie); each batch is one
+    prefill forward, then max_new_tokens - 1 single-token forwards against the KV cache.
 
     on_token(members, ids_B), when given, sees each step's new ids (on the device) of the batch made of
     prompts[members], between forwards: a streaming server sends them on, and an exception it raises stops the

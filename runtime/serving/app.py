@@ -19,12 +19,16 @@ from runtime.errors import UserError
 from runtime.serving.protocol import (RequestError, TextStream, chunk_body, completion_body, error_body,
                                       parse_completion, parse_json, sse)
 from runtime.serving.service import Service
-from runtime.serving.worker import Job
+from runtime.serving.worker import Job, WorkerDied
 
 log = logging.getLogger("moesys.serve")
 MAX_BODY_BYTES = 16 << 20
 """A request body larger than this is refused (413) before it is read: a prompt longer than any context is far
 smaller."""
+BODY_TIMEOUT_S = 60.0
+"""A client that takes longer to send its request body is refused (408)."""
+POLL_S = 1.0
+"""How often a request waiting for its answer checks that the generation worker is still running."""
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None) -> Response:
@@ -47,13 +51,15 @@ def build_app(service: Service) -> Starlette:
 
     async def completions(request: Request) -> Response:
         try:
-            body = parse_json(await _read_body(request))
+            body = parse_json(await asyncio.wait_for(_read_body(request), BODY_TIMEOUT_S))
             completion = parse_completion(body, service.defaults, service.tokenizer, model.vocab_size,
                                           model.max_seq_len)
         except RequestError as exc:
             return _error(exc.status, str(exc), exc.kind, exc.param)
         except ClientDisconnect:  # left while sending its request
             return _error(499, "the client closed the connection")
+        except asyncio.TimeoutError:
+            return _error(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s")
         name = body.get("model") or service.name
         request_id = f"cmpl-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
@@ -67,7 +73,7 @@ def build_app(service: Service) -> Starlette:
             return _error(exc.status, str(exc), exc.kind, exc.param)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+            await _answer_or_leave(service, answer, gone)
         finally:
             gone.cancel()
             if not answer.done():  # the client left (or the drain timed out): its generation is not needed
@@ -84,7 +90,9 @@ def build_app(service: Service) -> Starlette:
         return JSONResponse(completion_body(request_id, name, tokens, text, len(completion.prompt_ids)))
 
     async def health(request: Request) -> Response:
-        return JSONResponse(service.health())
+        """200 while the worker takes requests; 503 once it is stopping or dead, with the same body."""
+        state = service.health()
+        return JSONResponse(state, status_code=200 if state["status"] == "ok" else 503)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -118,6 +126,21 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+async def _answer_or_leave(service: Service, answer: asyncio.Future, gone: asyncio.Future) -> None:
+    """Wait, POLL_S at a time, for the answer or the client leaving; a worker thread that ended without answering
+    (seen on two polls in a row: its last answers may still be on their way to the event loop) fails the answer."""
+    ended = False
+    while not (answer.done() or gone.done()):
+        await asyncio.wait((answer, gone), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+        if ended and not answer.done():
+            answer.set_exception(_no_worker(service))
+        ended = not service.worker.alive
+
+
+def _no_worker(service: Service) -> RequestError:
+    return WorkerDied(service.worker.error or "its thread has ended without answering")
+
+
 def _settle(answer: asyncio.Future, tokens: Optional[list[int]], error: Optional[BaseException]) -> None:
     if answer.done():  # the request was cancelled meanwhile
         return
@@ -141,9 +164,17 @@ def _stream(service: Service, loop: asyncio.AbstractEventLoop, completion, reque
     text = TextStream(tok) if tok is not None else None
 
     async def chunks():
+        ended = False
         try:
             while True:
-                ids, error = await events.get()
+                try:
+                    ids, error = await asyncio.wait_for(events.get(), POLL_S)
+                except asyncio.TimeoutError:
+                    if ended and events.empty():  # see _answer_or_leave
+                        ids, error = None, _no_worker(service)
+                    else:
+                        ended = not service.worker.alive
+                        continue
                 if ids is not None:
                     yield sse(chunk_body(request_id, name, ids, text.push(ids) if text else None))
                     continue

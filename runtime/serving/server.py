@@ -4,6 +4,7 @@ the requests in flight finish (up to serve.drain_timeout_s), stop the worker and
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from typing import Callable, Optional
@@ -13,6 +14,10 @@ import uvicorn
 from runtime.errors import UserError
 from runtime.serving.app import build_app
 from runtime.serving.service import Service
+
+log = logging.getLogger("moesys.serve")
+EXIT_GRACE_S = 10.0
+"""How long past serve.drain_timeout_s a stopping server thread may take to close its connections."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -27,14 +32,18 @@ class DrainingServer(uvicorn.Server):
 
 def listen_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (port 0: a free one); a one-line UserError when that is impossible."""
+    sock = None
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen(2048)  # connections wait in the backlog until the event loop accepts them
-    except OSError as exc:
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another serve.host or "
+    except (OSError, UnicodeError) as exc:  # UnicodeError: a host name that is no valid IDNA name
+        if sock is not None:
+            sock.close()
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        raise UserError(f"cannot listen on {host}:{port}: {reason}; choose another serve.host or "
                         "--port (0 picks a free one)") from None
     sock.set_inheritable(True)
     return sock
@@ -68,9 +77,16 @@ class BackgroundServer:
 
     def __init__(self, service: Service):
         self.service = service
-        self.sock = listen_socket(service.config.serve.host, service.config.serve.port)
-        self.url = address(self.sock)
-        self.server = _server(service)
+        self.sock = None
+        try:
+            self.sock = listen_socket(service.config.serve.host, service.config.serve.port)
+            self.url = address(self.sock)
+            self.server = _server(service)
+        except BaseException:  # nobody else will close them: the caller never gets this object
+            if self.sock is not None:
+                self.sock.close()
+            service.close()
+            raise
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="moesys-serve", daemon=True)
 
@@ -79,6 +95,13 @@ class BackgroundServer:
         return self.url
 
     def __exit__(self, *exc) -> None:
+        drain = self.service.config.serve.drain_timeout_s
         self.server.should_exit = True
-        self.thread.join()
+        self.thread.join(drain + EXIT_GRACE_S)  # uvicorn cancels what still runs after drain_timeout_s
+        if self.thread.is_alive():
+            self.server.force_exit = True
+            self.thread.join(EXIT_GRACE_S)
+        if self.thread.is_alive():
+            log.warning("the server thread did not stop within serve.drain_timeout_s=%gs + %gs", drain,
+                        2 * EXIT_GRACE_S)
         self.service.close()

@@ -4,6 +4,7 @@ modes), its resolved config, and the generation worker that owns it."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -18,6 +19,8 @@ from runtime.inference.offload import Offloader
 from runtime.serving.protocol import Defaults
 from runtime.serving.worker import GenerationWorker
 from runtime.topology import set_cpu_threads
+
+log = logging.getLogger("moesys.serve")
 
 
 def resolve_serve_config(config_data: dict[str, Any], infer_overrides: dict[str, Any],
@@ -49,16 +52,21 @@ class Service:
         return Defaults(inf.max_new_tokens, inf.temperature, inf.top_k, inf.seed)
 
     def health(self) -> dict[str, Any]:
+        """status: the worker's state ('ok' while it takes requests; 'dead' with an `error`), the model and counters."""
         w = self.worker
-        return {"status": "ok", "model": self.name, "kind": self.loaded.kind, "device": str(self.device),
+        return {"status": w.state, "error": w.error, "model": self.name, "kind": self.loaded.kind, "device": str(self.device),
                 "offload": self.config.infer.offload, "context": self.config.model.max_seq_len,
                 "max_batch_size": w.max_batch_size, "queued": w.queued, "running": w.running,
                 "completed": w.completed, "failed": w.failed, "cancelled": w.cancelled, "batches": w.batches}
 
     def close(self) -> None:
-        """Stop the worker (what is still queued is refused) and release the offloader."""
-        self.worker.stop()
-        self.offloader.close()
+        """Stop the worker (what is still queued is refused; the batch in hand gets serve.drain_timeout_s to finish,
+        then is cancelled) and release the offloader, unless the worker thread still uses it."""
+        if self.worker.stop(self.config.serve.drain_timeout_s):
+            self.offloader.close()
+        else:
+            log.warning("the generation thread did not stop within 2 x serve.drain_timeout_s=%gs; its offloader "
+                        "is left open", self.config.serve.drain_timeout_s)
 
 
 def open_service(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any]] = None,

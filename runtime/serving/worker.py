@@ -1,6 +1,7 @@
 """The one generation worker of `moesys serve`: a thread that owns the model and its offloader, takes requests
-from a bounded queue in arrival order and runs them, alone or batched when batching keeps their tokens (greedy
-requests of equal prompt length and max_tokens on a dropless model, up to serve.max_batch_size)."""
+from a bounded queue in arrival order and runs them, alone or batched (greedy requests of equal prompt length and
+max_tokens on a dropless model, up to serve.max_batch_size; a batched row may differ from a lone run where float
+rounding flips a near-tie)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ class Stopped(RequestError):
         super().__init__("the server is shutting down; retry on another instance", status=503, kind="server_error")
 
 
+class WorkerDied(RequestError):
+    """A request the worker cannot run because its thread has ended on an error (HTTP 503)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"the generation worker has died ({why}); restart the server", status=503,
+                         kind="server_error")
+
+
 @dataclass(eq=False)
 class Job:
     """One request inside the worker. Both callbacks run on the worker thread and must not block."""
@@ -42,6 +51,8 @@ class Job:
     """Streaming: called with each new token id as it is made."""
     cancelled: bool = False
     """Set by the server when the client has gone; the worker skips or stops the job."""
+    finished: bool = False
+    """Set once `finish` has been called, so that it is never called twice."""
 
 
 def batchable(a: CompletionRequest, b: CompletionRequest) -> bool:
@@ -52,7 +63,8 @@ def batchable(a: CompletionRequest, b: CompletionRequest) -> bool:
 
 
 class GenerationWorker:
-    """Runs jobs one batch at a time on its own thread; `submit` from any thread."""
+    """Runs jobs one batch at a time on its own thread; `submit` from any thread. An error outside a batch's
+    generation ends the thread: every job it holds fails with WorkerDied, and so does every later submit."""
 
     def __init__(self, model: Transformer, offloader: Offloader, max_batch_size: int = 1, max_queue: int = 64):
         dropless = model.cfg.capacity_factor == 0  # with a capacity, which tokens an expert drops depends on the batch
@@ -63,7 +75,10 @@ class GenerationWorker:
         self.batches = 0
         """Generations run so far, each over a batch of one or more requests."""
         self.running = 0
+        self.error: Optional[str] = None
+        """Why the thread died (None while it runs, and after a stop)."""
         self._pending: deque[Job] = deque()
+        self._batch: list[Job] = []
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="moesys-generation", daemon=True)
@@ -73,9 +88,25 @@ class GenerationWorker:
     def queued(self) -> int:
         return len(self._pending)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the thread is still running (it may be stopping)."""
+        return self._thread.is_alive()
+
+    @property
+    def state(self) -> str:
+        """'ok', 'stopping' and then 'stopped' (after stop()), or 'dead' (the thread ended on an error: `error`)."""
+        if self.error is not None:
+            return "dead"
+        if self._stopping:
+            return "stopping" if self._thread.is_alive() else "stopped"
+        return "ok" if self._thread.is_alive() else "dead"
+
     def submit(self, job: Job) -> None:
-        """Queue a job; RequestError 503 when the queue is full or the worker is stopping."""
+        """Queue a job; RequestError 503 when the queue is full or the worker is stopping or dead."""
         with self._cv:
+            if self.state == "dead":
+                raise WorkerDied(self.error or "its thread has ended")
             if self._stopping:
                 raise Stopped()
             if len(self._pending) >= self.max_queue:
@@ -84,12 +115,22 @@ class GenerationWorker:
             self._pending.append(job)
             self._cv.notify()
 
-    def stop(self, timeout: Optional[float] = None) -> None:
-        """Finish the batch in hand, refuse what is still queued (503) and end the thread."""
+    def stop(self, timeout: float) -> bool:
+        """Refuse what is queued (503) and end the thread: the batch in hand gets `timeout` seconds to finish, then
+        is cancelled between two forwards (`timeout` more seconds). Whether the thread has ended."""
         with self._cv:
             self._stopping = True
+            refused, self._pending = list(self._pending), deque()
             self._cv.notify()
+        for job in refused:
+            _finish(job, None, Stopped())
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._cv:
+                for job in self._batch:
+                    job.cancelled = True
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _take_batch(self) -> list[Job]:
         """The oldest live job, and as many queued jobs that batch with it as fit (oldest first)."""
@@ -97,6 +138,7 @@ class GenerationWorker:
             head = self._pending.popleft()
             if head.cancelled:
                 self.cancelled += 1
+                _finish(head, None, Cancelled())
                 continue
             batch = [head]
             if self.max_batch_size > 1:
@@ -110,21 +152,38 @@ class GenerationWorker:
         return []
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # whatever ended the thread, no job may wait for it
+            log.exception("the generation worker died")
+            self._die(exc)
+
+    def _loop(self) -> None:
         while True:
             with self._cv:
                 while not self._pending and not self._stopping:
                     self._cv.wait()
-                if self._stopping:
-                    refused, self._pending = list(self._pending), deque()
-                    for job in refused:
-                        _finish(job, None, Stopped())
+                if self._stopping:  # stop() has refused what was queued
                     return
-                batch = self._take_batch()
-                self.running = len(batch)
-            if batch:
-                self._run_batch(batch)
+                self._batch = self._take_batch()
+                self.running = len(self._batch)
+            if self._batch:
+                self._run_batch(self._batch)
             with self._cv:
+                self._batch = []
                 self.running = 0
+
+    def _die(self, exc: BaseException) -> None:
+        """Fail every job still held (the batch in hand and the queue) and refuse what comes later."""
+        lines = str(exc).strip().splitlines()
+        with self._cv:
+            self.error = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+            held, self._batch, self._pending = self._batch + list(self._pending), [], deque()
+            self.running = 0
+        left = [job for job in held if not job.finished]
+        self.failed += len(left)
+        for job in left:
+            _finish(job, None, WorkerDied(self.error))
 
     def _run_batch(self, jobs: list[Job]) -> None:
         first = jobs[0].request
@@ -144,8 +203,8 @@ class GenerationWorker:
                             job.cancelled = True
 
         self.batches += 1
-        self.offloader.reset_stats()  # its timeline would otherwise grow with every forward for the server's life
         try:
+            self.offloader.reset_stats()  # its timeline would otherwise grow with every forward for the server's life
             gen = generate(self.model, [job.request.prompt_ids for job in jobs], first.max_tokens, first.temperature,
                            first.top_k, first.seed, self.offloader, on_token=on_token)
         except Cancelled as exc:
@@ -159,12 +218,19 @@ class GenerationWorker:
             for job in jobs:
                 _finish(job, None, exc)
             return
-        self.completed += len(jobs)
         for job, tokens in zip(jobs, gen.tokens):
-            _finish(job, tokens, None)
+            if job.cancelled:  # its client left while the rest of the batch went on
+                self.cancelled += 1
+                _finish(job, None, Cancelled())
+            else:
+                self.completed += 1
+                _finish(job, tokens, None)
 
 
 def _finish(job: Job, tokens: Optional[list[int]], error: Optional[BaseException]) -> None:
+    if job.finished:
+        return
+    job.finished = True
     try:
         job.finish(tokens, error)
     except Exception:  # the client's event loop has closed: nobody is waiting for this answer

@@ -1,16 +1,19 @@
 """`moesys serve`'s HTTP service on a free loopback port of this process: the tokens of `run_inference` (what
 `moesys infer` runs) for the same prompt and seed in every offload mode, streamed or not; concurrent clients each
-get their own answer; bad input is a 4xx in OpenAI's error shape; a client leaving mid-stream harms nothing."""
+get their own answer; bad input is a 4xx in OpenAI's error shape; a client leaving mid-answer cancels its
+generation and harms nothing; a dead worker is a 503, on /health too."""
 
 import http.client
 import json
 import socket
 import threading
+import time
 from urllib.parse import urlsplit
 
 import pytest
 
 from runtime.inference.generate import run_inference
+from runtime.serving import app
 from runtime.serving.server import BackgroundServer
 from runtime.serving.service import open_service
 from tests.trained_run import train_run_dir
@@ -82,12 +85,33 @@ def test_same_tokens_as_infer_streamed_or_not_in_every_offload_mode(run_dir, off
             assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
 
 
+def _answers(run_dir, bodies) -> dict[int, list[list[int]]]:
+    """Each body's possible answers: run alone (what `moesys infer` gives), or, for a greedy prompt of the same
+    length as another one, as a row of their batch (in either order), whose float rounding can flip a near-tie."""
+    answers = {i: [run_inference(run_dir, {**INFER, "temperature": b["temperature"], "seed": b["seed"]},
+                                 prompts=[b["prompt"]], offload="auto")["tokens"][0]] for i, b in enumerate(bodies)}
+    by_length: dict[int, list[int]] = {}
+    for i, b in enumerate(bodies):
+        if b["temperature"] == 0:
+            by_length.setdefault(len(b["prompt"].encode()), []).append(i)
+    pairs = [group for group in by_length.values() if len(group) > 1]
+    assert pairs and all(len(group) == 2 for group in pairs)  # what the batches of two below cover
+    for a, b in pairs:
+        for order in ((a, b), (b, a)):
+            batch = run_inference(run_dir, {**INFER, "temperature": 0.0}, prompts=[bodies[k]["prompt"] for k in order],
+                                  offload="auto")["tokens"]
+            for k, tokens in zip(order, batch):
+                answers[k].append(tokens)
+        assert not any(t in answers[b] for t in answers[a])  # so a row given to the wrong client still fails
+    return answers
+
+
 def test_concurrent_clients_each_get_their_own_answer(run_dir):
     prompts = ["abc", "xyz", "qrs", "hello", "mixture", "of", "experts!", "abd"]
-    bodies = [{"prompt": p, "temperature": 0.7 if i % 3 == 1 else 0.0, "seed": i, "stream": i % 2 == 0}
+    # "abc" and "qrs", greedy and of one length, batch together: one streamed, one not
+    bodies = [{"prompt": p, "temperature": 0.7 if i % 3 == 1 else 0.0, "seed": i, "stream": i % 4 < 2}
               for i, p in enumerate(prompts)]
-    expected = [run_inference(run_dir, {**INFER, "temperature": b["temperature"], "seed": b["seed"]},
-                              prompts=[b["prompt"]], offload="auto")["tokens"][0] for b in bodies]
+    answers = _answers(run_dir, bodies)
     results: dict[int, list[int]] = {}
 
     def client(i):
@@ -106,8 +130,10 @@ def test_concurrent_clients_each_get_their_own_answer(run_dir):
             t.start()
         for t in threads:
             t.join(120)
+        assert not any(t.is_alive() for t in threads)
         health = post(url, b"", "/health", "GET")[1]
-    assert results == {i: [tokens] * 3 for i, tokens in enumerate(expected)}
+    assert sorted(results) == list(range(len(bodies))) and all(len(got) == 3 for got in results.values())
+    assert all(tokens in answers[i] for i, got in results.items() for tokens in got), (results, answers)
     assert health["completed"] == 3 * len(bodies) and health["failed"] == 0
 
 
@@ -127,6 +153,10 @@ BAD = [
     ({"prompt": "hi", "top_k": 1.5}, 400, "top_k must be an integer", "top_k"),
     ({"prompt": "hi", "seed": -1}, 400, "seed=-1 is out of range", "seed"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream must be true or false", "stream"),
+    (b'{"prompt": "hi", "temperature": ' + b"9" * 400 + b"}", 400, "temperature must be a number >= 0",
+     "temperature"),
+    (b'{"prompt": "\\ud800"}', 400, "prompt is not valid Unicode text", "prompt"),
+    (b'{"prompt": [' + b"1" * 5000 + b"]}", 400, "not valid JSON", None),
 ]
 
 
@@ -158,20 +188,67 @@ def test_a_body_larger_than_any_prompt_is_refused_before_it_is_read(run_dir):
         assert sock.recv(4096).startswith(b"HTTP/1.1 413")
 
 
-def test_clients_leaving_mid_answer_harm_nothing_and_the_server_keeps_serving(run_dir):
-    with _server(run_dir, "ring") as url:
+def test_a_body_that_does_not_arrive_is_refused_in_time(run_dir, monkeypatch):
+    monkeypatch.setattr(app, "BODY_TIMEOUT_S", 0.5)
+    with _server(run_dir) as url, _raw(url, b"Content-Length: 10\r\n", b"{") as sock:
+        assert sock.recv(4096).startswith(b"HTTP/1.1 408")
+
+
+def _slowed(server: BackgroundServer, monkeypatch, seconds: float) -> BackgroundServer:
+    """Each forward of the served model takes `seconds` more: a 46-token answer outlasts its client by far."""
+    model = server.service.loaded.model
+    forward = model.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", slow_forward)
+    return server
+
+
+def _until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_clients_leaving_mid_answer_cancel_it_and_the_server_keeps_serving(run_dir, monkeypatch):
+    with _slowed(_server(run_dir, "ring"), monkeypatch, 0.05) as url:
         for stream_it in (True, False):
             body = json.dumps({"prompt": "x", "max_tokens": 46, "stream": stream_it}).encode()
             with _raw(url, b"Content-Length: %d\r\n" % len(body), body) as sock:
-                if stream_it:  # leave after the first token; a plain request is left at once
+                if stream_it:  # leave after the first token
                     received = b""
                     while b"data: " not in received:
-                        received += sock.recv(4096)
+                        chunk = sock.recv(4096)
+                        assert chunk, f"the server closed the stream before its first token: {received!r}"
+                        received += chunk
                     assert received.startswith(b"HTTP/1.1 200")
+                else:  # leave once the generation has begun
+                    _until(lambda: post(url, b"", "/health", "GET")[1]["running"] == 1)
         status, got = post(url, {"prompt": "the weather"})
         assert status == 200
         assert got["choices"][0]["token_ids"] == run_inference(run_dir, INFER, prompts=["the weather"],
                                                                offload="ring")["tokens"][0]
         health = post(url, b"", "/health", "GET")[1]
-        assert health["status"] == "ok" and health["failed"] == 0
-        assert health["completed"] + health["cancelled"] == 3  # each left answer finished or was stopped
+    assert health["status"] == "ok" and health["failed"] == 0
+    assert (health["cancelled"], health["completed"]) == (2, 1)  # both left answers were stopped, not finished
+
+
+def test_a_dead_worker_is_a_503_and_health_says_so(run_dir, monkeypatch):
+    server = _server(run_dir)
+    with server as url:
+        worker = server.service.worker
+
+        def broken():
+            raise RuntimeError("the loop broke")
+
+        monkeypatch.setattr(worker, "_take_batch", broken)
+        status, got = post(url, {"prompt": "hi"})
+        assert status == 503 and "generation worker has died (RuntimeError: the loop broke)" in got["error"]["message"]
+        status, got = post(url, {"prompt": "hi", "stream": True})
+        assert status == 503 and "has died" in got["error"]["message"]  # refused before the stream begins
+        status, health = post(url, b"", "/health", "GET")
+        assert status == 503 and health["status"] == "dead" and health["error"] == "RuntimeError: the loop broke"

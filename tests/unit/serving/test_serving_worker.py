@@ -1,7 +1,9 @@
-"""The generation worker: batches only what keeps each request's tokens, stops a batch whose clients have gone, a
-bounded queue, a stop that refuses what is left; the protocol's field checks and streamed text pieces."""
+"""The generation worker: batches greedy requests of one shape, each row its own prompt's tokens; stops a batch
+whose clients have gone; a bounded queue, a bounded stop that refuses what is left, a death that fails every job
+held; the protocol's field checks and streamed text pieces."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -10,8 +12,9 @@ from runtime.config import ModelConfig
 from runtime.inference.generate import generate
 from runtime.inference.modes import make_offloader
 from runtime.model.transformer import Transformer
-from runtime.serving.protocol import CompletionRequest, Defaults, RequestError, TextStream, parse_completion
-from runtime.serving.worker import Cancelled, GenerationWorker, Job, Stopped
+from runtime.serving.protocol import (CompletionRequest, Defaults, RequestError, TextStream, parse_completion,
+                                      parse_json)
+from runtime.serving.worker import Cancelled, GenerationWorker, Job, Stopped, WorkerDied
 from runtime.train.tokenizer import ByteTokenizer
 
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, vocab_size=256, ffn_hidden_size=64, num_experts=4,
@@ -48,11 +51,18 @@ def _request(ids, max_tokens=5, temperature=0.0, seed=0):
     return CompletionRequest(ids, max_tokens, temperature, 0, seed, False)
 
 
-def test_batches_only_greedy_requests_of_equal_length_and_each_gets_its_own_tokens():
-    worker = _worker(max_batch_size=4)
+def _held(worker: GenerationWorker) -> Answer:
+    """A first job that keeps the worker inside its finish() until `release` is set: what is submitted meanwhile
+    queues behind it."""
     first = Answer(hold=True)
     worker.submit(Job(_request([1, 2, 3]), first.finish))
-    first.done.wait(30)  # the worker is held: everything below queues behind it
+    assert first.done.wait(30)
+    return first
+
+
+def test_batches_only_greedy_requests_of_equal_length_and_each_gets_its_own_tokens():
+    worker = _worker(max_batch_size=4)
+    first = _held(worker)
     requests = [_request([4, 5, 6]), _request([7, 8, 9], temperature=1.0, seed=3), _request([10, 11, 12]),
                 _request([13, 14]), _request([15, 16, 17]), _request([18, 19, 20], max_tokens=4)]
     answers = [Answer() for _ in requests]
@@ -60,12 +70,17 @@ def test_batches_only_greedy_requests_of_equal_length_and_each_gets_its_own_toke
         worker.submit(Job(request, answer.finish))
     assert worker.queued == len(requests)
     first.release.set()
-    for request, answer in zip(requests, answers):
-        alone = generate(worker.model, [request.prompt_ids], request.max_tokens, request.temperature, 0,
-                         request.seed).tokens[0]
-        assert answer.wait().tokens == alone
-    worker.stop()
-    # [1,2,3]; then [4,5,6] with [10,11,12] and [15,16,17]; the sampled one, the shorter one, the 4-token one alone
+    # [4,5,6] with [10,11,12] and [15,16,17]: the rows of that batch (a row's logits may differ from a lone
+    # run's by float rounding); the sampled one, the shorter one and the 4-token one alone
+    batched = generate(worker.model, [requests[i].prompt_ids for i in (0, 2, 4)], 5).tokens
+    expected = {0: batched[0], 2: batched[1], 4: batched[2]}
+    for i, request in enumerate(requests):
+        if i not in expected:
+            expected[i] = generate(worker.model, [request.prompt_ids], request.max_tokens, request.temperature, 0,
+                                   request.seed).tokens[0]
+    assert [answer.wait().tokens for answer in answers] == [expected[i] for i in range(len(requests))]
+    assert len({tuple(t) for t in batched}) == 3  # the batch's rows differ: a mix-up would show
+    assert worker.stop(30)
     assert worker.batches == 5 and worker.completed == 7
 
 
@@ -89,26 +104,88 @@ def test_a_batch_whose_clients_have_gone_stops_between_forwards_and_the_worker_g
     after = Answer()
     worker.submit(Job(_request([1, 2, 3]), after.finish))
     assert after.wait().tokens == generate(worker.model, [[1, 2, 3]], 5).tokens[0]
-    worker.stop()
+    assert worker.stop(30)
     assert worker.cancelled == 1 and worker.completed == 1
+
+
+def test_a_client_leaving_a_batch_that_goes_on_counts_as_cancelled():
+    worker = _worker(max_batch_size=2)
+    first = _held(worker)
+    left, stayed = Answer(), Answer()
+    job = Job(_request([4, 5, 6]), left.finish)
+    job.on_tokens = lambda ids: setattr(job, "cancelled", True)
+    worker.submit(job)
+    worker.submit(Job(_request([7, 8, 9]), stayed.finish))
+    first.release.set()
+    assert isinstance(left.wait().error, Cancelled) and stayed.wait().tokens is not None
+    assert worker.stop(30)
+    assert (worker.batches, worker.completed, worker.cancelled) == (2, 2, 1)
+
+
+def test_stop_cancels_a_batch_that_outlasts_its_timeout():
+    worker = _worker()
+    slow = Answer()
+    worker.submit(Job(_request([1, 2, 3], max_tokens=40), slow.finish, on_tokens=lambda ids: time.sleep(0.05)))
+    time.sleep(0.2)  # the generation is under way
+    began = time.monotonic()
+    assert worker.stop(0.3)
+    assert time.monotonic() - began < 1.5 and isinstance(slow.wait().error, Cancelled)
+
+
+def test_an_error_outside_generation_fails_every_held_job_and_later_submits(monkeypatch):
+    worker = _worker()
+    broken = Answer()
+    worker.submit(Job(_request([1, 2, 3]), broken.finish))
+    assert broken.wait().tokens is not None and worker.state == "ok"
+
+    def fail():
+        raise RuntimeError("a bug in the loop\nsecond line")
+
+    monkeypatch.setattr(worker, "_take_batch", fail)
+    lost = Answer()
+    worker.submit(Job(_request([1, 2, 3]), lost.finish))
+    assert isinstance(lost.wait().error, WorkerDied) and lost.error.status == 503
+    assert worker.state == "dead" and worker.error == "RuntimeError: a bug in the loop" and worker.failed == 1
+    with pytest.raises(WorkerDied, match="has died"):
+        worker.submit(Job(_request([1]), Answer().finish))
+    assert worker.stop(30)
+
+
+def test_an_offloader_failing_between_batches_fails_that_batch_only(monkeypatch):
+    worker = _worker()
+    calls = []
+
+    def reset_stats():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("stats broke")
+
+    monkeypatch.setattr(worker.offloader, "reset_stats", reset_stats)
+    first, second = Answer(), Answer()
+    worker.submit(Job(_request([1, 2, 3]), first.finish))
+    assert isinstance(first.wait().error, RuntimeError)
+    worker.submit(Job(_request([1, 2, 3]), second.finish))
+    assert second.wait().tokens == generate(worker.model, [[1, 2, 3]], 5).tokens[0]
+    assert worker.state == "ok" and (worker.failed, worker.completed) == (1, 1)
+    assert worker.stop(30)
 
 
 def test_a_full_queue_is_refused_and_stop_refuses_what_is_left():
     worker = _worker(max_queue=2)
-    held = Answer(hold=True)
-    worker.submit(Job(_request([1]), held.finish))
-    held.done.wait(30)
+    held = _held(worker)
     waiting = [Answer(), Answer()]
     for answer in waiting:
         worker.submit(Job(_request([2]), answer.finish))
     with pytest.raises(RequestError, match="busy") as exc:
         worker.submit(Job(_request([3]), Answer().finish))
     assert exc.value.status == 503
-    stopper = threading.Thread(target=worker.stop)
+    stopped = []
+    stopper = threading.Thread(target=lambda: stopped.append(worker.stop(30)))
     stopper.start()
+    assert all(isinstance(a.wait().error, Stopped) for a in waiting)  # refused at once, the batch still in hand
     held.release.set()
     stopper.join(30)
-    assert all(isinstance(a.wait().error, Stopped) for a in waiting)
+    assert stopped == [True] and worker.state == "stopped"
     with pytest.raises(Stopped):
         worker.submit(Job(_request([4]), Answer().finish))
 
@@ -132,6 +209,22 @@ def test_request_fields_default_to_infer_settings_and_max_tokens_fits_the_contex
             parse_completion({"prompt": "hi", "max_tokens": bad}, DEFAULTS, tok, 256, 48)
 
 
+@pytest.mark.parametrize("raw,message,param", [
+    (b'{"prompt": "hi", "temperature": ' + b"9" * 400 + b"}", "temperature must be a number >= 0", "temperature"),
+    (b'{"prompt": "hi", "temperature": 1e999}', "temperature must be a number >= 0", "temperature"),
+    (b'{"prompt": "a\\ud800"}', "prompt is not valid Unicode text: a lone surrogate at character 1", "prompt"),
+    (b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", "not valid JSON", None),
+    (b"[" * 100_000 + b"]" * 100_000, "not valid JSON", None),
+    (b'{"prompt": "hi", "seed": ' + b"9" * 400 + b"}", "9999... is out of range 0..", "seed"),
+], ids=["huge-int-temperature", "infinite-temperature", "lone-surrogate", "past-digit-limit", "too-deep",
+        "huge-seed"])
+def test_a_field_python_cannot_hold_is_a_one_line_request_error(raw, message, param):
+    with pytest.raises(RequestError) as exc:
+        parse_completion(parse_json(raw), DEFAULTS, ByteTokenizer(), 256, 48)
+    assert message in str(exc.value) and "\n" not in str(exc.value) and len(str(exc.value)) < 300
+    assert (exc.value.param, exc.value.status) == (param, 400)
+
+
 def test_streamed_text_pieces_hold_back_a_split_character_and_add_up_to_the_text():
     ids = list("a€b".encode())  # € is three bytes
     stream = TextStream(ByteTokenizer())
@@ -139,3 +232,18 @@ def test_streamed_text_pieces_hold_back_a_split_character_and_add_up_to_the_text
     assert pieces == ["a", "", "", "€", "b", ""]
     cut = TextStream(ByteTokenizer())
     assert cut.push(ids[:2]) == "a" and cut.push([], final=True) == "\ufffd"
+    genuine = TextStream(ByteTokenizer())  # a real U+FFFD waits only for the next piece or the end
+    assert genuine.push(list("a\ufffd".encode())) == "a" and genuine.push([], final=True) == "\ufffd"
+
+
+class _Cleanup:
+    """A tokenizer that, like cleanup of tokenization spaces, drops a space before a comma: "hi " then "hi,"."""
+
+    def decode(self, ids):
+        return "".join(map(chr, ids)).replace(" ,", ",")
+
+
+def test_a_prefix_decoded_differently_waits_and_the_end_gives_the_rest():
+    stream = TextStream(_Cleanup())
+    pieces = [stream.push([ord(c)]) for c in "hi ,ok"] + [stream.push([], final=True)]
+    assert pieces == ["h", "i", " ", "", "", "", ",ok"]  # nothing past the differing point is lost
