@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -106,15 +107,23 @@ def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: d
 
 
 def verify(path: str | Path) -> None:
-    """Raise ChecksumError naming `path` when its tensor bytes do not match the recorded checksum."""
+    """Raise ChecksumError naming `path` when its tensor bytes do not match the recorded checksum (or its header
+    is unreadable: the header length is checked against the file's size before the header is read)."""
     path = Path(path)
     with open(path, "rb") as f:
         try:
+            file_size = os.fstat(f.fileno()).st_size
             header_len = struct.unpack("<Q", f.read(8))[0]
+            if header_len > file_size - 8:
+                raise ValueError(f"its header length {header_len} is past the end of the {file_size}-byte file")
             header = json.loads(f.read(header_len))
+            if not isinstance(header, dict):
+                raise ValueError("its header is not an object")
         except (struct.error, ValueError) as exc:
-            raise ChecksumError(f"{path} is not a readable safetensors file ({exc}); it is damaged") from None
-        expected = (header.get("__metadata__") or {}).get(CHECKSUM_KEY)
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ChecksumError(f"{path} is not a readable safetensors file ({reason}); it is damaged") from None
+        meta = header.get("__metadata__")
+        expected = meta.get(CHECKSUM_KEY) if isinstance(meta, dict) else None
         if expected is None:
             return
         crc, chunk = 0, bytearray(_CHUNK)  # one reused buffer: verifying costs 1 MB, whatever the file size

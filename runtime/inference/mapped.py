@@ -1,15 +1,18 @@
 """safetensors files read in place: every tensor is a view of the file's memory map, so opening a checkpoint costs
 no memory until a tensor is used, and a tensor that is only read (an expert computed where it lies) is never
 copied. The page cache is what holds the bytes; the kernel may drop and re-read them under memory pressure.
+Whole tensors are copied with the kernel's readahead; ranges read piecemeal (streamed experts) are marked random.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import mmap
+import os
 import struct
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import Tensor
@@ -26,20 +29,56 @@ class MappedFileError(UserError):
 
 
 def read_header(path: Path) -> tuple[dict, int]:
-    """(header, byte offset where the data section starts); the header keeps its __metadata__ entry."""
+    """(header, byte offset where the data section starts); the header keeps its __metadata__ entry. The header's
+    length is checked against the file's size before it is read (a torn or foreign file cannot ask for 2**64)."""
     try:
         with open(path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
             (size,) = struct.unpack("<Q", f.read(8))
+            if size > file_size - 8:
+                raise MappedFileError(f"{path}: not a readable safetensors file (its header length {size} is past "
+                                      f"the end of the {file_size}-byte file)")
             header = json.loads(f.read(size))
     except (OSError, struct.error, ValueError) as exc:
-        raise MappedFileError(f"{path}: not a readable safetensors file ({exc})") from None
+        raise MappedFileError(f"{path}: not a readable safetensors file ({_one_line(exc)})") from None
     if not isinstance(header, dict):
         raise MappedFileError(f"{path}: not a readable safetensors file (header is not an object)")
     return header, 8 + size
 
 
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _entry_error(name: str, entry, data_size: int) -> Optional[str]:
+    """Why a header entry does not describe a tensor inside a data section of `data_size` bytes (None: it does)."""
+    if not isinstance(entry, dict):
+        return "is not an object"
+    if entry.get("dtype") not in DTYPES:
+        return f"has dtype {entry.get('dtype')!r}, not one of {', '.join(DTYPES)}"
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        return f"has shape {shape!r}, not a list of sizes"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        return f"has data_offsets {offsets!r}, not [begin, end]"
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        return f"has data_offsets {offsets} (begin must be 0 <= begin <= end)"
+    if end > data_size:
+        return f"ends at byte {end} of a {data_size}-byte data section (truncated?)"
+    expected = math.prod(shape) * DTYPES[entry["dtype"]].itemsize
+    if end - begin != expected:
+        return f"has {end - begin} bytes, its shape {shape} of {entry['dtype']} needs {expected}"
+    return None
+
+
 class MappedFile:
-    """One safetensors file, memory-mapped privately (pages shared with the page cache, never written back)."""
+    """One safetensors file, memory-mapped privately (pages shared with the page cache, never written back).
+
+    Every header entry is checked when the file is opened (known dtype, 0 <= begin <= end <= data size, as many
+    bytes as its shape needs), so a damaged header is one error naming the file and tensor, never a view past the
+    map."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -47,19 +86,18 @@ class MappedFile:
         self.metadata = self.header.pop("__metadata__", None) or {}
         with open(self.path, "rb") as f:
             size = f.seek(0, 2)
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
-        for name, entry in self.header.items():
-            if entry.get("dtype") not in DTYPES:
-                raise MappedFileError(f"{self.path}: tensor {name} has dtype {entry.get('dtype')!r}, not one of "
-                                      f"{', '.join(DTYPES)}")
-            begin, end = entry["data_offsets"]
-            if self.data_start + end > size:
-                raise MappedFileError(f"{self.path}: tensor {name} ends past the end of the file (truncated?)")
+            for name, entry in self.header.items():
+                why = _entry_error(name, entry, size - self.data_start)
+                if why is not None:
+                    raise MappedFileError(f"{self.path}: tensor {name} {why}")
+            self._map: Optional[mmap.mmap] = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                                              if size else None)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else None
-        if self._map is not None and hasattr(mmap, "MADV_RANDOM"):
-            # Tensors are read where they are used, not in file order: the kernel's readahead around a fault
-            # would read the neighbouring (unrouted) experts too. `will_need` asks for exactly what is used.
-            self._map.madvise(mmap.MADV_RANDOM)
+
+    def close(self) -> None:
+        """Let go of the map: it is unmapped once no tensor view of it is left (a view keeps it alive, so closing
+        never invalidates a tensor already handed out)."""
+        self._map = self._bytes = None
 
     def contains(self, t: Tensor) -> bool:
         if self._bytes is None:
@@ -67,11 +105,21 @@ class MappedFile:
         offset = t.data_ptr() - self._bytes.data_ptr()
         return 0 <= offset < self._bytes.numel()
 
-    def will_need(self, t: Tensor) -> None:
-        """Start reading the pages of `t` (a view of this map) in the background, as one request."""
+    def _advise(self, t: Tensor, advice: int) -> None:
         offset = t.data_ptr() - self._bytes.data_ptr()
         begin = offset - offset % mmap.PAGESIZE
-        self._map.madvise(mmap.MADV_WILLNEED, begin, offset + t.numel() * t.element_size() - begin)
+        self._map.madvise(advice, begin, offset + t.numel() * t.element_size() - begin)
+
+    def will_need(self, t: Tensor) -> None:
+        """Start reading the pages of `t` (a view of this map) in the background, as one request."""
+        self._advise(t, mmap.MADV_WILLNEED)
+
+    def random_access(self, t: Tensor) -> None:
+        """Turn off readahead on `t`'s pages: it is read where it is used, not in file order (a streamed expert:
+        readahead around a fault would read the neighbouring, unrouted experts too; `will_need` asks for exactly
+        what is used). Elsewhere the kernel's readahead stays on, for whole-tensor copies."""
+        if hasattr(mmap, "MADV_RANDOM"):
+            self._advise(t, mmap.MADV_RANDOM)
 
     def names(self) -> Iterable[str]:
         return self.header.keys()
@@ -82,6 +130,8 @@ class MappedFile:
 
     def tensor(self, name: str) -> Tensor:
         """A view of the mapped bytes (a copy only where the file misaligns the tensor for its dtype)."""
+        if self._bytes is None:
+            raise ValueError(f"{self.path} is closed")
         entry = self.header[name]
         dtype, shape = DTYPES[entry["dtype"]], tuple(entry["shape"])
         begin, end = (self.data_start + o for o in entry["data_offsets"])
@@ -123,10 +173,25 @@ class TensorFiles:
     def file_of(self, name: str) -> Path:
         return self.where[name].path
 
-    def will_need(self, tensors: Iterable[Tensor]) -> None:
-        """Ask the kernel to read these views' pages now, each as one request (a no-op for other tensors)."""
+    def _mapped(self, tensors: Iterable[Tensor]) -> Iterable[tuple[MappedFile, Tensor]]:
+        """(file, view) for each tensor that is a view of one of these files' maps; other tensors are skipped."""
         for t in tensors:
             for file in self.files:
                 if file.contains(t):
-                    file.will_need(t)
+                    yield file, t
                     break
+
+    def will_need(self, tensors: Iterable[Tensor]) -> None:
+        """Ask the kernel to read these views' pages now, each as one request (a no-op for other tensors)."""
+        for file, t in self._mapped(tensors):
+            file.will_need(t)
+
+    def random_access(self, tensors: Iterable[Tensor]) -> None:
+        """Turn off readahead on these views' pages (read piecemeal where they are used; a no-op for others)."""
+        for file, t in self._mapped(tensors):
+            file.random_access(t)
+
+    def close(self) -> None:
+        """Let go of every file's map (each is unmapped once no tensor view of it is left)."""
+        for file in self.files:
+            file.close()

@@ -87,3 +87,17 @@ def test_a_damaged_byte_is_named(tmp_path):
 
 def test_spec_of_is_dtype_and_shape():
     assert spec_of(torch.zeros(2, 3, dtype=torch.bfloat16)) == (torch.bfloat16, (2, 3))
+
+
+@pytest.mark.parametrize("head", [
+    struct.pack("<Q", 2**63) + b"{}",  # a header length past the end of the file: refused before reading
+    struct.pack("<Q", 20) + b"{}",
+    b"\x01\x02",  # shorter than the length field
+    struct.pack("<Q", 2) + b"[]",  # a header that is not an object
+])
+def test_an_unreadable_header_is_one_line_naming_the_file(tmp_path, head):
+    path = tmp_path / "torn.safetensors"
+    path.write_bytes(head)
+    with pytest.raises(ChecksumError, match="torn.safetensors is not a readable safetensors file") as exc:
+        verify(path)
+    assert "\n" not in str(exc.value)
