@@ -109,9 +109,10 @@ class AutoOffloader(Offloader):
             if self.placement[m] == RESIDENT:
                 if layer.experts.w1.is_meta:  # else the model's own experts, moved with the model
                     source.fill(layer.experts, m, device)
-                self.resident_bytes += source.layer_bytes(m)
+                self.resident_bytes += source.layer_bytes(m)  # in the dtype placed, not the stored one
             else:
                 layer.experts = StreamedExperts(self, m)
+                source.random_access(m)  # read expert by expert: no readahead into unrouted neighbours
         self.cache: dict[tuple[int, int], ExpertWeights] = {}
         self.uses: Counter[tuple[int, int]] = Counter()
         self.cache_capacity = source.num_experts if HYBRID in self.placement else 0
@@ -122,8 +123,9 @@ class AutoOffloader(Offloader):
             costs = measure_costs(source.expert(streamed[0], 0), self.kind, device, source.dtype or dtype)
         self.costs = costs
         self.predict_ahead = predict_ahead
-        """Prefetch a streamed layer's guessed experts while the layer before it computes (CPU, in place; off by
-        default, see infer.prefetch)."""
+        """Prefetch a streamed (inplace) layer's guessed experts while the streamed layer before it computes (CPU;
+        off by default, see infer.prefetch). The guess is made in a streamed layer's compute, so the first streamed
+        layer after the resident ones is never prefetched."""
         moe = model.moe_layers()
         self.gates = [layer.router.gate.weight for layer in moe]
         self.top_k = moe[0].router.top_k if moe else 1
@@ -161,7 +163,7 @@ class AutoOffloader(Offloader):
 
     def _expert(self, m: int, j: int, x_ND: Tensor) -> Tensor:
         if self.placement[m] == INPLACE:
-            self.streamed_bytes += self.source.expert_bytes(m, j)
+            self.streamed_bytes += self.source.expert_bytes(m, j, stored=True)  # read from the files as stored
             self.inplace_computes += 1
             return ffn_one(x_ND, **_cast(self.source.expert(m, j), x_ND.dtype), kind=self.kind)
         self.uses[(m, j)] += 1
@@ -169,7 +171,7 @@ class AutoOffloader(Offloader):
         if cached is not None:
             self.cache_hits += 1
             return ffn_one(x_ND, **cached, kind=self.kind)
-        self.streamed_bytes += self.source.expert_bytes(m, j)
+        self.streamed_bytes += self.source.expert_bytes(m, j, stored=True)
         if self.costs.cpu_is_faster(x_ND.shape[0]):
             self.cpu_computes += 1
             y = ffn_one(x_ND.cpu(), **_cast(self.source.expert(m, j), x_ND.dtype), kind=self.kind)
@@ -185,7 +187,7 @@ class AutoOffloader(Offloader):
         end = self.timeline.mark()
         self.timeline.add("copy", start, end)
         self.timeline.add("wait", start, end)
-        self.copied_bytes += self.source.expert_bytes(m, j)
+        self.copied_bytes += sum(w.numel() * w.element_size() for w in weights.values())  # as placed
         self.copies += 1
         if len(self.cache) >= self.cache_capacity:
             coldest = min(self.cache, key=self.uses.__getitem__, default=None)
@@ -204,7 +206,7 @@ class AutoOffloader(Offloader):
 
     @property
     def expert_host_bytes(self) -> int:
-        return sum(self.source.layer_bytes(m) for m, p in enumerate(self.placement) if p != RESIDENT)
+        return sum(self.source.layer_bytes(m, stored=True) for m, p in enumerate(self.placement) if p != RESIDENT)
 
     def reset_stats(self) -> None:
         super().reset_stats()

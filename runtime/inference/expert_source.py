@@ -53,20 +53,38 @@ class ExpertSource:
         if self.files is not None:
             self.files.will_need(v[j] for v in self.layers[layer].values() for j in experts)
 
-    def expert_bytes(self, layer: int, j: int = 0) -> int:
-        return sum(v[j].numel() * v[j].element_size() for v in self.layers[layer].values())
+    def random_access(self, layer: int) -> None:
+        """Mark a layer whose experts are read piecemeal (streamed) for random access: no readahead into its
+        unrouted experts. Layers copied whole keep the kernel's readahead."""
+        if self.files is not None:
+            self.files.random_access(t for v in self.layers[layer].values() for t in v)
 
-    def layer_bytes(self, layer: int) -> int:
-        return sum(self.expert_bytes(layer, j) for j in range(self.num_experts))
+    def placed_dtype(self, name: str, layer: int = 0) -> torch.dtype:
+        """The dtype weight `name` is placed and computed in: self.dtype, else the stored one."""
+        return self.dtype or self.layers[layer][name][0].dtype
 
-    def stacked_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
-        return {k: (len(v), *v[0].shape) for k, v in self.layers[layer].items()}
+    def expert_bytes(self, layer: int, j: int = 0, stored: bool = False) -> int:
+        """Bytes of one expert as placed on a device (in placed_dtype), or as stored in the files (stored=True)."""
+        return sum(v[j].numel() * (v[j].element_size() if stored else self.placed_dtype(k, layer).itemsize)
+                   for k, v in self.layers[layer].items())
+
+    def layer_bytes(self, layer: int, stored: bool = False) -> int:
+        return sum(self.expert_bytes(layer, j, stored) for j in range(self.num_experts))
+
+    def stacked_specs(self, layer: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Each weight's (dtype, shape) as `stacked` returns it."""
+        return {k: (self.placed_dtype(k, layer), (len(v), *v[0].shape)) for k, v in self.layers[layer].items()}
+
+    def close(self) -> None:
+        """Let go of the files' maps (unmapped once no view of them is left: the views held here keep them)."""
+        if self.files is not None:
+            self.files.close()
 
     def stacked(self, layer: int, dtype: Optional[torch.dtype] = None) -> dict[str, Tensor]:
         """The layer's experts as stacked CPU tensors (one copy of one layer: what ring/ondemand's store holds)."""
         out = {}
         for k, views in self.layers[layer].items():
-            t = torch.empty((len(views), *views[0].shape), dtype=dtype or self.dtype or views[0].dtype)
+            t = torch.empty((len(views), *views[0].shape), dtype=dtype or self.placed_dtype(k, layer))
             for j, v in enumerate(views):
                 t[j].copy_(v)
             out[k] = t
@@ -74,13 +92,14 @@ class ExpertSource:
 
     def fill(self, experts: GroupedExperts, layer: int, device: torch.device) -> None:
         """Give a (meta or resident) GroupedExperts this layer's weights on `device`, copied expert by expert so
-        at most one layer is ever in memory twice (its mapped pages and the device copy)."""
+        at most one layer is ever in memory twice (its mapped pages and the device copy). Parameters keep their
+        requires_grad, as the dense ones loaded beside them do."""
         for name, views in self.layers[layer].items():
             param = getattr(experts, name)
             if param is None:
                 continue
-            dtype = (self.dtype or views[0].dtype) if param.is_meta else param.dtype
+            dtype = self.placed_dtype(name, layer) if param.is_meta else param.dtype
             data = torch.empty((len(views), *views[0].shape), dtype=dtype, device=device)
             for j, v in enumerate(views):
                 data[j].copy_(v)
-            setattr(experts, name, torch.nn.Parameter(data, requires_grad=False))
+            setattr(experts, name, torch.nn.Parameter(data, requires_grad=param.requires_grad))

@@ -54,7 +54,9 @@ def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slo
         for m, layer in enumerate(moe):
             if layer.experts.w1.is_meta:
                 source.fill(layer.experts, m, device)
-        return Offloader(model.to(device), device)
+        resident = Offloader(model.to(device), device)
+        resident.source = source  # close() lets go of its mapped files
+        return resident
     if mode == "ring":
         check_ring_slots(ring_slots, len(moe))
     elif not moe:
@@ -77,5 +79,6 @@ def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slo
         offloader = RingOffloader(model, device, store, ring_slots)
     if scratch:
         offloader.scratch_dir = cache  # removed by close(); the mapped pages stay valid until unmapped
+    offloader.source = source
     model.to(device)
     return offloader

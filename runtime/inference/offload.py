@@ -6,7 +6,6 @@ timelines, and the `none` and `ondemand` modes. The ring itself is in runtime/in
 from __future__ import annotations
 
 import mmap
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -14,7 +13,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from runtime.inference.expert_source import ExpertSource
@@ -22,6 +20,7 @@ from runtime.inference.load import InferError
 from runtime.inference.mapped import DTYPES, MappedFileError, read_header
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import expert_ffn
+from runtime.tensorfile import save_tensors
 
 MODES = ("auto", "ring", "ondemand", "none")
 
@@ -80,26 +79,26 @@ class ExpertStore:
 
     @staticmethod
     def export(source: ExpertSource, directory: Path, fingerprint: str = "") -> None:
-        """Write each layer's stacked experts once, one layer in memory at a time; files whose fingerprint and
-        shapes match are kept."""
+        """Write each layer's stacked experts once, one layer in memory at a time, atomically (a killed export
+        leaves no torn or temporary file); files whose fingerprint, dtypes and shapes match are kept."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         for m in range(source.num_layers):
             path = directory / f"layer{m}.safetensors"
-            if path.is_file() and fingerprint and _matches(path, source.stacked_shapes(m), fingerprint):
+            if path.is_file() and fingerprint and _matches(path, source.stacked_specs(m), fingerprint):
                 continue
-            tmp = directory / f".layer{m}.{os.getpid()}.tmp"
-            save_file(source.stacked(m), str(tmp), metadata={"fingerprint": fingerprint})
-            os.replace(tmp, path)
+            save_tensors(path, source.stacked(m), {"fingerprint": fingerprint})
 
 
-def _matches(path: Path, shapes: dict[str, tuple[int, ...]], fingerprint: str) -> bool:
+def _matches(path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], fingerprint: str) -> bool:
+    """The stored layer was written from this checkpoint with these (dtype, shape)s: reusable as it is."""
     try:
         header, _ = read_header(path)
-    except MappedFileError:
+        meta = header.pop("__metadata__", {}) or {}
+        stored = {k: (DTYPES.get(v["dtype"]), tuple(v["shape"])) for k, v in header.items()}
+    except (MappedFileError, TypeError, KeyError, AttributeError):
         return False
-    meta = header.pop("__metadata__", {}) or {}
-    return meta.get("fingerprint") == fingerprint and {k: tuple(v["shape"]) for k, v in header.items()} == shapes
+    return meta.get("fingerprint") == fingerprint and stored == specs
 
 
 # ---- timelines: when copies ran, when compute ran, when compute waited ----
@@ -187,6 +186,8 @@ class Offloader:
         self.copies = 0
         self._started: Any = None
         self.scratch_dir: Optional[Path] = None
+        self.source: Optional[ExpertSource] = None
+        """Where the experts were placed from; close() lets go of its mapped files."""
         self._hooks = [model.register_forward_pre_hook(self._begin), model.register_forward_hook(self._end)]
 
     def _begin(self, module, args) -> None:
@@ -226,12 +227,14 @@ class Offloader:
         }
 
     def close(self) -> None:
-        """Wait for copies in flight and take the timing hooks off the model."""
+        """Wait for copies in flight, take the timing hooks off the model and let go of the source's files."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
         if self.scratch_dir is not None:
             shutil.rmtree(self.scratch_dir, ignore_errors=True)
+        if self.source is not None:
+            self.source.close()
 
 
 class SlotOffloader(Offloader):

@@ -1,15 +1,16 @@
-"""A random Hugging Face Mixtral checkpoint written tensor by tensor (never the whole model in memory), as shards
-with a model.safetensors.index.json: what the offloaded-inference tests and benchmarks serve, at any size."""
+"""A random Hugging Face Mixtral checkpoint written layer by layer (never the whole model in memory), as shards
+with a model.safetensors.index.json: what the offloaded-inference tests and benchmarks serve, at any size. Every
+file is written atomically; shards are numbered from 1, as Hugging Face names them."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from runtime.inference.hf_mixtral import INDEX
+from runtime.io import atomic_write_json
+from runtime.tensorfile import save_tensors
 
 
 def write_random_mixtral(path: Path, hidden: int, ffn: int, layers: int, experts: int, vocab: int, heads: int = 8,
@@ -37,14 +38,14 @@ def write_random_mixtral(path: Path, hidden: int, ffn: int, layers: int, experts
     def shard(index: int, tensors: dict[str, torch.Tensor]) -> None:
         nonlocal written
         name = f"model-{index:05d}-of-{layers + 1:05d}.safetensors"
-        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        save_tensors(path / name, tensors, {"format": "pt"})  # streamed, atomic; transformers needs "format"
         weight_map.update(dict.fromkeys(tensors, name))
         written += sum(t.numel() * t.element_size() for t in tensors.values())
 
     def ones() -> torch.Tensor:
         return torch.ones(hidden, dtype=dtype)
 
-    shard(0, {"model.embed_tokens.weight": rand(vocab, hidden), "lm_head.weight": rand(vocab, hidden),
+    shard(1, {"model.embed_tokens.weight": rand(vocab, hidden), "lm_head.weight": rand(vocab, hidden),
               "model.norm.weight": ones()})
     head_dim = hidden // heads
     for i in range(layers):
@@ -59,7 +60,7 @@ def write_random_mixtral(path: Path, hidden: int, ffn: int, layers: int, experts
             e = f"{p}.block_sparse_moe.experts.{j}"
             tensors.update({f"{e}.w1.weight": rand(ffn, hidden), f"{e}.w3.weight": rand(ffn, hidden),
                             f"{e}.w2.weight": rand(hidden, ffn)})
-        shard(i + 1, tensors)
-    (path / INDEX).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        shard(i + 2, tensors)
+    atomic_write_json(path / INDEX, {"metadata": {"total_size": written}, "weight_map": weight_map})
+    atomic_write_json(path / "config.json", config)
     return written
