@@ -4,7 +4,8 @@ The checkpoint's model tensors are already keyed by global name and global exper
 parallel size, dense sharding or embedding partition of the run, so fusing is a streamed copy: each tensor is read
 from the checkpoint's memory map and written into the output, one at a time (the model need not fit in memory),
 leaving out optimizer moments, step counts and RNG states. Output files are bounded by export.max_shard_gb and
-carry checksums; the directory is written under a temporary name and renamed when complete.
+carry checksums; the directory is written under a temporary name and renamed when complete, with the mode mkdir
+would give it (readable by whoever may read its parent, e.g. a serving user).
 
 - moesys format: config.yaml + meta.json + model safetensors under the checkpoint's own keys, so `moesys infer`
   and `moesys serve` read it as they read a run.
@@ -29,8 +30,8 @@ from runtime.checkpoint_format import MODEL, tensor_key
 from runtime.config import MoesysConfig, config_to_dict
 from runtime.errors import UserError
 from runtime.inference.hf_mixtral import INDEX, config_to_hf, hf_tensor_names
-from runtime.inference.load import read_moesys
-from runtime.io import atomic_write_json, atomic_write_text, fsync_dir
+from runtime.inference.load import MoesysCheckpoint, read_moesys
+from runtime.io import atomic_write_json, atomic_write_text, fsync_dir, new_dir_mode
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 from runtime.tensorfile import write_tensors
@@ -86,8 +87,15 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "moesy
     if fmt not in FORMATS:
         raise ExportError(f"export.format={fmt!r} is not one of {', '.join(FORMATS)}")
     source = read_moesys(Path(checkpoint).expanduser())
+    try:
+        return _export(source, out, fmt, DTYPES[dtype] if dtype else None, max_shard_gb)
+    finally:
+        source.files.close()  # done with the checkpoint: its maps go once the last view is dropped
+
+
+def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optional[torch.dtype],
+            max_shard_gb: float) -> dict:
     cfg, files = source.config, source.files
-    to_dtype = DTYPES[dtype] if dtype else None
     if fmt == "hf":
         try:
             hf_config = config_to_hf(cfg.model, to_dtype or files.get(tensor_key(MODEL, "tok_embeddings.weight")).dtype)
@@ -107,6 +115,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "moesy
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        os.chmod(tmp, new_dir_mode())  # mkdtemp's 0700 would lock everyone else out of the renamed model
         names = _write_shards(tmp, shards, files, to_dtype, fmt)
         if len(shards) > 1:
             weight_map = {e.name: name for name, shard in zip(names, shards) for e in shard}
@@ -127,7 +136,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "moesy
         shutil.rmtree(tmp, ignore_errors=True)
     return {"checkpoint": str(source.step_dir), "out": str(out), "format": fmt, "files": names,
             "tensors": len(entries), "bytes": sum(nbytes.values()),
-            "checkpoint_bytes": sum(f.path.stat().st_size for f in files.files)}
+            "checkpoint_bytes": sum(f.stat().st_size for f in source.step_dir.glob("*.safetensors"))}
 
 
 def _write_shards(directory: Path, shards: list[list[Entry]], files, to_dtype: Optional[torch.dtype],

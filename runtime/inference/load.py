@@ -3,7 +3,9 @@ Mixtral-layout directory, as one single-process Transformer, its config and toke
 
 Files are memory-mapped and streamed: dense weights are copied to the device one tensor at a time, experts are
 read only when an offload mode places or computes them, so opening a model larger than memory costs its dense
-weights.
+weights. Before that, a moesys checkpoint's files that hold model weights are checksummed in one streamed pass each
+(the optimizer moments written beside the weights in those files are read too: the checksum covers the whole file)
+and then evicted from the page cache, so checking them leaves nothing cached and a cold start stays cold.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from runtime.config import ConfigError, MoesysConfig, config_from_dict, config_t
 from runtime.errors import UserError
 from runtime.inference.expert_source import ExpertSource
 from runtime.inference.hf_mixtral import open_hf_mixtral
-from runtime.inference.mapped import TensorFiles, copy_to
+from runtime.inference.mapped import MappedFileError, TensorFiles, copy_to, read_header
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
 from runtime.moe.layer import is_expert_param
 from runtime.run_dir import CHECKPOINTS, CONFIG
 from runtime.checkpoint_format import MODEL, latest_checkpoint, tensor_key
+from runtime.page_cache import evict
 from runtime.tensorfile import verify
 from runtime.train.tokenizer import ByteTokenizer
 
@@ -109,27 +112,51 @@ def _expert_prefixes(model: Transformer) -> list[str]:
 
 @dataclass
 class MoesysCheckpoint:
-    """A moesys checkpoint opened for reading: every tensor mapped (model weights under `model.PARAM` and
+    """A moesys checkpoint opened for reading: the files holding model weights mapped (`model.PARAM` and
     `model.PARAM.G` for global expert G, whatever expert-parallel size, dense sharding or embedding partition wrote
-    them), every file's checksum verified."""
+    them) and their checksums verified; files without model weights (RNG states, task heads) are left alone."""
 
     step_dir: Path
     config: MoesysConfig
     files: TensorFiles
 
 
+def _holds_model_weights(file: Path, params: set[str]) -> bool:
+    """Whether the file holds a tensor of one of the model's parameters (`model.PARAM` or `model.PARAM.G`)."""
+    try:
+        header, _ = read_header(file)
+    except MappedFileError:
+        verify(file)  # a torn file is named as damaged (ChecksumError) ...
+        raise  # ... and one verify can still read is unreadable all the same
+    prefix = f"{MODEL}."
+    for key in header:
+        if key.startswith(prefix):
+            name = key[len(prefix):]
+            if name in params or name.rpartition(".")[0] in params:
+                return True
+    return False
+
+
 def read_moesys(path: Path) -> MoesysCheckpoint:
     """Open a run directory's latest checkpoint, one step directory, or an export of either."""
+    kind = checkpoint_kind(path)  # a missing path is named as missing
+    if kind != "moesys":
+        raise InferError(f"checkpoint={path}: a Hugging Face directory, not a moesys run or step directory")
     step, data = _moesys_step_dir(path)
     try:
         cfg = config_from_dict(data)
     except ConfigError as exc:
         raise InferError(f"checkpoint={path}: its config does not load ({exc})") from None
-    weight_files = [f for f in sorted(step.glob("*.safetensors")) if not f.name.startswith("rng-")]
+    with torch.device("meta"):
+        params = {name for name, _ in Transformer(cfg.model).named_parameters()}
+    candidates = [f for f in sorted(step.glob("*.safetensors")) if not f.name.startswith("rng-")]
+    weight_files = [f for f in candidates if _holds_model_weights(f, params)]
     if not weight_files:
-        raise InferError(f"{step}: no weight files (*.safetensors)")
+        raise InferError(f"{step}: no *.safetensors file holds this config's model weights (model.* tensors); was it "
+                         "written by a different model config?")
     for file in weight_files:
         verify(file)  # a damaged file is named before anything loads from it (a streamed read, 1 MB of memory)
+        evict(file)  # ... and the read leaves no pages behind: what inference reads later comes from the disk
     return MoesysCheckpoint(step, cfg, TensorFiles(weight_files))
 
 

@@ -6,6 +6,8 @@ export streams (its memory does not grow with the model); a GPT-style model refu
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -44,6 +46,9 @@ def test_moesys_export_holds_the_runs_model_without_optimizer_state(run, tmp_pat
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["files"] == ["model.safetensors"] and summary["bytes"] * 2.5 < summary["checkpoint_bytes"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask  # as mkdir makes it, not mkdtemp's 0700
     exported = load_model(out).model
     assert torch.equal(logits(exported), logits(load_model(run).model))
     # the exported model's dense path as a static graph for the prompt's bucket: the same logits
@@ -66,6 +71,7 @@ def test_hf_export_loads_in_transformers_with_the_same_logits_and_tokens(run, tm
     with torch.no_grad():
         hf_tokens = hf.generate(torch.tensor(IDS), max_new_tokens=8, do_sample=False, pad_token_id=0)[:, len(IDS[0]):]
     infer = run_moesys("infer", f"checkpoint={run}", f"prompt_ids={IDS[0]}", "infer.max_new_tokens=8", "--json")
+    assert infer.returncode == 0, infer.stderr[-2000:]
     assert json.loads(infer.stdout)["tokens"] == hf_tokens.tolist()
     half = tmp_path / "hf16"
     assert run_moesys("export", f"checkpoint={run}", f"out={half}", "export.format=hf",
@@ -116,3 +122,9 @@ def test_export_streams_tensor_by_tensor_and_a_gpt_style_model_refuses_hf(tmp_pa
     assert "model.expert_type='gelu' (Mixtral needs 'swiglu')" in refused.stderr
     assert "export.format=moesys" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
+
+
+def test_a_missing_checkpoint_is_named_as_missing(tmp_path):
+    done = run_moesys("export", f"checkpoint={tmp_path / 'nonexistent'}", f"out={tmp_path / 'x'}")
+    assert done.returncode == 2 and "nonexistent: no such directory" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
