@@ -71,7 +71,9 @@ class PeakMemory:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            # it wakes at once on the event; a daemon thread that does not (a stalled /proc read) is left behind
+            self._thread.join(timeout=max(1.0, 10 * self.interval_s))
+            self._thread = None
         self.sample()
 
 
