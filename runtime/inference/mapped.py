@@ -36,10 +36,9 @@ def read_header(path: Path) -> tuple[dict, int]:
             file_size = os.fstat(f.fileno()).st_size
             (size,) = struct.unpack("<Q", f.read(8))
             if size > file_size - 8:
-                raise MappedFileError(f"{path}: not a readable safetensors file (its header length {size} is past "
-                                      f"the end of the {file_size}-byte file)")
+                raise EOFError(f"its header length {size} is past the end of the {file_size}-byte file")
             header = json.loads(f.read(size))
-    except (OSError, struct.error, ValueError) as exc:
+    except (OSError, EOFError, struct.error, ValueError) as exc:
         raise MappedFileError(f"{path}: not a readable safetensors file ({_one_line(exc)})") from None
     if not isinstance(header, dict):
         raise MappedFileError(f"{path}: not a readable safetensors file (header is not an object)")
