@@ -19,6 +19,9 @@ from runtime.checkpoint_format import latest_checkpoint
 
 PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_GRACE_S = 35.0
+"""How long a job stopped by its follower gets after SIGTERM before SIGKILL: torchrun gives its workers 30 s
+(its shutdown timeout) to exit before it kills them."""
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -65,8 +68,11 @@ class Job:
     of the step and exit); a second one kills the command, and its workers die with it.
     """
 
-    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 stop_grace_s: float = STOP_GRACE_S):
         self.argv, self.log_path = argv, Path(log_path)
+        self.stop_grace_s = stop_grace_s
+        """Leaving the with-block while the command runs stops it: SIGTERM, then SIGKILL after this long."""
         self.env = {**os.environ, **env} if env else None
         self.stop_signal: int | None = None
         """The first stop signal received (signal.SIGINT or signal.SIGTERM), or None."""
@@ -110,8 +116,7 @@ class Job:
     def __exit__(self, *exc) -> None:
         try:
             if self.proc is not None and self.proc.poll() is None:  # the follower failed: stop the job, gently
-                self.proc.terminate()
-                self.proc.wait()
+                self.kill(self.stop_grace_s)  # but bounded: a torchrun blocked on the network ignores SIGTERM
         finally:
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)

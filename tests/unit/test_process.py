@@ -143,9 +143,9 @@ time.sleep(60)
 """
 
 
-def start_job(tmp_path: Path, ignore: str = "") -> Job:
+def start_job(tmp_path: Path, ignore: str = "", **kwargs) -> Job:
     log = tmp_path / f"job-{len(list(tmp_path.iterdir()))}.log"
-    job = Job([sys.executable, "-c", SIGTERM_EXITS_7.format(ignore=ignore)], log)
+    job = Job([sys.executable, "-c", SIGTERM_EXITS_7.format(ignore=ignore)], log, **kwargs)
     job.__enter__()
     deadline = time.time() + 30
     while "ready" not in log.read_text():
@@ -172,3 +172,16 @@ def test_a_stop_signal_is_forwarded_once_and_a_second_one_kills(tmp_path):
         assert job.wait(timeout=30) == -signal.SIGKILL and job.stop_signal == signal.SIGINT
     finally:
         job.__exit__(None, None, None)
+
+
+def test_leaving_the_block_stops_a_command_that_ignores_sigterm_within_the_grace(tmp_path):
+    # As a torchrun blocked in a network call: SIGTERM is never handled, so the stop must not wait for it.
+    job = start_job(tmp_path, ignore="signal.signal(signal.SIGTERM, signal.SIG_IGN)", stop_grace_s=0.5)
+    started = time.monotonic()
+    job.__exit__(None, None, None)
+    assert time.monotonic() - started < 10
+    assert job.proc.returncode == -signal.SIGKILL
+
+    job = start_job(tmp_path)  # one that handles it exits on its own, gently
+    job.__exit__(None, None, None)
+    assert job.proc.returncode == 7
