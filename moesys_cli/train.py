@@ -17,7 +17,7 @@ from moesys_cli.render import console, error, print_json
 from moesys_cli.resolve import config_yaml, resolve_config
 from moesys_cli.slurm import submit
 from runtime.config import MoesysConfig
-from runtime.launch import build_launch, check_launchable, rendezvous_join_s
+from runtime.launch import build_launch, check_launchable, rendezvous_connect_s, rendezvous_join_s
 from runtime.node_watch import LostNodeWatch
 from runtime.oom import OUT_OF_MEMORY_EXIT, OomWatch, oom_message, smallest_fix
 from runtime.process import Job, TorchrunLogs, exception_line, resume_point, worker_pids
@@ -106,7 +106,11 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
 def _lost_node_watch(cfg: MoesysConfig, job: Job) -> LostNodeWatch | None:
     if cfg.launcher.name != "multinode" or cfg.topology.nodes < 2:
         return None
-    return LostNodeWatch(job.proc.pid, cfg.launcher.rdzv_endpoint, grace_s=max(10.0, cfg.train.collective_timeout_s))
+    # Once workers ran, a node whose workers ended and that cannot reach node 0 is lost soon; before, node 0 may
+    # not be started yet (by hand), and torchrun gives up on its own after rendezvous_connect_s.
+    grace_s = max(10.0, cfg.train.collective_timeout_s)
+    return LostNodeWatch(job.proc.pid, cfg.launcher.rdzv_endpoint, grace_s=grace_s,
+                         join_grace_s=rendezvous_connect_s(cfg) + grace_s)
 
 
 def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom: OomWatch,
@@ -194,14 +198,29 @@ def _last_error(logs: TorchrunLogs, logs_dir: Path, cfg: MoesysConfig, launched_
         with launcher.open("rb") as f:
             f.seek(launched_at)
             agent_error = exception_line(f.read().decode(errors="replace"))
-    if agent_error and agent_error.endswith("RendezvousTimeoutError"):  # a node never came (back)
-        waited = (f"the other nodes did not join the rendezvous at {cfg.launcher.rdzv_endpoint} within "
-                  f"{rendezvous_join_s(cfg)} s (a node's moesys train is gone, or cannot reach it)")
-        return f"{waited}; before that, {quoted}" if quoted else waited
+    rendezvous = _rendezvous_error(agent_error, cfg) if agent_error else None
+    if rendezvous:
+        return f"{rendezvous}; before that, {quoted}" if quoted else rendezvous
     if quoted:
         return quoted
     lines = [line for line in launcher.read_text(errors="replace").splitlines() if any(c.isalnum() for c in line)]
     return lines[-1].strip()[:300] if lines else "no log output"
+
+
+def _rendezvous_error(agent_error: str, cfg: MoesysConfig) -> str | None:
+    """What torchrun's own rendezvous error (the exception line of its log) means for this node, or None."""
+    endpoint = cfg.launcher.rdzv_endpoint
+    name = agent_error.partition(":")[0]
+    if name.endswith("RendezvousTimeoutError"):  # a node never came (back)
+        return (f"the other nodes did not join the rendezvous at {endpoint} within {rendezvous_join_s(cfg)} s "
+                "(a node's moesys train is gone, or cannot reach it)")
+    if name.endswith("RendezvousConnectionError") and cfg.launcher.node_rank == 0:
+        return (f"node 0 could not host the rendezvous store at launcher.rdzv_endpoint={endpoint}: its port is in "
+                "use, or its host is not an address of this machine")
+    if name.endswith("RendezvousConnectionError"):
+        return (f"no connection to node 0's rendezvous store at launcher.rdzv_endpoint={endpoint}: node 0's moesys "
+                "train is not running, that is not node 0's address and port, or the network to it is down")
+    return None
 
 
 def _oom_killed(cfg: MoesysConfig, run_dir: Path, local_rank: int) -> str:

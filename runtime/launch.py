@@ -119,6 +119,13 @@ def rendezvous_join_s(cfg: MoesysConfig) -> int:
     return int(max(JOIN_TIMEOUT_MIN_S, cfg.train.collective_timeout_s))
 
 
+def rendezvous_connect_s(cfg: MoesysConfig) -> int:
+    """The longest torchrun on a node other than node 0 may try to reach node 0's rendezvous store before it gives
+    up: its TCP store client connects twice, read_timeout (rendezvous_join_s) each, with a back-off of up to a minute
+    between (torch 2.13, measured: read_timeout=10 gave up after 32 s, read_timeout=60 after 119 s)."""
+    return 3 * rendezvous_join_s(cfg)
+
+
 def multinode_env(cfg: MoesysConfig) -> dict[str, str]:
     """A fresh TCP store for every rendezvous round (torchrun's shared store is reused across rounds, and a
     worker restarted on one node must not meet the keys of the previous round); gloo and NCCL bound to the
@@ -167,13 +174,15 @@ def build_launch(cfg: MoesysConfig, run_dir: Path) -> LaunchSpec:
     if launcher.name == "multinode":
         # c10d ignores --node_rank (the rendezvous orders the nodes); node 0 hosts the rendezvous store, said
         # explicitly: torchrun's guess (the endpoint names this machine) misses an address of a secondary NIC.
-        # A node waits for the others (at the start, and after a restart) as long as for a peer in a collective.
+        # A node waits for the others (at the start, and after a restart) as long as for a peer in a collective;
+        # read_timeout too: a node started before node 0 connects to its store within read_timeout (torchrun's
+        # default 60 s), not join_timeout.
         hosts = "true" if launcher.node_rank == 0 else "false"
         join_s = rendezvous_join_s(cfg)
         local = [f"--local_addr={launcher.local_addr}"] if launcher.local_addr else []
         argv = [*torchrun_prefix(), f"--nnodes={cfg.topology.nodes}", "--rdzv_backend=c10d",
                 f"--rdzv_endpoint={launcher.rdzv_endpoint}", f"--rdzv_id={launcher.rdzv_id}",
-                f"--rdzv_conf=is_host={hosts},join_timeout={join_s}", *local, *common, *worker]
+                f"--rdzv_conf=is_host={hosts},join_timeout={join_s},read_timeout={join_s}", *local, *common, *worker]
         return LaunchSpec(argv=argv, nproc_per_node=nproc, env=multinode_env(cfg))
     script = slurm_script(cfg, run_dir, cfg.topology.gpus_per_node or nproc)
     return LaunchSpec(argv=["sbatch", str(run_dir / SLURM_SCRIPT)], script=script, nproc_per_node=nproc)

@@ -22,7 +22,8 @@ def test_multinode_launch_uses_c10d_rendezvous(tmp_path):
     argv = build_launch(cfg, tmp_path).argv
     # c10d orders the nodes itself (torchrun ignores --node_rank); node 0 hosts the rendezvous store.
     assert argv[len(torchrun_prefix()):][:5] == ["--nnodes=3", "--rdzv_backend=c10d", "--rdzv_endpoint=head:29400",
-                                                 "--rdzv_id=moesys", "--rdzv_conf=is_host=false,join_timeout=300"]
+                                                 "--rdzv_id=moesys",
+                                                 "--rdzv_conf=is_host=false,join_timeout=300,read_timeout=300"]
     assert f"--log_dir={tmp_path / 'logs' / 'node2'}" in argv  # the nodes share the run directory
     assert argv[-3:] == ["-m", WORKER_MODULE, str(tmp_path)]
 

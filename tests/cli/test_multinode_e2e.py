@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -98,8 +99,15 @@ def test_a_cut_link_fails_both_hosts_within_the_collective_timeout(cluster, tmp_
     wait_for_steps(run_dir, 2, hosts)
     cluster.cut(1)
     cut_at = time.time()
-    outs = [h.communicate(timeout=180) for h in hosts]
-    took = time.time() - cut_at
+
+    def finish(host: subprocess.Popen) -> tuple[tuple[str, str], float]:
+        out = host.communicate(timeout=180)
+        return out, time.time() - cut_at
+
+    with ThreadPoolExecutor(len(hosts)) as pool:
+        ended = list(pool.map(finish, hosts))
+    outs, took = [out for out, _ in ended], [t for _, t in ended]
+    print(f"after the cut: host 0 ended in {took[0]:.1f} s, host 1 in {took[1]:.1f} s")
     errors = []
     for h, (_, err) in zip(hosts, outs):
         assert h.returncode == 1, err
@@ -109,4 +117,4 @@ def test_a_cut_link_fails_both_hosts_within_the_collective_timeout(cluster, tmp_
     # Host 0 (the rendezvous) sees its peers time out; host 1, cut off, also ends instead of waiting on torchrun.
     assert "waited more than train.collective_timeout_s=5 s" in errors[0] and "node 0 local rank" in errors[0]
     assert "training failed on node 1" in errors[1] and "10.77.0.1:29400 has not answered" in errors[1]
-    assert took < 120
+    assert max(took) < 120, took  # host 1's workers ran: its lost-node grace is the short one, not the join wait

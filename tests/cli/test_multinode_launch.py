@@ -7,13 +7,14 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from moesys_cli.resolve import resolve_config
 from runtime.config import ConfigError
 from runtime.errors import UserError
-from runtime.launch import build_launch, check_node_address, interface_of
+from runtime.launch import build_launch, check_node_address, rendezvous_join_s
 from runtime.node_watch import LostNodeWatch, reachable
 from runtime.run_dir import node_logs
 
@@ -25,11 +26,13 @@ def test_node_0_hosts_the_rendezvous_and_publishes_its_local_addr(tmp_path, monk
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's choice wins
     spec = build_launch(resolve_config([*NODE, "launcher.node_rank=0", "launcher.local_addr=127.0.0.1"]), tmp_path)
-    assert "--rdzv_conf=is_host=true,join_timeout=300" in spec.argv and "--local_addr=127.0.0.1" in spec.argv
-    assert spec.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": interface_of("127.0.0.1")}
+    assert "--rdzv_conf=is_host=true,join_timeout=300,read_timeout=300" in spec.argv
+    assert "--local_addr=127.0.0.1" in spec.argv
+    assert spec.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "lo"}
     assert f"--log_dir={tmp_path / 'logs' / 'node0'}" in spec.argv
     other = build_launch(resolve_config([*NODE, "launcher.node_rank=1"]), tmp_path)
-    assert "--rdzv_conf=is_host=false,join_timeout=300" in other.argv  # as long as for a peer in a collective
+    # As long as for a peer in a collective; read_timeout too: it bounds a node's wait for node 0 to be started.
+    assert "--rdzv_conf=is_host=false,join_timeout=300,read_timeout=300" in other.argv
     assert not any(a.startswith("--local_addr") for a in other.argv)
     assert other.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
@@ -108,3 +111,63 @@ def test_a_node_that_never_rejoined_is_named_with_the_failure_before_it(tmp_path
     assert message.startswith("the other nodes did not join the rendezvous at 10.1.2.3:29400 within 60 s")
     assert message.endswith("before that, node 0 local rank 0: RuntimeError: Read error [10.1.2.4]:1: Connection "
                             "reset by peer")
+
+
+def test_a_node_that_could_not_reach_node_0s_store_names_the_endpoint(tmp_path):
+    from moesys_cli.train import _last_error
+    from runtime.process import TorchrunLogs
+
+    refused = ("Traceback (most recent call last):\n  File \"torchrun\", line 8, in <module>\n"
+               "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store "
+               "has failed. See inner exception for details.\n")
+    for rank, expected in ((1, "no connection to node 0's rendezvous store at launcher.rdzv_endpoint=10.1.2.3:29400: "
+                                "node 0's moesys train is not running"),
+                           (0, "node 0 could not host the rendezvous store at launcher.rdzv_endpoint=10.1.2.3:29400: "
+                               "its port is in use")):
+        cfg = resolve_config([*NODE, f"launcher.node_rank={rank}"])
+        logs_dir = node_logs(tmp_path, cfg)
+        logs_dir.mkdir(parents=True)
+        (logs_dir / "launcher.log").write_text("W1124 starting\n" + refused)
+        message = _last_error(TorchrunLogs(logs_dir), logs_dir, cfg)
+        assert message.startswith(expected) and "\n" not in message
+
+
+AGENT = ("import subprocess, sys, time\nsys.stdin.readline()\n"
+         "subprocess.run([sys.executable, '-c', 'import time; time.sleep(1)', 'runtime.train.worker'])\n"
+         "time.sleep(30)\n")
+"""A torchrun stand-in: no worker until a line arrives on its stdin, then one worker for a second."""
+
+
+def test_a_node_waits_the_join_grace_for_node_0_until_its_workers_ran_then_the_short_grace():
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        closed_endpoint = f"127.0.0.1:{listening.getsockname()[1]}"  # nothing listens there
+    agent = subprocess.Popen([sys.executable, "-c", AGENT], stdin=subprocess.PIPE, text=True)
+    try:
+        watch = LostNodeWatch(agent.pid, closed_endpoint, grace_s=0.0, join_grace_s=3600.0, probe_every_s=0.0)
+        assert watch.lost() is None and watch.lost() is None  # node 0 may not be started yet
+        agent.stdin.write("go\n")
+        agent.stdin.flush()
+        deadline = time.monotonic() + 20
+        while not watch.started:
+            assert watch.lost() is None and time.monotonic() < deadline, "the worker never showed"
+            time.sleep(0.05)
+        while (reason := watch.lost()) is None:  # the worker ends after 1 s: now the short grace holds
+            assert time.monotonic() < deadline, "not lost after the worker ended"
+            time.sleep(0.05)
+        assert reason.startswith(f"this node's workers have ended and the rendezvous endpoint {closed_endpoint}")
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_the_launcher_arms_the_lost_node_watch_with_the_join_wait_before_the_first_workers():
+    from types import SimpleNamespace
+
+    from moesys_cli.train import _lost_node_watch
+
+    cfg = resolve_config([*NODE, "launcher.node_rank=1", "train.collective_timeout_s=5"])
+    watch = _lost_node_watch(cfg, SimpleNamespace(proc=SimpleNamespace(pid=1)))
+    assert watch.grace_s == 10  # the cut-link case: a node whose workers ran ends soon
+    assert rendezvous_join_s(cfg) == 60
+    assert watch.join_grace_s > 2 * 60  # beyond torchrun's own give-up: two connects of read_timeout each
