@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import ipaddress
 import math
 import types
 import typing
@@ -394,6 +395,25 @@ BYTE_VOCAB = 256
 """Tokens of moesys's byte-level tokenizer (runtime/train/tokenizer.py): the smallest vocabulary it can train."""
 
 
+def _endpoint_problems(endpoint: str, nodes: int) -> list[str]:
+    """launcher.rdzv_endpoint is host:port (an IPv6 host in brackets), and, for several nodes, not a loopback
+    address: the other nodes would connect to themselves."""
+    host, _, port = str(endpoint).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return [f"launcher.rdzv_endpoint={endpoint!r} is not host:port with a port in 1..65535; set it to node 0's "
+                "address and a free port, e.g. launcher.rdzv_endpoint=10.0.0.1:29500"]
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: only localhost is known without a lookup
+        loopback = host.lower() == "localhost" or host.lower().endswith(".localhost")
+    if loopback and nodes > 1:
+        return [f"launcher.rdzv_endpoint={endpoint} is a loopback address, which the other nodes of topology.nodes="
+                f"{nodes} cannot reach; set launcher.rdzv_endpoint=<node 0's address on the network the nodes "
+                f"share>:{port}"]
+    return []
+
+
 def validate(cfg: MoesysConfig, packages: bool = True) -> None:
     """Check every cross-field rule and raise one ConfigError that lists all problems. packages: also check that the
     optional packages the config asks for are installed (train.tensorboard); off for a config read back from a run or
@@ -447,6 +467,8 @@ def validate(cfg: MoesysConfig, packages: bool = True) -> None:
     if cfg.launcher.name == "multinode" and t.nodes > 0:
         need(0 <= cfg.launcher.node_rank < t.nodes,
              f"launcher.node_rank={cfg.launcher.node_rank} must be in 0..{t.nodes - 1} (topology.nodes={t.nodes})")
+    if cfg.launcher.name == "multinode":
+        problems.extend(_endpoint_problems(cfg.launcher.rdzv_endpoint, t.nodes))
     per_node = cfg.parallel.ranks_per_node or t.processes_per_node
     if cfg.parallel.alltoall == "hierarchical" and per_node > 0 and t.expert_parallel > per_node:
         need(t.expert_parallel % per_node == 0,
@@ -507,6 +529,10 @@ def validate(cfg: MoesysConfig, packages: bool = True) -> None:
         need(student <= 0 or student >= m.top_k,
              f"student.num_experts={student} is below model.top_k={m.top_k}: each token needs top_k experts")
         need(not cfg.tasks, "moesys distill trains a language model, and this config has tasks (multi-task heads)")
+    else:  # set by `moesys distill` together with distill.teacher; alone it would be ignored
+        need(student <= 0, f"student.num_experts={student} applies to a distillation only: run moesys distill "
+             f"checkpoint=TEACHER_RUN_DIR student.num_experts={student} (or set model.num_experts to train a model "
+             "of that size from scratch)")
     need(0 <= cfg.serve.port <= 65535, f"serve.port must be between 0 and 65535 (got {cfg.serve.port})")
     need(cfg.serve.max_batch_size >= 1, f"serve.max_batch_size must be >= 1 (got {cfg.serve.max_batch_size})")
     need(cfg.serve.max_queue >= 1, f"serve.max_queue must be >= 1 (got {cfg.serve.max_queue})")

@@ -79,6 +79,12 @@ def test_topology_local_measures_this_machine():
     (["model.norm=batchnorm"], "model.norm='batchnorm' is not one of layernorm, rmsnorm"),
     (["storage.alpha=2"], "storage.alpha must be in (0, 1]"),
     (["notakey"], "is not key=value"),
+    (["student.num_experts=4"], "student.num_experts=4 applies to a distillation only: run moesys distill "
+                                "checkpoint=TEACHER_RUN_DIR student.num_experts=4"),
+    (["launcher=multinode", "launcher.rdzv_endpoint=node0"], "launcher.rdzv_endpoint='node0' is not host:port"),
+    (["launcher=multinode", "launcher.rdzv_endpoint=node0:http"], "launcher.rdzv_endpoint='node0:http' is not host"),
+    (["launcher=multinode", "launcher.rdzv_endpoint=node0:70000"], "is not host:port with a port in 1..65535"),
+    (["launcher=multinode", "launcher.rdzv_endpoint=:29400"], "launcher.rdzv_endpoint=':29400' is not host:port"),
 ])
 def test_bad_input_is_one_clear_line(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -113,3 +119,26 @@ def test_a_vocabulary_below_the_byte_tokenizers_is_refused_for_training_only():
     with pytest.raises(ConfigError, match="model.vocab_size=100 is smaller than the byte tokenizer's 256 tokens"):
         resolve_config(["recipe=tiny", "model.vocab_size=100"])
     assert resolve_config(["recipe=tiny", "model.vocab_size=100", "purpose=serve"]).model.vocab_size == 100
+
+
+@pytest.mark.parametrize("endpoint", ["localhost:29500", "127.0.1.1:29400", "'[::1]:29400'", "LocalHost:1"])
+def test_a_loopback_rendezvous_is_refused_for_several_nodes_only(endpoint):
+    nodes = ["recipe=tiny", "launcher=multinode", "topology.expert_parallel=2", f"launcher.rdzv_endpoint={endpoint}"]
+    with pytest.raises(ConfigError) as err:
+        resolve_config([*nodes, "topology.nodes=2"])
+    assert "is a loopback address, which the other nodes of topology.nodes=2 cannot reach; set " \
+           "launcher.rdzv_endpoint=<node 0's address" in str(err.value) and "\n" not in str(err.value)
+    assert resolve_config([*nodes, "topology.nodes=1"]).launcher.rdzv_endpoint == endpoint.strip("'")
+    two = resolve_config(["recipe=tiny", "launcher=multinode", "topology.nodes=2", "topology.expert_parallel=2",
+                          "launcher.rdzv_endpoint='[fd00::1]:29400'"])
+    assert two.launcher.rdzv_endpoint == "[fd00::1]:29400"
+    assert resolve_config(["recipe=tiny", "launcher.rdzv_endpoint=nonsense"]).launcher.name == "local"  # unused
+
+
+def test_student_experts_are_taken_with_a_teacher_only():
+    data = config_to_dict(resolve_config(["recipe=tiny"]))
+    data["student"]["num_experts"], data["model"]["num_experts"] = 4, 4
+    with pytest.raises(ConfigError, match="student.num_experts=4 applies to a distillation only"):
+        config_from_dict(data)
+    data["distill"]["teacher"] = "/runs/teacher/checkpoints/step_00000010"
+    assert config_from_dict(data).student.num_experts == 4  # as moesys distill writes it: both at once
