@@ -7,7 +7,8 @@ values a row, routed by a real router), sent with the AlltoAll the layer calls.
 
 Both kinds run in every round, in alternating order, and the ratio of that round is taken (paired: a shared 2-core
 machine drifts between seconds); the reported ratio is the median over rounds, with every round's ratio alongside.
-The two must return exactly the same rows and counts on every rank, checked before timing.
+The two must return exactly the same rows and counts on every rank, checked before timing: a difference fails the
+benchmark without timing anything.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Sequence
 
-from runtime.bench.netns import Cluster, ClusterUnavailable, Host, RailCluster, SimulatedCluster
+from runtime.bench.netns import Cluster, ClusterError, ClusterUnavailable, Host, RailCluster, SimulatedCluster
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
+from runtime.process import exception_line
 
 HOSTS, PER_HOST = 2, 2
 HOST_LINKS_MBIT: tuple[float | None, ...] = (100, 1000, None)
@@ -34,6 +37,12 @@ RAIL_SPINES_MBIT: tuple[float, ...] = (100, 300, 1000)
 """Rail topology: every rank's NIC at RAIL_NIC_MBIT, the spine between rails at each of these."""
 TARGET = 1.15
 PORT = 29500
+CASE_TIMEOUT_S = 600.0
+"""The longest all processes of one case may take together."""
+
+
+class HostsUnavailable(UserError):
+    """This machine cannot simulate hosts (network namespaces, tc): the benchmark cannot run here at all."""
 
 
 def _mbit(mbit: float | None) -> str:
@@ -45,26 +54,52 @@ def _run_case(cluster: Cluster, placement: list[Host], spec: dict, root: Path, n
     spec = {**spec, "out": str(root / f"{name}.json")}
     spec_path = root / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    procs = []
-    for rank, host in enumerate(placement):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(placement)), LOCAL_RANK=str(rank % PER_HOST),
-                   MASTER_ADDR=placement[0].address, MASTER_PORT=str(PORT), GLOO_SOCKET_IFNAME=host.interface,
-                   OMP_NUM_THREADS="1")
-        with open(root / f"{name}.rank{rank}.log", "w") as log:
-            procs.append(cluster.popen(host.index, [sys.executable, "-m", "runtime.bench.alltoall_worker",
-                                                    str(spec_path)], env=env, stdout=log, stderr=subprocess.STDOUT))
+    procs: list[subprocess.Popen] = []
+    deadline = time.monotonic() + CASE_TIMEOUT_S  # one for all: the ranks run together
     try:
-        codes = [p.wait(timeout=600) for p in procs]
+        for rank, host in enumerate(placement):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(placement)), LOCAL_RANK=str(rank % PER_HOST),
+                       MASTER_ADDR=placement[0].address, MASTER_PORT=str(PORT), GLOO_SOCKET_IFNAME=host.interface,
+                       OMP_NUM_THREADS="1")
+            with open(root / f"{name}.rank{rank}.log", "w") as log:
+                procs.append(cluster.popen(host.index, [sys.executable, "-m", "runtime.bench.alltoall_worker",
+                                                        str(spec_path)], env=env, stdout=log,
+                                           stderr=subprocess.STDOUT))
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:  # its peers would only wait for it until their collective timeout
+                rank = failed[0]
+                raise UserError(f"moesys bench alltoall: case {name}, rank {rank} failed (exit code {codes[rank]}): "
+                                f"{_last_words(root / f'{name}.rank{rank}.log')}")
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                late = [r for r, c in enumerate(codes) if c is None]
+                raise UserError(f"moesys bench alltoall: case {name}, rank(s) {', '.join(map(str, late))} did not "
+                                f"finish within {CASE_TIMEOUT_S:.0f} s")
+            time.sleep(0.1)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    if any(codes):
-        rank = next(r for r, c in enumerate(codes) if c)
-        tail = (root / f"{name}.rank{rank}.log").read_text(errors="replace").strip().splitlines()[-1:]
-        raise RuntimeError(f"alltoall bench rank {rank} failed ({codes[rank]}): {' '.join(tail)}")
-    return json.loads(Path(spec["out"]).read_text())
+    try:
+        result = json.loads(Path(spec["out"]).read_text())
+    except (OSError, ValueError):
+        raise UserError(f"moesys bench alltoall: case {name}: rank 0 ended without writing its result "
+                        f"({_last_words(root / f'{name}.rank0.log')})") from None
+    if not result.get("exact"):
+        raise UserError(f"moesys bench alltoall: case {name}: flat and hierarchical AlltoAll returned different rows "
+                        "or counts (nothing was timed); hierarchical AlltoAll is wrong here, a bug to report")
+    return result
+
+
+def _last_words(log: Path) -> str:
+    """A failed rank's exception line, else its log's last line."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (exception_line(text) or (lines[-1] if lines else "no output"))[:300]
 
 
 def _summary(seconds: dict[str, list[float]]) -> dict:
@@ -108,15 +143,17 @@ def run_alltoall_bench(cfg: MoesysConfig, host_links_mbit: Sequence[float | None
                         measure(rails, rails.hosts, f"rails_nic_{_mbit(RAIL_NIC_MBIT)}_spine_{_mbit(spine)}",
                                 nic_mbit=RAIL_NIC_MBIT, spine_mbit=spine)
     except ClusterUnavailable as exc:
-        raise UserError(f"moesys bench alltoall simulates hosts with network namespaces, which this machine cannot "
-                        f"make ({exc}); run it as root on Linux with iproute2") from None
+        raise HostsUnavailable(f"moesys bench alltoall simulates hosts with network namespaces, which this machine "
+                               f"cannot make ({exc}); run it as root on Linux with iproute2") from None
+    except ClusterError as exc:
+        raise UserError(f"moesys bench alltoall could not set up its simulated hosts: {exc}") from None
     rows = results[0]["rows_per_rank"]
     return {
         "hosts": HOSTS, "processes_per_host": PER_HOST, "rounds": rounds,
         "payload": {"tokens_per_rank": tokens, "top_k": model.top_k, "hidden": model.hidden_size, "dtype": "float32",
                     "experts": model.num_experts, "rows_per_rank": rows,
                     "mb_per_rank": statistics.mean(rows) * model.hidden_size * 4 / 1e6},
-        "exact": all(r["exact"] for r in results),
+        "exact": all(r["exact"] for r in results),  # else _run_case failed
         "target": TARGET,
         "target_met_at": [name for name, case in cases.items() if case["target_met"]],
         "by_case": cases,

@@ -26,8 +26,18 @@ INTERFACE = "eth0"
 """A host's (or rank's) interface to its switch: what GLOO_SOCKET_IFNAME names."""
 
 
-class ClusterUnavailable(RuntimeError):
-    """Namespaces cannot be made here (not root, no iproute2, no namespace support): the reason, on one line."""
+COMMAND_TIMEOUT_S = 30
+"""The longest one ip or tc command may take."""
+
+
+class ClusterError(RuntimeError):
+    """An ip or tc command that builds or changes a cluster failed or did not answer: the command and why, on one
+    line."""
+
+
+class ClusterUnavailable(ClusterError):
+    """Namespaces cannot be made here (not root, no iproute2, no namespace support, no tbf qdisc): the reason, on one
+    line."""
 
 
 @dataclass(frozen=True)
@@ -41,11 +51,25 @@ class Host:
     interface: str = INTERFACE
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    """Run an ip or tc command for at most COMMAND_TIMEOUT_S; check: raise ClusterError unless it succeeded (else a
+    command that did not answer has return code 124)."""
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        done = subprocess.CompletedProcess(list(argv), 124, "", f"no answer within {COMMAND_TIMEOUT_S} s")
     if check and done.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+        raise ClusterError(f"{' '.join(argv)}: {_why(done)}")
     return done
+
+
+def _why(done: subprocess.CompletedProcess) -> str:
+    """A failed command's error output on one line, or its exit code."""
+    return " ".join(done.stderr.split()) or f"exit code {done.returncode}"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _run(["ip", *args], check=check)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -87,11 +111,14 @@ def remove_leftovers() -> list[str]:
 def _rate_limit(namespace: str, device: str, mbit: float | None) -> None:
     """tbf on the device's egress (None: no limit), with a burst of a few packets and a queue of 50 ms at the
     rate, as a switch port would buffer."""
-    subprocess.run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"], capture_output=True)
+    _run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"], check=False)  # none there: fine
     if mbit is not None:
         burst = max(16_000, int(mbit * 1e6 / 8 / 250))
-        subprocess.run(["tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{mbit}mbit",
-                        "burst", str(burst), "latency", "50ms"], check=True, capture_output=True, text=True)
+        done = _run(["tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{mbit}mbit",
+                     "burst", str(burst), "latency", "50ms"], check=False)
+        if done.returncode != 0:
+            raise ClusterUnavailable(f"tc cannot rate-limit a link with a tbf qdisc ({_why(done)}); the kernel's "
+                                     "sch_tbf module may be missing (modprobe sch_tbf)")
 
 
 class Cluster:

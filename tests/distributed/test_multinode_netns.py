@@ -4,13 +4,19 @@ nothing of a cluster is left behind, also when its body fails or its process was
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from runtime.bench.netns import PREFIX, ClusterUnavailable, RailCluster, SimulatedCluster, _our_namespaces
+from runtime.bench import alltoall, netns
+from runtime.bench.netns import (PREFIX, ClusterError, ClusterUnavailable, Host, RailCluster, SimulatedCluster,
+                                 _our_namespaces)
+from runtime.errors import UserError
 
 CONNECT = ("import socket, sys\n"
            "try:\n"
@@ -94,14 +100,87 @@ def test_rails_route_same_host_traffic_inside_the_host_and_cross_rail_traffic_th
 @pytest.mark.slow
 def test_the_alltoall_bench_gets_the_same_rows_from_flat_and_hierarchical_across_hosts():
     from moesys_cli.resolve import resolve_config
-    from runtime.bench.alltoall import run_alltoall_bench
-    from runtime.errors import UserError
+    from runtime.bench.alltoall import HostsUnavailable, run_alltoall_bench
 
     cfg = resolve_config(["recipe=tiny", "train.micro_batch_size=2", "train.seq_len=32"])
     try:
         result = run_alltoall_bench(cfg, host_links_mbit=(), rail_spines_mbit=(100,), rounds=1, warmup=0)
-    except UserError as exc:
+    except HostsUnavailable as exc:  # only that: any other error is the benchmark's, and fails the test
         pytest.skip(str(exc))
     assert result["exact"] is True
     assert result["payload"]["rows_per_rank"] == [2 * 32 * 2] * 4  # micro-batch x sequence x top-k, dropless
     assert set(result["by_case"]) == {"rails_nic_1000mbit_spine_100mbit"}
+
+
+# ---- failures of the cluster commands and of the benchmark's processes: one line each, nothing left running ----
+
+def test_a_command_that_fails_or_hangs_is_one_line_and_a_missing_tbf_is_unavailable(monkeypatch):
+    def run(argv, **kwargs):
+        assert kwargs["timeout"] == netns.COMMAND_TIMEOUT_S  # every command is bounded
+        if argv[0] == "ip":
+            raise subprocess.TimeoutExpired(argv, kwargs["timeout"])
+        if "add" in argv:
+            return subprocess.CompletedProcess(argv, 2, "", "Error: Specified qdisc kind is unknown.\n")
+        return subprocess.CompletedProcess(argv, 2, "", "Error: Cannot delete qdisc with handle of zero.\n")
+
+    monkeypatch.setattr(netns.subprocess, "run", run)
+    with pytest.raises(ClusterError, match=r"^ip -n ns link set lo up: no answer within 30 s$"):
+        netns._ip("-n", "ns", "link", "set", "lo", "up")
+    assert netns._ip("netns", "list", check=False).returncode == 124  # cleanup goes on
+    netns._rate_limit("ns", "eth0", None)  # no qdisc to delete: fine
+    with pytest.raises(ClusterUnavailable, match=r"tc cannot rate-limit a link with a tbf qdisc \(Error: Specified "
+                                                 r"qdisc kind is unknown.\); the kernel's sch_tbf module"):
+        netns._rate_limit("ns", "eth0", 100)
+
+
+class Local:
+    """A cluster stand-in that runs a fake rank per process here: `script(rank, spec_path)` is its Python code."""
+
+    def __init__(self, script):
+        self.script, self.started = script, []
+
+    def popen(self, host: int, argv, **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", self.script(host, argv[-1])], **kwargs)
+        self.started.append(proc)
+        return proc
+
+
+def run_case(script, tmp_path: Path) -> None:
+    cluster = Local(script)
+    placement = [Host(r, f"ns{r}", "127.0.0.1", f"p{r}", "lo") for r in range(4)]
+    try:
+        alltoall._run_case(cluster, placement, {"seed": 0}, tmp_path, "case")
+    finally:
+        assert len(cluster.started) == 4 and all(p.poll() is not None for p in cluster.started), \
+            "a rank outlived its benchmark"
+
+
+def test_a_failed_rank_fails_the_case_at_once_with_its_error(tmp_path):
+    def script(rank, spec):
+        return "raise RuntimeError('gloo: connect refused')" if rank == 2 else "import time; time.sleep(60)"
+
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"^moesys bench alltoall: case case, rank 2 failed \(exit code 1\): "
+                                        r"RuntimeError: gloo: connect refused$"):
+        run_case(script, tmp_path)
+    assert time.monotonic() - started < 10  # its peers are stopped, not waited for
+
+
+def test_the_ranks_of_a_case_share_one_deadline(tmp_path, monkeypatch):
+    monkeypatch.setattr(alltoall, "CASE_TIMEOUT_S", 1.0)
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"case case, rank\(s\) 0, 1, 2, 3 did not finish within 1 s"):
+        run_case(lambda rank, spec: "import time; time.sleep(60)", tmp_path)
+    assert time.monotonic() - started < 10  # not one timeout per rank in turn
+
+
+def test_flat_and_hierarchical_that_differ_fail_the_benchmark(tmp_path):
+    def script(rank, spec):
+        if rank:
+            return "pass"
+        return (f"import json; out = json.load(open({spec!r}))['out']\n"
+                "json.dump({'exact': False, 'rows_per_rank': [1, 1, 1, 1], 'seconds': {}}, open(out, 'w'))")
+
+    with pytest.raises(UserError, match="flat and hierarchical AlltoAll returned different rows or counts"):
+        run_case(script, tmp_path)
+    assert json.loads((tmp_path / "case.json").read_text())["exact"] is False
