@@ -5,12 +5,10 @@ from __future__ import annotations
 from typing import Annotated, Any, List, Optional
 
 import typer
-import yaml
 
-from moesys_cli.options import Json
+from moesys_cli.options import Json, required, split_args
 from moesys_cli.render import console, human_bytes, literal, print_json
 from runtime.config import config_from_dict
-from runtime.errors import UserError
 
 ExportArgs = Annotated[
     Optional[List[str]],
@@ -22,25 +20,8 @@ USAGE = "moesys export takes checkpoint=RUN_DIR, out=DIR and export.KEY=VALUE"
 
 def parse_export_args(args: list[str]) -> tuple[str, str, dict[str, Any]]:
     """(checkpoint, out, export.* overrides as YAML scalars)."""
-    found: dict[str, str] = {}
-    overrides: dict[str, Any] = {}
-    for arg in args:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            raise UserError(f"argument {arg!r} is not key=value; {USAGE}")
-        if key in ("checkpoint", "out"):
-            found[key] = value
-        elif key.startswith("export.") and key.count(".") == 1:
-            try:
-                overrides[key[len("export."):]] = yaml.safe_load(value) if value else None
-            except yaml.YAMLError:
-                overrides[key[len("export."):]] = value
-        else:
-            raise UserError(f"unknown argument {key!r}; {USAGE}")
-    for key in ("checkpoint", "out"):
-        if not found.get(key):
-            raise UserError(f"no {key} given; {USAGE}")
-    return found["checkpoint"], found["out"], overrides
+    values, overrides = split_args(args, USAGE, ("checkpoint", "out"), ("export",))
+    return required(values, "checkpoint", USAGE), required(values, "out", USAGE), overrides["export"]
 
 
 def export(args: ExportArgs = None, json_out: Json = False) -> None:

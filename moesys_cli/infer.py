@@ -11,7 +11,7 @@ import typer
 import yaml
 from rich.table import Table
 
-from moesys_cli.options import Json
+from moesys_cli.options import Json, required, split_args
 from moesys_cli.render import console, human_bytes, literal, print_json
 from runtime.errors import UserError
 
@@ -37,41 +37,23 @@ class InferRequest:
     prompt_ids: list[list[int]] = field(default_factory=list)
 
 
-def _ids(key: str, value: str) -> list[int]:
+def _ids(value: str) -> list[int]:
     try:
         ids = yaml.safe_load(value)
     except yaml.YAMLError:
         ids = None
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise UserError(f"{key}={value!r} is not a list of token ids like [1,2,3]")
+        raise UserError(f"prompt_ids={value!r} is not a list of token ids like [1,2,3]")
     return ids
 
 
 def parse_infer_args(args: list[str]) -> InferRequest:
-    """Split `checkpoint=`, `prompt=`, `prompt_ids=` and `infer.*` arguments; values of infer.* are YAML scalars."""
-    checkpoint = None
-    request = InferRequest(checkpoint="")
-    for arg in args:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            raise UserError(f"argument {arg!r} is not key=value; {USAGE}")
-        if key == "checkpoint":
-            checkpoint = value
-        elif key in ("prompt", "infer.prompt"):
-            request.prompts.append(value)  # text stays text, even "123"
-        elif key in ("prompt_ids", "infer.prompt_ids"):
-            request.prompt_ids.append(_ids(key, value))
-        elif key.startswith("infer.") and key.count(".") == 1:
-            try:
-                request.overrides[key[len("infer."):]] = yaml.safe_load(value) if value else None
-            except yaml.YAMLError:
-                request.overrides[key[len("infer."):]] = value
-        else:
-            raise UserError(f"unknown argument {key!r}; {USAGE}")
-    if not checkpoint:
-        raise UserError(f"no checkpoint given; {USAGE}")
-    request.checkpoint = checkpoint
-    return request
+    """Split `checkpoint=`, `prompt=`, `prompt_ids=` and `infer.*` arguments; values of infer.* are YAML scalars,
+    a prompt stays text (even "123")."""
+    values, overrides = split_args(args, USAGE, ("checkpoint", "prompt", "prompt_ids"), ("infer",),
+                                   aliases={"infer.prompt": "prompt", "infer.prompt_ids": "prompt_ids"})
+    return InferRequest(required(values, "checkpoint", USAGE), overrides["infer"], values["prompt"],
+                        [_ids(value) for value in values["prompt_ids"]])
 
 
 def infer(args: InferArgs = None, offload: Offload = None, json_out: Json = False, report: Report = None) -> None:

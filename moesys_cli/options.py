@@ -1,8 +1,9 @@
 """Options shared by several verbs, declared once."""
 
-from typing import Annotated, List, Optional
+from typing import Annotated, Any, List, Optional
 
 import typer
+import yaml
 
 from moesys_cli.resolve import available_recipes
 from runtime.errors import UserError
@@ -25,3 +26,35 @@ def epilog(recipes: bool = True) -> str:
     except UserError as exc:
         names = str(exc)
     return f"{text}  Recipes: {names} (or recipe=FILE.yaml)."
+
+
+def split_args(args: list[str], usage: str, plain: tuple[str, ...], sections: tuple[str, ...],
+               aliases: Optional[dict[str, str]] = None) -> tuple[dict[str, list[str]], dict[str, dict[str, Any]]]:
+    """A verb's key=value arguments: the values of each `plain` key as given, in order (`aliases` renames a key
+    first: infer.prompt is prompt), and SECTION.KEY=VALUE of each of `sections` as overrides[SECTION][KEY], the
+    value a YAML scalar ('' is None; what is not YAML stays text). Anything else is a one-line UserError."""
+    values: dict[str, list[str]] = {key: [] for key in plain}
+    overrides: dict[str, dict[str, Any]] = {section: {} for section in sections}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise UserError(f"argument {arg!r} is not key=value; {usage}")
+        key = (aliases or {}).get(key, key)
+        section, _, name = key.partition(".")
+        if key in values:
+            values[key].append(value)
+        elif section in overrides and name and "." not in name:
+            try:
+                overrides[section][name] = yaml.safe_load(value) if value else None
+            except yaml.YAMLError:
+                overrides[section][name] = value
+        else:
+            raise UserError(f"unknown argument {key!r}; {usage}")
+    return values, overrides
+
+
+def required(values: dict[str, list[str]], key: str, usage: str) -> str:
+    """The last value given for `key` (as a later override wins); a one-line UserError when none (or '') was."""
+    if not values.get(key) or not values[key][-1]:
+        raise UserError(f"no {key} given; {usage}")
+    return values[key][-1]

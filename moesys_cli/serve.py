@@ -6,12 +6,11 @@ from __future__ import annotations
 from typing import Annotated, Any, List, Optional
 
 import typer
-import yaml
 
 from moesys_cli.infer import Offload
+from moesys_cli.options import required, split_args
 from moesys_cli.render import console, literal
 from runtime.config import config_from_dict
-from runtime.errors import UserError
 
 ServeArgs = Annotated[
     Optional[List[str]],
@@ -28,25 +27,8 @@ USAGE = "moesys serve takes checkpoint=DIR, infer.KEY=VALUE and serve.KEY=VALUE"
 
 def parse_serve_args(args: list[str]) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(checkpoint, infer.* overrides, serve.* overrides); values are YAML scalars."""
-    checkpoint = None
-    sections: dict[str, dict[str, Any]] = {"infer": {}, "serve": {}}
-    for arg in args:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            raise UserError(f"argument {arg!r} is not key=value; {USAGE}")
-        section, _, name = key.partition(".")
-        if key == "checkpoint":
-            checkpoint = value
-        elif section in sections and name and "." not in name:
-            try:
-                sections[section][name] = yaml.safe_load(value) if value else None
-            except yaml.YAMLError:
-                sections[section][name] = value
-        else:
-            raise UserError(f"unknown argument {key!r}; {USAGE}")
-    if not checkpoint:
-        raise UserError(f"no checkpoint given; {USAGE}")
-    return checkpoint, sections["infer"], sections["serve"]
+    values, overrides = split_args(args, USAGE, ("checkpoint",), ("infer", "serve"))
+    return required(values, "checkpoint", USAGE), overrides["infer"], overrides["serve"]
 
 
 def serve(args: ServeArgs = None, offload: Offload = None, host: Host = None, port: Port = None) -> None:
