@@ -4,8 +4,6 @@ most used experts seed it, it learns from soft targets plus the language-model l
 
 from __future__ import annotations
 
-import re
-import shlex
 import tempfile
 from pathlib import Path
 from typing import Annotated, List, Optional
@@ -16,7 +14,7 @@ import yaml
 from moesys_cli.options import Json
 from moesys_cli.render import console, human_bytes, human_count, print_json
 from moesys_cli.resolve import resolve_config
-from moesys_cli.train import run_job
+from moesys_cli.train import resume_command, run_job
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.run_dir import last_step_metrics
@@ -100,7 +98,8 @@ def distill(args: DistillArgs = None, json_out: Json = False) -> None:
                 f"{record['teacher_experts']} on {held['windows']} held-out windows ({held['source']}); "
                 f"{directory / SELECTION}")
 
-    summary = run_job(cfg, _resume_command(checkpoint, overrides, run_dir), quiet=json_out, prepare=prepare)
+    resume = resume_command(["distill", f"checkpoint={checkpoint}"], overrides, run_dir)
+    summary = run_job(cfg, resume, quiet=json_out, prepare=prepare)
     result = {**summary, "teacher": cfg.distill.teacher, "teacher_experts": teacher.num_experts,
               "student_experts": experts, "kd_loss": (last_step_metrics(run_dir) or {}).get("kd_loss"),
               "selection": str(run_dir / SELECTION), **compare_on_heldout(cfg, run_dir)}
@@ -116,8 +115,3 @@ def distill(args: DistillArgs = None, json_out: Json = False) -> None:
         f"student {human_count(result['student_params'])} ({human_bytes(result['student_bytes'])}): "
         f"{result['size_reduction']:.1%} smaller")
 
-
-def _resume_command(checkpoint: str, overrides: list[str], run_dir: Path) -> str:
-    """The command that continues this student: the user's overrides with train.run_dir set once, to this run."""
-    kept = [o for o in overrides if not re.match(r"\+{0,2}train\.run_dir=", o)]
-    return shlex.join(["moesys", "distill", f"checkpoint={checkpoint}", *kept, f"train.run_dir={run_dir}"])

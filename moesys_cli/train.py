@@ -42,7 +42,7 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
         typer.echo(config_yaml(cfg))
         typer.echo(spec.script if spec.script else shlex.join([*(f"{k}={v}" for k, v in spec.env.items()), *spec.argv]))
         raise typer.Exit(0)
-    summary = run_job(cfg, _resume_command(overrides or [], Path(cfg.train.run_dir)), quiet=json_out)
+    summary = run_job(cfg, resume_command(["train"], overrides or [], Path(cfg.train.run_dir)), quiet=json_out)
     if json_out:
         print_json(summary)
     else:
@@ -177,10 +177,11 @@ def _stopped(run_dir: Path, step: int) -> str:
     return f"stopped at step {step}; the last checkpoint is {point[0]} (step {point[1]})"
 
 
-def _resume_command(overrides: list[str], run_dir: Path) -> str:
-    """The command that continues this run: the user's overrides with train.run_dir set once, to this run."""
+def resume_command(verb: list[str], overrides: list[str], run_dir: Path) -> str:
+    """The command that continues this run: `moesys VERB...` with the user's overrides and train.run_dir set once,
+    to this run."""
     kept = [o for o in overrides if not re.match(r"\+{0,2}train\.run_dir=", o)]
-    return shlex.join(["moesys", "train", *kept, f"train.run_dir={run_dir}"])
+    return shlex.join(["moesys", *verb, *kept, f"train.run_dir={run_dir}"])
 
 
 def _last_error(logs: TorchrunLogs, logs_dir: Path, cfg: MoesysConfig, launched_at: int = 0) -> str:

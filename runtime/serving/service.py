@@ -54,7 +54,8 @@ class Service:
     def health(self) -> dict[str, Any]:
         """status: the worker's state ('ok' while it takes requests; 'dead' with an `error`), the model and counters."""
         w = self.worker
-        return {"status": w.state, "error": w.error, "model": self.name, "kind": self.loaded.kind, "device": str(self.device),
+        return {"status": w.state, "error": w.error, "model": self.name, "kind": self.loaded.kind,
+                "device": str(self.device),
                 "offload": self.config.infer.offload, "context": self.config.model.max_seq_len,
                 "max_batch_size": w.max_batch_size, "queued": w.queued, "running": w.running,
                 "completed": w.completed, "failed": w.failed, "cancelled": w.cancelled, "batches": w.batches}
