@@ -7,15 +7,24 @@ picks where expert states live (storage.offload, or the first mode that fits for
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from runtime.config import MoesysConfig
 from runtime.model.params import ParamCounts, count_parameters
 from runtime.parallel.embedding_bytes import embedding_bytes_per_rank
-from runtime.storage.budget import (ACTIVE_SPARSE_BYTES, CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
-                                    STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
+from runtime.storage.budget import (
+    ACTIVE_SPARSE_BYTES,
+    CACHED_SPARSE_BYTES,
+    DENSE_STATE_BYTES,
+    GB,
+    STORED_SPARSE_BYTES,
+    Eq1Budget,
+    eq1_budget,
+)
 from runtime.storage.suggest import serving_suggestions, training_suggestions
 
 MODES = ("none", "cpu", "ssd")
@@ -85,6 +94,20 @@ def process_host_bytes(cfg: MoesysConfig, est: RankEstimate) -> int:
     return est.host + PROCESS_RUNTIME_BYTES + (0 if cfg.topology.gpus_per_node else est.device_total)
 
 
+@functools.lru_cache(maxsize=8)
+def teacher_parameters(checkpoint: str) -> int:
+    """Parameters of a distillation's teacher, counted from the model config its checkpoint recorded (meta.json);
+    0 when that cannot be read (moesys distill refuses such a teacher before anything is planned)."""
+    from runtime.checkpoint_format import read_meta
+    from runtime.config import config_from_dict
+    from runtime.errors import UserError
+
+    try:
+        return count_parameters(config_from_dict(read_meta(Path(checkpoint))["config"]).model).total
+    except (UserError, KeyError, TypeError, ValueError, OSError):
+        return 0
+
+
 def _activation_bytes(cfg: MoesysConfig) -> int:
     """Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer at 16 bits; the FFN share (19 sbh at F = 4h)
     scales with F/4h and, in MoE layers, with top_k; plus fp32 logits and their gradient."""
@@ -108,6 +131,8 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
     layer_sparse = p.per_expert * layer_experts
     dense_share = p.dense / world if st.dense_shard else p.dense
     device = {"dense_states": int(DENSE_STATE_BYTES * dense_share), "activations": _activation_bytes(cfg)}
+    if cfg.distill.teacher:  # every rank holds the whole frozen teacher, fp32 as its checkpoint stores it
+        device["teacher_weights"] = 4 * teacher_parameters(cfg.distill.teacher)
     if cfg.model.embedding_partition and not st.dense_shard:  # seed 004 section 4.3: [V, H/N] per rank
         device["dense_states"] -= embedding_bytes_per_rank(cfg, world).saving
     if st.dense_shard:

@@ -135,3 +135,31 @@ def test_the_teacher_stays_frozen_while_the_student_learns(teacher, tmp_path):
     assert all(p.grad is None for p in c.objective.teacher.parameters())
     assert all(p.grad is not None for p in c.model.parameters() if p.requires_grad)
     assert all(torch.equal(a, b) for a, b in zip(before, c.objective.teacher.parameters()))
+
+
+def test_the_plan_counts_the_whole_teacher_on_every_rank(tmp_path):
+    """Each worker holds the frozen teacher (fp32, every expert): a plan that left it out let a distillation pass
+    the RAM check and meet the OOM killer."""
+    from runtime.config import config_to_dict
+    from runtime.errors import UserError
+    from runtime.launch import check_host_memory
+    from runtime.model.params import count_parameters
+    from runtime.storage.placement import plan_placement
+
+    teacher_cfg = MoesysConfig(model=ModelConfig(hidden_size=256, num_layers=4, num_heads=4, vocab_size=256,
+                                                 ffn_hidden_size=1024, num_experts=32, max_seq_len=128))
+    step = tmp_path / "teacher" / "checkpoints" / "step_00000010"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"step": 10, "config": config_to_dict(teacher_cfg)}))
+    student = MoesysConfig(model=ModelConfig(hidden_size=256, num_layers=4, num_heads=4, vocab_size=256,
+                                             ffn_hidden_size=1024, num_experts=4, max_seq_len=128))
+    alone = plan_placement(student)
+    student.distill.teacher = str(step)
+    with_teacher = plan_placement(student)
+    teacher_bytes = 4 * count_parameters(teacher_cfg.model).total
+    assert with_teacher.per_rank.device["teacher_weights"] == teacher_bytes
+    assert with_teacher.process_host_bytes - alone.process_host_bytes == teacher_bytes
+    room = 2 * alone.process_host_bytes + int(0.32 * 2**30) + teacher_bytes  # 2 processes: fits without, not with
+    check_host_memory(MoesysConfig(model=student.model), room)
+    with pytest.raises(UserError, match="CPU processes need about"):
+        check_host_memory(student, room)
