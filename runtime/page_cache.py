@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterable
 
 
-def evict(path: str | Path) -> bool:
-    """Drop `path`'s pages from the page cache; False where the system cannot (no posix_fadvise, unreadable)."""
+def evict(path: str | Path, ranges: Iterable[tuple[int, int]] | None = None) -> bool:
+    """Drop `path`'s pages from the page cache, or only those of `ranges` ((offset, length) in bytes); False where
+    the system cannot (no posix_fadvise, unreadable)."""
     if not hasattr(os, "posix_fadvise"):
         return False
     try:
@@ -22,7 +24,8 @@ def evict(path: str | Path) -> bool:
             os.fsync(fd)
         except OSError:  # a file system that refuses fsync on a read-only descriptor: clean pages still go
             pass
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        for offset, length in [(0, 0)] if ranges is None else ranges:  # length 0: to the end of the file
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         return True
     except OSError:
         return False

@@ -4,8 +4,8 @@ Mixtral-layout directory, as one single-process Transformer, its config and toke
 Files are memory-mapped and streamed: dense weights are copied to the device one tensor at a time, experts are
 read only when an offload mode places or computes them, so opening a model larger than memory costs its dense
 weights. Before that, a moesys checkpoint's files that hold model weights are checksummed in one streamed pass each
-(the optimizer moments written beside the weights in those files are read too: the checksum covers the whole file)
-and then evicted from the page cache, so checking them leaves nothing cached and a cold start stays cold.
+(the optimizer moments written beside the weights in those files are read too: the checksum covers the whole file);
+the moments' pages are then dropped from the page cache, so checking leaves no more cached than the weights.
 """
 
 from __future__ import annotations
@@ -121,20 +121,23 @@ class MoesysCheckpoint:
     files: TensorFiles
 
 
-def _holds_model_weights(file: Path, params: set[str]) -> bool:
-    """Whether the file holds a tensor of one of the model's parameters (`model.PARAM` or `model.PARAM.G`)."""
+def _model_tensors(file: Path, params: set[str]) -> tuple[dict, int, set[str]]:
+    """(header, data offset, the keys of the model's parameters: `model.PARAM` or `model.PARAM.G`) of one file."""
     try:
-        header, _ = read_header(file)
+        header, data_start = read_header(file)
     except MappedFileError:
         verify(file)  # a torn file is named as damaged (ChecksumError) ...
         raise  # ... and one verify can still read is unreadable all the same
     prefix = f"{MODEL}."
-    for key in header:
-        if key.startswith(prefix):
-            name = key[len(prefix):]
-            if name in params or name.rpartition(".")[0] in params:
-                return True
-    return False
+    keys = {key for key in header if key.startswith(prefix)
+            and (key[len(prefix):] in params or key[len(prefix):].rpartition(".")[0] in params)}
+    return header, data_start, keys
+
+
+def _unread_ranges(header: dict, data_start: int, keys: set[str]) -> list[tuple[int, int]]:
+    """(offset, length) of every tensor inference never reads: the optimizer moments and steps beside the weights."""
+    return [(data_start + entry["data_offsets"][0], entry["data_offsets"][1] - entry["data_offsets"][0])
+            for key, entry in header.items() if key != "__metadata__" and key not in keys]
 
 
 def read_moesys(path: Path) -> MoesysCheckpoint:
@@ -150,13 +153,14 @@ def read_moesys(path: Path) -> MoesysCheckpoint:
     with torch.device("meta"):
         params = {name for name, _ in Transformer(cfg.model).named_parameters()}
     candidates = [f for f in sorted(step.glob("*.safetensors")) if not f.name.startswith("rng-")]
-    weight_files = [f for f in candidates if _holds_model_weights(f, params)]
+    headers = {f: _model_tensors(f, params) for f in candidates}
+    weight_files = [f for f in candidates if headers[f][2]]
     if not weight_files:
         raise InferError(f"{step}: no *.safetensors file holds this config's model weights (model.* tensors); was it "
                          "written by a different model config?")
     for file in weight_files:
         verify(file)  # a damaged file is named before anything loads from it (a streamed read, 1 MB of memory)
-        evict(file)  # ... and the read leaves no pages behind: what inference reads later comes from the disk
+        evict(file, _unread_ranges(*headers[file]))  # ... and leaves only the weights' pages cached, never the moments
     return MoesysCheckpoint(step, cfg, TensorFiles(weight_files))
 
 

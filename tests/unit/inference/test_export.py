@@ -1,6 +1,6 @@
 """Reading a moesys checkpoint for inference and export: a missing or foreign directory is named, only the files
-holding model weights are checksummed and each is evicted from the page cache afterwards, and an exported model's
-directory gets the mode mkdir would give it."""
+holding model weights are checksummed, the moments beside the weights are evicted from the page cache afterwards,
+and an exported model's directory gets the mode mkdir would give it."""
 
 from __future__ import annotations
 
@@ -56,11 +56,16 @@ def test_only_files_with_model_weights_are_verified_and_then_evicted(tmp_path, m
     step = tmp_path / "step"
     write_step(step)
     damage(step / "heads-x.safetensors")  # inference never reads it: its checksum is not its business
-    evicted = []
-    monkeypatch.setattr(load, "evict", lambda path: evicted.append(path.name))
+    evicted = {}
+    monkeypatch.setattr(load, "evict", lambda path, ranges: evicted.setdefault(path.name, sorted(ranges)))
     checkpoint = read_moesys(step)
     assert [f.path.name for f in checkpoint.files.files] == ["dense.safetensors", "experts-ep0.safetensors"]
-    assert evicted == ["dense.safetensors", "experts-ep0.safetensors"]
+    assert list(evicted) == ["dense.safetensors", "experts-ep0.safetensors"]
+    for name, ranges in evicted.items():  # exactly the moments' bytes: the weights stay cached for the load
+        header, start = load.read_header(step / name)
+        moments = sorted((start + e["data_offsets"][0], e["data_offsets"][1] - e["data_offsets"][0])
+                         for k, e in header.items() if k.startswith("exp_avg."))
+        assert ranges == moments and moments
     damage(step / "experts-ep0.safetensors")
     with pytest.raises(UserError, match="experts-ep0.safetensors is damaged") as exc:
         read_moesys(step)
