@@ -304,6 +304,9 @@ class ServeConfig:
     """Requests waiting for the generation worker; one more is refused with HTTP 503."""
     drain_timeout_s: float = 60.0
     """On SIGTERM, how long requests in flight may take to finish before they are cancelled."""
+    request_timeout_s: float = 600.0
+    """A request with no answer after this many seconds (a stream: no new token for this long) gets HTTP 504 and
+    its generation is cancelled; /health says 'stuck' (503) while one generation has run longer than this."""
 
 
 @dataclass
@@ -537,6 +540,8 @@ def validate(cfg: MoesysConfig, packages: bool = True) -> None:
     need(cfg.serve.max_batch_size >= 1, f"serve.max_batch_size must be >= 1 (got {cfg.serve.max_batch_size})")
     need(cfg.serve.max_queue >= 1, f"serve.max_queue must be >= 1 (got {cfg.serve.max_queue})")
     need(cfg.serve.drain_timeout_s > 0, f"serve.drain_timeout_s must be positive (got {cfg.serve.drain_timeout_s})")
+    need(cfg.serve.request_timeout_s > 0,
+         f"serve.request_timeout_s must be positive (got {cfg.serve.request_timeout_s})")
 
     for name, task in cfg.tasks.items():
         need(task.batch_size > 0, f"tasks.{name}.batch_size must be positive (got {task.batch_size})")

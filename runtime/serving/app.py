@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import Any, Optional
 
@@ -73,11 +74,11 @@ def build_app(service: Service) -> Starlette:
             return _error(exc.status, str(exc), exc.kind, exc.param)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await _answer_or_leave(service, answer, gone)
+            await _answer_or_leave(service, answer, gone, service.config.serve.request_timeout_s)
         finally:
             gone.cancel()
-            if not answer.done():  # the client left (or the drain timed out): its generation is not needed
-                job.cancelled = True
+            job.cancelled = True  # a no-op once finished; else the client left or the request timed out
+            if not answer.done():
                 answer.cancel()
         if answer.cancelled():
             return _error(499, "the client closed the connection")  # nobody reads it; uvicorn drops it
@@ -126,15 +127,27 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _answer_or_leave(service: Service, answer: asyncio.Future, gone: asyncio.Future) -> None:
+async def _answer_or_leave(service: Service, answer: asyncio.Future, gone: asyncio.Future, timeout_s: float) -> None:
     """Wait, POLL_S at a time, for the answer or the client leaving; a worker thread that ended without answering
-    (seen on two polls in a row: its last answers may still be on their way to the event loop) fails the answer."""
+    (seen on two polls in a row: its last answers may still be on their way to the event loop) fails the answer,
+    and so does `timeout_s` without one (504; the caller cancels the job)."""
     ended = False
+    deadline = time.monotonic() + timeout_s
     while not (answer.done() or gone.done()):
-        await asyncio.wait((answer, gone), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
-        if ended and not answer.done():
+        left = deadline - time.monotonic()
+        await asyncio.wait((answer, gone), timeout=max(0.0, min(POLL_S, left)), return_when=asyncio.FIRST_COMPLETED)
+        if answer.done() or gone.done():
+            break
+        if ended:
             answer.set_exception(_no_worker(service))
+        elif left <= 0:
+            answer.set_exception(_timed_out(timeout_s))
         ended = not service.worker.alive
+
+
+def _timed_out(timeout_s: float) -> RequestError:
+    return RequestError(f"no answer within serve.request_timeout_s={timeout_s:g} s; the generation was cancelled",
+                        status=504, kind="server_error")
 
 
 def _no_worker(service: Service) -> RequestError:
@@ -165,13 +178,18 @@ def _stream(service: Service, loop: asyncio.AbstractEventLoop, completion, reque
 
     async def chunks():
         ended = False
+        timeout_s = service.config.serve.request_timeout_s
+        last = time.monotonic()  # of the last token: a stream times out when none comes for timeout_s
         try:
             while True:
                 try:
                     ids, error = await asyncio.wait_for(events.get(), POLL_S)
+                    last = time.monotonic()
                 except asyncio.TimeoutError:
                     if ended and events.empty():  # see _answer_or_leave
                         ids, error = None, _no_worker(service)
+                    elif time.monotonic() - last > timeout_s:
+                        ids, error = None, _timed_out(timeout_s)
                     else:
                         ended = not service.worker.alive
                         continue

@@ -86,5 +86,6 @@ def open_service(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any
     inf = cfg.infer
     offloader = make_offloader(loaded.model, inf.offload, device, inf.ring_slots, cache_dir,
                                _fingerprint(loaded.path), source=loaded.experts, prefetch=inf.prefetch)
-    worker = GenerationWorker(loaded.model, offloader, cfg.serve.max_batch_size, cfg.serve.max_queue)
+    worker = GenerationWorker(loaded.model, offloader, cfg.serve.max_batch_size, cfg.serve.max_queue,
+                              stuck_after_s=cfg.serve.request_timeout_s)
     return Service(loaded.path.resolve().name, cfg, loaded, offloader, worker, device)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -66,7 +67,8 @@ class GenerationWorker:
     """Runs jobs one batch at a time on its own thread; `submit` from any thread. An error outside a batch's
     generation ends the thread: every job it holds fails with WorkerDied, and so does every later submit."""
 
-    def __init__(self, model: Transformer, offloader: Offloader, max_batch_size: int = 1, max_queue: int = 64):
+    def __init__(self, model: Transformer, offloader: Offloader, max_batch_size: int = 1, max_queue: int = 64,
+                 stuck_after_s: float = 600.0):
         dropless = model.cfg.capacity_factor == 0  # with a capacity, which tokens an expert drops depends on the batch
         self.model, self.offloader = model, offloader
         self.max_batch_size = max_batch_size if dropless else 1
@@ -77,6 +79,9 @@ class GenerationWorker:
         self.running = 0
         self.error: Optional[str] = None
         """Why the thread died (None while it runs, and after a stop)."""
+        self.stuck_after_s = stuck_after_s
+        self._batch_started: Optional[float] = None
+        """time.monotonic() when the batch in hand started; None while idle."""
         self._pending: deque[Job] = deque()
         self._batch: list[Job] = []
         self._cv = threading.Condition()
@@ -95,18 +100,27 @@ class GenerationWorker:
 
     @property
     def state(self) -> str:
-        """'ok', 'stopping' and then 'stopped' (after stop()), or 'dead' (the thread ended on an error: `error`)."""
+        """'ok', 'stopping' and then 'stopped' (after stop()), 'dead' (the thread ended on an error: `error`), or
+        'stuck' (one generation has run longer than stuck_after_s: a hung forward holds every request behind it)."""
         if self.error is not None:
             return "dead"
         if self._stopping:
             return "stopping" if self._thread.is_alive() else "stopped"
-        return "ok" if self._thread.is_alive() else "dead"
+        if not self._thread.is_alive():
+            return "dead"
+        started = self._batch_started
+        return "stuck" if started is not None and time.monotonic() - started > self.stuck_after_s else "ok"
 
     def submit(self, job: Job) -> None:
-        """Queue a job; RequestError 503 when the queue is full or the worker is stopping or dead."""
+        """Queue a job; RequestError 503 when the queue is full or the worker is stopping, dead or stuck."""
         with self._cv:
-            if self.state == "dead":
+            state = self.state
+            if state == "dead":
                 raise WorkerDied(self.error or "its thread has ended")
+            if state == "stuck":
+                raise RequestError(f"the generation worker has run one generation for more than "
+                                   f"serve.request_timeout_s={self.stuck_after_s:g} s; retry later or on another "
+                                   "instance", status=503, kind="server_error")
             if self._stopping:
                 raise Stopped()
             if len(self._pending) >= self.max_queue:
@@ -167,10 +181,11 @@ class GenerationWorker:
                     return
                 self._batch = self._take_batch()
                 self.running = len(self._batch)
+                self._batch_started = time.monotonic() if self._batch else None
             if self._batch:
                 self._run_batch(self._batch)
             with self._cv:
-                self._batch = []
+                self._batch, self._batch_started = [], None
                 self.running = 0
 
     def _die(self, exc: BaseException) -> None:

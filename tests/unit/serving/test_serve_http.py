@@ -252,3 +252,42 @@ def test_a_dead_worker_is_a_503_and_health_says_so(run_dir, monkeypatch):
         assert status == 503 and "has died" in got["error"]["message"]  # refused before the stream begins
         status, health = post(url, b"", "/health", "GET")
         assert status == 503 and health["status"] == "dead" and health["error"] == "RuntimeError: the loop broke"
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_hung_generation_times_out_with_504_and_health_says_stuck_until_it_ends(run_dir, monkeypatch, streamed):
+    server = _server(run_dir, request_timeout_s=1)
+    release = threading.Event()
+    model = server.service.loaded.model
+    forward = model.forward
+
+    def hung_forward(*args, **kwargs):  # a forward that does not come back until released
+        assert release.wait(60)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", hung_forward)
+    with server as url:
+        try:
+            started = time.monotonic()
+            if streamed:  # the stream has begun (200): the timeout is its last event
+                chunks, done = stream(url, {"prompt": "hi", "max_tokens": 2})
+                message = chunks[-1]["error"]["message"]
+                assert done and len(chunks) == 1
+            else:
+                status, got = post(url, {"prompt": "hi", "max_tokens": 2})
+                message = got["error"]["message"]
+                assert status == 504
+            assert "no answer within serve.request_timeout_s=1 s" in message
+            assert time.monotonic() - started < 10
+            _until(lambda: post(url, b"", "/health", "GET")[1]["status"] == "stuck")
+            status, health = post(url, b"", "/health", "GET")
+            assert status == 503 and health["running"] == 1
+            status, got = post(url, {"prompt": "hi", "stream": True})
+            assert status == 503 and "more than serve.request_timeout_s=1 s" in got["error"]["message"]
+        finally:
+            release.set()
+        _until(lambda: post(url, b"", "/health", "GET")[1]["status"] == "ok")
+        status, got = post(url, {"prompt": "hi", "max_tokens": 2})
+        assert status == 200 and len(got["choices"][0]["token_ids"]) == 2
+        health = post(url, b"", "/health", "GET")[1]
+    assert (health["cancelled"], health["completed"], health["failed"]) == (1, 1, 0)
