@@ -14,7 +14,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
+from runtime.tensorfile import save_tensors
 from runtime.train.checkpoint import latest_checkpoint
 from tests.cli.conftest import FAST_TINY, losses, moesys_bin, run_moesys
 from tests.cli.test_train_e2e import wait_for_step, workers
@@ -109,7 +111,8 @@ def test_a_failure_quotes_the_rank_that_failed_not_its_peer(tmp_path, reap):
     run_dir = tmp_path / "run"
     args = [*FAST_TINY, "train.max_restarts=0", f"train.run_dir={run_dir}"]
     assert run_moesys("train", *args, "train.max_steps=2").returncode == 0
-    (latest_checkpoint(run_dir) / "rng-rank1.safetensors").write_bytes(b"not a safetensors file")  # rank 1 reads it
+    # A well-formed file rank 1 alone reads, whose RNG state torch refuses: a crash in one rank, not a bad input
+    save_tensors(latest_checkpoint(run_dir) / "rng-rank1.safetensors", {"cpu": torch.zeros(3, dtype=torch.uint8)})
     failed = run_moesys("train", *args, "train.max_steps=4")
     assert failed.returncode == 1, failed.stderr
     assert "local rank 1: " in failed.stderr, failed.stderr
