@@ -15,7 +15,7 @@ import os
 import struct
 import zlib
 from pathlib import Path
-from typing import Iterable
+from typing import BinaryIO, Iterable
 
 import torch
 
@@ -106,22 +106,35 @@ def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: d
     return write_tensors(path, {k: spec_of(t) for k, t in ordered}, ordered, metadata)
 
 
+def read_header(f: BinaryIO) -> tuple[dict, int]:
+    """(header, byte offset where the data section starts) of an open safetensors file, left positioned there; the
+    header keeps its __metadata__ entry. Its length is checked against the file's size before it is read (a torn
+    or foreign file cannot ask for 2**64 bytes). ValueError (or struct.error) with a one-line reason otherwise."""
+    file_size = os.fstat(f.fileno()).st_size
+    header_len = struct.unpack("<Q", f.read(8))[0]
+    if header_len > file_size - 8:
+        raise ValueError(f"its header length {header_len} is past the end of the {file_size}-byte file")
+    header = json.loads(f.read(header_len))
+    if not isinstance(header, dict):
+        raise ValueError("its header is not an object")
+    return header, 8 + header_len
+
+
+def unreadable_reason(exc: BaseException) -> str:
+    """The first line of a header-reading error, for a one-line message."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def verify(path: str | Path) -> None:
     """Raise ChecksumError naming `path` when its tensor bytes do not match the recorded checksum (or its header
-    is unreadable: the header length is checked against the file's size before the header is read)."""
+    is unreadable, read_header)."""
     path = Path(path)
     with open(path, "rb") as f:
         try:
-            file_size = os.fstat(f.fileno()).st_size
-            header_len = struct.unpack("<Q", f.read(8))[0]
-            if header_len > file_size - 8:
-                raise ValueError(f"its header length {header_len} is past the end of the {file_size}-byte file")
-            header = json.loads(f.read(header_len))
-            if not isinstance(header, dict):
-                raise ValueError("its header is not an object")
+            header, _ = read_header(f)
         except (struct.error, ValueError) as exc:
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ChecksumError(f"{path} is not a readable safetensors file ({reason}); it is damaged") from None
+            raise ChecksumError(f"{path} is not a readable safetensors file ({unreadable_reason(exc)}); it is "
+                                "damaged") from None
         meta = header.get("__metadata__")
         expected = meta.get(CHECKSUM_KEY) if isinstance(meta, dict) else None
         if expected is None:

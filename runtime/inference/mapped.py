@@ -6,10 +6,8 @@ Whole tensors are copied with the kernel's readahead; ranges read piecemeal (str
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
-import os
 import struct
 from pathlib import Path
 from typing import Iterable, Optional
@@ -17,7 +15,9 @@ from typing import Iterable, Optional
 import torch
 from torch import Tensor
 
+from runtime import tensorfile
 from runtime.errors import UserError
+from runtime.tensorfile import unreadable_reason
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -29,25 +29,13 @@ class MappedFileError(UserError):
 
 
 def read_header(path: Path) -> tuple[dict, int]:
-    """(header, byte offset where the data section starts); the header keeps its __metadata__ entry. The header's
-    length is checked against the file's size before it is read (a torn or foreign file cannot ask for 2**64)."""
+    """(header, byte offset where the data section starts) of the file at `path` (runtime/tensorfile.read_header);
+    MappedFileError when it is unreadable."""
     try:
         with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > file_size - 8:
-                raise EOFError(f"its header length {size} is past the end of the {file_size}-byte file")
-            header = json.loads(f.read(size))
-    except (OSError, EOFError, struct.error, ValueError) as exc:
-        raise MappedFileError(f"{path}: not a readable safetensors file ({_one_line(exc)})") from None
-    if not isinstance(header, dict):
-        raise MappedFileError(f"{path}: not a readable safetensors file (header is not an object)")
-    return header, 8 + size
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+            return tensorfile.read_header(f)
+    except (OSError, struct.error, ValueError) as exc:
+        raise MappedFileError(f"{path}: not a readable safetensors file ({unreadable_reason(exc)})") from None
 
 
 def _entry_error(name: str, entry, data_size: int) -> Optional[str]:
