@@ -127,31 +127,40 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+class _Waiting:
+    """What a request waiting for the worker has to give up on, checked every POLL_S without news: a worker thread
+    that ended without answering (seen on two polls in a row: its last answers may still be on their way to the
+    event loop), or `timeout_s` since the last news (504; the caller cancels the job)."""
+
+    def __init__(self, service: Service, timeout_s: float):
+        self.service, self.timeout_s = service, timeout_s
+        self.ended, self.since = False, time.monotonic()
+
+    def news(self) -> None:
+        self.since = time.monotonic()
+
+    def left_s(self) -> float:
+        return self.timeout_s - (time.monotonic() - self.since)
+
+    def failure(self) -> Optional[RequestError]:
+        """Why to stop waiting now, or None (then wait another POLL_S)."""
+        if self.ended:
+            return WorkerDied(self.service.worker.error or "its thread has ended without answering")
+        if self.left_s() <= 0:
+            return RequestError(f"no answer within serve.request_timeout_s={self.timeout_s:g} s; the generation was "
+                                "cancelled", status=504, kind="server_error")
+        self.ended = not self.service.worker.alive
+        return None
+
+
 async def _answer_or_leave(service: Service, answer: asyncio.Future, gone: asyncio.Future, timeout_s: float) -> None:
-    """Wait, POLL_S at a time, for the answer or the client leaving; a worker thread that ended without answering
-    (seen on two polls in a row: its last answers may still be on their way to the event loop) fails the answer,
-    and so does `timeout_s` without one (504; the caller cancels the job)."""
-    ended = False
-    deadline = time.monotonic() + timeout_s
+    """Wait for the answer or the client leaving, or fail the answer when _Waiting says to give up."""
+    waiting = _Waiting(service, timeout_s)
     while not (answer.done() or gone.done()):
-        left = deadline - time.monotonic()
-        await asyncio.wait((answer, gone), timeout=max(0.0, min(POLL_S, left)), return_when=asyncio.FIRST_COMPLETED)
-        if answer.done() or gone.done():
-            break
-        if ended:
-            answer.set_exception(_no_worker(service))
-        elif left <= 0:
-            answer.set_exception(_timed_out(timeout_s))
-        ended = not service.worker.alive
-
-
-def _timed_out(timeout_s: float) -> RequestError:
-    return RequestError(f"no answer within serve.request_timeout_s={timeout_s:g} s; the generation was cancelled",
-                        status=504, kind="server_error")
-
-
-def _no_worker(service: Service) -> RequestError:
-    return WorkerDied(service.worker.error or "its thread has ended without answering")
+        await asyncio.wait((answer, gone), timeout=max(0.0, min(POLL_S, waiting.left_s())),
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not (answer.done() or gone.done()) and (failure := waiting.failure()) is not None:
+            answer.set_exception(failure)
 
 
 def _settle(answer: asyncio.Future, tokens: Optional[list[int]], error: Optional[BaseException]) -> None:
@@ -177,21 +186,15 @@ def _stream(service: Service, loop: asyncio.AbstractEventLoop, completion, reque
     text = TextStream(tok) if tok is not None else None
 
     async def chunks():
-        ended = False
-        timeout_s = service.config.serve.request_timeout_s
-        last = time.monotonic()  # of the last token: a stream times out when none comes for timeout_s
+        waiting = _Waiting(service, service.config.serve.request_timeout_s)  # a stream's news: each token
         try:
             while True:
                 try:
                     ids, error = await asyncio.wait_for(events.get(), POLL_S)
-                    last = time.monotonic()
+                    waiting.news()
                 except asyncio.TimeoutError:
-                    if ended and events.empty():  # see _answer_or_leave
-                        ids, error = None, _no_worker(service)
-                    elif time.monotonic() - last > timeout_s:
-                        ids, error = None, _timed_out(timeout_s)
-                    else:
-                        ended = not service.worker.alive
+                    ids, error = None, waiting.failure()
+                    if error is None:
                         continue
                 if ids is not None:
                     yield sse(chunk_body(request_id, name, ids, text.push(ids) if text else None))
