@@ -43,7 +43,7 @@ def check_inference_result(r: dict, source: str) -> None:
                          "pass the unmodified output of moesys infer --json")
 
     for key in NUMBERS:
-        if r.get(key) is not None and not _number(r[key]) or key in REQUIRED[1:] and r[key] is None:
+        if (r.get(key) is not None and not _number(r[key])) or (key in REQUIRED[1:] and r[key] is None):
             raise bad(key, "a number")
     if not isinstance(r["placement"], list):
         raise bad("placement", "a list of per-layer policies")

@@ -16,15 +16,8 @@ from typing import Any
 from runtime.config import MoesysConfig
 from runtime.model.params import ParamCounts, count_parameters
 from runtime.parallel.embedding_bytes import embedding_bytes_per_rank
-from runtime.storage.budget import (
-    ACTIVE_SPARSE_BYTES,
-    CACHED_SPARSE_BYTES,
-    DENSE_STATE_BYTES,
-    GB,
-    STORED_SPARSE_BYTES,
-    Eq1Budget,
-    eq1_budget,
-)
+from runtime.storage.budget import (ACTIVE_SPARSE_BYTES, CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
+                                    STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
 from runtime.storage.suggest import serving_suggestions, training_suggestions
 
 MODES = ("none", "cpu", "ssd")

@@ -23,23 +23,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from runtime.checkpoint_format import (
-    MODEL,
-    STATE_KEYS,
-    CheckpointError,
-    CheckpointReader,
-    latest_checkpoint,
-    read_meta,
-    tensor_key,
-)
+from runtime.checkpoint_format import (MODEL, STATE_KEYS, CheckpointError, CheckpointReader, latest_checkpoint,
+                                       read_meta, tensor_key)
 from runtime.config import MoesysConfig
 from runtime.io import atomic_write_json, atomic_write_text, fsync_dir
 from runtime.moe.layer import is_expert_param
-from runtime.parallel.embedding_partition import (
-    gather_columns,
-    partitioned_parameters,
-    shard_of,
-)
+from runtime.parallel.embedding_partition import gather_columns, partitioned_parameters, shard_of
 from runtime.parallel.groups import ParallelGroups, group_size
 from runtime.run_dir import CHECKPOINTS
 from runtime.tensorfile import TensorSpec, save_tensors, verify, write_tensors

@@ -13,13 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.checkpoint_format import (
-    MODEL,
-    STATE_KEYS,
-    CheckpointReader,
-    latest_checkpoint,
-    tensor_key,
-)
+from runtime.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, latest_checkpoint, tensor_key
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.io import atomic_write_json
