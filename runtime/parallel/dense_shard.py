@@ -312,7 +312,7 @@ class DenseShard:
             for p, (a, b, _) in zip(u.opt_params, u.ranges):
                 optimizer.state.pop(p, None)
                 if step > 0:
-                    optimizer.state[p] = {"step": torch.tensor(step),
+                    optimizer.state[p] = {"step": torch.tensor(step, device=p.device),
                                           **{k: flats[k][lo + a:lo + b].to(p.device).clone()
                                              for k in ("exp_avg", "exp_avg_sq")}}
 

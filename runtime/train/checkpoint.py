@@ -186,7 +186,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         else:
             moments = _load_dense(reader, path, pname, param, groups, pname in shards, keep)
         if keep:
-            optimizer.state[param] = {"step": step.reshape(()).clone(), **moments}
+            optimizer.state[param] = {"step": step.reshape(()).to(param.device, copy=True), **moments}
     rng_file = path / f"rng-rank{groups.rank}.safetensors"
     if restore_rng and meta["world_size"] == groups.world_size and rng_file.exists():
         verify(rng_file)

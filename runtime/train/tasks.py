@@ -289,7 +289,7 @@ class MultiTask:
                         p.copy_(value)
                     step = f.get_tensor(f"step.task_heads.{t}.{name}")
                     if optimizer is not None and float(step) > 0:
-                        optimizer.state[p] = {"step": step.reshape(()).clone(), **{
+                        optimizer.state[p] = {"step": step.reshape(()).to(p.device, copy=True), **{
                             k: f.get_tensor(f"{k}.task_heads.{t}.{name}").to(p.device, p.dtype) for k in STATE_KEYS}}
 
 
