@@ -159,6 +159,10 @@ class StorageConfig:
     """Shard dense parameters and optimizer states over data-parallel ranks (Algorithm 1)."""
     prefetch_depth: int = 1
     """Layers fetched ahead of the one computing."""
+    delayed_update: bool = False
+    """ZeRO-Offload's one-step delayed parameter update (storage.offload=cpu): step t's CPU AdamW runs during step
+    t+1's forward and backward, which see the weights of step t-1. Hides the CPU optimizer when it is slower than
+    the device's step; not bit-equal to training without it."""
 
 
 @dataclass
@@ -502,9 +506,9 @@ def validate(cfg: MoesysConfig, packages: bool = True) -> None:
          f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens it trains on; "
          f"set model.vocab_size>={BYTE_VOCAB}")
     need(tr.collective_timeout_s > 0, f"train.collective_timeout_s must be positive (got {tr.collective_timeout_s})")
-    need(not (tr.precision == "fp16" and cfg.storage.offload != "none"),
-         f"storage.offload={cfg.storage.offload} with train.precision=fp16 is not supported (the CPU optimizer "
-         "does not unscale); use train.precision=bf16 or fp32")
+    need(not s.delayed_update or s.offload == "cpu",
+         f"storage.delayed_update=true needs storage.offload=cpu (got {s.offload}): the update runs beside the next "
+         "step on expert states held in host memory; set storage.offload=cpu or storage.delayed_update=false")
     need(tr.seq_len <= m.max_seq_len,
          f"train.seq_len={tr.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     need(not (packages and tr.tensorboard) or importlib.util.find_spec("tensorboard") is not None,

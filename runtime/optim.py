@@ -1,13 +1,18 @@
 """The optimizer's definition, held once: AdamW hyper-parameters, the learning-rate schedule, and the per-expert
-AdamW update that offloaded experts run on the CPU (the resident model runs torch's AdamW with the same numbers)."""
+AdamW update that offloaded experts run on the CPU (the resident model runs torch's fused AdamW with the same
+numbers)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.adam import adam
+
+if TYPE_CHECKING:
+    from runtime.storage.expert_slots import ExpertSlot
 
 ADAMW_BETAS = (0.9, 0.95)
 ADAMW_EPS = 1e-8
@@ -29,26 +34,26 @@ def lr_at(step: int, tr) -> float:
     return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def expert_adamw_step(state: dict[str, torch.Tensor], names: tuple[str, ...], grads: list[torch.Tensor],
-                      lr: float, h: AdamWHyper) -> None:
-    """One AdamW step of an expert's state dict (param.N, exp_avg.N, exp_avg_sq.N, step), in place; torch's
-    single-tensor kernel, so the numbers equal what torch.optim.AdamW computes for the stacked resident tensor."""
-    steps = [state["step"].clone() for _ in names]
-    adam([state[f"param.{n}"] for n in names], grads, [state[f"exp_avg.{n}"] for n in names],
-         [state[f"exp_avg_sq.{n}"] for n in names], [], steps, foreach=False, decoupled_weight_decay=True,
-         amsgrad=False, beta1=h.betas[0], beta2=h.betas[1], lr=lr, weight_decay=h.weight_decay, eps=h.eps,
-         maximize=False)
-    state["step"] = steps[0]
+def fused_adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], lr: float, h: AdamWHyper,
+                grad_scale: torch.Tensor | None = None) -> None:
+    """One AdamW step of each (param, grad, moments, step count) in place, with torch's fused kernel: the kernel the
+    resident model's AdamW runs (build_optimizer), so offloaded experts get the same numbers. `grad_scale`: the
+    gradients are divided by it first, inside the kernel."""
+    adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, grad_scale=grad_scale,
+         decoupled_weight_decay=True, amsgrad=False, beta1=h.betas[0], beta2=h.betas[1], lr=lr,
+         weight_decay=h.weight_decay, eps=h.eps, maximize=False)
 
 
-def catch_up(state: dict[str, torch.Tensor], names: tuple[str, ...], upto: int, lr_schedule, h: AdamWHyper) -> int:
-    """Apply the zero-gradient AdamW steps an expert missed while it received no tokens (its own step count is
-    below `upto`): resident AdamW steps every expert every iteration, decaying its weights and moments, so an
-    offloaded expert fetched only when active must do the same to train identically. Returns the steps applied."""
-    done = int(state["step"])
+def catch_up(slot: ExpertSlot, upto: int, lr_schedule, h: AdamWHyper) -> int:
+    """Apply the zero-gradient AdamW steps an expert missed while it received no tokens (its step count is below
+    `upto`): resident AdamW steps every expert every iteration, decaying its weights and moments, so an offloaded
+    expert stepped only when active must do the same to train identically. Returns the steps applied; the caller
+    refreshes the slot's stage."""
+    done = int(slot.step)
     if done >= upto:
         return 0
-    zeros = [torch.zeros_like(state[f"param.{n}"]) for n in names]
+    zeros = torch.zeros_like(slot.master)
     for step in range(done, upto):
-        expert_adamw_step(state, names, zeros, lr_schedule(step), h)
+        fused_adamw([slot.master], [zeros], [slot.exp_avg], [slot.exp_avg_sq], [slot.step], lr_schedule(step), h)
     return upto - done

@@ -1,12 +1,13 @@
 """The SSD tier: every expert's fp32 master weights and AdamW moments on disk (seed 004 section 3.2.1, Eq. 1's 12S).
 
-One safetensors file per (MoE layer, global expert) under `root/live/`: an eviction writes back exactly one expert
+One safetensors file per (MoE layer, global expert) under `root/live/`, holding the expert's slot (flat master,
+moments and step; runtime/storage/expert_slots.py): an eviction writes back exactly one expert
 (a per-layer file would rewrite the whole layer for every eviction) and a file is replaced by rename, so a reader
 sees the old or the new states, never a mix. A file is written with one gather write and read with one scatter
 read (runtime/storage/live_files.py).
 
 The store is working memory, not a checkpoint: a checkpoint copies every expert's states into its own directory
-(see OffloadManager.save) and a resume rebuilds `live/` from it. So live files are not fsynced (the kernel writes
+(see OffloadEngine.save) and a resume rebuilds `live/` from it. So live files are not fsynced (the kernel writes
 them back while training goes on); `durable=True` fsyncs each file and the directory, for a store that must
 survive a crash of the machine. A store belongs to one run: `root/OWNER` names
 the run directory that created it, and another run is refused instead of silently sharing (and overwriting) it.
@@ -21,12 +22,11 @@ import torch
 
 from runtime.errors import UserError
 from runtime.io import atomic_write_text
+from runtime.storage.expert_slots import ExpertSlot
 from runtime.storage.live_files import read_file, write_file
 
 ExpertKey = tuple[int, int]
 """(MoE layer index, global expert index)."""
-ExpertState = dict[str, torch.Tensor]
-"""param.NAME, exp_avg.NAME, exp_avg_sq.NAME for NAME in w1, w2, (w3, b1, b2, b3), and step (a 0-d float32)."""
 
 LIVE = "live"
 OWNER = "OWNER"
@@ -34,22 +34,6 @@ OWNER = "OWNER"
 
 class StoreError(UserError):
     """The store lacks an expert the caller asked for, or belongs to another run."""
-
-
-def new_state(params: dict[str, torch.Tensor]) -> ExpertState:
-    """fp32 master copies of one expert's parameters with zero moments and step 0 (AdamW before its first step)."""
-    state: ExpertState = {}
-    for name, t in params.items():
-        master = t.detach().to(torch.float32).clone().contiguous()
-        state[f"param.{name}"] = master
-        state[f"exp_avg.{name}"] = torch.zeros_like(master)
-        state[f"exp_avg_sq.{name}"] = torch.zeros_like(master)
-    state["step"] = torch.zeros((), dtype=torch.float32)
-    return state
-
-
-def state_bytes(state: ExpertState) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 class ExpertStore:
@@ -73,20 +57,31 @@ class ExpertStore:
     def __contains__(self, key: ExpertKey) -> bool:
         return self.path(key).exists()
 
-    def write(self, key: ExpertKey, state: ExpertState) -> None:
+    def write(self, key: ExpertKey, slot: ExpertSlot) -> None:
         """Replace the expert's file by rename (temp written first; fsynced with the directory when durable)."""
-        size = write_file(self.path(key), state, self.durable)
+        size = write_file(self.path(key), slot.state_tensors(), self.durable)
         self._sizes[key] = size
         self.bytes_written += size
 
-    def read(self, key: ExpertKey) -> ExpertState:
-        """The expert's states as fresh tensors, read from its file in one scatter read."""
+    def read_into(self, key: ExpertKey, slot: ExpertSlot) -> ExpertSlot:
+        """Fill `slot` (master, moments, step) from the expert's file in one scatter read; the caller refreshes
+        its stage."""
+        tensors = slot.state_tensors()
+        self._read(key, tensors)
+        self.bytes_read += sum(t.numel() * t.element_size() for t in tensors.values())
+        return slot
+
+    def read(self, key: ExpertKey) -> dict[str, torch.Tensor]:
+        """The expert's stored tensors (master, exp_avg, exp_avg_sq, step) in fresh memory."""
+        tensors = self._read(key, None)
+        self.bytes_read += sum(t.numel() * t.element_size() for t in tensors.values())
+        return tensors
+
+    def _read(self, key: ExpertKey, into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         try:
-            state = read_file(self.path(key))
+            return read_file(self.path(key), into)
         except FileNotFoundError:
             raise StoreError(f"expert store {self.root} has no states for layer {key[0]} expert {key[1]}") from None
-        self.bytes_read += state_bytes(state)
-        return state
 
     def will_need(self, keys: list[ExpertKey]) -> None:
         """Start reading these experts' files into the page cache without waiting (posix_fadvise WILLNEED), so

@@ -60,9 +60,11 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor], durable: bool) -> i
     return size
 
 
-def read_file(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file, each in fresh memory of its own, filled by one scatter read; the
-    checksum is not verified here (tensorfile.verify does). A malformed or truncated file raises ChecksumError."""
+def read_file(path: Path, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, filled by one scatter read: into the tensors of `into` (same names,
+    shapes and dtypes, contiguous) or fresh memory of their own; the checksum is not verified here
+    (tensorfile.verify does). A malformed or truncated file, or one that does not match `into`, raises
+    ChecksumError."""
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
         try:
@@ -72,11 +74,12 @@ def read_file(path: Path) -> dict[str, torch.Tensor]:
             tensors, end = {}, 0
             for key, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
                 begin, stop = entry["data_offsets"]
-                t = torch.empty(entry["shape"], dtype=_TORCH[entry["dtype"]])
-                if begin != end or stop - begin != t.numel() * t.element_size():
+                t = torch.empty(entry["shape"], dtype=_TORCH[entry["dtype"]]) if into is None else into[key]
+                if (begin != end or stop - begin != t.numel() * t.element_size() or not t.is_contiguous()
+                        or t.dtype != _TORCH[entry["dtype"]]):
                     raise ValueError(f"{key} at bytes {begin}..{stop}")
                 tensors[key], end = t, stop
-        except (struct.error, ValueError, KeyError, TypeError) as exc:
+        except (struct.error, ValueError, KeyError, TypeError) as exc:  # KeyError: a name `into` lacks
             raise ChecksumError(f"{path} is not a readable safetensors file ({exc}); it is damaged") from None
         got = _transfer(fd, [_raw(t) for t in tensors.values()], read_at=8 + header_len)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the tensors hold the bytes now; free the page cache

@@ -16,7 +16,7 @@ from typing import Any
 from runtime.config import MoesysConfig
 from runtime.model.params import ParamCounts, count_parameters
 from runtime.parallel.embedding_bytes import embedding_bytes_per_rank
-from runtime.storage.budget import (ACTIVE_SPARSE_BYTES, CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
+from runtime.storage.budget import (CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
                                     STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
 from runtime.storage.suggest import serving_suggestions, training_suggestions
 
@@ -48,6 +48,8 @@ class RankEstimate:
     host_capacity: int
     cache_experts: int
     local_experts: int
+    expert_window: int = 0
+    """Offloaded modes: MoE layers whose active experts the device holds at once (expert_window())."""
 
     @property
     def device_total(self) -> int:
@@ -137,10 +139,12 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
     ranks_per_node = t.processes_per_node
     # What a rank's states may use of the node's RAM: its share after the launcher's, less its own runtime.
     ram_per_rank = max(0, int((t.cpu_memory_gb * GB - LAUNCHER_BYTES) / ranks_per_node) - PROCESS_RUNTIME_BYTES)
+    window = 0
     if mode == "none":
         device["expert_states"] = int(DENSE_STATE_BYTES * local_sparse)
     else:
-        device["expert_buffers"] = int(ACTIVE_SPARSE_BYTES * st.alpha * layer_sparse * (1 + st.prefetch_depth))
+        window = expert_window(cfg, p, sum(device.values()))
+        device["expert_buffers"] = int(active_expert_bytes(cfg) * st.alpha * layer_sparse * window)
     # Without a GPU the device tier is a pool in the same RAM as the host tier: the host gets what it leaves.
     host_capacity = ram_per_rank if t.gpus_per_node else max(0, ram_per_rank - sum(device.values()))
     if mode != "none":
@@ -164,7 +168,27 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
                        * p.per_expert)
     device_capacity = int(t.gpu_memory_gb * GB) if t.gpus_per_node else ram_per_rank - host
     return RankEstimate(device=device, host=host, ssd=ssd, device_capacity=device_capacity,
-                        host_capacity=host_capacity, cache_experts=cache_experts, local_experts=local_experts)
+                        host_capacity=host_capacity, cache_experts=cache_experts, local_experts=local_experts,
+                        expert_window=window)
+
+
+def active_expert_bytes(cfg: MoesysConfig) -> int:
+    """Device bytes per active expert parameter while a layer computes: the weight and its gradient in the compute
+    dtype (Eq. 1's 4 at fp16)."""
+    return 2 * (4 if cfg.train.precision == "fp32" else 2)
+
+
+def expert_window(cfg: MoesysConfig, p: ParamCounts, other_device_bytes: int) -> int:
+    """MoE layers whose active experts the device holds at once, from a layer's forward to its backward: every
+    layer when a GPU has room for them beside the rest of the plan (no fetch twice a step), else the layer
+    computing and storage.prefetch_depth layers ahead."""
+    t, st = cfg.topology, cfg.storage
+    least = min(p.moe_layers, 1 + st.prefetch_depth) if p.moe_layers else 1 + st.prefetch_depth
+    layer = active_expert_bytes(cfg) * st.alpha * p.per_expert * cfg.model.num_experts / t.expert_parallel
+    if not t.gpus_per_node or layer <= 0:
+        return least
+    room = int((t.gpu_memory_gb * GB - other_device_bytes) // layer)
+    return max(least, min(p.moe_layers, room))
 
 
 def _fits(cfg: MoesysConfig, budget: Eq1Budget, est: RankEstimate, mode: str) -> list[str]:
@@ -281,7 +305,8 @@ def plan_to_dict(plan: Plan) -> dict:
             "unsatisfiable": b.unsatisfiable(),
         },
         "placement": {"offload": plan.mode, "dense": "gpu", "sparse": SPARSE_HOME[plan.mode],
-                      "cpu_cache_experts": r.cache_experts, "local_experts": r.local_experts},
+                      "cpu_cache_experts": r.cache_experts, "local_experts": r.local_experts,
+                      "device_expert_layers": r.expert_window},
         "per_rank": {"world_size": plan.world_size, "device": r.device, "device_total": r.device_total,
                      "device_capacity": r.device_capacity, "host": r.host, "host_capacity": r.host_capacity,
                      "ssd": r.ssd, "ok": r.ok, "process_host_bytes": plan.process_host_bytes},

@@ -32,6 +32,9 @@ class Placement:
     ssd_capacity: int
     task_gpus: dict[str, int] = field(default_factory=dict)
     """Ranks per task of a multi-task load (the elastic allocation, seed 004 section 4.1); empty otherwise."""
+    device_expert_layers: int = 0
+    """Offloaded modes: MoE layers whose active experts the device holds at once (0: the layer computing and
+    storage.prefetch_depth ahead)."""
 
 
 def decide(cfg: MoesysConfig) -> tuple[Placement, dict]:
@@ -46,7 +49,8 @@ def decide(cfg: MoesysConfig) -> tuple[Placement, dict]:
 
         task_gpus = task_gpu_counts(cfg, cfg.topology.world_size, plan)
     placement = Placement(mode, cache if mode != "none" else 0, r.local_experts, r.device_capacity, r.host_capacity,
-                          int(cfg.topology.ssd_gb * GB / cfg.topology.processes_per_node), task_gpus)
+                          int(cfg.topology.ssd_gb * GB / cfg.topology.processes_per_node), task_gpus,
+                          r.expert_window)
     return placement, plan_to_dict(plan)
 
 

@@ -26,6 +26,7 @@ from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_ch
 from runtime.train.metrics import MetricsWriter, memory_bytes, start_marks, step_stats
 from runtime.train.rank_memory import RankMemory
 from runtime.train.parts import global_grad_norm
+from runtime.train.loss_scale import DynamicLossScale
 from runtime.train.tensorboard import open_tensorboard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -69,7 +70,7 @@ def _autocast(device: torch.device, precision: str):
 
 
 def forward_backward(c: Components, cfg: MoesysConfig, groups: ParallelGroups, step: int, device: torch.device,
-                     scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, object]:
+                     scaler: DynamicLossScale | None = None) -> tuple[torch.Tensor, object]:
     """Loss and complete gradients of this rank's share of `step`. Returns (lm loss, model output)."""
     lm_loss, out = c.objective.forward_backward(c.model, step, device, _autocast(device, cfg.train.precision), scaler)
     for part in c.parts:
@@ -78,30 +79,32 @@ def forward_backward(c: Components, cfg: MoesysConfig, groups: ParallelGroups, s
 
 
 def optimizer_step(c: Components, cfg: MoesysConfig, groups: ParallelGroups, step: int,
-                   scaler: torch.amp.GradScaler | None = None) -> float:
-    """Clip by the global gradient norm and apply AdamW with the scheduled learning rate. Returns the norm."""
+                   scaler: DynamicLossScale | None = None) -> float:
+    """Clip by the global gradient norm and apply AdamW with the scheduled learning rate. Returns the norm. With a
+    loss scale (fp16), a step whose gradients overflowed anywhere is skipped on every rank and part."""
     tr = cfg.train
-    if scaler:
-        scaler.unscale_(c.optimizer)
-    norm = global_grad_norm(c.parts)
-    if scaler is None and not math.isfinite(norm):  # equal on every rank (reduced gradients): all stop here
+    scale = scaler.value if scaler else 1.0
+    norm = global_grad_norm(c.parts) / scale
+    if scaler and not scaler.update(norm):
+        for part in c.parts:
+            part.skip_step()
+        c.optimizer.zero_grad(set_to_none=True)
+        return norm
+    if not math.isfinite(norm):  # equal on every rank (reduced gradients): all stop here
         raise JobError(f"non-finite gradient norm at step {step + 1}; stopped before the optimizer step, the newest "
                        "checkpoint is the last good one (lower train.lr or check the data)")
-    coef = None
-    if tr.grad_clip > 0 and math.isfinite(norm) and norm > tr.grad_clip:
-        coef = tr.grad_clip / (norm + 1e-6)
+    multiplier = 1 / scale if scaler else None  # what every gradient is multiplied by: unscale, then clip
+    if tr.grad_clip > 0 and norm > tr.grad_clip:
+        multiplier = (multiplier or 1.0) * tr.grad_clip / (norm + 1e-6)
+    if multiplier is not None:
         for part in c.parts:
-            part.scale_grads(coef)
+            part.scale_grads(multiplier)
     lr = lr_at(step, tr)
     for group in c.optimizer.param_groups:
         group["lr"] = lr
     for part in c.parts:
-        part.before_optimizer_step(step, lr, coef)
-    if scaler:
-        scaler.step(c.optimizer)
-        scaler.update()
-    else:
-        c.optimizer.step()
+        part.before_optimizer_step(step, lr, multiplier)
+    c.optimizer.step()
     c.optimizer.zero_grad(set_to_none=True)
     return norm
 
@@ -119,7 +122,7 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
         start = load_checkpoint(ckpt, c.model, c.optimizer, groups, parts=c.parts)
     else:
         torch.manual_seed(cfg.train.seed + 1 + groups.rank)  # router noise differs per rank
-    scaler = torch.amp.GradScaler(device.type) if cfg.train.precision == "fp16" else None
+    scaler = DynamicLossScale() if cfg.train.precision == "fp16" else None
     writer = MetricsWriter(run_dir, start) if groups.rank == 0 else None
     board = open_tensorboard(cfg, run_dir, start) if writer else None
     marks = start_marks(start)  # on the first line this worker writes
@@ -136,7 +139,7 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
             norm = optimizer_step(c, cfg, groups, step - 1, scaler)
             part_stats = {k: v for part in c.parts for k, v in part.metrics().items()}
             stats = step_stats(lm_loss, out, groups, memory_bytes(device),
-                               memory.per_rank(part_stats.get("offload/ssd_bytes", 0)))
+                               memory.per_rank(sum(part.disk_bytes() for part in c.parts)))
             stats.update(part_stats)
             objective_stats, rank_lines = c.objective.records(step)  # collective
             stats.update(objective_stats)

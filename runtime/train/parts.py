@@ -20,7 +20,7 @@ from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.embedding_partition import partitioned_grad_sq, partitioned_parameters
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
-from runtime.storage.offload import OffloadManager
+from runtime.storage.offload_engine import OffloadEngine
 from runtime.tensorfile import save_tensors
 
 GradSq = tuple[torch.Tensor, object]
@@ -40,10 +40,18 @@ class Part:
         """Multiply this part's gradients by the clip coefficient."""
 
     def before_optimizer_step(self, step: int, lr: float, coef: float | None) -> None:
-        """Run right before the resident optimizer steps (lr of this step, clip coefficient or None)."""
+        """Run right before the resident optimizer steps: lr of this step, and what every gradient is multiplied by
+        (the clip coefficient, over the loss scale with fp16), or None."""
+
+    def skip_step(self) -> None:
+        """This step's gradients are dropped (fp16 overflow): nothing is applied."""
 
     def metrics(self) -> dict:
         return {}
+
+    def disk_bytes(self) -> int:
+        """Bytes this part keeps on disk outside checkpoints (measured beside memory per rank)."""
+        return 0
 
     def held_params(self) -> dict[str, torch.Size]:
         """Model parameter names this part saves and loads itself (the checkpoint writer skips them)."""
@@ -154,32 +162,39 @@ class ShardedDense(Part):
 
 
 class OffloadedExperts(Part):
-    """storage.offload=cpu|ssd: expert states off the device, fetched when routed to, stepped by a CPU AdamW
-    overlapped with the next step, written into checkpoints by the manager (seed 004 section 3.2)."""
+    """storage.offload=cpu|ssd: expert states off the device, moved when routed to, stepped by a CPU AdamW that
+    overlaps the backward and the next step (runtime/storage/offload_engine.py)."""
 
-    def __init__(self, manager: OffloadManager, groups: ParallelGroups):
-        self.manager, self.groups = manager, groups
+    def __init__(self, engine: OffloadEngine, groups: ParallelGroups):
+        self.engine, self.groups = engine, groups
 
     def after_backward(self) -> None:
-        self.manager.finish_backward()
+        self.engine.finish_backward()
 
     def grad_sq(self) -> list[GradSq]:  # summed with the resident experts' share before the EP all-reduce
-        return [(self.manager.grad_sq().reshape(1), self.groups.ep_group if self.groups.ep_size > 1 else None)]
+        return [(self.engine.grad_sq().reshape(1), self.groups.ep_group if self.groups.ep_size > 1 else None)]
 
     def before_optimizer_step(self, step: int, lr: float, coef: float | None) -> None:
-        self.manager.step(lr, coef)  # its clip scaling happens on its CPU thread
+        self.engine.step(lr, coef)  # the gradients are scaled inside the CPU kernel
+
+    def skip_step(self) -> None:
+        self.engine.skip_step()
 
     def metrics(self) -> dict:
-        return self.manager.step_metrics()
+        return self.engine.step_metrics()
+
+    def disk_bytes(self) -> int:
+        store = getattr(self.engine.home, "store", None)
+        return store.disk_bytes() if store is not None else 0
 
     def save(self, directory: Path, step: int) -> list[Path]:
-        return self.manager.save(directory, step)
+        return self.engine.save(directory, step)
 
     def load(self, reader: CheckpointReader, step: int) -> None:
-        self.manager.load(reader, step)
+        self.engine.load(reader, step)
 
     def close(self) -> None:
-        self.manager.close()
+        self.engine.close()
 
 
 def global_grad_norm(parts: list[Part]) -> float:

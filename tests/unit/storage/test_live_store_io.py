@@ -13,9 +13,11 @@ from safetensors import safe_open
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.optim import lr_at
 from runtime.parallel.groups import build_groups
-from runtime.storage.expert_store import ExpertStore, new_state
+from runtime.storage.expert_slots import SlotLayout, new_slots
+from runtime.storage.expert_store import ExpertStore
+from runtime.storage.host_home import initial_slot
 from runtime.storage.live_files import read_file, write_file
-from runtime.storage.offload import install_offload
+from runtime.storage.offload_engine import install_offload
 from runtime.tensorfile import ChecksumError, verify
 from runtime.train.build import build_model
 
@@ -60,53 +62,58 @@ class CountingFsync:
 
 def test_one_write_job_per_layer_with_updates_and_reads_wait_for_it(tmp_path):
     store = ExpertStore(tmp_path)
-    model, mgr = offloaded(store, layers=3)  # nothing cached: every updated expert goes home to SSD
+    model, engine = offloaded(store, layers=3)  # nothing cached: every updated expert goes home to SSD
+    home = engine.home
     real_write = store.write
 
-    def slow_write(key, state):  # the batch is still being written when the reader comes
+    def slow_write(key, slot):  # the batch is still being written when the reader comes
         time.sleep(0.05)
-        real_write(key, state)
+        real_write(key, slot)
 
     store.write = slow_write
     for step, idle_layer in enumerate([None, 1]):
-        keys = forward_backward(model, mgr, lambda i: {(i + step) % 4, (i + step + 1) % 4})
+        keys = forward_backward(model, engine, lambda i: {(i + step) % 4, (i + step + 1) % 4})
         if idle_layer is not None:  # drop one layer's gradients: it has no update this step
             keys = [k for k in keys if k[0] != idle_layer]
-            mgr._grads = {k: g for k, g in mgr._grads.items() if k[0] != idle_layer}
-            mgr._states = {k: s for k, s in mgr._states.items() if k[0] != idle_layer}
-        updated = dict(mgr._states)
-        jobs = mgr.writes.jobs
-        mgr.step(1e-2)
-        mgr.wait_step()
+            engine._pending = [lg for lg in engine._pending if lg.layer != idle_layer]
+        updated = {key: slot for lg in engine._pending for key, slot in zip(lg.keys, lg.slots)}
+        jobs = home.writes.jobs
+        engine.step(1e-2)
+        engine.wait_step()
         assert len(keys) == 2 * len({k[0] for k in keys})
-        assert mgr.writes.jobs - jobs == len({k[0] for k in keys})  # one job per layer with updated experts
+        assert home.writes.jobs - jobs == len({k[0] for k in keys})  # one job per layer with updated experts
         for key in keys:
-            back = mgr._read(key)  # waits for the job writing it
-            assert float(back["step"]) == step + 1
-            assert all(torch.equal(back[name], updated[key][name]) for name in back)
-        mgr._drop_host(back)
-    mgr.close()
+            back = home._read(key)  # waits for the job writing it
+            assert float(back.step) == step + 1
+            assert all(torch.equal(t, updated[key].state_tensors()[name]) for name, t in back.state_tensors().items())
+            home._drop_host(back)
+    engine.close()
+
+
+def one_tensor_slot(value: float):
+    layout = SlotLayout.of({"w1": (4, 4)})
+    return initial_slot(new_slots(layout.numel, 1, torch.float32, False)[0], layout, {"w1": torch.full((4, 4), value)})
 
 
 def test_live_files_are_renamed_into_place_without_fsync(tmp_path, monkeypatch):
     fsyncs = CountingFsync(monkeypatch)
-    model, mgr = offloaded(ExpertStore(tmp_path / "live"), layers=2)
-    forward_backward(model, mgr, lambda i: {1, 2})
-    mgr.step(1e-2)
-    mgr.drain()
-    assert mgr.store.bytes_written > 0 and fsyncs.calls == 0  # created and written back, never fsynced
-    mgr.close()
+    model, engine = offloaded(ExpertStore(tmp_path / "live"), layers=2)
+    forward_backward(model, engine, lambda i: {1, 2})
+    engine.step(1e-2)
+    engine.drain()
+    assert engine.home.store.bytes_written > 0 and fsyncs.calls == 0  # created and written back, never fsynced
+    engine.close()
 
     store = ExpertStore(tmp_path / "s")
-    store.write((0, 0), new_state({"w1": torch.zeros(4, 4)}))
+    store.write((0, 0), one_tensor_slot(0.0))
     before = store.path((0, 0)).read_bytes()
     with open(store.path((0, 0)), "rb") as old:  # replaced by a rename: an open reader keeps the whole old file
-        store.write((0, 0), new_state({"w1": torch.ones(4, 4)}))
+        store.write((0, 0), one_tensor_slot(1.0))
         assert old.read() == before
-    assert torch.equal(store.read((0, 0))["param.w1"], torch.ones(4, 4))
+    assert torch.equal(store.read((0, 0))["master"], torch.ones(16))
     assert sorted(p.name for p in store.live.iterdir()) == [store.path((0, 0)).name]  # no temp file left
     durable = ExpertStore(tmp_path / "d", durable=True)
-    durable.write((0, 0), new_state({"w1": torch.zeros(4, 4)}))
+    durable.write((0, 0), one_tensor_slot(0.0))
     assert fsyncs.calls >= 1  # durable writes are still there for what needs them
 
 

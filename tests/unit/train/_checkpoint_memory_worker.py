@@ -44,7 +44,7 @@ def trained(cfg: MoesysConfig, groups):
     c.optimizer.zero_grad(set_to_none=True)
     for part in c.parts:
         if isinstance(part, OffloadedExperts):
-            part.manager.drain()
+            part.engine.drain()
     return c
 
 
@@ -64,7 +64,7 @@ def largest_unit(c) -> int:
     sizes = [(p[0] if is_expert_param(n) else p).numel() * p.element_size() for n, p in c.model.named_parameters()]
     for part in c.parts:
         if isinstance(part, OffloadedExperts):
-            sizes += [spec.expert_bytes for spec in part.manager.specs.values()]
+            sizes += [spec.expert_bytes for spec in part.engine.specs.values()]
     return max(sizes)
 
 

@@ -46,7 +46,7 @@ def test_workers_build_the_recorded_placement(tmp_path):
     recorded, _ = decide(cfg)
     c = build_components(cfg, build_groups(1, 0, 1, 1), torch.device("cpu"),
                          placement=type(recorded)(**{**recorded.__dict__, "cpu_cache_experts": 1}))
-    assert c.offload.cache.capacity == 1  # the record wins over what cfg alone would give (2)
+    assert c.offload.home.cache.capacity == 1  # the record wins over what cfg alone would give (2)
     c.offload.close()
 
 

@@ -1,0 +1,134 @@
+"""Host memory of offloaded experts as flat slots: one expert's fp32 master weights, AdamW moments and step count,
+and the copy in the compute dtype that the device reads (ZeRO-Offload's flat buffers; the paper's CPU tier).
+
+An expert's tensors (w1, w2, w3, b1, ...) sit side by side in one run of P elements, so one copy moves an expert
+between tiers and one fused AdamW call steps it. Each tensor starts on an ALIGN-element boundary: the fused kernel
+then treats every element as it does in the resident model's stacked tensor (same vector lanes, no scalar tail),
+which keeps offloaded training equal to resident training bit for bit.
+Legend: P elements of one expert's slot, e experts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+ALIGN = 16
+"""Elements: 64 bytes of fp32, the widest vector the CPU kernels use."""
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where each of an expert's tensors lies in its slot."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    numel: int
+    """P: the slot's elements, padding included."""
+
+    @classmethod
+    def of(cls, shapes: dict[str, tuple[int, ...]]) -> "SlotLayout":
+        offsets, at = [], 0
+        for shape in shapes.values():
+            offsets.append(at)
+            at += math.ceil(math.prod(shape) / ALIGN) * ALIGN
+        return cls(tuple(shapes), tuple(tuple(s) for s in shapes.values()), tuple(offsets), at)
+
+    def views(self, flat: Tensor) -> dict[str, Tensor]:
+        """name -> view of `flat` ([P] -> [*shape], [a, P] -> [a, *shape]); differentiable views of a leaf."""
+        lead = flat.shape[:-1]
+        return {name: flat[..., o:o + math.prod(shape)].view(*lead, *shape)
+                for name, shape, o in zip(self.names, self.shapes, self.offsets)}
+
+    def pack(self, tensors: dict[str, Tensor], out: Tensor) -> Tensor:
+        """Write one expert's tensors (by name) into the slot-shaped `out` [P]; padding is zeroed."""
+        out.zero_()
+        for name, view in self.views(out).items():
+            view.copy_(tensors[name])
+        return out
+
+
+@dataclass(eq=False)
+class ExpertSlot:
+    """One expert's host states."""
+
+    master: Tensor
+    """fp32 [P]: the master weights the optimizer updates."""
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    step: Tensor
+    """0-d fp32: AdamW steps applied (zero-gradient catch-up steps included)."""
+    stage: Tensor
+    """[P] in the compute dtype: what the device copies. The master itself when the compute dtype is fp32 and
+    updates are not delayed; else refreshed from it after each update."""
+
+    def views(self, attr: str, layout: SlotLayout) -> dict[str, Tensor]:
+        """Per-tensor views of one of the slot's states (master, exp_avg, exp_avg_sq, stage), made once."""
+        cache = self.__dict__.setdefault("_views", {})
+        if attr not in cache:
+            cache[attr] = layout.views(getattr(self, attr))
+        return cache[attr]
+
+    def refresh_stage(self) -> None:
+        if self.stage.data_ptr() != self.master.data_ptr():
+            self.stage.copy_(self.master)
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        """What the SSD store keeps of a slot (the stage is derived from the master)."""
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
+                "step": self.step.reshape(1)}
+
+    @property
+    def nbytes(self) -> int:
+        own = [self.master, self.exp_avg, self.exp_avg_sq, self.step]
+        if self.stage.data_ptr() != self.master.data_ptr():
+            own.append(self.stage)
+        return sum(t.numel() * t.element_size() for t in own)
+
+
+def slot_bytes(numel: int, compute_dtype: torch.dtype, separate_stage: bool) -> int:
+    """Host bytes of one slot of `numel` elements."""
+    stage = numel * torch.finfo(compute_dtype).bits // 8 if separate_stage else 0
+    return 12 * numel + 4 + stage
+
+
+def needs_separate_stage(compute_dtype: torch.dtype, delayed_update: bool) -> bool:
+    """The master can be the device's source only when it is in the compute dtype and no update runs while the
+    device still reads the previous weights (a delayed update does)."""
+    return compute_dtype != torch.float32 or delayed_update
+
+
+def new_slots(numel: int, count: int, compute_dtype: torch.dtype, separate_stage: bool,
+              pin: bool = False) -> list[ExpertSlot]:
+    """`count` zeroed slots, each a row of one block per state ([count, P]), so the slots of consecutive experts are
+    consecutive in memory; the stage block is pinned when `pin` (asynchronous copies to a GPU)."""
+    master = torch.zeros(count, numel)
+    exp_avg, exp_avg_sq, steps = torch.zeros_like(master), torch.zeros_like(master), torch.zeros(count)
+    stage = torch.zeros(count, numel, dtype=compute_dtype, pin_memory=pin) if separate_stage else master
+    return [ExpertSlot(master[i], exp_avg[i], exp_avg_sq[i], steps[i], stage[i]) for i in range(count)]
+
+
+def contiguous_runs(slots: list[ExpertSlot], attr: str = "stage") -> list[tuple[int, int]]:
+    """[start, stop) index ranges of `slots` whose `attr` tensors follow each other in one block of memory, so each
+    range moves in one copy."""
+    runs: list[tuple[int, int]] = []
+    for i, slot in enumerate(slots):
+        t = getattr(slot, attr)
+        if runs and i == runs[-1][1]:
+            prev = getattr(slots[i - 1], attr)
+            if (t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+                    and t.data_ptr() == prev.data_ptr() + prev.numel() * prev.element_size()):
+                runs[-1] = (runs[-1][0], i + 1)
+                continue
+        runs.append((i, i + 1))
+    return runs
+
+
+def block_of(slots: list[ExpertSlot], start: int, stop: int, attr: str = "stage") -> Tensor:
+    """The [stop - start, P] tensor over a contiguous run of slots (see contiguous_runs)."""
+    first = getattr(slots[start], attr)
+    return first.as_strided((stop - start, first.numel()), (first.numel(), 1))

@@ -1,0 +1,126 @@
+"""The CPU optimizer of offloaded experts: ZeRO-Offload's CPU Adam, on torch's fused AdamW kernel.
+
+A layer's gradients are taken in as soon as its backward has sent them home, while the backward of the layers below
+goes on: made fp32, their squared norm summed. The update needs only the global norm (clipping stays exact), then
+steps layer by layer in forward order, so that the next forward finds its first layers updated first; with a
+delayed update the whole next step runs beside it (ZeRO-Offload's one-step delayed parameter update).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from runtime.optim import AdamWHyper, catch_up, fused_adamw
+from runtime.storage.expert_slots import ExpertSlot, SlotLayout
+from runtime.storage.step_timeline import StepTimeline
+
+
+@dataclass(eq=False)
+class LayerGrads:
+    """One layer's experts that got gradients this step."""
+
+    layer: int
+    keys: list
+    slots: list[ExpertSlot]
+    grads: dict[str, Tensor]
+    """fp32 [a, *shape] per tensor name, row i for slots[i]."""
+    sq: float = 0.0
+    """Sum of squared gradients."""
+
+
+def squared_norm(grads: dict[str, Tensor]) -> float:
+    return sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads.values())
+
+
+class HostOptimizer:
+    """Takes in gradients on one thread and updates on another; `finish(layer_grads)` runs after each layer's
+    update (the caller refreshes the device copies' source and settles the experts)."""
+
+    def __init__(self, layouts: dict[int, SlotLayout], adamw: AdamWHyper, lr_schedule: Callable[[int], float],
+                 timeline: StepTimeline):
+        self.layouts, self.adamw, self.lr_schedule, self.timeline = layouts, adamw, lr_schedule, timeline
+        self._intake = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesys-grad-intake")
+        self._update = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesys-host-adamw")
+        self._taken: dict[int, Future] = {}
+        self._job: Future | None = None
+        self.caught_up = 0
+        """Zero-gradient catch-up steps applied by updates (read and reset by the metrics)."""
+
+    def take_in(self, layer: int, keys: list, slots: list[ExpertSlot], grads: dict[str, Tensor],
+                landed: Callable[[], None] | None, norm: bool = True) -> None:
+        """Start taking in a layer's gradients (on the device's copy: `landed` waits for their arrival)."""
+        def job() -> LayerGrads:
+            if landed is not None:
+                with self.timeline.span("wait_d2h_landed", False):
+                    landed()
+            with self.timeline.span("intake", False):
+                fp32 = {n: g if g.dtype == torch.float32 else g.float() for n, g in grads.items()}
+                return LayerGrads(layer, keys, slots, fp32, squared_norm(fp32) if norm else 0.0)
+
+        self._taken[layer] = self._intake.submit(job)
+
+    def gathered(self) -> list[LayerGrads]:
+        """Every layer taken in this step, in forward order (waits for the intake to finish)."""
+        with self.timeline.span("wait_intake", True):
+            out = [future.result() for future in self._taken.values()]
+        self._taken.clear()
+        return sorted(out, key=lambda lg: lg.layer)
+
+    def submit(self, layers: list[LayerGrads], step: int, lr: float, grad_divisor: float,
+               finish: Callable[[LayerGrads], None]) -> None:
+        """Start the update of step `step` (0-based): each expert first applies the zero-gradient steps it missed
+        (catch-up, up to `step`), then AdamW with gradients divided by `grad_divisor` (expert-parallel averaging,
+        the loss scale, the clip) inside the kernel."""
+        self.wait()
+        divisor = None if grad_divisor == 1.0 else torch.tensor(grad_divisor, dtype=torch.float32)
+
+        def job() -> None:
+            for lg in layers:
+                self._update_layer(lg, step, lr, divisor)
+                finish(lg)
+
+        self._job = self._update.submit(job)
+
+    def _update_layer(self, lg: LayerGrads, step: int, lr: float, divisor: Tensor | None) -> None:
+        with self.timeline.span("catch_up", False):
+            for slot in lg.slots:
+                self.caught_up += catch_up(slot, step, self.lr_schedule, self.adamw)
+        layout = self.layouts[lg.layer]
+        with self.timeline.span("adamw", False):
+            # One kernel call over every (expert, tensor) pair; each pair steps its own copy of the expert's count.
+            names = layout.names
+            steps = torch.stack([slot.step for slot in lg.slots]).repeat_interleave(len(names))
+            params, exp_avgs, exp_avg_sqs, grads, counts = [], [], [], [], []
+            for i, slot in enumerate(lg.slots):
+                for k, name in enumerate(names):
+                    params.append(slot.views("master", layout)[name])
+                    exp_avgs.append(slot.views("exp_avg", layout)[name])
+                    exp_avg_sqs.append(slot.views("exp_avg_sq", layout)[name])
+                    grads.append(lg.grads[name][i])
+                    counts.append(steps[i * len(names) + k])
+            fused_adamw(params, grads, exp_avgs, exp_avg_sqs, counts, lr, self.adamw, divisor)
+            for i, slot in enumerate(lg.slots):
+                slot.step.copy_(steps[i * len(names)])
+
+    def wait(self) -> None:
+        """Block until the update in flight finished (raises its error)."""
+        if self._job is not None:
+            with self.timeline.span("wait_update_done", True):
+                job, self._job = self._job, None
+                job.result()
+
+    def close(self) -> None:
+        try:
+            for future in self._taken.values():
+                future.exception()
+            self._taken.clear()
+            self.wait()
+        finally:
+            self._intake.shutdown(wait=True)
+            self._update.shutdown(wait=True)
+

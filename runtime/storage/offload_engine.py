@@ -1,0 +1,511 @@
+"""Training with expert states off the device (the paper's section 3.2: expert states on CPU or SSD, 2D prefetch,
+the CPU optimizer where the states live).
+
+`install_offload(model, ...)` swaps every MoE layer's GroupedExperts for OffloadedGroupedExperts (same call
+signature). A forward of such a layer sends its active experts' weights to the device (TransferEngine) from their
+host slots (a HostHome or an SSDHome); its backward sends their gradients home, where the HostOptimizer takes them
+in while the backward goes on, and updates them once the trainer has the global norm (`step`). Experts that get no
+tokens are neither moved nor stepped: they apply the zero-gradient AdamW steps they missed when next used, so
+offloaded training equals resident training bit for bit.
+Legend: R routed rows, D model dim, e local experts, a active local experts.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from runtime.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, tensor_key
+from runtime.model.init import init_expert
+from runtime.moe.experts import GroupedExperts, expert_ffn
+from runtime.moe.layer import EXPERT_PARAM_NAMES
+from runtime.optim import AdamWHyper, catch_up
+from runtime.storage.budget import STORED_SPARSE_BYTES
+from runtime.storage.expert_slots import ExpertSlot, SlotLayout, needs_separate_stage
+from runtime.storage.expert_store import ExpertKey, ExpertStore
+from runtime.storage.host_adamw import HostOptimizer, LayerGrads, squared_norm
+from runtime.storage.host_home import ExpertHome, HostHome, fill_slot, initial_slot
+from runtime.storage.ssd_home import SSDHome
+from runtime.storage.step_timeline import StepTimeline, by_kind, host_cost
+from runtime.storage.tiers import Tiers
+from runtime.storage.transfers import DeviceCopy, TransferEngine
+from runtime.tensorfile import spec_of, write_tensors
+
+STALLS = ("wait_update", "wait_prefetch", "acquire", "h2d")
+"""Critical spans that count as the forward or backward waiting for experts (offload/fetch_stall_s)."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One offloaded MoE layer: which global experts this rank holds and how to run them."""
+
+    index: int
+    param_prefix: str
+    """Qualified name of the layer's experts module (`blocks.0.ffn.experts`): checkpoint keys use it."""
+    num_local: int
+    first_global: int
+    layout: SlotLayout
+    kind: str
+    impl: str
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.layout.names
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's stored states (fp32 master and two moments, and the step)."""
+        return STORED_SPARSE_BYTES * sum(torch.Size(s).numel() for s in self.layout.shapes) + 4
+
+    def key(self, local: int) -> ExpertKey:
+        return (self.index, self.first_global + local)
+
+
+class OffloadedGroupedExperts(nn.Module):
+    """Stands in for MoELayer.experts: forward(x_RD, tokens_per_expert_e) -> y_RD, weights moved per call."""
+
+    def __init__(self, engine: "OffloadEngine", spec: LayerSpec):
+        super().__init__()
+        self.engine, self.spec = engine, spec
+        self.num_experts = spec.num_local
+
+    def forward(self, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
+        return self.engine.run_layer(self.spec.index, x_RD, tokens_per_expert_e)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.spec.index}, num_experts={self.spec.num_local}, offloaded"
+
+
+class OffloadEngine:
+    """Runs the offloaded layers of one rank and owns their step: the home of the expert states, the transfers, the
+    host optimizer, and the events that order them."""
+
+    def __init__(self, specs: list[LayerSpec], device: torch.device, lr_schedule: Callable[[int], float],
+                 adamw: AdamWHyper, tiers: Tiers, groups, compute_dtype: torch.dtype, delayed_update: bool,
+                 window: int, make_home: Callable[["OffloadEngine"], ExpertHome]):
+        self.specs = {s.index: s for s in specs}
+        self.order = [s.index for s in specs]
+        self.layouts = {s.index: s.layout for s in specs}
+        self.device, self.lr_schedule, self.adamw, self.tiers, self.groups = device, lr_schedule, adamw, tiers, groups
+        self.compute_dtype, self.delayed = compute_dtype, delayed_update
+        self.separate_stage = needs_separate_stage(compute_dtype, delayed_update)
+        self.steps_done = 0
+        """Updates submitted so far (the trainer's step)."""
+        self.timeline = StepTimeline()
+        self._updated = {i: threading.Event() for i in self.order}
+        """Set when the layer's last update is applied and settled: a forward (or an SSD read) may use it."""
+        self._stage_free = {i: threading.Event() for i in self.order}
+        """Delayed update: set when the step running beside the update no longer reads the layer's stages."""
+        for event in chain(self._updated.values(), self._stage_free.values()):
+            event.set()
+        self._use_lock = threading.Lock()
+        self._in_use: set[ExpertKey] = set()
+        self._in_flight: set[ExpertKey] = set()
+        self._copies: dict[int, DeviceCopy] = {}
+        self._history: dict[int, list[ExpertKey]] = {}
+        self._pending: list[LayerGrads] = []
+        self._active = self._caught_up = 0
+        self.last_spans: list = []
+        """The timeline of the step whose metrics were taken last (the benchmark draws it)."""
+        self.home = make_home(self)
+        self.transfers = TransferEngine(device, compute_dtype, self.layouts, window, tiers, self.timeline)
+        self.optimizer = HostOptimizer(self.layouts, adamw, lr_schedule, self.timeline)
+
+    # ---- what the homes ask ----
+
+    def wait_updated(self, layer: int) -> None:
+        self._updated[layer].wait()
+
+    def in_use(self, key: ExpertKey) -> bool:
+        with self._use_lock:
+            return key in self._in_use
+
+    @property
+    def fetch_all(self) -> bool:
+        return getattr(self.home, "fetch_all", False)
+
+    # ---- forward ----
+
+    def run_layer(self, layer: int, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
+        spec = self.specs[layer]
+        with self.timeline.span("route_to_host", True):  # which experts to move: one small copy per layer
+            counts_e = tokens_per_expert_e.detach().to("cpu", torch.long)
+        active = list(range(spec.num_local)) if self.fetch_all else torch.nonzero(counts_e).flatten().tolist()
+        keys = [spec.key(j) for j in active]
+        self.home.before_layer(layer, keys)
+        self._history[layer] = keys
+        self._active += int((counts_e > 0).sum())
+        if not active:  # no rows here; stay in the graph so this rank's backward runs the same AlltoAlls as its peers
+            return x_RD[:0] * 0
+        if not self.delayed:
+            with self.timeline.span("wait_update", True):
+                self._updated[layer].wait()
+        slots = self.home.acquire(keys)
+        with self._use_lock:
+            self._in_use.update(keys)
+        self._catch_up(keys, slots)
+        grad = torch.is_grad_enabled()
+        copy = self.transfers.to_device(layer, keys, slots, grad)
+        self._prefetch_after(layer)
+        counts_a = counts_e[active].to(x_RD.device, non_blocking=True)
+        y_RD = expert_ffn(x_RD, counts_a, **copy.leaves, kind=spec.kind, impl=spec.impl)
+        if not grad or not y_RD.requires_grad:
+            self._done_reading(copy)
+            self.home.release_unused(keys, slots)
+            with self._use_lock:
+                self._in_use.difference_update(keys)
+            return y_RD
+        self._copies[layer] = copy
+        copy.hooks.append(y_RD.register_hook(lambda grad, copy=copy: self._backward_starts(copy)))
+        for leaf in copy.leaves.values():
+            copy.hooks.append(leaf.register_post_accumulate_grad_hook(lambda leaf, copy=copy: self._grad_arrived(copy)))
+        return y_RD
+
+    def _catch_up(self, keys: list[ExpertKey], slots: list[ExpertSlot]) -> None:
+        """Bring experts idle since their last update to the step this forward must see (with a delayed update,
+        the one before the update in flight, which catches up the experts it steps itself)."""
+        target = self.steps_done - 1 if self.delayed and self.steps_done else self.steps_done
+        with self.timeline.span("catch_up", True), torch.no_grad():
+            for key, slot in zip(keys, slots):
+                if key in self._in_flight or int(slot.step) >= target:
+                    continue
+                self._caught_up += catch_up(slot, target, self.lr_schedule, self.adamw)
+                slot.refresh_stage()
+
+    def _prefetch_after(self, layer: int) -> None:
+        """Start moving the next layer's experts, predicted from its last step, while this layer computes."""
+        if not self.transfers.cuda:
+            return
+        pos = self.order.index(layer)
+        if pos + 1 == len(self.order):
+            return
+        nxt = self.order[pos + 1]
+        keys = self._history.get(nxt)
+        if not keys or not (self.delayed or self._updated[nxt].is_set()):
+            return
+        slots = self.home.peek(keys)
+        if slots is not None and all(int(s.step) >= self.steps_done - int(self.delayed) or k in self._in_flight
+                                     for k, s in zip(keys, slots)):
+            self.transfers.prefetch(nxt, keys, slots, computing=layer)
+
+    # ---- backward ----
+
+    def _backward_starts(self, copy: DeviceCopy) -> None:
+        with self.timeline.span("refetch", True):
+            self.transfers.ensure_resident(copy)
+            self.transfers.prefetch_backward(copy.layer)
+
+    def _grad_arrived(self, copy: DeviceCopy) -> None:
+        """Once every leaf of the layer has its gradient, send them home and free the device copy."""
+        copy.grads_arrived += 1
+        if copy.grads_arrived < len(copy.leaves):
+            return
+        grads, landed = self.transfers.grads_home(copy)
+        self._take_in(copy, grads, landed)
+
+    def _take_in(self, copy: DeviceCopy, grads: dict[str, Tensor], landed) -> None:
+        replicated = self.groups is not None and self.groups.edp_size > 1
+        self.optimizer.take_in(copy.layer, copy.keys, copy.slots, grads, landed, norm=not replicated)
+        self._copies.pop(copy.layer, None)
+        self._done_reading(copy)
+
+    def _done_reading(self, copy: DeviceCopy) -> None:
+        self.transfers.release(copy)
+        self._stage_free[copy.layer].set()
+
+    def finish_backward(self) -> None:
+        """After backward: every active expert's gradient is home and taken in (averaged over expert replicas)."""
+        for copy in list(self._copies.values()):  # a layer whose output did not reach the loss: zero gradients
+            self._take_in(copy, {n: torch.zeros_like(leaf) for n, leaf in copy.leaves.items()}, None)
+        self.transfers.end_step()
+        for event in self._stage_free.values():
+            event.set()
+        self._pending = self.optimizer.gathered()
+        g = self.groups
+        if g is not None and g.edp_size > 1:
+            self._reduce_over_replicas(g)
+
+    def _reduce_over_replicas(self, g) -> None:
+        """Replicas of an expert may route different tokens: agree on the union of active experts, average grads."""
+        all_keys = [s.key(j) for s in self.specs.values() for j in range(s.num_local)]
+        mine = {key: (lg, i) for lg in self._pending for i, key in enumerate(lg.keys)}
+        mask = torch.tensor([k in mine for k in all_keys], dtype=torch.float32)
+        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=g.edp_group)
+        union = [k for k, m in zip(all_keys, mask.tolist()) if m > 0]
+        merged: list[LayerGrads] = []
+        for layer in self.order:
+            keys = [k for k in union if k[0] == layer]
+            if not keys:
+                continue
+            missing = [k for k in keys if k not in mine]
+            extra = dict(zip(missing, self.home.acquire(missing)))
+            with self._use_lock:
+                self._in_use.update(missing)
+            layout = self.layouts[layer]
+            grads = {n: torch.zeros(len(keys), *shape) for n, shape in zip(layout.names, layout.shapes)}
+            for row, key in enumerate(keys):
+                if key in mine:
+                    lg, i = mine[key]
+                    for n in layout.names:
+                        grads[n][row] = lg.grads[n][i]
+            slots = [mine[k][0].slots[mine[k][1]] if k in mine else extra[k] for k in keys]
+            merged.append(LayerGrads(layer, keys, slots, grads))
+        flat = [t for lg in merged for t in lg.grads.values()]
+        if flat:
+            buf = torch.cat([t.flatten() for t in flat])
+            dist.all_reduce(buf, group=g.edp_group)
+            buf.div_(g.edp_size)
+            for t, new in zip(flat, torch._utils._unflatten_dense_tensors(buf, flat)):
+                t.copy_(new)
+        for lg in merged:
+            lg.sq = squared_norm(lg.grads)
+        self._pending = merged
+
+    def grad_sq(self) -> Tensor:
+        """Sum of squared expert gradients held by this rank, as the resident experts' reduction leaves them
+        (divided by the expert-parallel size); add before the EP all-reduce of the global norm."""
+        ep = self.groups.ep_size if self.groups is not None else 1
+        return torch.tensor(sum(lg.sq for lg in self._pending) / ep ** 2, dtype=torch.float32)
+
+    # ---- the update ----
+
+    def step(self, lr: float, multiplier: float | None = None) -> None:
+        """Start the update of every expert that got a gradient, on the optimizer's thread. Gradients are divided
+        by the expert-parallel size (as the resident experts' reduction does) and multiplied by `multiplier` (the
+        clip coefficient, over the loss scale with fp16), both inside the kernel."""
+        self.optimizer.wait()
+        self.home.end_step()
+        layers, self._pending = self._pending, []
+        ep = self.groups.ep_size if self.groups is not None else 1
+        for lg in layers:
+            self._updated[lg.layer].clear()
+        if self.delayed:  # the next step reads the stages the update would refresh: it must finish with them first
+            for event in self._stage_free.values():
+                event.clear()
+        self._in_flight = {key for lg in layers for key in lg.keys}
+        self.optimizer.submit(layers, self.steps_done, lr, ep / (multiplier or 1.0), self._finish_layer)
+        self.steps_done += 1
+        if hasattr(self.home, "after_update"):
+            self.home.after_update()
+
+    def skip_step(self) -> None:
+        """Drop this step's gradients (an fp16 overflow). The step still counts: every expert applies it later as
+        a zero-gradient step, like one it was idle for."""
+        self.optimizer.wait()
+        self.home.end_step()
+        for lg in self._pending:
+            self.home.settle(lg.keys, lg.slots)
+            with self._use_lock:
+                self._in_use.difference_update(lg.keys)
+        self._pending = []
+        self.steps_done += 1
+        if hasattr(self.home, "after_update"):
+            self.home.after_update()
+
+    def _finish_layer(self, lg: LayerGrads) -> None:
+        """On the optimizer's thread, after a layer's update: refresh the stages the device copies from (once no
+        copy reads them), settle the experts in their home, and let the layer's next forward go."""
+        if self.delayed:
+            with self.timeline.span("wait_stage_free", False):
+                self._stage_free[lg.layer].wait()
+        self.transfers.wait_stage_read(lg.layer)
+        with self.timeline.span("refresh", False):
+            for slot in lg.slots:
+                slot.refresh_stage()
+        self.home.settle(lg.keys, lg.slots)
+        with self._use_lock:
+            self._in_use.difference_update(lg.keys)
+        self._updated[lg.layer].set()
+
+    def wait_step(self) -> None:
+        self.optimizer.wait()
+
+    # ---- metrics, checkpoints ----
+
+    def step_metrics(self) -> dict[str, float]:
+        """Per-step numbers for metrics.jsonl (counters reset)."""
+        spans = self.timeline.take()
+        kinds = by_kind(spans)
+        cost = host_cost(spans)
+        out = {"experts_active": self._active,
+               "fetch_stall_s": sum(s.seconds for s in spans if s.critical and s.kind in STALLS),
+               "catch_up_steps": self._caught_up + self.optimizer.caught_up,
+               "host_work_s": cost["work_s"], "host_exposed_s": cost["exposed_s"],
+               "host_hidden_share": cost["hidden_share"],
+               **{f"time_{kind}_s": seconds for kind, seconds in sorted(kinds.items())},
+               **self.home.metrics(), **self.tiers.step_metrics()}
+        self._active = self._caught_up = self.optimizer.caught_up = 0
+        self.last_spans = spans
+        return {f"offload/{k}": v for k, v in out.items()}
+
+    def save(self, directory: Path, step: int) -> list[Path]:
+        """Write this rank's experts into the checkpoint being assembled in `directory`: one file per MoE layer,
+        streamed one expert at a time, each caught up to `step`. Keys are those a resident checkpoint uses: the
+        checkpoint is a complete, immutable copy that inference and any EP size can load. Expert-data-parallel
+        replicas hold equal states, so only the first of them writes."""
+        self.drain()
+        assert step == self.steps_done, (step, self.steps_done)
+        if self.groups is not None and self.groups.edp_rank != 0:
+            return []
+        ep_rank = self.groups.ep_rank if self.groups is not None else 0
+        files = []
+        for spec in self.specs.values():
+            slots = self._caught_up_slots(spec, step)
+            first = next(slots)  # every expert of a layer has its shapes: the header is known from the first
+            specs = {k: spec_of(t) for g in range(spec.first_global, spec.first_global + spec.num_local)
+                     for k, t in self._checkpoint_items(spec, g, first[1])}
+            stream = (item for g, slot in chain([first], slots) for item in self._checkpoint_items(spec, g, slot))
+            del first
+            files.append(write_tensors(directory / f"experts-ep{ep_rank}-L{spec.index:04d}.safetensors", specs,
+                                       stream))
+        return files
+
+    def _caught_up_slots(self, spec: LayerSpec, step: int) -> Iterator[tuple[int, ExpertSlot]]:
+        for j in range(spec.num_local):
+            key = spec.key(j)
+            slot = self.home.checkpoint_slot(key)
+            with torch.no_grad():
+                if catch_up(slot, step, self.lr_schedule, self.adamw):
+                    slot.refresh_stage()
+            yield key[1], slot
+
+    @staticmethod
+    def _checkpoint_items(spec: LayerSpec, g: int, slot: ExpertSlot) -> list[tuple[str, Tensor]]:
+        """One expert's states under the checkpoint keys of a resident model (runtime/checkpoint_format.py)."""
+        views = {attr: slot.views(attr, spec.layout) for attr in ("master", "exp_avg", "exp_avg_sq")}
+        out = []
+        for name in spec.names:
+            param = f"{spec.param_prefix}.{name}"
+            out.append((tensor_key(MODEL, param, g), views["master"][name]))
+            out += [(tensor_key(kind, param, g), views[kind][name]) for kind in STATE_KEYS]
+            out.append((tensor_key("step", param, g), slot.step.reshape(1)))
+        return out
+
+    def load(self, reader: CheckpointReader, step: int) -> None:
+        """Restore this rank's experts from a checkpoint (written with offload or without, by any EP size): the run
+        resumes with exactly the expert states of that checkpoint."""
+        self.drain()
+        if hasattr(self.home, "forget"):
+            self.home.forget()
+        for spec in self.specs.values():
+            for j in range(spec.num_local):
+                key = spec.key(j)
+                named = {}
+                for name in spec.names:
+                    param = f"{spec.param_prefix}.{name}"
+                    named[name] = {kind: reader.get(tensor_key(kind, param, key[1])).float()
+                                   for kind in (MODEL, *STATE_KEYS)}
+                count = float(reader.get(tensor_key("step", spec.param_prefix + "." + spec.names[0], key[1])))
+                self.home.restore(key, fill_slot(self.home.restore_target(key), spec.layout, named, count))
+        if isinstance(self.home, SSDHome):
+            self.home.store.bytes_written = 0
+        self.steps_done = step
+
+    def drain(self) -> None:
+        """Wait for all background work: the update (a delayed one is completed now, as no step runs beside it),
+        the SSD reads and the write-behind queue."""
+        for event in self._stage_free.values():
+            event.set()
+        self.optimizer.wait()
+        self.home.drain()
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            self.transfers.end_step()
+            self.optimizer.close()
+            self.home.close()
+
+
+def layer_specs(model: nn.Module) -> list[tuple[nn.Module, LayerSpec]]:
+    """(MoE layer, spec) for every MoE layer of `model`, in forward order (shapes only: works on the meta device)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    out = []
+    for index, layer in enumerate(model.moe_layers()):
+        experts: GroupedExperts = layer.experts
+        shapes = {n: tuple(getattr(experts, n).shape[1:]) for n in EXPERT_PARAM_NAMES
+                  if getattr(experts, n, None) is not None}
+        out.append((layer, LayerSpec(index, names[id(experts)], experts.num_experts, experts.first_expert,
+                                     SlotLayout.of(shapes), experts.expert_type, experts.impl)))
+    return out
+
+
+def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.device, *, seed: int,
+                    lr_schedule: Callable[[int], float], cache_experts: int = 0, hit_threshold: float = 1,
+                    decay_beta: float = 0.5, decay_every: int = 10, prefetch_depth: int = 1,
+                    adamw: AdamWHyper = AdamWHyper(), tiers: Tiers | None = None, groups=None,
+                    fetch_all: bool = False, write_initial: bool = True, compute_dtype: torch.dtype = torch.float32,
+                    delayed_update: bool = False, window: int | None = None) -> OffloadEngine:
+    """Swap every MoE layer's experts for OffloadedGroupedExperts whose states live in host memory (`store` None:
+    storage.offload=cpu) or in `store` behind an LFU cache of `cache_experts` (ssd).
+
+    With `write_initial` each expert is created in its home one at a time (fp32 master weights drawn from
+    (seed, name, global expert) as a resident model draws them, zero moments); without it a checkpoint's load fills
+    them. `window`: layers of active experts the device holds at once (default 1 + prefetch_depth). The model may
+    be on the meta device: its expert tensors are never read."""
+    pairs = layer_specs(model)
+    specs = [s for _, s in pairs]
+    tiers = tiers or Tiers.with_budgets()
+    pin = device.type == "cuda"
+
+    def make_home(engine: OffloadEngine) -> ExpertHome:
+        if store is None:
+            return HostHome({s.index: s.first_global for s in specs}, engine.layouts,
+                            {s.index: s.num_local for s in specs}, compute_dtype, engine.separate_stage, pin, tiers)
+        home = SSDHome(store, engine.layouts, engine.order, cache_experts, hit_threshold, decay_beta, decay_every,
+                       prefetch_depth, compute_dtype, engine.separate_stage, pin, tiers, engine.timeline,
+                       engine.wait_updated, engine.in_use)
+        if fetch_all:
+            home.fetch_everything()
+        return home
+
+    engine = OffloadEngine(specs, device, lr_schedule, adamw, tiers, groups, compute_dtype, delayed_update,
+                           window if window is not None else 1 + prefetch_depth, make_home)
+    for layer, spec in pairs:
+        if write_initial:
+            for j in range(spec.num_local):
+                key = spec.key(j)
+                params = init_expert(seed, spec.param_prefix, dict(zip(spec.names, spec.layout.shapes)), key[1])
+                engine.home.restore(key, initial_slot(engine.home.restore_target(key), spec.layout, params))
+        if store is not None:
+            tiers.ssd.allocate(spec.num_local * spec.expert_bytes)
+        layer.experts = OffloadedGroupedExperts(engine, spec)
+    if store is not None:
+        store.bytes_written = 0
+    return engine
+
+
+def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, placement,
+                        write_initial: bool = True) -> OffloadEngine | None:
+    """The offload runtime of `placement` (runtime/train/decided.py: RUN_DIR/plan.json, decided once by
+    `moesys train`), or None when expert states stay on the device.
+
+    With offload=ssd each rank keeps its own store under STORE/ep{r}-of-{n}-edp{k} (STORE: storage.ssd_path, or
+    the run directory's expert_store/), owned by this run; with offload=cpu the states stay in host memory."""
+    from runtime.optim import lr_at
+    from runtime.run_dir import expert_store_root
+
+    st = cfg.storage
+    if placement.offload not in ("cpu", "ssd"):
+        return None
+    tiers = Tiers.with_budgets(placement.device_capacity, placement.host_capacity, placement.ssd_capacity)
+    ep_rank, ep_size, edp_rank = (groups.ep_rank, groups.ep_size, groups.edp_rank) if groups is not None else (0, 1, 0)
+    store = None
+    if placement.offload == "ssd":
+        store = ExpertStore(expert_store_root(cfg) / f"ep{ep_rank}-of-{ep_size}-edp{edp_rank}",
+                            owner=str(Path(cfg.train.run_dir).resolve()))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+    return install_offload(model, store, device, seed=cfg.train.seed, cache_experts=placement.cpu_cache_experts,
+                           hit_threshold=st.hit_threshold, decay_beta=st.decay_beta, decay_every=st.decay_every,
+                           prefetch_depth=st.prefetch_depth, lr_schedule=lambda step: lr_at(step, cfg.train),
+                           adamw=AdamWHyper(weight_decay=cfg.train.weight_decay), tiers=tiers, groups=groups,
+                           write_initial=write_initial, compute_dtype=dtype, delayed_update=st.delayed_update,
+                           window=placement.device_expert_layers or None)

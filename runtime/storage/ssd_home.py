@@ -1,0 +1,191 @@
+"""storage.offload=ssd: expert states on SSD behind the LFU CPU cache of Algorithm 2 (the paper's section 3.2.2),
+fetching only experts that receive tokens (the MSc thesis on ZeRO-3 offload: fetching idle experts is the main
+waste), the next layers' experts read ahead on a thread, evicted and updated experts written home by a write-behind
+thread so that no write stalls the forward pass."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+
+from runtime.prefetch.sparse import SparsePrefetcher
+from runtime.storage.cache import LFUCache
+from runtime.storage.expert_slots import ExpertSlot, SlotLayout, new_slots
+from runtime.storage.expert_store import ExpertKey, ExpertStore
+from runtime.storage.step_timeline import StepTimeline
+from runtime.storage.tiers import Tiers
+from runtime.storage.write_behind import WriteBehind
+
+
+class SSDHome:
+    """The store, the cache in front of it, the prefetcher and the write-behind queue of one rank.
+
+    `wait_updated(layer)` blocks until the layer's last update is settled (its files final); `in_use(key)`: the
+    expert is computing or awaiting its update this step, so an eviction must not write it (its update will)."""
+
+    def __init__(self, store: ExpertStore, layouts: dict[int, SlotLayout], order: list[int], cache_experts: int,
+                 hit_threshold: float, decay_beta: float, decay_every: int, prefetch_depth: int,
+                 compute_dtype: torch.dtype, separate_stage: bool, pin: bool, tiers: Tiers, timeline: StepTimeline,
+                 wait_updated: Callable[[int], None], in_use: Callable[[ExpertKey], bool]):
+        self.store, self.layouts, self.order = store, layouts, order
+        self.dtype, self.separate_stage, self.pin = compute_dtype, separate_stage, pin
+        self.tiers, self.timeline, self.in_use = tiers, timeline, in_use
+        self.fetch_all = False
+        self.cache: LFUCache[ExpertKey, ExpertSlot] = LFUCache(
+            cache_experts, hit_threshold, decay_beta, decay_every, self._load, self._write_back)
+        self.prefetcher = SparsePrefetcher(self._read, lambda k: k in self.cache, wait_updated, prefetch_depth,
+                                           self.cache.lock, self._hint)
+        self.writes = WriteBehind()
+        self._on_host: dict[int, int] = {}
+        self._host_lock = threading.Lock()
+        self._read0 = self._written0 = 0
+
+    # ---- reads ----
+
+    def new_slot(self, layer: int, pin: bool = False) -> ExpertSlot:
+        return new_slots(self.layouts[layer].numel, 1, self.dtype, self.separate_stage, pin)[0]
+
+    def _read(self, key: ExpertKey) -> ExpertSlot:
+        """A fresh slot with the expert's states from its file (after any write of it still queued)."""
+        self.writes.wait_for(key)
+        slot = self.store.read_into(key, self.new_slot(key[0], self.pin))
+        slot.refresh_stage()
+        with self._host_lock:
+            self.tiers.host.allocate(slot.nbytes)
+            self._on_host[id(slot)] = slot.nbytes
+        self.tiers.host.moved(slot.nbytes)
+        return slot
+
+    def _hint(self, keys: list[ExpertKey]) -> None:
+        """The prefetcher is about to read `keys`: start the disk reads of those whose file is final."""
+        self.store.will_need([k for k in keys if not self.writes.pending(k)])
+
+    def _load(self, key: ExpertKey) -> ExpertSlot:
+        staged = self.prefetcher.take(key)
+        return staged if staged is not None else self._read(key)
+
+    def _drop_host(self, slot: ExpertSlot) -> None:
+        """The slot left host memory (evicted, written home after a bypass, or unused); idempotent."""
+        with self._host_lock:
+            self.tiers.host.release(self._on_host.pop(id(slot), 0))
+
+    def before_layer(self, layer: int, keys: list[ExpertKey]) -> None:
+        pos = self.order.index(layer)
+        self.prefetcher.schedule(self.order[pos + 1: pos + 1 + self.prefetcher.depth])
+        self.prefetcher.record(layer, keys)
+
+    def acquire(self, keys: list[ExpertKey]) -> list[ExpertSlot]:
+        if keys:
+            with self.timeline.span("wait_prefetch", True):
+                self.prefetcher.wait(keys[0][0])
+        with self.timeline.span("acquire", True):
+            return [self.cache.request(key)[0] for key in keys]
+
+    # ---- writes ----
+
+    def _write_back(self, key: ExpertKey, slot: ExpertSlot) -> None:
+        """The cache evicts or flushes `key`: hand it to the write-behind thread. An expert in use is skipped: its
+        update is pending, and `settle` writes it once updated."""
+        if self.in_use(key):
+            return
+        self._write_home([(key, slot)], drop=key not in self.cache.entries)
+
+    def _write_home(self, items: list[tuple[ExpertKey, ExpertSlot]], drop: bool) -> None:
+        """Write the slots to SSD as one write-behind job (one file per expert); drop them from the host tier
+        afterwards when `drop`. A reader of any of the keys waits for the whole job."""
+        def job() -> None:
+            for key, slot in items:
+                self.store.write(key, slot)
+                self.tiers.ssd.moved(slot.nbytes)
+                if drop:
+                    self._drop_host(slot)
+
+        self.writes.submit_many([key for key, _ in items], job)
+
+    def settle(self, keys: list[ExpertKey], slots: list[ExpertSlot]) -> None:
+        """One layer's updated experts: those still in the cache become dirty; the others (bypassed, or evicted
+        meanwhile) go home to SSD together."""
+        with self.cache.lock:
+            home = []
+            for key, slot in zip(keys, slots):
+                if self.cache.entries.get(key) is slot:
+                    self.cache.mark_dirty(key)
+                else:
+                    home.append((key, slot))
+            if home:
+                self._write_home(home, drop=True)
+
+    def release_unused(self, keys: list[ExpertKey], slots: list[ExpertSlot]) -> None:
+        with self.cache.lock:
+            for key, slot in zip(keys, slots):
+                if self.cache.entries.get(key) is not slot:
+                    self._drop_host(slot)
+
+    def fetch_everything(self) -> None:
+        """Become the ZeRO-3-offload baseline `moesys bench offload` compares with: every local expert fetched,
+        stepped and written back each step, nothing kept in the CPU cache."""
+        self.fetch_all = True
+        self.cache.capacity = 0
+
+    # ---- checkpoints ----
+
+    def checkpoint_slot(self, key: ExpertKey) -> ExpertSlot:
+        with self.cache.lock:
+            slot = self.cache.entries.get(key)
+        return slot if slot is not None else self.store.read_into(key, self.new_slot(key[0]))
+
+    def peek(self, keys: list[ExpertKey]) -> list[ExpertSlot] | None:
+        with self.cache.lock:
+            slots = [self.cache.entries.get(key) for key in keys]
+        return None if any(slot is None for slot in slots) else slots
+
+    def restore_target(self, key: ExpertKey) -> ExpertSlot:
+        return self.new_slot(key[0])
+
+    def restore(self, key: ExpertKey, slot: ExpertSlot) -> None:
+        self.store.write(key, slot)
+
+    def forget(self) -> None:
+        """Drop every cached and staged slot without writing (the store was just rebuilt from a checkpoint)."""
+        self.drain()
+        self.end_step()
+        self.cache.clear()
+        with self._host_lock:
+            self._on_host.clear()
+            self.tiers.host.used = 0
+        self.store.bytes_written = 0
+
+    # ---- steps ----
+
+    def end_step(self) -> None:
+        for slot in self.prefetcher.end_step():
+            self._drop_host(slot)
+
+    def after_update(self) -> None:
+        """Count a step (Algorithm 2's decay) and start reading the first layers of the next one."""
+        self.writes.check()
+        self.cache.end_step()
+        self.prefetcher.schedule(self.order[: self.prefetcher.depth])
+
+    def metrics(self) -> dict[str, float]:
+        c = self.cache.counters.snapshot_and_reset()
+        requests = c["hits"] + c["misses"]
+        out = {"cache_hit_rate": c["hits"] / requests if requests else 1.0, **{f"cache_{k}": v for k, v in c.items()},
+               "ssd_read_bytes": self.store.bytes_read - self._read0,
+               "ssd_write_bytes": self.store.bytes_written - self._written0,
+               "prefetched_experts": self.prefetcher.prefetched, "ssd_bytes": self.store.disk_bytes()}
+        self._read0, self._written0 = self.store.bytes_read, self.store.bytes_written
+        self.prefetcher.prefetched = 0
+        return out
+
+    def drain(self) -> None:
+        self.prefetcher.wait_all()
+        self.writes.drain()
+
+    def close(self) -> None:
+        self.drain()
+        self.end_step()
+        self.prefetcher.close()
+        self.writes.close()

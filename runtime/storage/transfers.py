@@ -1,0 +1,204 @@
+"""Expert weights to the device and their gradients home, for offloaded training: the sparse half of the paper's
+2D prefetch (section 3.2.2, "2D prefetch scheduling") with ZeRO-Offload's transfers.
+
+A layer's active experts go to the device in the compute dtype, one copy per run of consecutive host slots, into one
+[a, P] buffer whose per-tensor views are the autograd leaves the experts compute with. On CUDA the copies run on a
+side stream from pinned slots, and the next layer's are started while this one computes. The device holds a
+window of layers' experts (the plan's device budget): a layer stays from its forward to its backward when the
+window allows, and otherwise is evicted and fetched again, ahead of its backward. Gradients go home as soon as a
+layer's backward has produced them (pinned buffers, the side stream, an event the optimizer waits on).
+Legend: a active experts of a layer, P elements of an expert's slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from runtime.storage.expert_slots import ExpertSlot, SlotLayout, block_of, contiguous_runs
+from runtime.storage.step_timeline import StepTimeline
+from runtime.storage.tiers import Tiers
+
+
+@dataclass(eq=False)
+class DeviceCopy:
+    """One layer's active experts on the device for one step."""
+
+    layer: int
+    keys: list
+    slots: list[ExpertSlot]
+    buffer: Tensor
+    """[a, P] in the compute dtype; the leaves are views of it, so freeing its storage frees them."""
+    leaves: dict[str, Tensor] = field(default_factory=dict)
+    resident: bool = True
+    ready: object = None
+    """CUDA: an event recorded after the copies into `buffer` (the computing stream waits for it)."""
+    grads_arrived: int = 0
+    hooks: list = field(default_factory=list)
+    """Handles of hooks that refer back to this object (a cycle through C++ the collector cannot see): removed when
+    the layer's gradients have gone home."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+class TransferEngine:
+    """Moves experts between host slots and the device, within a window of `window` layers."""
+
+    def __init__(self, device: torch.device, compute_dtype: torch.dtype, layouts: dict[int, SlotLayout],
+                 window: int, tiers: Tiers, timeline: StepTimeline):
+        self.device, self.dtype, self.layouts = device, compute_dtype, layouts
+        self.window = max(1, window)
+        self.tiers, self.timeline = tiers, timeline
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.live: dict[int, DeviceCopy] = {}
+        """Layers with experts on the device this step, in forward order (a prefetched one included)."""
+        self.stage_read: dict[int, object] = {}
+        """CUDA: per layer, an event after the last copy that read its host slots (an update must wait for it)."""
+
+    # ---- host -> device ----
+
+    def to_device(self, layer: int, keys: list, slots: list[ExpertSlot], requires_grad: bool) -> DeviceCopy:
+        """The layer's experts `keys` on the device, as leaves: a prefetched copy of the same experts, or copied now."""
+        copy = self.live.pop(layer, None)
+        if copy is not None and copy.keys != keys:
+            self.release(copy)
+            copy = None
+        if copy is None:
+            copy = self._copy(layer, keys, slots, critical=True)
+        self.live[layer] = copy
+        if not copy.resident:  # prefetched, then evicted by the window
+            self.ensure_resident(copy)
+        self._wait_ready(copy)
+        copy.leaves = {name: view.detach().requires_grad_(requires_grad)
+                       for name, view in self.layouts[layer].views(copy.buffer).items()}
+        self._keep_window(layer)
+        return copy
+
+    def prefetch(self, layer: int, keys: list, slots: list[ExpertSlot], computing: int) -> None:
+        """Start copying a layer's experts ahead of its forward while layer `computing` runs (CUDA only: without
+        a GPU the copy would take the training thread's time, so nothing is done), if the window holds both."""
+        if not self.cuda or layer in self.live or self.window < 2:
+            return
+        self.live[layer] = self._copy(layer, keys, slots, critical=False, keep=computing)
+
+    def _copy(self, layer: int, keys: list, slots: list[ExpertSlot], critical: bool,
+              keep: int | None = None) -> DeviceCopy:
+        self._keep_window(layer, keep)
+        shape = (len(slots), self.layouts[layer].numel)
+        with self._on_copy_stream():  # the block belongs to the copy stream; the computing stream is recorded
+            buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if self.cuda:
+            buffer.record_stream(torch.cuda.current_stream(self.device))
+        copy = DeviceCopy(layer, list(keys), list(slots), buffer)
+        self.tiers.device.allocate(copy.nbytes)
+        self._fill(copy, critical)
+        return copy
+
+    def _on_copy_stream(self):
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    def _fill(self, copy: DeviceCopy, critical: bool) -> None:
+        """Copy the slots' stages into the buffer, through `.data` so that a refill before backward is not an
+        in-place change autograd would refuse."""
+        target = copy.buffer.data
+        with self.timeline.span("h2d", critical), self._on_copy_stream():
+            for start, stop in contiguous_runs(copy.slots):
+                target[start:stop].copy_(block_of(copy.slots, start, stop), non_blocking=self.cuda)
+            if self.cuda:
+                copy.ready = torch.cuda.Event()
+                copy.ready.record(self.stream)
+                self.stage_read[copy.layer] = copy.ready
+        self.tiers.device.moved(copy.nbytes)
+
+    def _wait_ready(self, copy: DeviceCopy) -> None:
+        if copy.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(copy.ready)
+
+    # ---- the window ----
+
+    def _keep_window(self, current: int, keep: int | None = None) -> None:
+        """Evict the layers needed last (earliest in the forward order: their backward comes last) until the
+        window holds `current` with the others; `keep` (a layer computing now) is never evicted."""
+        others = sorted(layer for layer, c in self.live.items() if c.resident and layer not in (current, keep))
+        while others and len(others) + 1 + (keep is not None) > self.window:
+            self.evict(self.live[others.pop(0)])
+
+    def evict(self, copy: DeviceCopy) -> None:
+        if copy.resident:
+            copy.buffer.untyped_storage().resize_(0)
+            copy.resident = False
+            self.tiers.device.release(copy.nbytes)
+
+    def ensure_resident(self, copy: DeviceCopy) -> None:
+        """Before a layer's backward: fetch its experts again if the window evicted them (the same host slots: an
+        update waits until this step has read them for the last time)."""
+        if not copy.resident:
+            self._refill(copy, critical=True)
+        self._wait_ready(copy)
+        self._keep_window(copy.layer)
+
+    def prefetch_backward(self, layer: int) -> None:
+        """While `layer`'s backward runs, fetch the next layer to run backward if it was evicted (CUDA only), if the
+        window holds both."""
+        earlier = [c for c in self.live.values() if c.layer < layer]
+        if self.cuda and self.window >= 2 and earlier and not earlier[-1].resident:
+            self._refill(earlier[-1], critical=False, keep=layer)
+
+    def _refill(self, copy: DeviceCopy, critical: bool, keep: int | None = None) -> None:
+        self._keep_window(copy.layer, keep)
+        self.tiers.device.allocate(copy.nbytes)
+        with self._on_copy_stream():
+            copy.buffer.untyped_storage().resize_(copy.nbytes)
+        if self.cuda:
+            copy.buffer.record_stream(torch.cuda.current_stream(self.device))
+        copy.resident = True
+        self._fill(copy, critical)
+
+    # ---- device -> host ----
+
+    def grads_home(self, copy: DeviceCopy) -> tuple[dict[str, Tensor], Callable[[], None] | None]:
+        """The layer's gradients (by tensor name, [a, *shape]) in host memory, and a wait for their arrival (None
+        when they are already there). Without a GPU they are the leaves' own gradients: nothing moves."""
+        grads = {name: leaf.grad for name, leaf in copy.leaves.items()}
+        if not self.cuda:
+            return grads, None
+        with self.timeline.span("d2h", True):
+            staging = torch.empty(copy.buffer.shape, dtype=self.dtype, pin_memory=True)
+            views = self.layouts[copy.layer].views(staging)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                for name, grad in grads.items():
+                    views[name].copy_(grad, non_blocking=True)
+                    grad.record_stream(self.stream)
+                landed = torch.cuda.Event()
+                landed.record(self.stream)
+        self.tiers.host.moved(staging.numel() * staging.element_size())
+        return views, landed.synchronize
+
+    def release(self, copy: DeviceCopy) -> None:
+        """The layer is done with its device copy this step."""
+        self.evict(copy)
+        for hook in copy.hooks:
+            hook.remove()
+        copy.hooks.clear()
+        copy.leaves.clear()
+        if self.live.get(copy.layer) is copy:
+            del self.live[copy.layer]
+
+    def end_step(self) -> None:
+        """Drop whatever is still on the device (a prefetch that was not used, a forward without backward)."""
+        for copy in list(self.live.values()):
+            self.release(copy)
+
+    def wait_stage_read(self, layer: int) -> None:
+        """Block until the copies that read `layer`'s host slots have run (CUDA copies are asynchronous)."""
+        event = self.stage_read.get(layer)
+        if event is not None:
+            event.synchronize()
