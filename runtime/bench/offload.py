@@ -1,8 +1,13 @@
-"""Training steps/s with expert states resident (offload=none), on SSD behind a 25% LFU CPU cache fetching only
-active experts (seed 004 section 3.2, Algorithm 2; seed 002 section 4.2), and fetch-everything (every expert
-fetched, stepped and written back each step, as ZeRO-3 offload does), side by side in one run; the store's bytes/s
-against the disk's own sequential bandwidth, measured in the same directory, at 8 tokens per step and at a
-realistic load where most experts are active every step.
+"""Training steps/s with expert states resident (offload=none), in host memory (cpu), on SSD behind a 25% LFU CPU
+cache fetching only active experts (ssd; the paper's section 3.2 and Algorithm 2), and fetch-everything (every
+expert fetched, stepped and written back each step, as ZeRO-3 offload does), side by side in one run; the store's
+bytes/s against the disk's own sequential bandwidth, at 8 tokens per step and at a realistic load where most experts
+are active every step.
+
+For cpu and ssd it also prices the host side of the offloaded step, what decides its speed on a GPU: the host work
+(staging, copies, the CPU optimizer, bookkeeping, and waits with nothing else running) in ns per active expert
+parameter, against the floor measured in the same process (torch's fused AdamW over as many parameters, plus a
+memcpy of the bytes the step copied), and the share of that work hidden behind the forward and backward passes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 import torch
 
 from runtime.bench.disk import DiskBandwidth, measure_disk
+from runtime.optim import AdamWHyper, fused_adamw
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.model.params import count_parameters
 from runtime.parallel.groups import build_groups
@@ -27,6 +33,11 @@ from runtime.train.data import TokenDataset
 from runtime.train.loop import forward_backward, optimizer_step
 
 CPU = torch.device("cpu")
+START_S = 120.0
+"""Seconds a fresh process may take to start and build its trainer before its result is waited for in vain."""
+
+
+OFFLOADED = ("cpu", "ssd")
 
 
 class _Trainer:
@@ -36,8 +47,9 @@ class _Trainer:
                  data: str):
         """Built by build_components, as a training worker builds itself; fetch_all is ssd with nothing cached and
         every expert fetched (the ZeRO-3 offload baseline)."""
-        storage = dataclasses.replace(cfg.storage, offload="none" if mode == "none" else "ssd",
-                                      ssd_path=str(store_dir), cpu_cache_experts=cache_experts)
+        offload = {"none": "none", "cpu": "cpu"}.get(mode, "ssd")
+        storage = dataclasses.replace(cfg.storage, offload=offload, ssd_path=str(store_dir),
+                                      cpu_cache_experts=cache_experts)
         train = dataclasses.replace(cfg.train, run_dir=str(store_dir))
         self.cfg, self.groups = dataclasses.replace(cfg, storage=storage, train=train), build_groups(1, 0, 1, 1)
         self.c = build_components(self.cfg, self.groups, CPU)
@@ -48,12 +60,23 @@ class _Trainer:
         self.c.objective.data = bench_data(data, cfg)
         self.mgr = self.c.offload
         if mode == "fetch_all":
-            self.mgr.fetch_everything()
+            self.mgr.home.fetch_everything()
+        self.last_step: list[dict] = []
 
     def step(self, step: int) -> dict:
+        began = time.perf_counter()
         forward_backward(self.c, self.cfg, self.groups, step, CPU)
+        middle = time.perf_counter()
         optimizer_step(self.c, self.cfg, self.groups, step)
-        return self.mgr.step_metrics() if self.mgr else {}
+        ended = time.perf_counter()
+        metrics = self.mgr.step_metrics() if self.mgr else {}
+        if self.mgr:  # the step's timeline, in ms from its start: the trainer's own phases, then the host work
+            own = [("forward_backward", True, began, middle, "train"), ("optimizer_step", True, middle, ended, "train")]
+            self.last_step = [{"kind": k, "critical": c, "thread": t, "start_ms": round((a - began) * 1e3, 3),
+                               "end_ms": round((b - began) * 1e3, 3)}
+                              for k, c, a, b, t in own + [(s.kind, s.critical, s.start, s.end, s.thread)
+                                                          for s in self.mgr.last_spans]]
+        return metrics
 
     def drain(self) -> None:
         """Wait for this trainer's background work: the CPU optimizer step, the prefetches in flight, the
@@ -65,6 +88,28 @@ class _Trainer:
     def finish(self) -> None:
         if self.mgr:
             self.mgr.close()
+
+
+def host_floor(params: int, copied_bytes: int, repeats: int = 3) -> float:
+    """Seconds of the least host work an offloaded step over `params` active expert parameters could do: torch's
+    fused AdamW over that many fp32 parameters, plus a memcpy of the bytes it copied (best of `repeats`)."""
+    p, g, m, v = (torch.randn(max(params, 1)) for _ in range(4))
+    v.abs_()
+    step = torch.zeros(())
+    buf = torch.empty(max(copied_bytes, 1), dtype=torch.uint8)
+    dst = torch.empty_like(buf)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
+        return min(times)
+
+    adamw = best(lambda: fused_adamw([p], [g], [m], [v], [step], 1e-4, AdamWHyper()))
+    copy = best(lambda: dst.copy_(buf)) if copied_bytes else 0.0
+    return adamw + copy
 
 
 def bench_data(data: str, cfg: MoesysConfig) -> TokenDataset:
@@ -92,28 +137,54 @@ def _process_io() -> dict[str, int]:
 
 
 def _measure(cfg: MoesysConfig, mode: str, store_dir: str, cache_experts: int, skew: float, data: str,
-             warmup: int, steps: int) -> dict:
+             warmup: int, steps: int, budget_s: float) -> dict:
     """One mode in its own process: steps/s after warm-up (background work drained inside the timing), the
     offload metrics of the timed steps, the bytes the store moved in that time (write-behind included) and the
-    bytes that really came from the disk (the rest of the store's reads hit the page cache)."""
+    bytes that really came from the disk (the rest of the store's reads hit the page cache). Timed steps stop early
+    once `budget_s` has passed (at least one is timed)."""
     trainer = _Trainer(cfg, mode, Path(store_dir), cache_experts, skew, data)
     for step in range(warmup):
         trainer.step(step)
     trainer.drain()
-    store = trainer.mgr.store if trainer.mgr else None
+    store = getattr(trainer.mgr.home, "store", None) if trainer.mgr else None
     read0, written0 = (store.bytes_read, store.bytes_written) if store else (0, 0)
     io0 = _process_io()
     began = time.perf_counter()
-    metrics = [trainer.step(step) for step in range(warmup, warmup + steps)]
+    metrics = []
+    for step in range(warmup, warmup + steps):
+        metrics.append(trainer.step(step))
+        if time.perf_counter() - began > budget_s:
+            break
     trainer.drain()
     elapsed = time.perf_counter() - began
     io1 = _process_io()
     moved = {"store_read_bytes": store.bytes_read - read0, "store_write_bytes": store.bytes_written - written0,
              "disk_read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0)} if store else {}
     peaks = trainer.mgr.tiers.step_metrics() if trainer.mgr else {}
+    host = _host_side(trainer, metrics) if mode in OFFLOADED else {}
     trainer.finish()
-    return {"steps_per_s": steps / elapsed, "elapsed_s": elapsed, "steps": steps, "metrics": metrics,
-            "peaks": peaks, **moved}
+    return {"steps_per_s": len(metrics) / elapsed, "elapsed_s": elapsed, "steps": len(metrics), "metrics": metrics,
+            "peaks": peaks, **moved, **host}
+
+
+def _host_side(trainer: _Trainer, metrics: list[dict]) -> dict:
+    """The host work of the timed steps per active expert parameter, its floor measured here, the hidden share."""
+    n = len(metrics)
+    mean = lambda key: sum(m[f"offload/{key}"] for m in metrics) / n  # noqa: E731
+    per_expert = count_parameters(trainer.cfg.model).per_expert
+    params = mean("experts_active") * per_expert
+    cost, exposed = mean("host_cost_s"), mean("host_exposed_s")
+    floor = host_floor(int(params), int(mean("copied_bytes")))
+    kinds = sorted({k[len("offload/time_"):-2] for m in metrics for k in m if k.startswith("offload/time_")})
+    return {"host": {"cpu_side_ns_per_param": cost / params * 1e9 if params else 0.0,
+                     "floor_ns_per_param": floor / params * 1e9 if params else 0.0,
+                     "cpu_side_vs_floor": cost / floor if floor else 0.0,
+                     "hidden_share": 0.0 if cost <= 0 else max(0.0, min(1.0, 1 - exposed / cost)),
+                     "active_params_per_step": params, "copied_bytes_per_step": mean("copied_bytes"),
+                     "host_s_per_step": cost, "exposed_s_per_step": exposed,
+                     "seconds_by_kind": {k: sum(m.get(f"offload/time_{k}_s", 0.0) for m in metrics) / n
+                                         for k in kinds},
+                     "timeline": trainer.last_step}}
 
 
 def _traffic(mode: str, runs: list[dict], disk: DiskBandwidth) -> dict:
@@ -129,36 +200,58 @@ def _traffic(mode: str, runs: list[dict], disk: DiskBandwidth) -> dict:
 
 
 def _compare(cfg: MoesysConfig, pool: ProcessPoolExecutor, tmp: Path, data: str, cache_experts: int, skew: float,
-             warmup: int, steps: int, rounds: int, disk: DiskBandwidth) -> dict:
-    """The three modes on one input, alternating over `rounds` (median kept). fetch_all steps take seconds each,
-    so it times a third of the steps after one warm-up step."""
-    runs: dict[str, list[dict]] = {"none": [], "ssd": [], "fetch_all": []}
+             warmup: int, steps: int, rounds: int, disk: DiskBandwidth, deadline: float) -> dict:
+    """The four modes on one input, alternating over `rounds` (median kept); each run gets an equal share of the
+    time left before `deadline` for its timed steps. fetch_all steps take seconds each, so it times a third of the
+    steps after one warm-up step."""
+    runs: dict[str, list[dict]] = {"none": [], "cpu": [], "ssd": [], "fetch_all": []}
+    left = rounds * len(runs)
     for round_ in range(rounds):
         for mode in runs:
             store = str(tmp / f"{data}-{cfg.train.seq_len}-{mode}-{round_}")
             w, n = (1, max(2, steps // 3)) if mode == "fetch_all" else (warmup, steps)
-            runs[mode].append(pool.submit(_measure, cfg, mode, store, cache_experts, skew, data, w, n).result())
+            budget = max(1.0, (deadline - time.monotonic()) / left)
+            left -= 1
+            runs[mode].append(pool.submit(_measure, cfg, mode, store, cache_experts, skew, data, w, n, budget)
+                              .result(timeout=budget + START_S))
     rate = {mode: statistics.median(r["steps_per_s"] for r in rs) for mode, rs in runs.items()}
     ssd = [m for r in runs["ssd"] for m in r["metrics"]]
     peaks = runs["ssd"][-1]["peaks"]
     mean = lambda key: sum(m[f"offload/{key}"] for m in ssd) / len(ssd)  # noqa: E731
+    host = {mode: _median_host([r["host"] for r in runs[mode]]) | {"steps_per_s": rate[mode],
+                                                                   "vs_none": rate[mode] / rate["none"]}
+            for mode in OFFLOADED}
     return {
-        "none_steps_per_s": rate["none"], "ssd_steps_per_s": rate["ssd"], "fetch_all_steps_per_s": rate["fetch_all"],
+        "none_steps_per_s": rate["none"], "cpu_steps_per_s": rate["cpu"], "ssd_steps_per_s": rate["ssd"],
+        "fetch_all_steps_per_s": rate["fetch_all"], "cpu_vs_none": rate["cpu"] / rate["none"],
         "ssd_vs_none": rate["ssd"] / rate["none"], "ssd_vs_fetch_all": rate["ssd"] / rate["fetch_all"],
         "mean_active_experts": mean("experts_active"), "ssd_cache_hit_rate": mean("cache_hit_rate"),
         "ssd_stall_s_per_step": mean("fetch_stall_s"),
         "ssd_bytes_per_step": mean("ssd_read_bytes") + mean("ssd_write_bytes"),
         "ssd_host_peak_bytes": peaks["host_peak_bytes"], "ssd_device_peak_bytes": peaks["device_peak_bytes"],
         "none_s_per_step": 1 / rate["none"], **_traffic("ssd", runs["ssd"], disk),
-        **_traffic("fetch_all", runs["fetch_all"], disk),
+        **_traffic("fetch_all", runs["fetch_all"], disk), **host,
     }
+
+
+def _median_host(runs: list[dict]) -> dict:
+    """The host-side figures of a mode: medians over rounds of the numbers, the last round's timeline."""
+    out = {}
+    for key, value in runs[-1].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in runs)
+        elif key == "seconds_by_kind":
+            out[key] = {k: statistics.median(r[key].get(k, 0.0) for r in runs) for k in value}
+        else:
+            out[key] = value
+    return out
 
 
 def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, layers: int = 4, tokens: int = 8,
                       steps: int = 12, warmup: int = 3, rounds: int = 2, cache_fraction: float = 0.25,
                       skew: float = 4.0, ssd_path: str | None = None, inputs: tuple[str, ...] = ("corpus", "random"),
                       load_tokens: int | None = 512, load_input: str = "random", load_steps: int = 6,
-                      disk_probe_bytes: int = 1 << 30) -> dict:
+                      disk_probe_bytes: int = 1 << 30, time_limit_s: float = 240.0) -> dict:
     """Steps/s of none, ssd (cache = cache_fraction of all experts) and fetch_all; JSON-ready dict with ratios.
 
     The top-level numbers are for the first input (the shipped corpus); `by_input` has every input, random tokens
@@ -167,33 +260,46 @@ def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, lay
     active every step; `load_steps` timed steps, a third of them warm-up) unless load_tokens is None. `disk` is the
     disk's own sequential bandwidth in the store's directory, the denominator of every *_vs_disk ratio.
     Each mode runs in a fresh process: one mode's host states, threads and garbage must not slow another down
-    (measured: fetch-everything left the resident run 3x slower)."""
+    (measured: fetch-everything left the resident run 3x slower). `cpu` and `ssd` (top level: the realistic load's,
+    else the first input's) price the host side of the offloaded step (module docstring). Timed steps share
+    `time_limit_s`: on a slow machine fewer steps are timed, never more time taken (plus each process's start)."""
     cfg = bench_config(hidden, ffn, experts, layers, tokens)
     params = count_parameters(cfg.model)
     total_experts = experts * cfg.model.num_moe_layers
     cache_experts = max(1, round(cache_fraction * total_experts))
     spawn = multiprocessing.get_context("spawn")
     fresh = ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1)  # a new process for every run
+    deadline = time.monotonic() + time_limit_s
+    comparisons = len(inputs) + (load_tokens is not None)
     with tempfile.TemporaryDirectory(dir=ssd_path) as tmp, fresh as pool:
         disk = measure_disk(tmp, disk_probe_bytes)
-        by_input = {data: _compare(cfg, pool, Path(tmp), data, cache_experts, skew, warmup, steps, rounds, disk)
-                    for data in inputs}
+
+        def share() -> float:  # each comparison's end, so that one slow input leaves time for the others
+            nonlocal comparisons
+            end = time.monotonic() + (deadline - time.monotonic()) / comparisons
+            comparisons -= 1
+            return end
+
+        by_input = {data: _compare(cfg, pool, Path(tmp), data, cache_experts, skew, warmup, steps, rounds, disk,
+                                   share()) for data in inputs}
         load = None
         if load_tokens is not None:
             load_cfg = bench_config(hidden, ffn, experts, layers, load_tokens)
             load = _compare(load_cfg, pool, Path(tmp), load_input, cache_experts, skew, max(1, load_steps // 3),
-                            load_steps, rounds, disk)
+                            load_steps, rounds, disk, share())
             load.update(input=load_input, tokens_per_step=load_tokens,
                         active_expert_fraction=load["mean_active_experts"] / total_experts)
+    headline = load if load is not None else by_input[inputs[0]]
     return {
         **by_input[inputs[0]], "input": inputs[0], "by_input": by_input,
+        **{mode: headline[mode] for mode in OFFLOADED},
         **({"realistic_load": load} if load is not None else {}),
         "disk": disk.as_dict(),
         "expert_param_fraction": params.sparse / params.total, "total_experts": total_experts,
         "cache_experts": cache_experts,
         "config": {"hidden": hidden, "ffn": ffn, "experts": experts, "layers": layers, "top_k": 1,
                    "tokens_per_step": tokens, "steps": steps, "warmup": warmup, "rounds": rounds,
-                   "router_skew": skew, "isolation": "one process per mode and round"},
+                   "router_skew": skew, "isolation": "one process per mode and round", "time_limit_s": time_limit_s},
     }
 
 

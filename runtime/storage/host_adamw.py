@@ -28,7 +28,9 @@ class LayerGrads:
     keys: list
     slots: list[ExpertSlot]
     grads: dict[str, Tensor]
-    """fp32 [a, *shape] per tensor name, row i for slots[i]."""
+    """fp32 [n, *shape] per tensor name."""
+    rows: list[int]
+    """The row of `grads` that holds slots[i]'s gradient (the device computed n >= a experts, idle ones too)."""
     sq: float = 0.0
     """Sum of squared gradients."""
 
@@ -51,16 +53,17 @@ class HostOptimizer:
         self.caught_up = 0
         """Zero-gradient catch-up steps applied by updates (read and reset by the metrics)."""
 
-    def take_in(self, layer: int, keys: list, slots: list[ExpertSlot], grads: dict[str, Tensor],
+    def take_in(self, layer: int, keys: list, slots: list[ExpertSlot], grads: dict[str, Tensor], rows: list[int],
                 landed: Callable[[], None] | None, norm: bool = True) -> None:
-        """Start taking in a layer's gradients (on the device's copy: `landed` waits for their arrival)."""
+        """Start taking in a layer's gradients (on the device's copy: `landed` waits for their arrival); slots[i]'s
+        are in row rows[i]."""
         def job() -> LayerGrads:
             if landed is not None:
                 with self.timeline.span("wait_d2h_landed", False):
                     landed()
             with self.timeline.span("intake", False):
                 fp32 = {n: g if g.dtype == torch.float32 else g.float() for n, g in grads.items()}
-                return LayerGrads(layer, keys, slots, fp32, squared_norm(fp32) if norm else 0.0)
+                return LayerGrads(layer, keys, slots, fp32, rows, squared_norm(fp32) if norm else 0.0)
 
         self._taken[layer] = self._intake.submit(job)
 
@@ -101,7 +104,7 @@ class HostOptimizer:
                     params.append(slot.views("master", layout)[name])
                     exp_avgs.append(slot.views("exp_avg", layout)[name])
                     exp_avg_sqs.append(slot.views("exp_avg_sq", layout)[name])
-                    grads.append(lg.grads[name][i])
+                    grads.append(lg.grads[name][lg.rows[i]])
                     counts.append(steps[i * len(names) + k])
             fused_adamw(params, grads, exp_avgs, exp_avg_sqs, counts, lr, self.adamw, divisor)
             for i, slot in enumerate(lg.slots):

@@ -20,6 +20,10 @@ class ExpertHome(Protocol):
     def acquire(self, keys: list[ExpertKey]) -> list[ExpertSlot]:
         """The slots of experts a forward computes (read from SSD where they are not in memory)."""
 
+    def layer_slots(self, layer: int) -> list[ExpertSlot] | None:
+        """Every local expert's slot of `layer`, side by side in one block, or None when the home has no such block
+        (without a GPU such a block is used in place: idle experts compute no rows)."""
+
     def before_layer(self, layer: int, keys: list[ExpertKey]) -> None:
         """`layer` is about to run with experts `keys` (what an SSD prefetch of the next step predicts from)."""
 
@@ -68,6 +72,9 @@ class HostHome:
 
     def acquire(self, keys: list[ExpertKey]) -> list[ExpertSlot]:
         return [self._slot(key) for key in keys]
+
+    def layer_slots(self, layer: int) -> list[ExpertSlot] | None:
+        return self.slots[layer]
 
     def before_layer(self, layer: int, keys: list[ExpertKey]) -> None:
         pass

@@ -111,7 +111,7 @@ class OffloadEngine:
         self._copies: dict[int, DeviceCopy] = {}
         self._history: dict[int, list[ExpertKey]] = {}
         self._pending: list[LayerGrads] = []
-        self._active = self._caught_up = 0
+        self._active = self._caught_up = self._copied0 = 0
         self.last_spans: list = []
         """The timeline of the step whose metrics were taken last (the benchmark draws it)."""
         self.home = make_home(self)
@@ -152,10 +152,16 @@ class OffloadEngine:
             self._in_use.update(keys)
         self._catch_up(keys, slots)
         grad = torch.is_grad_enabled()
-        copy = self.transfers.to_device(layer, keys, slots, grad)
+        block = None if self.transfers.cuda else self.home.layer_slots(layer)
+        if block is not None:  # host memory is the device's: compute every local expert in place, idle ones on 0 rows
+            moved_keys, moved, rows, counts = [spec.key(j) for j in range(spec.num_local)], block, active, counts_e
+        else:
+            moved_keys, moved, rows, counts = keys, slots, list(range(len(keys))), counts_e[active]
+        copy = self.transfers.to_device(layer, moved_keys, moved, grad)
+        copy.active = (keys, slots, rows)
         self._prefetch_after(layer)
-        counts_a = counts_e[active].to(x_RD.device, non_blocking=True)
-        y_RD = expert_ffn(x_RD, counts_a, **copy.leaves, kind=spec.kind, impl=spec.impl)
+        counts = counts.to(x_RD.device, non_blocking=True)
+        y_RD = expert_ffn(x_RD, counts, **copy.leaves, kind=spec.kind, impl=spec.impl)
         if not grad or not y_RD.requires_grad:
             self._done_reading(copy)
             self.home.release_unused(keys, slots)
@@ -212,7 +218,8 @@ class OffloadEngine:
 
     def _take_in(self, copy: DeviceCopy, grads: dict[str, Tensor], landed) -> None:
         replicated = self.groups is not None and self.groups.edp_size > 1
-        self.optimizer.take_in(copy.layer, copy.keys, copy.slots, grads, landed, norm=not replicated)
+        keys, slots, rows = copy.active
+        self.optimizer.take_in(copy.layer, keys, slots, grads, rows, landed, norm=not replicated)
         self._copies.pop(copy.layer, None)
         self._done_reading(copy)
 
@@ -254,9 +261,9 @@ class OffloadEngine:
                 if key in mine:
                     lg, i = mine[key]
                     for n in layout.names:
-                        grads[n][row] = lg.grads[n][i]
+                        grads[n][row] = lg.grads[n][lg.rows[i]]
             slots = [mine[k][0].slots[mine[k][1]] if k in mine else extra[k] for k in keys]
-            merged.append(LayerGrads(layer, keys, slots, grads))
+            merged.append(LayerGrads(layer, keys, slots, grads, list(range(len(keys)))))
         flat = [t for lg in merged for t in lg.grads.values()]
         if flat:
             buf = torch.cat([t.flatten() for t in flat])
@@ -337,11 +344,13 @@ class OffloadEngine:
         out = {"experts_active": self._active,
                "fetch_stall_s": sum(s.seconds for s in spans if s.critical and s.kind in STALLS),
                "catch_up_steps": self._caught_up + self.optimizer.caught_up,
-               "host_work_s": cost["work_s"], "host_exposed_s": cost["exposed_s"],
-               "host_hidden_share": cost["hidden_share"],
+               "host_work_s": cost["work_s"], "host_idle_wait_s": cost["idle_wait_s"], "host_cost_s": cost["cost_s"],
+               "host_exposed_s": cost["exposed_s"], "host_hidden_share": cost["hidden_share"],
+               "copied_bytes": self.transfers.copied_bytes - self._copied0,
                **{f"time_{kind}_s": seconds for kind, seconds in sorted(kinds.items())},
                **self.home.metrics(), **self.tiers.step_metrics()}
         self._active = self._caught_up = self.optimizer.caught_up = 0
+        self._copied0 = self.transfers.copied_bytes
         self.last_spans = spans
         return {f"offload/{k}": v for k, v in out.items()}
 

@@ -76,6 +76,9 @@ class SSDHome:
         self.prefetcher.schedule(self.order[pos + 1: pos + 1 + self.prefetcher.depth])
         self.prefetcher.record(layer, keys)
 
+    def layer_slots(self, layer: int) -> list[ExpertSlot] | None:
+        return None
+
     def acquire(self, keys: list[ExpertKey]) -> list[ExpertSlot]:
         if keys:
             with self.timeline.span("wait_prefetch", True):

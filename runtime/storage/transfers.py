@@ -37,7 +37,12 @@ class DeviceCopy:
     resident: bool = True
     ready: object = None
     """CUDA: an event recorded after the copies into `buffer` (the computing stream waits for it)."""
+    borrowed: bool = False
+    """Without a GPU, slots that lie side by side in one block are the device copy themselves: nothing is
+    allocated, copied or evicted."""
     grads_arrived: int = 0
+    active: tuple = ()
+    """(keys, slots, rows): the experts that computed rows, and their rows of the buffer (the engine's record)."""
     hooks: list = field(default_factory=list)
     """Handles of hooks that refer back to this object (a cycle through C++ the collector cannot see): removed when
     the layer's gradients have gone home."""
@@ -59,6 +64,8 @@ class TransferEngine:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.live: dict[int, DeviceCopy] = {}
         """Layers with experts on the device this step, in forward order (a prefetched one included)."""
+        self.copied_bytes = 0
+        """Bytes copied between host and device so far (both ways)."""
         self.stage_read: dict[int, object] = {}
         """CUDA: per layer, an event after the last copy that read its host slots (an update must wait for it)."""
 
@@ -90,6 +97,8 @@ class TransferEngine:
 
     def _copy(self, layer: int, keys: list, slots: list[ExpertSlot], critical: bool,
               keep: int | None = None) -> DeviceCopy:
+        if not self.cuda and contiguous_runs(slots) == [(0, len(slots))]:  # host memory is the device's
+            return DeviceCopy(layer, list(keys), list(slots), block_of(slots, 0, len(slots)), borrowed=True)
         self._keep_window(layer, keep)
         shape = (len(slots), self.layouts[layer].numel)
         with self._on_copy_stream():  # the block belongs to the copy stream; the computing stream is recorded
@@ -116,6 +125,7 @@ class TransferEngine:
                 copy.ready.record(self.stream)
                 self.stage_read[copy.layer] = copy.ready
         self.tiers.device.moved(copy.nbytes)
+        self.copied_bytes += copy.nbytes
 
     def _wait_ready(self, copy: DeviceCopy) -> None:
         if copy.ready is not None:
@@ -126,12 +136,13 @@ class TransferEngine:
     def _keep_window(self, current: int, keep: int | None = None) -> None:
         """Evict the layers needed last (earliest in the forward order: their backward comes last) until the
         window holds `current` with the others; `keep` (a layer computing now) is never evicted."""
-        others = sorted(layer for layer, c in self.live.items() if c.resident and layer not in (current, keep))
+        others = sorted(layer for layer, c in self.live.items()
+                        if c.resident and not c.borrowed and layer not in (current, keep))
         while others and len(others) + 1 + (keep is not None) > self.window:
             self.evict(self.live[others.pop(0)])
 
     def evict(self, copy: DeviceCopy) -> None:
-        if copy.resident:
+        if copy.resident and not copy.borrowed:
             copy.buffer.untyped_storage().resize_(0)
             copy.resident = False
             self.tiers.device.release(copy.nbytes)
@@ -180,6 +191,7 @@ class TransferEngine:
                 landed = torch.cuda.Event()
                 landed.record(self.stream)
         self.tiers.host.moved(staging.numel() * staging.element_size())
+        self.copied_bytes += staging.numel() * staging.element_size()
         return views, landed.synchronize
 
     def release(self, copy: DeviceCopy) -> None:

@@ -36,11 +36,14 @@ class Run:
 
     def __init__(self, cfg, store_dir=None, cache=3, threshold=1, depth=1, fetch_all=False, write_initial=True,
                  durable=False):
+        """store_dir: None trains resident, "cpu" keeps the experts in host memory (storage.offload=cpu), a path
+        keeps them in an SSD store there."""
         self.cfg, self.groups = cfg, build_groups(1, 0, 1, 1)
         self.model = build_model(cfg, self.groups, CPU)
         self.mgr = None
         if store_dir is not None:
-            self.mgr = install_offload(self.model, ExpertStore(store_dir, durable), CPU, seed=cfg.train.seed, cache_experts=cache,
+            store = None if store_dir == "cpu" else ExpertStore(store_dir, durable)
+            self.mgr = install_offload(self.model, store, CPU, seed=cfg.train.seed, cache_experts=cache,
                                        hit_threshold=threshold, prefetch_depth=depth, fetch_all=fetch_all,
                                        adamw=AdamWHyper(weight_decay=cfg.train.weight_decay),
                                        lr_schedule=lambda step: lr_at(step, cfg.train), write_initial=write_initial)
@@ -151,6 +154,24 @@ def test_idle_experts_catch_up_and_train_like_resident(tmp_path, cache):
     assert any(m["offload/experts_active"] < 16 for m in run.metrics)  # some experts idle on some steps
     assert sum(m["offload/catch_up_steps"] for m in run.metrics) > 0
     assert got == pytest.approx(ref, rel=1e-6)
+
+
+def test_host_memory_offload_equals_resident_bitwise_with_idle_experts():
+    """storage.offload=cpu: without a GPU each layer's block of slots is the device copy (nothing is copied);
+    idle experts compute no rows, are not stepped, and catch up when next used."""
+    cfg = config(experts=8, top_k=1)
+    cfg.train.micro_batch_size = 1
+    ref_run = Run(cfg)
+    skew_router(ref_run.model)
+    ref = ref_run.train(8)
+    run = Run(cfg, "cpu")
+    skew_router(run.model)
+    got = run.train(8)
+    run.close()
+    assert got == ref
+    assert any(m["offload/experts_active"] < 16 for m in run.metrics)
+    assert sum(m["offload/catch_up_steps"] for m in run.metrics) > 0
+    assert all(m["offload/copied_bytes"] == 0 and m["offload/device_peak_bytes"] == 0 for m in run.metrics)
 
 
 def test_idle_experts_are_not_fetched_written_or_stepped(tmp_path):
