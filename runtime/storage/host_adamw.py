@@ -9,7 +9,7 @@ delayed update the whole next step runs beside it (ZeRO-Offload's one-step delay
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -31,12 +31,14 @@ class LayerGrads:
     """fp32 [n, *shape] per tensor name."""
     rows: list[int]
     """The row of `grads` that holds slots[i]'s gradient (the device computed n >= a experts, idle ones too)."""
-    sq: float = 0.0
-    """Sum of squared gradients."""
+    squares: list[Tensor] = field(default_factory=list)
+    """Per tensor name, the fp32 sum of its squared gradients."""
 
 
-def squared_norm(grads: dict[str, Tensor]) -> float:
-    return sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads.values())
+def squares(grads: dict[str, Tensor]) -> list[Tensor]:
+    """Each tensor's fp32 sum of squares, reduced as the resident model's norm reduces its stacked gradient (so a
+    layer computed in place gives the very same numbers)."""
+    return [g.float().pow(2).sum() for g in grads.values()]
 
 
 class HostOptimizer:
@@ -63,7 +65,7 @@ class HostOptimizer:
                     landed()
             with self.timeline.span("intake", False):
                 fp32 = {n: g if g.dtype == torch.float32 else g.float() for n, g in grads.items()}
-                return LayerGrads(layer, keys, slots, fp32, rows, squared_norm(fp32) if norm else 0.0)
+                return LayerGrads(layer, keys, slots, fp32, rows, squares(fp32) if norm else [])
 
         self._taken[layer] = self._intake.submit(job)
 
@@ -74,17 +76,22 @@ class HostOptimizer:
         self._taken.clear()
         return sorted(out, key=lambda lg: lg.layer)
 
-    def submit(self, layers: list[LayerGrads], step: int, lr: float, grad_divisor: float,
+    def submit(self, layers: list[LayerGrads], step: int, lr: float, multiplier: float | None, divisor: int,
                finish: Callable[[LayerGrads], None]) -> None:
         """Start the update of step `step` (0-based): each expert first applies the zero-gradient steps it missed
-        (catch-up, up to `step`), then AdamW with gradients divided by `grad_divisor` (expert-parallel averaging,
-        the loss scale, the clip) inside the kernel."""
+        (catch-up, up to `step`), then AdamW with its gradients multiplied by `multiplier` (the clip coefficient,
+        over the loss scale with fp16; None: 1) and divided by `divisor` (the expert-parallel averaging, inside the
+        kernel), the operations the resident experts' gradients go through."""
         self.wait()
-        divisor = None if grad_divisor == 1.0 else torch.tensor(grad_divisor, dtype=torch.float32)
+        scale = None if divisor == 1 else torch.tensor(float(divisor), dtype=torch.float32)
 
         def job() -> None:
             for lg in layers:
-                self._update_layer(lg, step, lr, divisor)
+                if multiplier is not None:
+                    with self.timeline.span("scale", False):
+                        for g in lg.grads.values():
+                            g.mul_(multiplier)
+                self._update_layer(lg, step, lr, scale)
                 finish(lg)
 
         self._job = self._update.submit(job)

@@ -30,7 +30,7 @@ from runtime.optim import AdamWHyper, catch_up
 from runtime.storage.budget import STORED_SPARSE_BYTES
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, needs_separate_stage
 from runtime.storage.expert_store import ExpertKey, ExpertStore
-from runtime.storage.host_adamw import HostOptimizer, LayerGrads, squared_norm
+from runtime.storage.host_adamw import HostOptimizer, LayerGrads, squares
 from runtime.storage.host_home import ExpertHome, HostHome, fill_slot, initial_slot
 from runtime.storage.ssd_home import SSDHome
 from runtime.storage.step_timeline import StepTimeline, by_kind, host_cost
@@ -272,21 +272,21 @@ class OffloadEngine:
             for t, new in zip(flat, torch._utils._unflatten_dense_tensors(buf, flat)):
                 t.copy_(new)
         for lg in merged:
-            lg.sq = squared_norm(lg.grads)
+            lg.squares = squares(lg.grads)
         self._pending = merged
 
     def grad_sq(self) -> Tensor:
         """Sum of squared expert gradients held by this rank, as the resident experts' reduction leaves them
         (divided by the expert-parallel size); add before the EP all-reduce of the global norm."""
         ep = self.groups.ep_size if self.groups is not None else 1
-        return torch.tensor(sum(lg.sq for lg in self._pending) / ep ** 2, dtype=torch.float32)
+        return sum((sq / ep ** 2 for lg in self._pending for sq in lg.squares), torch.zeros(()))
 
     # ---- the update ----
 
     def step(self, lr: float, multiplier: float | None = None) -> None:
         """Start the update of every expert that got a gradient, on the optimizer's thread. Gradients are divided
-        by the expert-parallel size (as the resident experts' reduction does) and multiplied by `multiplier` (the
-        clip coefficient, over the loss scale with fp16), both inside the kernel."""
+        by the expert-parallel size (as the resident experts' reduction does; inside the kernel) and multiplied by
+        `multiplier` (the clip coefficient, over the loss scale with fp16)."""
         self.optimizer.wait()
         self.home.end_step()
         layers, self._pending = self._pending, []
@@ -297,7 +297,7 @@ class OffloadEngine:
             for event in self._stage_free.values():
                 event.clear()
         self._in_flight = {key for lg in layers for key in lg.keys}
-        self.optimizer.submit(layers, self.steps_done, lr, ep / (multiplier or 1.0), self._finish_layer)
+        self.optimizer.submit(layers, self.steps_done, lr, multiplier, ep, self._finish_layer)
         self.steps_done += 1
         if hasattr(self.home, "after_update"):
             self.home.after_update()
