@@ -21,8 +21,8 @@ from runtime.launch import build_launch, check_launchable, rendezvous_connect_s,
 from runtime.node_watch import LostNodeWatch
 from runtime.oom import OUT_OF_MEMORY_EXIT, OomWatch, oom_message, smallest_fix
 from runtime.process import Job, TorchrunLogs, exception_line, resume_point, worker_pids
-from runtime.run_dir import (RunLock, clear_fatal, default_run_dir, last_step_metrics, node_logs, prepare_run_dir,
-                             read_fatal, record_fatal, run_summary)
+from runtime.run_dir import (RunLock, check_run_dir, clear_fatal, default_run_dir, last_step_metrics, node_logs,
+                             prepare_run_dir, read_fatal, record_fatal, run_summary)
 from runtime.topology import host_memory_bytes
 from runtime.train.compare import recorded_plan
 from runtime.train.preflight import check_before_launch, check_plan
@@ -36,6 +36,7 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     """Train with expert + data parallelism in torchrun processes; exits with the job's status."""
     cfg = resolve_config(overrides or [])
     cfg.train.run_dir = str(Path(cfg.train.run_dir or default_run_dir(cfg)).resolve())
+    check_run_dir(cfg.train.run_dir)  # an export or a model given as train.run_dir: refused, dry run or not
     check_before_launch(cfg)  # what every worker would otherwise fail on, after torchrun's retries
     if dry_run:
         spec = build_launch(cfg, Path(cfg.train.run_dir))
@@ -60,6 +61,7 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
     (`moesys distill` writes the student's first checkpoint there)."""
     check_launchable(cfg)
     check_plan(cfg)  # a run the plan says does not fit fails later on a tier's budget or by the OOM killer
+    check_run_dir(cfg.train.run_dir)  # before the lock file is written into it
     lock = RunLock(Path(cfg.train.run_dir), cfg.launcher.node_rank)  # held until exit: one job per run directory
     run_dir = prepare_run_dir(cfg)
     if prepare is not None:
