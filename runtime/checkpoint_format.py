@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 MODEL = "model"
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 META = "meta.json"
+FILES = "files"
+"""meta.json's list of the checkpoint's tensor files (RNG states aside), so that a reader names one that is gone."""
 
 
 class CheckpointError(UserError):
@@ -30,6 +32,44 @@ class CheckpointError(UserError):
 
 def tensor_key(kind: str, param: str, expert: int | None = None) -> str:
     return f"{kind}.{param}" if expert is None else f"{kind}.{param}.{expert}"
+
+
+def tensor_files(directory: Path) -> list[str]:
+    """The names of the safetensors files in `directory` that hold model or optimizer tensors (not RNG states)."""
+    return sorted(p.name for p in Path(directory).glob("*.safetensors") if not p.name.startswith("rng-"))
+
+
+def check_complete(path: Path) -> None:
+    """Raise CheckpointError naming the tensor files the checkpoint's meta.json lists that are not there (a deleted
+    expert file would otherwise be reported as a missing tensor). Checkpoints without the list pass."""
+    try:
+        listed = json.loads((Path(path) / META).read_text()).get(FILES) or []
+    except (OSError, ValueError, AttributeError):
+        return
+    missing = [name for name in listed if not (Path(path) / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{path} is missing {', '.join(missing)} (its meta.json lists the file); restore it, "
+                              "or use an older checkpoint")
+
+
+def missing_tensor(path: Path, key: str) -> CheckpointError:
+    """The error for a tensor `key` the checkpoint in `path` does not hold: the expert file that held it, when that
+    file is gone (a checkpoint written without a file list in meta.json), else the files it has."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / META).read_text())
+        experts, ranks = int(meta["num_experts"]), int(meta["expert_parallel"])
+        expert = int(key.rpartition(".")[2]) if key.count(".") >= 2 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        expert = None
+    if expert is not None and ranks > 0 and experts % ranks == 0 and expert < experts:
+        rank = expert // (experts // ranks)
+        name = f"experts-ep{rank}"  # experts-epP.safetensors, or experts-epP-L*.safetensors for offloaded layers
+        if not any(f == f"{name}.safetensors" or f.startswith(f"{name}-") for f in tensor_files(path)):
+            return CheckpointError(f"{path} is missing {name}.safetensors, which holds expert {expert} "
+                                   f"({key}); restore it, or use an older checkpoint")
+    return CheckpointError(f"{path} has no tensor {key} in {', '.join(tensor_files(path)) or 'any file'}; was it "
+                           "written by a different model config?")
 
 
 def read_meta(path: Path) -> dict:
@@ -48,6 +88,7 @@ class CheckpointReader:
 
         self.path = Path(path)
         self.where = {}
+        check_complete(self.path)
         for file in sorted(self.path.glob("*.safetensors")):
             if not file.name.startswith("rng-"):
                 verify(file)
@@ -63,8 +104,7 @@ class CheckpointReader:
 
     def get(self, key: str) -> torch.Tensor:
         if key not in self.where:
-            raise CheckpointError(f"checkpoint {self.path} has no tensor {key}; was it written by a different "
-                                  "model config?")
+            raise missing_tensor(self.path, key)
         return self.where[key].get_tensor(key)
 
 
