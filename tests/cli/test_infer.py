@@ -72,7 +72,10 @@ def test_parse_infer_args():
     assert r.overrides == {"temperature": 0.5, "top_k": 4}
     for bad, message in [(["prompt=x"], "no checkpoint"), (["checkpoint=/x", "model.hidden_size=4"], "unknown"),
                          (["checkpoint=/x", "prompt_ids=abc"], "not a list of token ids"),
-                         (["checkpoint=/x", "oops"], "not key=value")]:
+                         (["checkpoint=/x", "oops"], "not key=value"),
+                         (["checkpoint=/x", "max_new_tokens=4"], "unknown argument 'max_new_tokens'; did you mean "
+                                                                 "infer.max_new_tokens?"),
+                         (["checkpoint=/x", "promt=a"], "unknown argument 'promt'; did you mean prompt, prompt_ids?")]:
         with pytest.raises(UserError, match=message):
             parse_infer_args(bad)
 
