@@ -120,7 +120,8 @@ def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom:
     """Show step, loss, tokens/s and expert load balance until the job ends, and say when it resumed from a
     checkpoint or torchrun restarted its workers. Returns the job's exit code, or OUT_OF_MEMORY_EXIT at once when
     the OOM killer took a worker (leaving the with-block then stops torchrun before it restarts again), or 1 once
-    a multinode job is lost on this node (torchrun is stopped: it may be blocked on the network for minutes)."""
+    a multinode job is lost on this node (torchrun is stopped: it may be blocked on the network for minutes), or 1
+    once torchrun restarts workers after one recorded an error that every restart meets again."""
     tr = cfg.train
     columns = [TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
@@ -133,7 +134,7 @@ def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom:
         resumed = resume_point(run_dir)
         if resumed and resumed[1] > 0:  # a step-0 checkpoint is a starting point (moesys distill's student)
             say(f"resumed from step {resumed[1]} ({resumed[0]})")
-        restarts, stopping = 0, None
+        restarts, stopping, fatal_at = 0, None, None
         workers, generation_restarts = frozenset(), 0  # this node's workers now, and restarts when they started
         while True:
             code = job.wait(timeout=0.5)
@@ -145,6 +146,10 @@ def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom:
                 stopping = job.stop_signal
                 say(f"{signal.Signals(stopping).name}: the workers checkpoint at the end of the step and exit "
                     "(send it again to stop at once)")
+            if fatal_at is None and read_fatal(run_dir) is not None:
+                fatal_at = logs.restarts()
+            elif fatal_at is not None and logs.restarts() > fatal_at:
+                return 1  # the failed attempt is over, and every later one stops on the verdict: do not wait for them
             if logs.restarts() > restarts and read_fatal(run_dir) is None:  # else restarts only report it
                 restarts = logs.restarts()
                 point = resume_point(run_dir)

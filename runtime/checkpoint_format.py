@@ -8,6 +8,7 @@ experts, inference). Tensors are keyed by kind and *global* expert index, so any
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,8 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")
 META = "meta.json"
 FILES = "files"
 """meta.json's list of the checkpoint's tensor files (RNG states aside), so that a reader names one that is gone."""
+PARTIAL = ".tmp-"
+"""The prefix of a checkpoint's directory while it is written (CHECKPOINTS/.tmp-step_N), renamed when complete."""
 
 
 class CheckpointError(UserError):
@@ -116,3 +119,10 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         return None
     path = root / pointer.read_text().strip()
     return path if (path / "meta.json").exists() else None
+
+
+def remove_partial_checkpoints(run_dir: Path) -> None:
+    """Remove the directories of checkpoints whose writing failed or was killed: nothing resumes from them, and on a
+    full disk they hold the space that the error report needs."""
+    for partial in (Path(run_dir) / CHECKPOINTS).glob(f"{PARTIAL}*"):
+        shutil.rmtree(partial, ignore_errors=True)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -201,23 +203,46 @@ class RunLock:
         self._file.close()
 
 
-def record_fatal(run_dir: Path, exit_code: int, message: str) -> None:
+def _fatal_files(run_dir: Path) -> list[Path]:
+    """RUN_DIR/fatal_error.txt, then where a verdict goes when the run directory cannot take it (a full or read-only
+    filesystem): a file of this user's in the machine's temporary directory, named after the run directory."""
+    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return [Path(run_dir) / FATAL, Path(tempfile.gettempdir()) / f"moesys-{os.getuid()}-fatal-{digest}.txt"]
+
+
+def record_fatal(run_dir: Path, exit_code: int, message: str) -> bool:
     """A worker met an error that a restart would meet again: write it once (the first rank's wins), so restarted
-    workers stop at once and the CLI reports it instead of torchrun's retries."""
-    path = Path(run_dir) / FATAL
-    if not path.exists():
-        atomic_write_text(path, f"{exit_code}\n{message}\n")
+    workers stop at once and the CLI reports it instead of torchrun's retries. Returns whether a verdict is
+    recorded (False when neither place could be written)."""
+    if read_fatal(run_dir) is not None:
+        return True
+    for path in _fatal_files(run_dir):
+        try:
+            atomic_write_text(path, f"{exit_code}\n{message}\n")
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def read_fatal(run_dir: Path) -> tuple[int, str] | None:
     """(exit code, one-line message) recorded by record_fatal, or None."""
-    path = Path(run_dir) / FATAL
-    if not path.exists():
-        return None
-    code, _, message = path.read_text().partition("\n")
-    return int(code), message.strip()
+    in_run, fallback = _fatal_files(run_dir)
+    for path in (in_run, fallback):
+        try:
+            if path == fallback and path.stat().st_uid != os.getuid():  # a directory everyone writes: ours only
+                continue
+            code, _, message = path.read_text().partition("\n")
+            return int(code), message.strip()
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def clear_fatal(run_dir: Path) -> None:
     """A new launch in the directory (the user fixed the cause) starts without the old verdict."""
-    (Path(run_dir) / FATAL).unlink(missing_ok=True)
+    for path in _fatal_files(run_dir):
+        try:
+            path.unlink()
+        except (FileNotFoundError, NotADirectoryError):
+            pass

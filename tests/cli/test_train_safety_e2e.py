@@ -110,3 +110,26 @@ def test_a_serving_recipe_is_not_trained_by_accident(tmp_path):
     proc = run_moesys("train", "recipe=mixtral-8x7b", "train.run_dir=run", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "purpose=serve" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 20 MB tmpfs: room for a tiny run's config, logs and metrics, not for its first checkpoint (about 29 MB)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"a full filesystem needs a tmpfs mount, which failed here: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_stops_at_once_in_one_line_and_leaves_no_partial_checkpoint(small_filesystem):
+    proc = train(small_filesystem, "train.max_steps=10", "train.checkpoint_every=5", "train.run_dir=run")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: training stopped: No space left on device")
+    assert "run the same command again" in proc.stderr and "restarted" not in proc.stdout
+    run_dir = small_filesystem / "run"
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    assert len(list((run_dir / "logs").glob("*/attempt_*"))) <= 2  # not torchrun's three retries

@@ -14,7 +14,8 @@ import torch
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.errors import UserError
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import CONFIG, RunLock, is_run_dir, load_config, prepare_run_dir
+from runtime.run_dir import (CONFIG, RunLock, clear_fatal, is_run_dir, load_config, prepare_run_dir, read_fatal,
+                             record_fatal)
 from runtime.train.loop import train
 
 
@@ -102,3 +103,14 @@ def test_a_run_dir_in_use_is_refused_and_freed_when_its_holder_dies(tmp_path):
     first, second = RunLock(tmp_path), RunLock(tmp_path, node_rank=1)  # the nodes of one multi-node job
     first.release()
     second.release()
+
+
+def test_a_verdict_the_run_directory_cannot_take_is_recorded_beside_it_and_read_back(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.write_text("a file where the directory should be: nothing can be written in it")
+    assert read_fatal(run_dir) is None
+    assert record_fatal(run_dir, 2, "training stopped: No space left on device")
+    assert record_fatal(run_dir, 3, "a later rank's echo")  # the first verdict wins
+    assert read_fatal(run_dir) == (2, "training stopped: No space left on device")
+    clear_fatal(run_dir)
+    assert read_fatal(run_dir) is None
