@@ -112,8 +112,11 @@ def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optio
     nbytes = {e.key: files.nbytes(e.key) // files.get(e.key).element_size() * itemsize[e.key] for e in entries}
     shards = _shards(entries, nbytes, max(1, int(max_shard_gb * 1e9)))
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as exc:
+        raise _unwritable(out, exc) from None
     try:
         os.chmod(tmp, new_dir_mode())  # mkdtemp's 0700 would lock everyone else out of the renamed model
         names = _write_shards(tmp, shards, files, to_dtype, fmt)
@@ -133,12 +136,19 @@ def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optio
             out.rmdir()  # empty, checked above
         os.rename(tmp, out)
         fsync_dir(out.parent)
+    except OSError as exc:  # the checkpoint is memory-mapped already: what fails here is a write
+        raise _unwritable(out, exc) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"checkpoint": str(source.step_dir), "out": str(out), "format": fmt, "files": names,
             "tensors": len(entries), "bytes": sum(nbytes.values()),
             "checkpoint_bytes": sum(f.stat().st_size for f in source.step_dir.glob("*.safetensors")),
             "optimizer_state": any(key.startswith(f"{STATE_KEYS[0]}.") for key in files.where)}
+
+
+def _unwritable(out: Path, exc: OSError) -> ExportError:
+    return ExportError(f"cannot write out={out} ({exc.strerror or exc}); nothing was left there: make room, or "
+                       "choose another out=")
 
 
 def _write_shards(directory: Path, shards: list[list[Entry]], files, to_dtype: Optional[torch.dtype],

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.cli.conftest import FAST_TINY, losses, moesys_bin, run_moesys
+from tests.cli.conftest import FAST_TINY, losses, moesys_bin, run_moesys, tmpfs
 
 pytestmark = pytest.mark.slow
 ONE_PROC = ["topology.nproc_per_node=1", "topology.expert_parallel=1"]
@@ -115,14 +115,8 @@ def test_a_serving_recipe_is_not_trained_by_accident(tmp_path):
 @pytest.fixture
 def small_filesystem(tmp_path):
     """A 20 MB tmpfs: room for a tiny run's config, logs and metrics, not for its first checkpoint (about 29 MB)."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"a full filesystem needs a tmpfs mount, which failed here: {done.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+    with tmpfs(tmp_path / "small", "20m") as mount:
+        yield mount
 
 
 def test_a_full_disk_stops_at_once_in_one_line_and_leaves_no_partial_checkpoint(small_filesystem):
