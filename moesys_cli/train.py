@@ -13,7 +13,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moesys_cli.options import Json, Overrides
-from moesys_cli.render import console, error, print_json
+from moesys_cli.render import console, error, notice, print_json
 from moesys_cli.resolve import config_yaml, resolve_config
 from moesys_cli.slurm import submit
 from runtime.config import MoesysConfig
@@ -89,7 +89,8 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
         error(fatal[1])
         raise typer.Exit(fatal[0])
     if job.stop_signal is not None and (code != 0 or summary["stopped_early"]):
-        error(f"{_stopped(run_dir, summary['steps'])}; resume with: {resume_command}")
+        notice(f"{signal.Signals(job.stop_signal).name}: {_stopped(run_dir, summary['steps'])}; resume with: "
+               f"{resume_command}")  # asked for, so not an error; the exit status still says it was stopped
         raise typer.Exit(128 + job.stop_signal)
     if lost is not None and lost.reason:
         cause = _last_error(logs, logs_dir, cfg, launched_at)
