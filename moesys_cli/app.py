@@ -20,7 +20,7 @@ from moesys_cli import serve as serve_cmd
 from moesys_cli import train as train_cmd
 from moesys_cli.options import epilog
 from moesys_cli.render import error
-from runtime.errors import UserError
+from runtime.errors import UserError, os_reason, unwritable
 
 app = typer.Typer(
     name="moesys",
@@ -63,9 +63,16 @@ def _root(
 
 
 def main() -> None:
-    """Console entry point: library errors become one line on stderr and exit code 2."""
+    """Console entry point: library errors, and a full, read-only or forbidden filesystem met anywhere, become one
+    line on stderr and exit code 2."""
     try:
         app(standalone_mode=True)
     except UserError as exc:
         error(str(exc))
+        sys.exit(2)
+    except Exception as exc:
+        found = unwritable(exc)
+        if found is None:
+            raise
+        error(os_reason(found))
         sys.exit(2)

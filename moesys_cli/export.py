@@ -34,7 +34,8 @@ def export(args: ExportArgs = None, json_out: Json = False) -> None:
     if json_out:
         print_json(result)
         return
+    source = "the checkpoint was {} with optimizer state" if result["optimizer_state"] else "the source was {}"
     console.print(f"[bold]moesys export[/] {literal(result['checkpoint'])} -> {literal(result['out'])} "
                   f"({result['format']}): {result['tensors']} tensors, {human_bytes(result['bytes'])} in "
-                  f"{len(result['files'])} file(s); the checkpoint was {human_bytes(result['checkpoint_bytes'])} "
-                  "with optimizer state", highlight=False)
+                  f"{len(result['files'])} file(s); {source.format(human_bytes(result['checkpoint_bytes']))}",
+                  highlight=False)

@@ -3,6 +3,7 @@ and placing experts per layer within a device budget (auto), or with ring-memory
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, List, Optional
@@ -13,7 +14,7 @@ from rich.table import Table
 
 from moesys_cli.options import Json, required, split_args
 from moesys_cli.render import console, human_bytes, literal, print_json
-from runtime.errors import UserError
+from runtime.errors import UserError, os_reason
 
 InferArgs = Annotated[
     Optional[List[str]],
@@ -60,20 +61,27 @@ def infer(args: InferArgs = None, offload: Offload = None, json_out: Json = Fals
     """Generate tokens; prints prefill/decode tokens/s, where each layer's experts were, bytes read per token and
     peak memory."""
     request = parse_infer_args(args or [])
-    if report is not None and not report.resolve().parent.is_dir():  # refused before the model loads
-        raise UserError(f"--report {report}: the directory {report.resolve().parent} does not exist")
+    if report is not None:  # refused before the model loads
+        folder = report.resolve().parent
+        if not folder.is_dir():
+            raise UserError(f"--report {report}: the directory {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise UserError(f"--report {report}: the directory {folder} cannot be written; choose another file")
     from runtime.inference.generate import run_inference  # torch: loaded only by verbs that compute
 
     result = run_inference(request.checkpoint, request.overrides, request.prompts, request.prompt_ids, offload)
-    if report is not None:
-        from runtime.report.inference import write_inference_report  # matplotlib: only when asked
-
-        write_inference_report(result, report)
     if json_out:
         print_json(result)
     else:
         _render(result)
-        if report is not None:
+    if report is not None:  # after the result is shown: a report that cannot be written loses nothing else
+        from runtime.report.inference import write_inference_report  # matplotlib: only when asked
+
+        try:
+            write_inference_report(result, report)
+        except OSError as exc:
+            raise UserError(f"--report {report}: cannot write it ({os_reason(exc)}); the result is above") from None
+        if not json_out:
             console.print(f"report: {literal(report.resolve())}", highlight=False)
 
 

@@ -1,11 +1,13 @@
 """Options shared by several verbs, declared once."""
 
+import difflib
 from typing import Annotated, Any, List, Optional
 
 import typer
 import yaml
 
 from moesys_cli.resolve import available_recipes
+from runtime.config_keys import keys_meant
 from runtime.errors import UserError
 
 Overrides = Annotated[
@@ -49,7 +51,10 @@ def split_args(args: list[str], usage: str, plain: tuple[str, ...], sections: tu
             except yaml.YAMLError:
                 overrides[section][name] = value
         else:
-            raise UserError(f"unknown argument {key!r}; {usage}")
+            meant = difflib.get_close_matches(key, plain, n=2) + ([] if "." in key else keys_meant(key, sections))
+            meant = list(dict.fromkeys((aliases or {}).get(k, k) for k in meant))  # infer.prompt is prompt
+            hint = f"did you mean {', '.join(meant)}? " if meant else ""
+            raise UserError(f"unknown argument {key!r}; {hint}{usage}")
     return values, overrides
 
 

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runtime.config import ConfigError, MoesysConfig, resolve_auto, validate
+from runtime.config_keys import keys_meant
 from runtime.run_dir import expert_store_root
 from runtime.topology import detect_machine
 
@@ -60,8 +61,44 @@ def _register(extra: dict[str, Path]) -> None:
     cs.store(name="moesys_schema", node=MoesysConfig)
     paths = {p.stem: p for p in sorted(recipes_dir().glob("*.yaml"))} | extra
     for name, path in paths.items():
-        node = _auto_to_zero(yaml.safe_load(path.read_text()) or {})
+        node = _auto_to_zero(load_recipe(path))
+        if name in extra:  # a user's file: its keys checked as on the command line (ours are tested)
+            check_recipe_keys(node, path)
         cs.store(group="recipe", name=name, node=node, package="_global_")
+
+
+def load_recipe(path: Path) -> dict:
+    """A recipe file's YAML mapping; a file that cannot be read or parsed, or holds no mapping, is a one-line
+    ConfigError naming it and where it stops parsing."""
+    try:
+        node = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"recipe {path}: cannot read it ({exc.strerror or exc})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"recipe {path} is not valid YAML: {problem}{where}") from None
+    if node is None:
+        return {}
+    if not isinstance(node, dict):
+        raise ConfigError(f"recipe {path} is not a YAML mapping of config keys (it holds a {type(node).__name__})")
+    return node
+
+
+def check_recipe_keys(node: dict, path: Path, prefix: str = "") -> None:
+    """Reject an unknown key of a recipe file with check_override's message (Hydra's names neither key nor file)."""
+    for key, value in node.items():
+        if not prefix and key == "defaults":
+            continue
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            check_recipe_keys(value, path, f"{dotted}.")
+            continue
+        try:
+            check_key(dotted)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (in recipe {path})") from None
 
 
 def _auto_to_zero(node: dict) -> dict:
@@ -107,6 +144,11 @@ def check_override(override: str) -> None:
             hint = f"did you mean {', '.join(close)}? " if close else ""
             raise ConfigError(f"unknown {key} {value!r}; {hint}available: {', '.join(options)}")
         return
+    check_key(key)
+
+
+def check_key(key: str) -> None:
+    """Reject a dotted key the schema does not have, with the closest valid names."""
     cls: typing.Any = MoesysConfig
     parts = key.split(".")
     for i, part in enumerate(parts):
@@ -120,9 +162,10 @@ def check_override(override: str) -> None:
         if part not in names:
             prefix = ".".join(parts[:i])
             full = [f"{prefix}.{n}" if prefix else n for n in names]
-            close = difflib.get_close_matches(part, names, n=3)
-            hint = f"did you mean {', '.join(full[names.index(c)] for c in close)}?" if close else \
-                f"valid keys: {', '.join(full)}"
+            close = [full[names.index(c)] for c in difflib.get_close_matches(part, names, n=3)]
+            if len(parts) == 1:  # a key without its section (max_steps): the keys it names come first
+                close = keys_meant(part) or close
+            hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(full)}"
             raise ConfigError(f"unknown config key {key}; {hint}")
         cls = _field_type(cls, part)
         if typing.get_origin(cls) is typing.Union:

@@ -13,7 +13,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moesys_cli.options import Json, Overrides
-from moesys_cli.render import console, error, print_json
+from moesys_cli.render import console, error, notice, print_json
 from moesys_cli.resolve import config_yaml, resolve_config
 from moesys_cli.slurm import submit
 from runtime.config import MoesysConfig
@@ -21,8 +21,8 @@ from runtime.launch import build_launch, check_launchable, rendezvous_connect_s,
 from runtime.node_watch import LostNodeWatch
 from runtime.oom import OUT_OF_MEMORY_EXIT, OomWatch, oom_message, smallest_fix
 from runtime.process import Job, TorchrunLogs, exception_line, resume_point, worker_pids
-from runtime.run_dir import (RunLock, clear_fatal, default_run_dir, last_step_metrics, node_logs, prepare_run_dir,
-                             read_fatal, record_fatal, run_summary)
+from runtime.run_dir import (RunLock, check_run_dir, clear_fatal, default_run_dir, last_step_metrics, node_logs,
+                             prepare_run_dir, read_fatal, record_fatal, run_summary)
 from runtime.topology import host_memory_bytes
 from runtime.train.compare import recorded_plan
 from runtime.train.preflight import check_before_launch, check_plan
@@ -36,6 +36,7 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     """Train with expert + data parallelism in torchrun processes; exits with the job's status."""
     cfg = resolve_config(overrides or [])
     cfg.train.run_dir = str(Path(cfg.train.run_dir or default_run_dir(cfg)).resolve())
+    check_run_dir(cfg.train.run_dir)  # an export or a model given as train.run_dir: refused, dry run or not
     check_before_launch(cfg)  # what every worker would otherwise fail on, after torchrun's retries
     if dry_run:
         spec = build_launch(cfg, Path(cfg.train.run_dir))
@@ -60,6 +61,7 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
     (`moesys distill` writes the student's first checkpoint there)."""
     check_launchable(cfg)
     check_plan(cfg)  # a run the plan says does not fit fails later on a tier's budget or by the OOM killer
+    check_run_dir(cfg.train.run_dir)  # before the lock file is written into it
     lock = RunLock(Path(cfg.train.run_dir), cfg.launcher.node_rank)  # held until exit: one job per run directory
     run_dir = prepare_run_dir(cfg)
     if prepare is not None:
@@ -87,7 +89,8 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
         error(fatal[1])
         raise typer.Exit(fatal[0])
     if job.stop_signal is not None and (code != 0 or summary["stopped_early"]):
-        error(f"{_stopped(run_dir, summary['steps'])}; resume with: {resume_command}")
+        notice(f"{signal.Signals(job.stop_signal).name}: {_stopped(run_dir, summary['steps'])}; resume with: "
+               f"{resume_command}")  # asked for, so not an error; the exit status still says it was stopped
         raise typer.Exit(128 + job.stop_signal)
     if lost is not None and lost.reason:
         cause = _last_error(logs, logs_dir, cfg, launched_at)
@@ -118,7 +121,8 @@ def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom:
     """Show step, loss, tokens/s and expert load balance until the job ends, and say when it resumed from a
     checkpoint or torchrun restarted its workers. Returns the job's exit code, or OUT_OF_MEMORY_EXIT at once when
     the OOM killer took a worker (leaving the with-block then stops torchrun before it restarts again), or 1 once
-    a multinode job is lost on this node (torchrun is stopped: it may be blocked on the network for minutes)."""
+    a multinode job is lost on this node (torchrun is stopped: it may be blocked on the network for minutes), or 1
+    once torchrun restarts workers after one recorded an error that every restart meets again."""
     tr = cfg.train
     columns = [TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
@@ -131,7 +135,7 @@ def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom:
         resumed = resume_point(run_dir)
         if resumed and resumed[1] > 0:  # a step-0 checkpoint is a starting point (moesys distill's student)
             say(f"resumed from step {resumed[1]} ({resumed[0]})")
-        restarts, stopping = 0, None
+        restarts, stopping, fatal_at = 0, None, None
         workers, generation_restarts = frozenset(), 0  # this node's workers now, and restarts when they started
         while True:
             code = job.wait(timeout=0.5)
@@ -143,6 +147,10 @@ def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom:
                 stopping = job.stop_signal
                 say(f"{signal.Signals(stopping).name}: the workers checkpoint at the end of the step and exit "
                     "(send it again to stop at once)")
+            if fatal_at is None and read_fatal(run_dir) is not None:
+                fatal_at = logs.restarts()
+            elif fatal_at is not None and logs.restarts() > fatal_at:
+                return 1  # the failed attempt is over, and every later one stops on the verdict: do not wait for them
             if logs.restarts() > restarts and read_fatal(run_dir) is None:  # else restarts only report it
                 restarts = logs.restarts()
                 point = resume_point(run_dir)

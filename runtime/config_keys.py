@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
 import textwrap
 import types
@@ -81,3 +82,15 @@ def config_keys(cls: type = MoesysConfig, prefix: str = "") -> list[ConfigKey]:
             keys.append(ConfigKey(dotted, "|".join(choices) if choices else type_name(tp), _default(f),
                                   docs.get(f.name, "")))
     return keys
+
+
+def keys_meant(name: str, sections: tuple[str, ...] | None = None) -> list[str]:
+    """The dotted keys a key given without its section most likely meant (`max_steps`: train.max_steps), among the
+    keys of `sections` (all when None): those whose last part is `name`, else those whose last part is closest in
+    spelling; at most three."""
+    keys = [k.key for k in config_keys() if sections is None or k.key.split(".")[0] in sections]
+    exact = [k for k in keys if k.rpartition(".")[2] == name]
+    if exact:
+        return exact[:3]
+    close = difflib.get_close_matches(name, sorted({k.rpartition(".")[2] for k in keys}), n=3)
+    return [k for c in close for k in keys if k.rpartition(".")[2] == c][:3]

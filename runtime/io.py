@@ -45,7 +45,8 @@ def fsync_dir(path: Path) -> None:
 @contextmanager
 def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
     """A binary file to write (and seek in) that becomes `path` only when the block ends without an exception;
-    streaming writers use it to write a large file piece by piece with the same guarantee."""
+    streaming writers use it to write a large file piece by piece with the same guarantee. A failed write leaves
+    no temporary file, and an OSError that names no file (a write on a full disk) is raised naming `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -56,6 +57,11 @@ def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

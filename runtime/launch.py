@@ -1,6 +1,7 @@
 """Resolved config + run directory -> the torchrun command line (local, multinode) or an sbatch script (SLURM).
 
-Workers are started as `torchrun ... -m runtime.train.worker RUN_DIR`; they read RUN_DIR/config.yaml.
+Workers are started as `torchrun ... --no-python PYTHON -u -c SAFE_RUN runtime.train.worker RUN_DIR` (the worker module,
+with the working directory off sys.path); they read RUN_DIR/config.yaml.
 A SLURM job is submitted and left to the scheduler (`submit_slurm`): nothing here follows it.
 """
 
@@ -28,6 +29,11 @@ from runtime.io import atomic_write_text
 from runtime.run_dir import node_logs
 
 WORKER_MODULE = "runtime.train.worker"
+SAFE_RUN = ('import runpy, sys; sys.path[:1] == [""] and sys.path.pop(0); '
+            'runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)')
+"""`python -c SAFE_RUN MODULE ARGS...` runs MODULE as `python -m MODULE ARGS...` does, without the working directory
+on sys.path: -m and -c put it first, so a runtime/ folder there would be imported instead of the installed moesys
+(Python 3.11's -P does this; 3.10 has no such flag). PYTHONPATH and site-packages stay as they are."""
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """torchrun's workers then get a new TCP store from rank 0 every rendezvous round (see multinode_env)."""
 JOIN_TIMEOUT_MIN_S = 60
@@ -163,9 +169,14 @@ def processes_per_node(cfg: MoesysConfig) -> int:
     return cfg.topology.nproc_per_node
 
 
+def worker_command(run_dir: Path) -> list[str]:
+    """torchrun's arguments that start one worker: this Python, unbuffered, running WORKER_MODULE through SAFE_RUN."""
+    return ["--no-python", sys.executable, "-u", "-c", SAFE_RUN, WORKER_MODULE, str(run_dir)]
+
+
 def build_launch(cfg: MoesysConfig, run_dir: Path) -> LaunchSpec:
     launcher, nproc = cfg.launcher, processes_per_node(cfg)
-    worker = ["-m", WORKER_MODULE, str(run_dir)]
+    worker = worker_command(run_dir)
     common = [f"--nproc_per_node={nproc}", f"--max_restarts={cfg.train.max_restarts}",
               f"--log_dir={node_logs(run_dir, cfg)}", "--redirects=3"]
     if launcher.name == "local":
@@ -211,7 +222,7 @@ def slurm_script(cfg: MoesysConfig, run_dir: Path, nproc: int) -> str:
         f"srun {torchrun} --nnodes=\"$SLURM_NNODES\" --nproc_per_node={nproc} "
         f"--max_restarts={cfg.train.max_restarts} --rdzv_backend=c10d "
         f"--rdzv_endpoint=\"$head_node:{launcher.master_port}\" --rdzv_id=\"$SLURM_JOB_ID\" "
-        f"-m {WORKER_MODULE} {shlex.quote(str(run_dir))}",
+        f"{shlex.join(worker_command(run_dir))}",
     ]
     return "\n".join(lines) + "\n"
 

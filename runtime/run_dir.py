@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +24,10 @@ CHECKPOINTS = "checkpoints"
 LOGS = "logs"
 EXPERT_STORE = "expert_store"
 FATAL = "fatal_error.txt"
+RUN_MARKS = (LOGS, CHECKPOINTS, METRICS)
+"""What `moesys train` writes beside its config.yaml; a directory with the config and one of these is a run."""
+MODEL_FILES = ("config.json", "meta.json")
+"""Files at the top of a model directory (a moesys export, a Hugging Face model), never at the top of a run."""
 
 
 def default_run_dir(cfg: MoesysConfig) -> Path:
@@ -43,14 +49,46 @@ def expert_store_root(cfg: MoesysConfig) -> Path:
     return Path(cfg.train.run_dir or default_run_dir(cfg)).resolve() / EXPERT_STORE
 
 
+def model_files(path: Path) -> list[str]:
+    """The names at the top of `path` that only a model directory holds (its config.json or meta.json, its
+    safetensors files), sorted; empty for a run directory, or when `path` cannot be listed."""
+    try:
+        names = sorted(p.name for p in Path(path).iterdir())
+    except OSError:
+        return []
+    return [n for n in names if n in MODEL_FILES or n.endswith(".safetensors")]
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """Whether `path` is a moesys run directory: the config.yaml `moesys train` writes, with its logs, checkpoints or
+    metrics beside it, and no model files of its own (a moesys export also holds a config.yaml)."""
+    path = Path(path)
+    return (path / CONFIG).is_file() and any((path / m).exists() for m in RUN_MARKS) and not model_files(path)
+
+
+def check_run_dir(path: str | Path) -> None:
+    """Refuse, before anything is written, a train.run_dir that exists and holds a model or a config but is not a
+    run directory (a moesys export, a Hugging Face model): training there would replace its config.yaml and mix a
+    run into the model. A new, empty or unrelated directory, or a run directory (a resume), is fine."""
+    path = Path(path)
+    if not path.is_dir() or is_run_dir(path):
+        return
+    found = model_files(path) + ([CONFIG] if (path / CONFIG).exists() else [])
+    if found:
+        raise UserError(f"train.run_dir={path} holds a model or a config ({', '.join(sorted(found))}) and is not a "
+                        "moesys run directory; training there would overwrite it: choose a new train.run_dir")
+
+
 def prepare_run_dir(cfg: MoesysConfig) -> Path:
     """Create the run directory (absolute) and write the resolved config the workers will read. A directory that
-    holds a checkpoint is left untouched unless `cfg`'s model fits that checkpoint (a resume). A directory that
-    cannot be made or written is a UserError naming train.run_dir."""
+    holds a model or config of something other than a run is refused (check_run_dir); one that holds a checkpoint
+    is left untouched unless `cfg`'s model fits that checkpoint (a resume). A directory that cannot be made or
+    written is a UserError naming train.run_dir."""
     from runtime.train.checkpoint import check_fits, latest_checkpoint  # it names its files after this module's
 
     run_dir = Path(cfg.train.run_dir or default_run_dir(cfg)).resolve()
     cfg.train.run_dir = str(run_dir)
+    check_run_dir(run_dir)
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
         try:
@@ -165,23 +203,46 @@ class RunLock:
         self._file.close()
 
 
-def record_fatal(run_dir: Path, exit_code: int, message: str) -> None:
+def _fatal_files(run_dir: Path) -> list[Path]:
+    """RUN_DIR/fatal_error.txt, then where a verdict goes when the run directory cannot take it (a full or read-only
+    filesystem): a file of this user's in the machine's temporary directory, named after the run directory."""
+    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return [Path(run_dir) / FATAL, Path(tempfile.gettempdir()) / f"moesys-{os.getuid()}-fatal-{digest}.txt"]
+
+
+def record_fatal(run_dir: Path, exit_code: int, message: str) -> bool:
     """A worker met an error that a restart would meet again: write it once (the first rank's wins), so restarted
-    workers stop at once and the CLI reports it instead of torchrun's retries."""
-    path = Path(run_dir) / FATAL
-    if not path.exists():
-        atomic_write_text(path, f"{exit_code}\n{message}\n")
+    workers stop at once and the CLI reports it instead of torchrun's retries. Returns whether a verdict is
+    recorded (False when neither place could be written)."""
+    if read_fatal(run_dir) is not None:
+        return True
+    for path in _fatal_files(run_dir):
+        try:
+            atomic_write_text(path, f"{exit_code}\n{message}\n")
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def read_fatal(run_dir: Path) -> tuple[int, str] | None:
     """(exit code, one-line message) recorded by record_fatal, or None."""
-    path = Path(run_dir) / FATAL
-    if not path.exists():
-        return None
-    code, _, message = path.read_text().partition("\n")
-    return int(code), message.strip()
+    in_run, fallback = _fatal_files(run_dir)
+    for path in (in_run, fallback):
+        try:
+            if path == fallback and path.stat().st_uid != os.getuid():  # a directory everyone writes: ours only
+                continue
+            code, _, message = path.read_text().partition("\n")
+            return int(code), message.strip()
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def clear_fatal(run_dir: Path) -> None:
     """A new launch in the directory (the user fixed the cause) starts without the old verdict."""
-    (Path(run_dir) / FATAL).unlink(missing_ok=True)
+    for path in _fatal_files(run_dir):
+        try:
+            path.unlink()
+        except (FileNotFoundError, NotADirectoryError):
+            pass

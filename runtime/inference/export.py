@@ -26,7 +26,7 @@ from typing import Iterator, Optional
 import torch
 import yaml
 
-from runtime.checkpoint_format import MODEL, tensor_key
+from runtime.checkpoint_format import FILES, MODEL, STATE_KEYS, missing_tensor, tensor_key
 from runtime.config import MoesysConfig, config_to_dict
 from runtime.errors import UserError
 from runtime.inference.hf_mixtral import INDEX, config_to_hf, hf_tensor_names
@@ -107,13 +107,16 @@ def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optio
     entries = _entries(cfg, fmt)
     missing = [e.key for e in entries if e.key not in files]
     if missing:
-        raise ExportError(f"{source.step_dir}: no tensor {missing[0]}; was it written by a different model config?")
+        raise missing_tensor(source.step_dir, missing[0])
     itemsize = {e.key: (to_dtype or files.get(e.key).dtype).itemsize for e in entries}
     nbytes = {e.key: files.nbytes(e.key) // files.get(e.key).element_size() * itemsize[e.key] for e in entries}
     shards = _shards(entries, nbytes, max(1, int(max_shard_gb * 1e9)))
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as exc:
+        raise _unwritable(out, exc) from None
     try:
         os.chmod(tmp, new_dir_mode())  # mkdtemp's 0700 would lock everyone else out of the renamed model
         names = _write_shards(tmp, shards, files, to_dtype, fmt)
@@ -126,17 +129,26 @@ def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optio
         else:
             atomic_write_text(tmp / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
             atomic_write_json(tmp / "meta.json", {"step": _step(source.step_dir), "exported_from":
-                                                  str(source.step_dir.resolve()), "format": "moesys-export"})
+                                                  str(source.step_dir.resolve()), "format": "moesys-export",
+                                                  FILES: names})
         fsync_dir(tmp)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.rename(tmp, out)
         fsync_dir(out.parent)
+    except OSError as exc:  # the checkpoint is memory-mapped already: what fails here is a write
+        raise _unwritable(out, exc) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"checkpoint": str(source.step_dir), "out": str(out), "format": fmt, "files": names,
             "tensors": len(entries), "bytes": sum(nbytes.values()),
-            "checkpoint_bytes": sum(f.stat().st_size for f in source.step_dir.glob("*.safetensors"))}
+            "checkpoint_bytes": sum(f.stat().st_size for f in source.step_dir.glob("*.safetensors")),
+            "optimizer_state": any(key.startswith(f"{STATE_KEYS[0]}.") for key in files.where)}
+
+
+def _unwritable(out: Path, exc: OSError) -> ExportError:
+    return ExportError(f"cannot write out={out} ({exc.strerror or exc}); nothing was left there: make room, or "
+                       "choose another out=")
 
 
 def _write_shards(directory: Path, shards: list[list[Entry]], files, to_dtype: Optional[torch.dtype],

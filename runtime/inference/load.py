@@ -27,7 +27,7 @@ from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
 from runtime.moe.layer import is_expert_param
 from runtime.run_dir import CHECKPOINTS, CONFIG
-from runtime.checkpoint_format import MODEL, latest_checkpoint, tensor_key
+from runtime.checkpoint_format import MODEL, check_complete, latest_checkpoint, missing_tensor, tensor_key
 from runtime.page_cache import evict
 from runtime.tensorfile import verify
 from runtime.train.tokenizer import ByteTokenizer
@@ -146,6 +146,7 @@ def read_moesys(path: Path) -> MoesysCheckpoint:
     if kind != "moesys":
         raise InferError(f"checkpoint={path}: a Hugging Face directory, not a moesys run or step directory")
     step, data = _moesys_step_dir(path)
+    check_complete(step)  # a deleted file is named, not reported as the first tensor it held
     try:
         cfg = config_from_dict(data)
     except ConfigError as exc:
@@ -175,7 +176,7 @@ def open_moesys(path: Path, dtype: Optional[torch.dtype] = None, device: torch.d
             continue
         key = tensor_key(MODEL, name)
         if key not in files:
-            raise InferError(f"{step}: no tensor {key}; was it written by a different model config?")
+            raise missing_tensor(step, key)
         state[name] = _shape_checked(files.get(key), param, name, step)
     layers = []
     for prefix in _expert_prefixes(model):
@@ -186,7 +187,7 @@ def open_moesys(path: Path, dtype: Optional[torch.dtype] = None, device: torch.d
             keys = [tensor_key(MODEL, f"{prefix}.{wname}", g) for g in range(param.shape[0])]
             missing = [k for k in keys if k not in files]
             if missing:
-                raise InferError(f"{step}: no tensor {missing[0]}; was it written by a different model config?")
+                raise missing_tensor(step, missing[0])
             weights[wname] = [_shape_checked(files.get(k), param[0], k, step) for k in keys]
         layers.append(weights)
     model.load_state_dict({k: copy_to(v, device, dtype) for k, v in state.items()}, strict=False, assign=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import UserError
-from runtime.run_dir import CONFIG, LOCK, METRICS, read_metrics
+from runtime.run_dir import CONFIG, LOCK, METRICS, is_run_dir, model_files, read_metrics
 from runtime.train.decided import PLAN
 
 
@@ -101,9 +101,11 @@ def start_marks(steps: list[dict]) -> list[StartMark]:
 def read_run(run_dir: str | Path) -> RunData:
     """A run directory's data; UserError when `run_dir` is not one."""
     run_dir = Path(run_dir)
-    if not (run_dir / CONFIG).exists() and not (run_dir / METRICS).exists():
-        raise UserError(f"{run_dir} is not a run directory (no {CONFIG} or {METRICS}); pass the train.run_dir of a "
-                        "moesys train run, or a moesys infer --json file")
+    if not is_run_dir(run_dir):
+        found = model_files(run_dir)
+        why = f"it holds a model: {', '.join(found)}" if found else f"no {CONFIG} with logs/, checkpoints/ or {METRICS}"
+        raise UserError(f"{run_dir} is not a run directory ({why}); pass the train.run_dir of a moesys train run, or "
+                        "a moesys infer --json file")
     by_step: dict[int, dict] = {}
     rank_lines = []
     for record in read_metrics(run_dir):

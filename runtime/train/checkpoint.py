@@ -23,8 +23,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from runtime.checkpoint_format import (MODEL, STATE_KEYS, CheckpointError, CheckpointReader, latest_checkpoint,
-                                       read_meta, tensor_key)
+from runtime.checkpoint_format import (FILES, MODEL, PARTIAL, STATE_KEYS, CheckpointError, CheckpointReader,
+                                       latest_checkpoint, read_meta, tensor_files, tensor_key)
 from runtime.config import MoesysConfig
 from runtime.io import atomic_write_json, atomic_write_text, fsync_dir
 from runtime.moe.layer import is_expert_param
@@ -110,7 +110,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     the model parameters it holds (part.held_params) are left to it."""
     root = Path(run_dir) / CHECKPOINTS
     name = f"step_{step:08d}"
-    tmp = root / f".tmp-{name}"
+    tmp = root / f"{PARTIAL}{name}"
     if groups.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -145,11 +145,12 @@ def checkpoint_meta(step: int, world_size: int, expert_parallel: int, cfg: Moesy
 
 
 def commit_checkpoint(tmp: Path, meta: dict) -> Path:
-    """Make the written directory `tmp` (CHECKPOINTS/.tmp-NAME) the checkpoint NAME: meta.json last, fsync, rename
-    over any earlier one of that name, then `latest`. A crash before the rename leaves only a .tmp- directory."""
-    root, name = tmp.parent, tmp.name.removeprefix(".tmp-")
+    """Make the written directory `tmp` (CHECKPOINTS/.tmp-NAME) the checkpoint NAME: meta.json last (with the list
+    of its tensor files), fsync, rename over any earlier one of that name, then `latest`. A crash before the rename
+    leaves only a .tmp- directory."""
+    root, name = tmp.parent, tmp.name.removeprefix(PARTIAL)
     final = root / name
-    atomic_write_json(tmp / "meta.json", meta)
+    atomic_write_json(tmp / "meta.json", {**meta, FILES: tensor_files(tmp)})
     fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

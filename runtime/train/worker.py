@@ -13,7 +13,8 @@ AGENT_PID = os.getppid()  # read before the imports below (seconds), so an agent
 import torch  # noqa: E402
 import torch.distributed as dist
 
-from runtime.errors import JobError, UserError
+from runtime.checkpoint_format import remove_partial_checkpoints
+from runtime.errors import JobError, UserError, os_reason, unwritable
 from runtime.oom import OUT_OF_MEMORY_EXIT, OutOfMemory, cuda_oom_message
 from runtime.io import atomic_write_json
 from runtime.parallel.groups import build_groups
@@ -79,6 +80,25 @@ def main(argv: list[str] | None = None) -> int:
         record_fatal(run_dir, code, str(exc))
         print(f"error: {exc}", file=sys.stderr)
         return code
+    except Exception as exc:
+        found = unwritable(exc)
+        if found is None:
+            raise  # torchrun restarts the workers: it may not happen again
+        return _stop_unwritable(run_dir, found)
+
+
+def _stop_unwritable(run_dir: Path, exc: OSError) -> int:
+    """A full, read-only or forbidden filesystem, which a restart meets again: recorded as fatal, so that every rank
+    and restart stops at once, and the checkpoint being written is removed (on a full disk where no other place
+    takes the record, first: it frees the room the record needs)."""
+    message = (f"training stopped: {os_reason(exc)}; free space there or make it writable, then run the same "
+               "command again: it resumes from the last checkpoint")
+    recorded = record_fatal(run_dir, 2, message)
+    remove_partial_checkpoints(run_dir)
+    if not recorded:
+        record_fatal(run_dir, 2, message)
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 def run(run_dir: Path) -> int:

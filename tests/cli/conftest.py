@@ -6,7 +6,9 @@ import json
 import os
 import shutil
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -28,3 +30,28 @@ def run_moesys(*args: str, cwd: Path | None = None, timeout: float = 300) -> sub
 def losses(run_dir: Path) -> list[float]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["loss"] for line in lines if line.strip()]
+
+
+@contextmanager
+def tmpfs(path: Path, size: str, *options: str) -> Iterator[Path]:
+    """A real small (or read-only, options "ro") filesystem mounted at `path` for the block; skips the test where
+    mounting needs a privilege this process lacks."""
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={size}", *options]), "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"a full or read-only filesystem needs a tmpfs mount, which failed here: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill(path: Path) -> None:
+    """Write a file into `path` until its filesystem has no space left."""
+    with open(path / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+        except OSError:
+            pass

@@ -46,6 +46,16 @@ def test_a_bad_key_is_one_line_exit_2():
     assert "model.num_experts" in out.stderr and "Traceback" not in out.stderr
 
 
+
+def test_a_recipe_file_that_does_not_parse_is_one_line_exit_2(tmp_path):
+    (tmp_path / "bad.yaml").write_text("model:\n  hidden_size: [64\n")
+    for verb in (["config"], ["train", "--dry-run"]):
+        out = run_moesys(*verb, f"recipe={tmp_path / 'bad.yaml'}")
+        assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+            f"error: recipe {tmp_path / 'bad.yaml'} is not valid YAML: expected ',' or ']', but got '<stream end>' at "
+            "line 3, column 1"], out.stderr
+
+
 @pytest.mark.parametrize("verb", ["plan", "train", "infer", "rebalance", "bench", "config"])
 def test_help_points_to_the_keys_and_lists_the_recipes(verb):
     out = run_moesys(verb, "--help")

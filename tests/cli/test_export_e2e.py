@@ -80,6 +80,21 @@ def test_hf_export_loads_in_transformers_with_the_same_logits_and_tokens(run, tm
     assert (half / "model.safetensors").stat().st_size < sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1.9
 
 
+def test_training_into_an_export_is_refused_and_leaves_it_servable(run, tmp_path):
+    """Both formats given as train.run_dir: one line before anything is written; exporting an export says it had no
+    optimizer state to leave out."""
+    for fmt in ("moesys", "hf"):
+        assert run_moesys("export", f"checkpoint={run}", f"out={tmp_path / fmt}",
+                          f"export.format={fmt}").returncode == 0
+        before = {p.name: p.read_bytes() for p in (tmp_path / fmt).iterdir()}
+        refused = run_moesys("train", *FAST_TINY, "train.max_steps=3", f"train.run_dir={tmp_path / fmt}")
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert "is not a moesys run directory" in refused.stderr and "choose a new train.run_dir" in refused.stderr
+        assert {p.name: p.read_bytes() for p in (tmp_path / fmt).iterdir()} == before
+    again = run_moesys("export", f"checkpoint={tmp_path / 'moesys'}", f"out={tmp_path / 'again'}")
+    assert again.returncode == 0 and "optimizer state" not in again.stdout and "the source was" in again.stdout
+
+
 def test_export_streams_tensor_by_tensor_and_a_gpt_style_model_refuses_hf(tmp_path):
     """A 400 MB checkpoint (GPT-style: gelu experts) exported by a process whose anonymous memory grows by far less
     than that; asked for the hf layout, the CLI refuses in one line and writes nothing."""

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from moesys_cli.infer import infer, parse_infer_args
 from runtime.errors import UserError
+from tests.cli.conftest import fill, run_moesys, tmpfs
 from tests.trained_run import train_run_dir
 
 # the real app and main(); registers `infer` there unless the app already has it
@@ -72,7 +73,10 @@ def test_parse_infer_args():
     assert r.overrides == {"temperature": 0.5, "top_k": 4}
     for bad, message in [(["prompt=x"], "no checkpoint"), (["checkpoint=/x", "model.hidden_size=4"], "unknown"),
                          (["checkpoint=/x", "prompt_ids=abc"], "not a list of token ids"),
-                         (["checkpoint=/x", "oops"], "not key=value")]:
+                         (["checkpoint=/x", "oops"], "not key=value"),
+                         (["checkpoint=/x", "max_new_tokens=4"], "unknown argument 'max_new_tokens'; did you mean "
+                                                                 "infer.max_new_tokens?"),
+                         (["checkpoint=/x", "promt=a"], "unknown argument 'promt'; did you mean prompt, prompt_ids?")]:
         with pytest.raises(UserError, match=message):
             parse_infer_args(bad)
 
@@ -119,3 +123,20 @@ def test_infer_uses_every_usable_cpu_unless_omp_num_threads_is_set(run_dir, monk
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_report_or_export_that_cannot_be_written_is_one_line_and_the_generated_text_is_printed_first(run_dir,
+                                                                                                        tmp_path):
+    with tmpfs(tmp_path / "full", "1m") as full, tmpfs(tmp_path / "ro", "1m", "ro") as read_only:
+        fill(full)
+        report = full / "r.html"
+        infer = run_moesys("infer", f"checkpoint={run_dir}", "prompt=hi", "infer.max_new_tokens=2", "--report",
+                           str(report))
+        assert infer.returncode == 2 and "\n0: '" in infer.stdout  # the generated text: the work is not lost
+        assert infer.stderr.strip().splitlines() == [f"error: --report {report}: cannot write it (No space left on "
+                                                     f"device: {report}); the result is above"]
+        for out, reason in ((full / "x", "No space left on device"), (read_only / "x", "Read-only file system")):
+            export = run_moesys("export", f"checkpoint={run_dir}", f"out={out}")
+            assert export.returncode == 2 and export.stderr.strip().splitlines() == [
+                f"error: cannot write out={out} ({reason}); nothing was left there: make room, or choose another out="]
+        assert [p.name for p in full.iterdir()] == ["filler"] and not list(read_only.iterdir())

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from moesys_cli.resolve import resolve_config
-from runtime.launch import WORKER_MODULE, build_launch, torchrun_prefix
+from runtime.launch import SAFE_RUN, WORKER_MODULE, build_launch, torchrun_prefix
 from tests.cli.conftest import FAST_TINY, losses, run_moesys
 
 
@@ -13,7 +16,8 @@ def test_local_launch_is_one_standalone_node(tmp_path):
     cfg = resolve_config(["recipe=tiny", "train.max_restarts=5"])
     spec = build_launch(cfg, tmp_path)
     assert spec.argv == [*torchrun_prefix(), "--standalone", "--nnodes=1", "--nproc_per_node=2", "--max_restarts=5",
-                         f"--log_dir={tmp_path / 'logs'}", "--redirects=3", "-m", WORKER_MODULE, str(tmp_path)]
+                         f"--log_dir={tmp_path / 'logs'}", "--redirects=3", "--no-python", sys.executable, "-u", "-c",
+                         SAFE_RUN, WORKER_MODULE, str(tmp_path)]
 
 
 def test_multinode_launch_uses_c10d_rendezvous(tmp_path):
@@ -25,7 +29,7 @@ def test_multinode_launch_uses_c10d_rendezvous(tmp_path):
                                                  "--rdzv_id=moesys",
                                                  "--rdzv_conf=is_host=false,join_timeout=300,read_timeout=300"]
     assert f"--log_dir={tmp_path / 'logs' / 'node2'}" in argv  # the nodes share the run directory
-    assert argv[-3:] == ["-m", WORKER_MODULE, str(tmp_path)]
+    assert argv[-7:] == ["--no-python", sys.executable, "-u", "-c", SAFE_RUN, WORKER_MODULE, str(tmp_path)]
 
 
 def test_slurm_script_runs_srun_torchrun_on_every_node(tmp_path):
@@ -35,8 +39,26 @@ def test_slurm_script_runs_srun_torchrun_on_every_node(tmp_path):
     assert "#SBATCH --nodes=2" in spec.script and "#SBATCH --gpus-per-node=8" in spec.script
     assert "#SBATCH --partition=a100" in spec.script
     srun = [line for line in spec.script.splitlines() if line.startswith("srun ")][0]
-    assert "--nproc_per_node=8" in srun and "--rdzv_backend=c10d" in srun and f"-m {WORKER_MODULE}" in srun
+    assert "--nproc_per_node=8" in srun and "--rdzv_backend=c10d" in srun and f"-c '{SAFE_RUN}' {WORKER_MODULE}" in srun
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in spec.script  # a fresh store every round
+
+
+def shadowing_package(directory: Path) -> Path:
+    """A runtime/ package in `directory` that fails when imported, as any other project's runtime/ would."""
+    for package in (directory / "runtime", directory / "runtime" / "train"):
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text("raise SystemExit('imported the working directory\\'s runtime/')\n")
+    return directory
+
+
+def test_the_worker_program_ignores_a_runtime_folder_in_the_working_directory_and_keeps_pythonpath(tmp_path):
+    cwd = shadowing_package(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))  # this checkout's moesys
+    plain = subprocess.run([sys.executable, "-m", "runtime.errors"], cwd=cwd, env=env, capture_output=True, text=True)
+    assert "imported the working directory's runtime/" in plain.stderr  # what -m does
+    safe = subprocess.run([sys.executable, "-c", SAFE_RUN, "runtime.launch"], cwd=cwd, env=env, capture_output=True,
+                          text=True)
+    assert safe.returncode == 0, safe.stderr
 
 
 def test_dry_run_prints_config_and_command_and_runs_nothing(tmp_path):
@@ -52,7 +74,9 @@ def test_train_on_user_text_and_bad_data_path(tmp_path):
     text = tmp_path / "mine.txt"
     text.write_text("moesys trains on the text files you give it. " * 200)
     run_dir = tmp_path / "run"
-    out = run_moesys("train", *FAST_TINY, f"train.data={text}", "train.max_steps=3", f"train.run_dir={run_dir}")
+    cwd = shadowing_package(tmp_path / "project")  # the workers import the installed moesys wherever it starts
+    out = run_moesys("train", *FAST_TINY, f"train.data={text}", "train.max_steps=3", f"train.run_dir={run_dir}",
+                     cwd=cwd)
     assert out.returncode == 0, out.stderr
     assert len(losses(run_dir)) == 3
     bad = run_moesys("train", "recipe=tiny", f"train.data={tmp_path / 'missing.txt'}")

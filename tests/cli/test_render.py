@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from moesys_cli.render import error
 from tests.cli.conftest import run_moesys
@@ -31,3 +33,12 @@ def test_rebalance_prints_a_run_directory_with_brackets(tmp_path):
     out = run_moesys("rebalance", "recipe=ufo-multitask", "--from-run", str(run))
     assert out.returncode == 0, out.stderr
     assert "run[/bold]" in out.stdout.replace("\n", "").replace(" ", "")
+
+
+def test_a_full_disk_met_where_no_verb_expected_it_is_one_line_exit_2():
+    script = ("import errno, sys\nfrom moesys_cli import app as m\n"
+              "@m.app.command('fill')\ndef fill():\n"
+              "    raise RuntimeError('write failed') from OSError(errno.ENOSPC, 'No space left on device', '/d/[x]')\n"
+              "sys.argv = ['moesys', 'fill']\nm.main()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr == "error: No space left on device: /d/[x]\n", done.stderr

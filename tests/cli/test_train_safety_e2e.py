@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.cli.conftest import FAST_TINY, losses, moesys_bin, run_moesys
+from tests.cli.conftest import FAST_TINY, losses, moesys_bin, run_moesys, tmpfs
 
 pytestmark = pytest.mark.slow
 ONE_PROC = ["topology.nproc_per_node=1", "topology.expert_parallel=1"]
@@ -110,3 +110,20 @@ def test_a_serving_recipe_is_not_trained_by_accident(tmp_path):
     proc = run_moesys("train", "recipe=mixtral-8x7b", "train.run_dir=run", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "purpose=serve" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 20 MB tmpfs: room for a tiny run's config, logs and metrics, not for its first checkpoint (about 29 MB)."""
+    with tmpfs(tmp_path / "small", "20m") as mount:
+        yield mount
+
+
+def test_a_full_disk_stops_at_once_in_one_line_and_leaves_no_partial_checkpoint(small_filesystem):
+    proc = train(small_filesystem, "train.max_steps=10", "train.checkpoint_every=5", "train.run_dir=run")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: training stopped: No space left on device")
+    assert "run the same command again" in proc.stderr and "restarted" not in proc.stdout
+    run_dir = small_filesystem / "run"
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    assert len(list((run_dir / "logs").glob("*/attempt_*"))) <= 2  # not torchrun's three retries

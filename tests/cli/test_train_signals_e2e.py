@@ -77,6 +77,9 @@ def test_a_stop_signal_to_the_command_alone_checkpoints_stops_and_resumes(tmp_pa
     assert stopped_at <= 20, "the workers trained on after the signal"
     ckpt = latest_checkpoint(run_dir)
     assert ckpt is not None and int(ckpt.name.split("_")[1]) == stopped_at
+    stop = [line for line in err.splitlines() if "resume with: " in line]
+    assert len(stop) == 1 and stop[0].startswith(f"{sig.name}: stopped at step {stopped_at} with checkpoint ")
+    assert not [line for line in err.splitlines() if line.startswith("error")]  # a stop the user asked for
     command = shlex.split(err.rsplit("resume with: ", 1)[1].strip())
     assert command[:2] == ["moesys", "train"]
     assert [a for a in command if "train.run_dir=" in a] == [f"train.run_dir={run_dir}"]

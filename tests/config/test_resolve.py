@@ -67,6 +67,7 @@ def test_topology_local_measures_this_machine():
 @pytest.mark.parametrize("overrides,message", [
     (["model.num_expert=4"], "unknown config key model.num_expert; did you mean model.num_experts"),
     (["trian.lr=1"], "unknown config key trian.lr; did you mean train"),
+    (["max_steps=4"], "unknown config key max_steps; did you mean train.max_steps?"),
     (["recipe=gpt-moe-14b"], "unknown recipe 'gpt-moe-14b'; did you mean gpt-moe-104b, gpt-moe-13b"),
     (["model=gpt"], "unknown model 'gpt'"),
     (["model.top_k=9"], "model.top_k=9 exceeds model.num_experts=8"),
@@ -91,6 +92,24 @@ def test_bad_input_is_one_clear_line(overrides, message):
         resolve_config(overrides)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_recipe_file_with_a_typo_gets_the_command_lines_message_and_one_that_does_not_parse_is_named(tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("# @package _global_\nrecipe: mine\nmodel:\n  hiden_size: 64\ntasks:\n  a: {batch_size: 4}\n")
+    with pytest.raises(ConfigError) as on_command_line:
+        resolve_config(["model.hiden_size=64"])
+    with pytest.raises(ConfigError) as in_file:
+        resolve_config([f"recipe={recipe}"])
+    assert str(in_file.value) == f"{on_command_line.value} (in recipe {recipe})"
+    assert "did you mean model.hidden_size" in str(in_file.value)
+    for text, message in (("model:\n  hidden_size: [64\n", "is not valid YAML: expected ',' or ']', but got "
+                                                          "'<stream end>' at line 3, column 1"),
+                          ("- model\n", "is not a YAML mapping of config keys (it holds a list)")):
+        recipe.write_text(text)
+        with pytest.raises(ConfigError) as err:
+            resolve_config([f"recipe={recipe}"])
+        assert str(err.value) == f"recipe {recipe} {message}"
 
 
 def test_validation_reports_every_problem_at_once():

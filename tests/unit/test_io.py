@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -28,3 +29,12 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
             f.write(b"half")
             raise RuntimeError("killed mid-write")
     assert target.read_text() == "old" and os.listdir(tmp_path) == ["config.yaml"]
+
+
+def test_a_write_error_without_a_file_name_is_raised_naming_the_target(tmp_path):
+    target = tmp_path / "dense.safetensors"
+    with pytest.raises(OSError) as exc:
+        with atomic_file(target):
+            raise OSError(errno.ENOSPC, "No space left on device")  # what f.write raises on a full disk
+    assert exc.value.errno == errno.ENOSPC and exc.value.filename == str(target)
+    assert os.listdir(tmp_path) == []

@@ -14,7 +14,8 @@ import torch
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.errors import UserError
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import CONFIG, RunLock, load_config, prepare_run_dir
+from runtime.run_dir import (CONFIG, RunLock, clear_fatal, is_run_dir, load_config, prepare_run_dir, read_fatal,
+                             record_fatal)
 from runtime.train.loop import train
 
 
@@ -32,6 +33,26 @@ def test_an_unwritable_run_dir_is_a_user_error(tmp_path):
     cfg.train.run_dir = str(tmp_path / "file" / "run")
     with pytest.raises(UserError, match="cannot write the run directory .*; set train.run_dir"):
         prepare_run_dir(cfg)
+
+
+@pytest.mark.parametrize("files", [("config.yaml", "meta.json", "model.safetensors"),  # a moesys export
+                                   ("config.json", "model.safetensors"),  # a Hugging Face model
+                                   ("config.yaml",)], ids=["moesys-export", "hf", "config-only"])
+def test_a_directory_holding_a_model_or_a_config_is_refused_before_anything_is_written(tmp_path, files):
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in files:
+        (model / name).write_text(name)
+    cfg = MoesysConfig()
+    cfg.train.run_dir = str(model)
+    with pytest.raises(UserError, match=r"train.run_dir=.*model holds a model or a config \(.*\) and is not a moesys "
+                                        r"run directory; .*choose a new train.run_dir"):
+        prepare_run_dir(cfg)
+    assert sorted(p.name for p in model.iterdir()) == sorted(files)
+    assert all((model / name).read_text() == name for name in files)
+    (tmp_path / "empty").mkdir()
+    cfg.train.run_dir = str(tmp_path / "empty")
+    assert is_run_dir(prepare_run_dir(cfg))  # an empty directory becomes a run directory, and stays one
 
 
 def trained(tmp_path) -> MoesysConfig:
@@ -82,3 +103,14 @@ def test_a_run_dir_in_use_is_refused_and_freed_when_its_holder_dies(tmp_path):
     first, second = RunLock(tmp_path), RunLock(tmp_path, node_rank=1)  # the nodes of one multi-node job
     first.release()
     second.release()
+
+
+def test_a_verdict_the_run_directory_cannot_take_is_recorded_beside_it_and_read_back(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.write_text("a file where the directory should be: nothing can be written in it")
+    assert read_fatal(run_dir) is None
+    assert record_fatal(run_dir, 2, "training stopped: No space left on device")
+    assert record_fatal(run_dir, 3, "a later rank's echo")  # the first verdict wins
+    assert read_fatal(run_dir) == (2, "training stopped: No space left on device")
+    clear_fatal(run_dir)
+    assert read_fatal(run_dir) is None

@@ -18,7 +18,11 @@ from runtime.inference.export import export_checkpoint
 from runtime.inference.load import InferError, load_model, read_moesys
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
+from runtime.parallel.groups import build_groups
+from runtime.run_dir import load_config
 from runtime.tensorfile import save_tensors
+from runtime.train.checkpoint import latest_checkpoint, load_checkpoint
+from tests.trained_run import train_run_dir
 
 CFG = MoesysConfig(model=ModelConfig(hidden_size=16, num_layers=2, num_heads=2, ffn_hidden_size=32, num_experts=4,
                                      vocab_size=256, max_seq_len=128))
@@ -109,3 +113,26 @@ def test_the_exported_directory_has_the_mode_mkdir_gives(tmp_path):
     assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o640
     assert summary["checkpoint_bytes"] == sum(f.stat().st_size for f in step.glob("*.safetensors"))
     assert torch.equal(load_model(out).model.tok_embeddings.weight, load_model(step).model.tok_embeddings.weight)
+
+
+def test_a_deleted_file_of_a_training_checkpoint_or_an_export_is_named(tmp_path):
+    run = train_run_dir(tmp_path / "run")
+    step = latest_checkpoint(run)
+    assert json.loads((step / "meta.json").read_text())["files"] == ["dense.safetensors", "experts-ep0.safetensors"]
+    assert export_checkpoint(run, tmp_path / "export")["optimizer_state"]
+    assert not export_checkpoint(tmp_path / "export", tmp_path / "again")["optimizer_state"]  # an export's export
+    (step / "experts-ep0.safetensors").unlink()
+    (tmp_path / "export" / "model.safetensors").unlink()
+    cfg = load_config(run)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    for read, where in ((lambda: load_model(run), step), (lambda: export_checkpoint(run, tmp_path / "x"), step),
+                        (lambda: load_checkpoint(step, model, None, build_groups(1, 0, 1, 1)), step),
+                        (lambda: load_model(tmp_path / "export"), tmp_path / "export")):
+        with pytest.raises(UserError, match=f"{where} is missing (experts-ep0|model).safetensors .its meta.json lists"):
+            read()
+    meta = json.loads((step / "meta.json").read_text())
+    del meta["files"]  # as a checkpoint written before meta.json listed its files
+    (step / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=f"{step} is missing experts-ep0.safetensors, which holds expert 0 "):
+        load_model(run)

@@ -118,6 +118,17 @@ def test_a_run_without_steps_yet_renders_and_bad_sources_are_one_line_errors(tmp
         write_report(tmp_path / "other.json")
     with pytest.raises(UserError, match="not a run directory"):
         write_report(tmp_path)
+    export = tmp_path / "export"  # what moesys export writes: a config beside a model, no run
+    export.mkdir()
+    for name in ("config.yaml", "meta.json", "model.safetensors"):
+        (export / name).write_text("{}")
+    with pytest.raises(UserError, match="not a run directory .it holds a model: meta.json, model.safetensors"):
+        write_report(export)
+    (export / "meta.json").unlink()
+    (export / "model.safetensors").unlink()
+    with pytest.raises(UserError, match="not a run directory .no config.yaml with logs/"):
+        write_report(export)
+    assert sorted(p.name for p in export.iterdir()) == ["config.yaml"]  # no report.html was written
 
 
 def test_a_directory_as_out_an_unreadable_run_file_and_mistyped_fields_are_one_line_errors(tmp_path):
