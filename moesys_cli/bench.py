@@ -33,6 +33,11 @@ def _infer(cfg: MoesysConfig) -> dict:
     return run_infer_bench(ring_slots=cfg.infer.ring_slots)
 
 
+def _offload_train(cfg: MoesysConfig) -> dict:
+    from runtime.bench.offload_train import run_offload_train_bench
+    return run_offload_train_bench(cfg)
+
+
 def _offload(cfg: MoesysConfig) -> dict:
     from runtime.bench.offload import run_offload_bench
     return run_offload_bench()
@@ -69,6 +74,7 @@ BENCHES: dict[str, Callable[[MoesysConfig], dict]] = {
     "ring": _ring,
     "infer": _infer,
     "offload": _offload,
+    "offload-train": _offload_train,
     "embedding": _embedding,
     "elastic": _elastic,
     "beyond-memory": _beyond_memory,
@@ -77,7 +83,7 @@ BENCHES: dict[str, Callable[[MoesysConfig], dict]] = {
 }
 HONOURED: dict[str, tuple[str, ...] | None] = {
     "moe-layer": (), "offload": (), "embedding": (), "ring": ("infer.ring_slots",),
-    "infer": ("infer.ring_slots",), "train": None, "elastic": None,
+    "infer": ("infer.ring_slots",), "train": None, "offload-train": None, "elastic": None,
     "beyond-memory": (), "alltoall": None, "serve": (),
 }
 """The override keys each benchmark uses (None: the whole resolved config); any other override is refused rather

@@ -1,5 +1,6 @@
 """Training-step throughput of a recipe, measured side by side in one run: 1 process vs 2 expert-parallel
-processes, and flat vs hierarchical AlltoAll on 4 processes arranged as 2 nodes x 2 ranks (seed 004 section 4.2).
+processes, and flat vs hierarchical AlltoAll on 4 processes arranged as 2 nodes x 2 ranks (seed 004 section 4.2),
+each with its MFU against this machine's measured matmul peak.
 
 Each variant is a real `torchrun` job on its own run directory; tokens/s is the median over its steps after the
 first (warm-up).
@@ -13,6 +14,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
+from runtime.bench.mfu import peak_flops, training_flops_per_token
 from runtime.config import MoesysConfig
 from runtime.launch import build_launch
 from runtime.run_dir import prepare_run_dir, read_metrics
@@ -51,6 +55,8 @@ def run_train_bench(base: MoesysConfig, steps: int = 8) -> dict:
             "hierarchical_4": _variant(base, root, "hier4", 4, 4, "hierarchical", 2, steps),
         }
         speed = {name: _tokens_per_s(cfg) for name, cfg in variants.items()}
+    peak = peak_flops(torch.device("cpu"), torch.float32)  # the variants run on this machine's CPU cores
+    flops = training_flops_per_token(base.model, base.train.seq_len)
     return {
         "recipe": base.recipe, "steps": steps,
         "global_batch_tokens": base.train.micro_batch_size * base.topology.nproc_per_node * base.train.seq_len,
@@ -60,4 +66,6 @@ def run_train_bench(base: MoesysConfig, steps: int = 8) -> dict:
         "flat_tokens_per_s": speed["flat_4"],
         "hierarchical_tokens_per_s": speed["hierarchical_4"],
         "hierarchical_vs_flat": speed["hierarchical_4"] / speed["flat_4"],
+        "peak_flops": peak, "flops_per_token": flops,
+        **{f"{name}_mfu": flops * tokens_per_s / peak for name, tokens_per_s in speed.items()},
     }

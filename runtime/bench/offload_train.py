@@ -1,0 +1,81 @@
+"""Offloaded training against resident training on the same shape, side by side in one run: the resolved config
+trained by real `torchrun` jobs with storage.offload=none, cpu (and cpu with the delayed update) and ssd, each on its
+own run directory. Reports tokens/s after warm-up, the ratios to none, MFU against the device's measured matmul
+peak, and the host side of each offloaded step from its metrics (host work, the hidden share, fetch stalls)."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from runtime.bench.mfu import peak_flops, training_flops_per_token
+from runtime.config import MoesysConfig
+from runtime.launch import build_launch
+from runtime.run_dir import prepare_run_dir, read_metrics
+
+VARIANTS = {"none": ("none", False), "cpu": ("cpu", False), "cpu_delayed": ("cpu", True), "ssd": ("ssd", False)}
+"""Name -> (storage.offload, storage.delayed_update)."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _variant(base: MoesysConfig, root: Path, name: str, steps: int) -> MoesysConfig:
+    cfg = copy.deepcopy(base)
+    cfg.storage.offload, cfg.storage.delayed_update = VARIANTS[name]
+    cfg.storage.ssd_path = ""
+    tr = cfg.train
+    tr.max_steps, tr.checkpoint_every, tr.final_checkpoint, tr.max_restarts = steps, 0, False, 0
+    tr.run_dir = str(root / name)
+    return cfg
+
+
+def _run(cfg: MoesysConfig, warmup: int, timeout_s: float) -> dict:
+    """One job: tokens/s (median of the steps after `warmup`) and the medians of its offload metrics."""
+    run_dir = prepare_run_dir(cfg)
+    spec = build_launch(cfg, run_dir)
+    try:
+        done = subprocess.run(spec.argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish in {timeout_s:.0f} s"}
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {done.returncode}: {last}"}
+    steps = read_metrics(run_dir)[warmup:]
+    median = lambda key: statistics.median(m[key] for m in steps) if steps and key in steps[0] else None  # noqa
+    out = {"tokens_per_s": median("tokens_per_s"), "step_time_s": median("step_time_s"), "steps_timed": len(steps)}
+    for key in ("host_cost_s", "host_hidden_share", "fetch_stall_s", "experts_active"):
+        value = median(f"offload/{key}")
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def run_offload_train_bench(base: MoesysConfig, steps: int = 10, warmup: int = 3, time_limit_s: float = 1200.0,
+                            variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
+    """`variants` (names of VARIANTS, none first) on the resolved config; `time_limit_s` is shared by the jobs (a job
+    that runs out is reported with its error, not waited for)."""
+    device = torch.device("cuda" if base.topology.gpus_per_node and torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[base.train.precision] if device.type == "cuda" else torch.float32
+    peak = peak_flops(device, dtype)
+    devices = base.topology.world_size if device.type == "cuda" else 1  # CPU ranks share one machine's cores
+    flops = training_flops_per_token(base.model, base.train.seq_len)
+    deadline = time.monotonic() + time_limit_s
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="moesys-bench-offload-train-") as tmp:
+        for i, name in enumerate(variants):
+            budget = max(60.0, (deadline - time.monotonic()) / (len(variants) - i))
+            results[name] = _run(_variant(base, Path(tmp), name, steps), warmup, budget)
+    for r in results.values():
+        if r.get("tokens_per_s"):
+            r["mfu"] = flops * r["tokens_per_s"] / (peak * devices)
+    none = results["none"].get("tokens_per_s")
+    ratios = {f"{name}_vs_none": r["tokens_per_s"] / none for name, r in results.items()
+              if name != "none" and none and r.get("tokens_per_s")}
+    return {"device": str(device), "precision": base.train.precision, "peak_flops": peak,
+            "flops_per_token": flops, "steps": steps, "warmup": warmup, **results, **ratios,
+            "global_batch_tokens": base.train.micro_batch_size * base.topology.world_size * base.train.seq_len}
