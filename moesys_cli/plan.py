@@ -95,7 +95,7 @@ def _render_compare(run_dir: Path, rows: list[TierComparison]) -> None:
     for col in ("rank", "tier", "predicted", "measured", "measured / predicted"):
         table.add_column(col, justify="left" if col == "tier" else "right")
     for row in rows:
-        ratio = "-" if row.ratio is None else f"{row.ratio:.2f}"
+        ratio = row.ratio_text
         if row.within is False:
             ratio = f"[red]{ratio}[/]"
         table.add_row(str(row.rank), row.tier, human_bytes(row.predicted_bytes),
