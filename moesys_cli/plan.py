@@ -12,6 +12,7 @@ from moesys_cli.options import Json, Overrides
 from moesys_cli.render import console, human_bytes, human_count, literal, print_json
 from moesys_cli.resolve import resolve_config
 from runtime.errors import UserError
+from runtime.launch import launch_ram_problem
 from runtime.storage.placement import plan_placement, plan_to_dict
 from runtime.train.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
 
@@ -34,7 +35,12 @@ def plan(overrides: Overrides = None, json_out: Json = False, compare: Compare =
             _render_compare(compare.resolve(), rows)
         raise typer.Exit(0)
     cfg = resolve_config(overrides or [])
-    result = plan_to_dict(plan_placement(cfg))
+    planned = plan_placement(cfg)
+    result = plan_to_dict(planned)
+    machine = launch_ram_problem(cfg, planned.process_host_bytes) if cfg.purpose == "train" else None
+    if machine:  # what moesys train would refuse here before launching
+        result["problems"].append(machine)
+        result["feasible"] = False
     if json_out:
         print_json({"recipe": cfg.recipe, **result})
     else:

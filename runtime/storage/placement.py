@@ -48,6 +48,8 @@ class RankEstimate:
     host_capacity: int
     cache_experts: int
     local_experts: int
+    ram_share: int = 0
+    """Without a GPU: the RAM of one rank that its device pool and host cache share."""
 
     @property
     def device_total(self) -> int:
@@ -162,17 +164,23 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
             going_home = STORED_SPARSE_BYTES * max(0, step_active - cache_experts)
             host = int((STORED_SPARSE_BYTES * max(cache_experts, step_active) + grads + going_home + staged)
                        * p.per_expert)
-    device_capacity = int(t.gpu_memory_gb * GB) if t.gpus_per_node else ram_per_rank - host
+    # Without a GPU the device pool gets what the host cache leaves of the rank's RAM, never less than nothing.
+    device_capacity = int(t.gpu_memory_gb * GB) if t.gpus_per_node else max(0, ram_per_rank - host)
     return RankEstimate(device=device, host=host, ssd=ssd, device_capacity=device_capacity,
-                        host_capacity=host_capacity, cache_experts=cache_experts, local_experts=local_experts)
+                        host_capacity=host_capacity, cache_experts=cache_experts, local_experts=local_experts,
+                        ram_share=0 if t.gpus_per_node else ram_per_rank)
 
 
 def _fits(cfg: MoesysConfig, budget: Eq1Budget, est: RankEstimate, mode: str) -> list[str]:
     """Every reason the mode does not fit; empty when it fits."""
     problems = []
-    if not est.device_total <= est.device_capacity:
+    if not cfg.topology.gpus_per_node and not est.ok:  # one RAM holds both: one line, not two derived ones
+        problems.append(f"per-rank RAM {(est.device_total + est.host) / GB:.2f} GB (device pool "
+                        f"{est.device_total / GB:.2f} GB + host cache {est.host / GB:.2f} GB) > "
+                        f"{est.ram_share / GB:.2f} GB")
+    if cfg.topology.gpus_per_node and not est.device_total <= est.device_capacity:
         problems.append(f"per-rank device memory {est.device_total / GB:.2f} GB > {est.device_capacity / GB:.2f} GB")
-    if not est.host <= est.host_capacity:
+    if cfg.topology.gpus_per_node and not est.host <= est.host_capacity:
         problems.append(f"per-rank host memory {est.host / GB:.2f} GB > {est.host_capacity / GB:.2f} GB")
     # Eq. 1's GPU inequality is a floor for every mode; its CPU and SSD ones describe the SSD placement.
     tiers = budget.tiers.items() if mode == "ssd" else [("gpu", budget.gpu)]

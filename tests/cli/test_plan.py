@@ -83,3 +83,18 @@ def test_every_verb_sees_auto_expert_parallel_resolved(tmp_path):
     dry = run_moesys("train", "recipe=tiny", "topology.expert_parallel=auto", "topology.nproc_per_node=4",
                      "--dry-run", cwd=tmp_path)
     assert dry.returncode == 0 and "expert_parallel: 4\n" in dry.stdout
+
+
+def test_a_run_launched_here_is_planned_against_this_machines_ram(tmp_path):
+    """topology.cpu_memory_gb can declare more RAM than this machine has: moesys train refuses such a launch, so the
+    plan says so too, unless the job is launched elsewhere (SLURM)."""
+    big = ["recipe=tiny", "topology.cpu_memory_gb=100000", "model.num_experts=64", "model.ffn_hidden_size=16384",
+           "model.hidden_size=4096", "model.num_heads=32"]
+    out = run_moesys("plan", *big, "--json", cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    data = json.loads(out.stdout)
+    assert data["training"]["feasible"] and not data["feasible"]
+    (problem,) = data["problems"]
+    assert problem.startswith("launched here (launcher=local) topology.nproc_per_node=2 CPU processes need")
+    assert "topology.cpu_memory_gb=100000 is more than this machine has; moesys train would refuse it" in problem
+    assert run_moesys("plan", *big, "launcher=slurm", cwd=tmp_path).returncode == 0

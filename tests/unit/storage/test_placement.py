@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -172,3 +173,16 @@ def test_without_a_gpu_the_device_pool_and_the_host_cache_share_one_rams_budget(
     assert abs(r.device_capacity + r.host - 0.8 * ram) <= 1 and abs(r.host_capacity + r.device_total - 0.8 * ram) <= 1
     cfg.topology.cpu_memory_gb = (LAUNCHER_BYTES + 2 * (1.01 * ram + PROCESS_RUNTIME_BYTES)) / GB
     assert plan_placement(cfg).per_rank.ok
+
+
+def test_without_a_gpu_a_host_cache_beyond_the_ram_leaves_the_device_pool_nothing_not_less():
+    """A host cache larger than the rank's RAM showed the device pool's capacity as -3.95 GB."""
+    cfg = MoesysConfig(model=ModelConfig(hidden_size=512, ffn_hidden_size=4096, num_layers=4, num_heads=4,
+                                         num_experts=64), topology=TopologyConfig(cpu_memory_gb=10.74),
+                       storage=StorageConfig(offload="cpu"))
+    plan = plan_placement(cfg)
+    r = plan.per_rank
+    assert r.host > r.ram_share and r.device_capacity == 0 and r.host_capacity == r.ram_share - r.device_total
+    (problem,) = plan.training_problems
+    assert problem.startswith("per-rank RAM ") and not re.search(r"-\d", problem)
+    assert f"> {r.ram_share / GB:.2f} GB" in problem
