@@ -21,6 +21,11 @@ Compare = Annotated[Optional[Path], typer.Option(
                                          "measured, per tier, with the ratio (the run's own config is used).")]
 
 
+TIER_NAMES = {"gpu": {"gpu": "on the GPU", "cpu": "in host RAM", "ssd": "on SSD"},
+              "cpu": {"gpu": "in the device pool (RAM)", "cpu": "in the host cache (RAM)", "ssd": "on SSD"}}
+"""What each tier of the placement is, by what the device is (placement.device)."""
+
+
 def plan(overrides: Overrides = None, json_out: Json = False, compare: Compare = None) -> None:
     """Check memory budgets (Eq. 1) and say where each kind of state lives; a recipe with purpose=serve is judged
     by its inference budget. Exit 0 fits, 1 does not, 2 bad input. With --compare RUN_DIR: predicted against
@@ -62,8 +67,11 @@ def _render(recipe: str | None, r: dict) -> None:
                     "[green]yes[/]" if t["ok"] else "[red]no[/]")
     console.print(eq1)
     pl, pr = r["placement"], r["per_rank"]
-    rank = Table(title=f"Per rank ({pr['world_size']} ranks) with storage.offload={pl['offload']}: dense on "
-                       f"{pl['dense'].upper()}, experts on {pl['sparse'].upper()}")
+    tiers = TIER_NAMES[pl["device"]]
+    device = "GPU" if pl["device"] == "gpu" else "CPU (no GPU)"
+    console.print(f"Per rank ({pr['world_size']} ranks) on {device} with storage.offload={pl['offload']}: dense "
+                  f"{tiers[pl['dense']]}, experts {tiers[pl['sparse']]}", markup=False)
+    rank = Table()
     rank.add_column("state")
     rank.add_column("bytes", justify="right")
     for name, n in pr["device"].items():

@@ -78,6 +78,8 @@ class Plan:
     """Why training does not fit, whatever the purpose."""
     process_host_bytes: int = 0
     """Host RAM one worker process needs (process_host_bytes)."""
+    device: str = "gpu"
+    """What the device tier is: gpu, or cpu (no GPU: a budgeted pool in host RAM)."""
 
 
 def world_size(cfg: MoesysConfig) -> int:
@@ -240,7 +242,7 @@ def plan_placement(cfg: MoesysConfig) -> Plan:
     return Plan(params=p, budget=budget, mode=chosen, per_rank=est, world_size=world_size(cfg),
                 feasible=not verdict, problems=verdict, suggestions=suggestions, assumptions=_assumptions(cfg),
                 inference=inference, purpose=cfg.purpose, training_problems=problems,
-                process_host_bytes=process_host_bytes(cfg, est))
+                process_host_bytes=process_host_bytes(cfg, est), device="gpu" if cfg.topology.gpus_per_node else "cpu")
 
 
 def _problems_of(p: ParamCounts):
@@ -288,7 +290,7 @@ def plan_to_dict(plan: Plan) -> dict:
             "min_nodes": b.min_nodes(),
             "unsatisfiable": b.unsatisfiable(),
         },
-        "placement": {"offload": plan.mode, "dense": "gpu", "sparse": SPARSE_HOME[plan.mode],
+        "placement": {"offload": plan.mode, "dense": "gpu", "sparse": SPARSE_HOME[plan.mode], "device": plan.device,
                       "cpu_cache_experts": r.cache_experts, "local_experts": r.local_experts},
         "per_rank": {"world_size": plan.world_size, "device": r.device, "device_total": r.device_total,
                      "device_capacity": r.device_capacity, "host": r.host, "host_capacity": r.host_capacity,
