@@ -9,8 +9,8 @@ import typer
 from rich.table import Table
 
 from moesys_cli.options import Json, Overrides
-from moesys_cli.render import console, human_bytes, human_count, literal, print_json
-from moesys_cli.resolve import resolve_config
+from moesys_cli.render import console, human_bytes, human_count, literal, print_json, warn
+from moesys_cli.resolve import lr_warning, resolve_config
 from runtime.errors import UserError
 from runtime.launch import launch_ram_problem
 from runtime.storage.placement import plan_placement, plan_to_dict
@@ -46,6 +46,9 @@ def plan(overrides: Overrides = None, json_out: Json = False, compare: Compare =
     if machine:  # what moesys train would refuse here before launching
         result["problems"].append(machine)
         result["feasible"] = False
+    result["warnings"] = [w for w in (lr_warning(cfg, overrides or []),) if w]
+    for warning in result["warnings"]:
+        warn(warning)
     if json_out:
         print_json({"recipe": cfg.recipe, **result})
     else:

@@ -13,8 +13,8 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moesys_cli.options import Json, Overrides
-from moesys_cli.render import console, error, print_json
-from moesys_cli.resolve import config_yaml, resolve_config
+from moesys_cli.render import console, error, print_json, warn
+from moesys_cli.resolve import config_yaml, lr_warning, resolve_config
 from moesys_cli.slurm import submit
 from runtime.config import MoesysConfig
 from runtime.launch import build_launch, check_launchable, rendezvous_connect_s, rendezvous_join_s
@@ -35,6 +35,8 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved conf
 def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json = False) -> None:
     """Train with expert + data parallelism in torchrun processes; exits with the job's status."""
     cfg = resolve_config(overrides or [])
+    if warning := lr_warning(cfg, overrides or []):
+        warn(warning)
     cfg.train.run_dir = str(Path(cfg.train.run_dir or default_run_dir(cfg)).resolve())
     check_before_launch(cfg)  # what every worker would otherwise fail on, after torchrun's retries
     if dry_run:

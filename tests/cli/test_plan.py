@@ -98,3 +98,15 @@ def test_a_run_launched_here_is_planned_against_this_machines_ram(tmp_path):
     assert problem.startswith("launched here (launcher=local) topology.nproc_per_node=2 CPU processes need")
     assert "topology.cpu_memory_gb=100000 is more than this machine has; moesys train would refuse it" in problem
     assert run_moesys("plan", *big, "launcher=slurm", cwd=tmp_path).returncode == 0
+
+
+def test_a_recipes_lr_on_a_much_wider_model_is_warned_about(tmp_path):
+    wide = ["recipe=tiny", "model.hidden_size=2048", "model.num_heads=16"]
+    out = run_moesys("plan", *wide, "--json", cwd=tmp_path)
+    (warning,) = json.loads(out.stdout)["warnings"]
+    assert out.stderr == f"warning: {warning}\n" and "train.lr=0.003 is recipe tiny's" in warning
+    dry = run_moesys("train", *wide, "--dry-run", cwd=tmp_path)
+    assert dry.returncode == 0 and dry.stderr == f"warning: {warning}\n"
+    for quiet in (["recipe=tiny"], [*wide, "train.lr=1e-4"]):
+        out = run_moesys("plan", *quiet, "--json", cwd=tmp_path)
+        assert json.loads(out.stdout)["warnings"] == [] and out.stderr == ""
