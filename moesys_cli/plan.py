@@ -79,7 +79,8 @@ def _render(recipe: str | None, r: dict) -> None:
     rank.add_column("bytes", justify="right")
     for name, n in pr["device"].items():
         rank.add_row(f"device: {name}", human_bytes(n))
-    rank.add_row("[bold]device total[/]", f"{human_bytes(pr['device_total'])} / {human_bytes(pr['device_capacity'])}")
+    rank.add_row(f"[bold]device peak[/] (at {pr['device_peak_at']})",
+                 f"{human_bytes(pr['device_total'])} / {human_bytes(pr['device_capacity'])}")
     rank.add_row("host (expert cache)", f"{human_bytes(pr['host'])} / {human_bytes(pr['host_capacity'])}")
     rank.add_row("ssd (expert store)", human_bytes(pr["ssd"]))
     if pl["offload"] == "ssd":

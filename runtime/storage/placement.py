@@ -18,6 +18,8 @@ from runtime.model.params import ParamCounts, count_parameters
 from runtime.parallel.embedding_bytes import embedding_bytes_per_rank
 from runtime.storage.budget import (ACTIVE_SPARSE_BYTES, CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
                                     STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
+from runtime.storage.step_memory import (CUDA_CONTEXT_BYTES, CUDA_HOST_BYTES, CUDA_WORKSPACE_BYTES, activation_bytes,
+                                         optimizer_step_bytes, step_peak, weight_cast_params)
 from runtime.storage.suggest import serving_suggestions, training_suggestions
 
 MODES = ("none", "cpu", "ssd")
@@ -48,12 +50,13 @@ class RankEstimate:
     host_capacity: int
     cache_experts: int
     local_experts: int
+    device_total: int
+    """The device's peak in a step: not the sum of `device`, whose activations and weight copies are gone by the
+    optimizer step and whose gradients do not exist yet when backward starts (step_memory.step_peak)."""
+    device_peak_at: str = "backward"
+    """When that peak happens: backward (its start) or optimizer step."""
     ram_share: int = 0
     """Without a GPU: the RAM of one rank that its device pool and host cache share."""
-
-    @property
-    def device_total(self) -> int:
-        return sum(self.device.values())
 
     @property
     def ok(self) -> bool:
@@ -87,8 +90,9 @@ def world_size(cfg: MoesysConfig) -> int:
 
 
 def process_host_bytes(cfg: MoesysConfig, est: RankEstimate) -> int:
-    """Host RAM one worker process needs: its expert cache, its runtime and, without a GPU, its device tier."""
-    return est.host + PROCESS_RUNTIME_BYTES + (0 if cfg.topology.gpus_per_node else est.device_total)
+    """Host RAM one worker process needs: its expert cache, its runtime and, without a GPU, its device tier (with
+    one, the CUDA runtime's host memory instead)."""
+    return est.host + PROCESS_RUNTIME_BYTES + (CUDA_HOST_BYTES if cfg.topology.gpus_per_node else est.device_total)
 
 
 @functools.lru_cache(maxsize=8)
@@ -105,19 +109,6 @@ def teacher_parameters(checkpoint: str) -> int:
         return 0
 
 
-def _activation_bytes(cfg: MoesysConfig) -> int:
-    """Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer at 16 bits; the FFN share (19 sbh at F = 4h)
-    scales with F/4h and, in MoE layers, with top_k; plus fp32 logits and their gradient."""
-    m, tr = cfg.model, cfg.train
-    s, b, h = tr.seq_len, tr.micro_batch_size, m.hidden_size
-    sbh = s * b * h
-    attention = sbh * (15 + 5 * m.num_heads * s / h)
-    ffn = 19 * sbh * m.ffn_size / (4 * h)
-    total = sum(attention + ffn * (m.top_k if m.is_moe_layer(i) else 1) for i in range(m.num_layers))
-    scale = 2 if tr.precision == "fp32" else 1
-    return int(total * scale + 2 * 4 * s * b * m.vocab_size)
-
-
 def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate:
     t, st = cfg.topology, cfg.storage
     world = world_size(cfg)
@@ -127,7 +118,7 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
     layer_experts = cfg.model.num_experts // ep
     layer_sparse = p.per_expert * layer_experts
     dense_share = p.dense / world if st.dense_shard else p.dense
-    device = {"dense_states": int(DENSE_STATE_BYTES * dense_share), "activations": _activation_bytes(cfg)}
+    device = {"dense_states": int(DENSE_STATE_BYTES * dense_share), "activations": activation_bytes(cfg)}
     if cfg.distill.teacher:  # every rank holds the whole frozen teacher, fp32 as its checkpoint stores it
         device["teacher_weights"] = 4 * teacher_parameters(cfg.distill.teacher)
     if cfg.model.embedding_partition and not st.dense_shard:  # seed 004 section 4.3: [V, H/N] per rank
@@ -139,14 +130,29 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
     host = ssd = 0
     cache_experts = 0
     ranks_per_node = t.processes_per_node
-    # What a rank's states may use of the node's RAM: its share after the launcher's, less its own runtime.
-    ram_per_rank = max(0, int((t.cpu_memory_gb * GB - LAUNCHER_BYTES) / ranks_per_node) - PROCESS_RUNTIME_BYTES)
+    # What a rank's states may use of the node's RAM: its share after the launcher's, less its own runtime (with
+    # CUDA's, on a GPU).
+    runtime = PROCESS_RUNTIME_BYTES + (CUDA_HOST_BYTES if t.gpus_per_node else 0)
+    ram_per_rank = max(0, int((t.cpu_memory_gb * GB - LAUNCHER_BYTES) / ranks_per_node) - runtime)
     if mode == "none":
         device["expert_states"] = int(DENSE_STATE_BYTES * local_sparse)
     else:
         device["expert_buffers"] = int(ACTIVE_SPARSE_BYTES * st.alpha * layer_sparse * (1 + st.prefetch_depth))
+    # Parameters with their states and torch's AdamW on this rank (dense share, resident experts), and what a step
+    # adds around them (runtime/storage/step_memory.py).
+    resident_experts = local_sparse if mode == "none" else 0
+    resident = device["dense_states"] // DENSE_STATE_BYTES + resident_experts
+    partitioned = cfg.model.vocab_size * cfg.model.hidden_size // world if cfg.model.embedding_partition else 0
+    bucketed = (0 if st.dense_shard else resident - resident_experts - partitioned) + resident_experts
+    device["weight_casts"] = 2 * weight_cast_params(cfg, p, resident_experts)
+    device["grad_buckets"] = 4 * max(0, bucketed)  # Replicated's flat buffers, allocated for every world size
+    device["optimizer_step"] = optimizer_step_bytes(cfg, resident, layer_experts if mode == "none" else 0)
+    if t.gpus_per_node:
+        device["cuda_workspace"] = CUDA_WORKSPACE_BYTES
+    device = {k: v for k, v in device.items() if v or k == "activations"}
+    peak, moment = step_peak(device, 4 * resident)
     # Without a GPU the device tier is a pool in the same RAM as the host tier: the host gets what it leaves.
-    host_capacity = ram_per_rank if t.gpus_per_node else max(0, ram_per_rank - sum(device.values()))
+    host_capacity = ram_per_rank if t.gpus_per_node else max(0, ram_per_rank - peak)
     if mode != "none":
         if mode == "cpu":
             host = int(CACHED_SPARSE_BYTES * local_sparse)
@@ -167,10 +173,11 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
             host = int((STORED_SPARSE_BYTES * max(cache_experts, step_active) + grads + going_home + staged)
                        * p.per_expert)
     # Without a GPU the device pool gets what the host cache leaves of the rank's RAM, never less than nothing.
-    device_capacity = int(t.gpu_memory_gb * GB) if t.gpus_per_node else max(0, ram_per_rank - host)
+    device_capacity = (max(0, int(t.gpu_memory_gb * GB) - CUDA_CONTEXT_BYTES) if t.gpus_per_node
+                       else max(0, ram_per_rank - host))
     return RankEstimate(device=device, host=host, ssd=ssd, device_capacity=device_capacity,
                         host_capacity=host_capacity, cache_experts=cache_experts, local_experts=local_experts,
-                        ram_share=0 if t.gpus_per_node else ram_per_rank)
+                        device_total=peak, device_peak_at=moment, ram_share=0 if t.gpus_per_node else ram_per_rank)
 
 
 def _fits(cfg: MoesysConfig, budget: Eq1Budget, est: RankEstimate, mode: str) -> list[str]:
@@ -260,7 +267,10 @@ def _assumptions(cfg: MoesysConfig) -> list[str]:
         f"experts split over topology.expert_parallel={t.expert_parallel} ranks; "
         f"dense states {'sharded over' if cfg.storage.dense_shard else 'replicated on'} the {world_size(cfg)} "
         "data-parallel ranks",
-        "activations: Korthikanti et al. 2022 (no recomputation), FFN part scaled by top_k in MoE layers",
+        "activations: what the model code saves for backward (no recomputation; flash or memory-efficient "
+        "attention, no S x S scores), the routed rows and [R, F] intermediates of the experts, fp32 logits' "
+        "log-softmax and gradients; device total: the larger of the start of backward (no gradients yet) and the "
+        "optimizer step (torch AdamW's temporaries), not the sum of the rows",
         f"token embedding {'split column-wise over' if cfg.model.embedding_partition else 'replicated on'} the "
         "data-parallel ranks (model.embedding_partition)",
         f"prefetch buffers hold {cfg.storage.prefetch_depth} layer(s) ahead",
@@ -269,8 +279,13 @@ def _assumptions(cfg: MoesysConfig) -> list[str]:
     if not t.gpus_per_node:
         out.append("no GPU: the device tier is a pool in host RAM; it and the host cache share topology.cpu_memory_gb "
                    "/ nproc_per_node per rank")
-    out.append(f"each worker process needs {PROCESS_RUNTIME_BYTES / GB:.1f} GB of host RAM for its runtime besides "
-               "the states counted here")
+    else:
+        out.append(f"on a GPU: {CUDA_CONTEXT_BYTES / GB:.1f} GB of each GPU for the CUDA context (not allocatable), "
+                   f"{CUDA_WORKSPACE_BYTES / 2**20:.0f} MiB of cuBLAS workspaces; device bytes are CUDA's allocated "
+                   "peak, the caching allocator's reserve above it is not counted")
+    host_runtime = PROCESS_RUNTIME_BYTES + (CUDA_HOST_BYTES if t.gpus_per_node else 0)
+    out.append(f"each worker process needs {host_runtime / GB:.1f} GB of host RAM for its runtime"
+               f"{' (CUDA included)' if t.gpus_per_node else ''} besides the states counted here")
     if cfg.purpose == "serve":
         out.append("serving: fp16 weights, KV cache and activations not counted; the experts of every MoE layer "
                    "live in the host tier (a memory-mapped store on disk)")
@@ -293,7 +308,8 @@ def plan_to_dict(plan: Plan) -> dict:
         "placement": {"offload": plan.mode, "dense": "gpu", "sparse": SPARSE_HOME[plan.mode], "device": plan.device,
                       "cpu_cache_experts": r.cache_experts, "local_experts": r.local_experts},
         "per_rank": {"world_size": plan.world_size, "device": r.device, "device_total": r.device_total,
-                     "device_capacity": r.device_capacity, "host": r.host, "host_capacity": r.host_capacity,
+                     "device_capacity": r.device_capacity, "device_peak_at": r.device_peak_at,
+                     "host": r.host, "host_capacity": r.host_capacity,
                      "ssd": r.ssd, "ok": r.ok, "process_host_bytes": plan.process_host_bytes},
         "inference": plan.inference,
         "purpose": plan.purpose,
