@@ -3,7 +3,10 @@ moesys train runs, tests/gpu/device_validate.sh): every case within 20% (runtime
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TopologyConfig, TrainConfig
 from runtime.storage.budget import GB
@@ -11,7 +14,7 @@ from runtime.storage.placement import plan_placement
 from runtime.storage.step_memory import activation_bytes, step_peak
 
 ONE_GPU = dict(nodes=1, gpus_per_node=1, gpu_memory_gb=80, cpu_memory_gb=128, expert_parallel=1, nproc_per_node=1)
-TINY = ModelConfig()  # conf/model/tiny.yaml's values are the schema's defaults
+TINY = ModelConfig(ffn_hidden_size=256)  # conf/model/tiny.yaml
 WIDE = ModelConfig(hidden_size=2048, ffn_hidden_size=4096, num_experts=32, num_layers=6, num_heads=16)
 MIXTRAL_2B = ModelConfig(hidden_size=2048, num_layers=8, num_heads=16, num_kv_heads=4, vocab_size=32000,
                          ffn_hidden_size=5632, num_experts=8, top_k=2, expert_type="swiglu", max_seq_len=4096,
@@ -23,8 +26,9 @@ def one_gpu(model: ModelConfig, micro_batch: int, seq_len: int, offload: str = "
                         train=TrainConfig(micro_batch_size=micro_batch, seq_len=seq_len, precision="bf16"))
 
 
-def test_the_tiny_recipe_is_a_schema_default():
-    assert (TINY.hidden_size, TINY.num_layers, TINY.num_experts, TINY.top_k, TINY.vocab_size) == (128, 4, 8, 2, 256)
+def test_the_tiny_model_here_is_the_recipes():
+    recipe = yaml.safe_load((Path(__file__).resolve().parents[3] / "conf" / "model" / "tiny.yaml").read_text())
+    assert recipe == {k: getattr(TINY, k) for k in recipe}
 
 
 @pytest.mark.parametrize("cfg,measured", [
