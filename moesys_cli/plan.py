@@ -86,6 +86,7 @@ def _render(recipe: str | None, r: dict) -> None:
     if pl["offload"] == "ssd":
         rank.add_row("CPU cache", f"{pl['cpu_cache_experts']} of {pl['local_experts']} local experts")
     console.print(rank)
+    _render_disk(r["disk"], b["tiers"]["ssd"]["capacity_bytes"] / max(1, b["nodes"]))
     inf = r["inference"]
     console.print(f"inference (ring memory): dense {human_bytes(inf['dense_bytes'])} resident, "
                   f"{human_bytes(inf['expert_layer_bytes'])} per MoE layer's experts -> largest infer.ring_slots "
@@ -106,6 +107,15 @@ def _render(recipe: str | None, r: dict) -> None:
             console.print(f"[red]does not fit:[/] {literal(problem)}")
         for s in r["suggestions"]:
             console.print(f"[yellow]try:[/] {literal(s)}")
+
+
+def _render_disk(d: dict, per_node: float) -> None:
+    parts = [f"expert store {human_bytes(d['expert_store_bytes'])}"] if d["expert_store_bytes"] else []
+    n = d["checkpoints_on_disk"]
+    if n:
+        parts.append(f"{n} checkpoint{'s' if n > 1 else ''} of {human_bytes(d['checkpoint_bytes'])} at once")
+    console.print(f"disk written: {' + '.join(parts) or 'nothing'} = {human_bytes(d['total_bytes'])} "
+                  f"(topology.ssd_gb: {human_bytes(per_node)} per node)", markup=False)
 
 
 def _render_compare(run_dir: Path, rows: list[TierComparison]) -> None:

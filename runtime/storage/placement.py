@@ -18,6 +18,7 @@ from runtime.model.params import ParamCounts, count_parameters
 from runtime.parallel.embedding_bytes import embedding_bytes_per_rank
 from runtime.storage.budget import (ACTIVE_SPARSE_BYTES, CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
                                     STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
+from runtime.storage.disk import DiskPlan, disk_plan, disk_problem, disk_suggestion, kept_checkpoints
 from runtime.storage.step_memory import (CUDA_CONTEXT_BYTES, CUDA_HOST_BYTES, CUDA_WORKSPACE_BYTES, activation_bytes,
                                          optimizer_step_bytes, step_peak, weight_cast_params)
 from runtime.storage.suggest import serving_suggestions, training_suggestions
@@ -83,6 +84,8 @@ class Plan:
     """Host RAM one worker process needs (process_host_bytes)."""
     device: str = "gpu"
     """What the device tier is: gpu, or cpu (no GPU: a budgeted pool in host RAM)."""
+    disk: DiskPlan = DiskPlan(0, 0, 0)
+    """What a training run writes to disk (expert store, checkpoints)."""
 
 
 def world_size(cfg: MoesysConfig) -> int:
@@ -240,16 +243,22 @@ def plan_placement(cfg: MoesysConfig) -> Plan:
             break
     assert est is not None
     inference = _inference(cfg, p)
+    suggestions = training_suggestions(cfg, budget, chosen, MODES, _problems_of(p)) if problems else []
+    disk = disk_plan(cfg, p, chosen, est.ssd)
+    no_room = disk_problem(cfg, disk)
+    if no_room:  # the store and checkpoints must fit the node's disk too
+        problems = [*problems, no_room]
+        suggestions = [*suggestions, disk_suggestion(cfg, disk)]
     if cfg.purpose == "serve":
         verdict = _serving_problems(cfg, p, inference)
         suggestions = serving_suggestions(cfg, inference, p.moe_layers) if verdict else []
     else:
         verdict = problems
-        suggestions = training_suggestions(cfg, budget, chosen, MODES, _problems_of(p)) if problems else []
     return Plan(params=p, budget=budget, mode=chosen, per_rank=est, world_size=world_size(cfg),
                 feasible=not verdict, problems=verdict, suggestions=suggestions, assumptions=_assumptions(cfg),
                 inference=inference, purpose=cfg.purpose, training_problems=problems,
-                process_host_bytes=process_host_bytes(cfg, est), device="gpu" if cfg.topology.gpus_per_node else "cpu")
+                process_host_bytes=process_host_bytes(cfg, est), device="gpu" if cfg.topology.gpus_per_node else "cpu",
+                disk=disk)
 
 
 def _problems_of(p: ParamCounts):
@@ -286,6 +295,9 @@ def _assumptions(cfg: MoesysConfig) -> list[str]:
     host_runtime = PROCESS_RUNTIME_BYTES + (CUDA_HOST_BYTES if t.gpus_per_node else 0)
     out.append(f"each worker process needs {host_runtime / GB:.1f} GB of host RAM for its runtime"
                f"{' (CUDA included)' if t.gpus_per_node else ''} besides the states counted here")
+    out.append(f"disk: the expert store is each rank's experts at 12 bytes a parameter (storage.offload=ssd; cpu "
+               f"writes none); a checkpoint is every parameter at 12 bytes, {kept_checkpoints(cfg)} kept and one more "
+               "while the next is written; judged against topology.ssd_gb per node")
     if cfg.purpose == "serve":
         out.append("serving: fp16 weights, KV cache and activations not counted; the experts of every MoE layer "
                    "live in the host tier (a memory-mapped store on disk)")
@@ -311,6 +323,9 @@ def plan_to_dict(plan: Plan) -> dict:
                      "device_capacity": r.device_capacity, "device_peak_at": r.device_peak_at,
                      "host": r.host, "host_capacity": r.host_capacity,
                      "ssd": r.ssd, "ok": r.ok, "process_host_bytes": plan.process_host_bytes},
+        "disk": {"expert_store_bytes": plan.disk.store_bytes, "checkpoint_bytes": plan.disk.checkpoint_bytes,
+                 "checkpoints_on_disk": plan.disk.checkpoints, "checkpoints_bytes": plan.disk.checkpoints_bytes,
+                 "total_bytes": plan.disk.total_bytes},
         "inference": plan.inference,
         "purpose": plan.purpose,
         "training": {"feasible": not plan.training_problems, "problems": plan.training_problems},

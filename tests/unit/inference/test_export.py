@@ -109,3 +109,25 @@ def test_the_exported_directory_has_the_mode_mkdir_gives(tmp_path):
     assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o640
     assert summary["checkpoint_bytes"] == sum(f.stat().st_size for f in step.glob("*.safetensors"))
     assert torch.equal(load_model(out).model.tok_embeddings.weight, load_model(step).model.tok_embeddings.weight)
+
+
+def test_an_export_its_disk_cannot_hold_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """The free space of out='s filesystem is what the machine reports; here it reports 1 KB."""
+    import shutil
+    from collections import namedtuple
+
+    from runtime.storage import disk
+
+    step = tmp_path / "step"
+    write_step(step)
+    usage, real = namedtuple("usage", "total used free"), shutil.disk_usage
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(UserError) as refused:
+        export_checkpoint(step, tmp_path / "deep" / "out")
+    message = str(refused.value)
+    assert message.startswith("not enough disk: ") and "\n" not in message
+    assert f"to write to {tmp_path / 'deep' / 'out'} (" in message and "has 1.00 KB free" in message
+    assert "export.dtype=bf16" in message
+    assert not (tmp_path / "deep").exists()
+    monkeypatch.setattr(disk.shutil, "disk_usage", real)
+    assert export_checkpoint(step, tmp_path / "deep" / "out")["bytes"] > 1000
