@@ -25,7 +25,7 @@ from runtime.run_dir import (RunLock, clear_fatal, default_run_dir, last_step_me
                              read_fatal, record_fatal, run_summary)
 from runtime.topology import host_memory_bytes
 from runtime.train.compare import recorded_plan
-from runtime.train.preflight import check_before_launch, check_plan
+from runtime.train.preflight import check_before_launch, check_disk, check_plan
 from runtime.train.decided import record as record_placement
 from runtime.train.rank_memory import clear_rank_memory, read_rank_memory
 
@@ -62,6 +62,7 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
     (`moesys distill` writes the student's first checkpoint there)."""
     check_launchable(cfg)
     check_plan(cfg)  # a run the plan says does not fit fails later on a tier's budget or by the OOM killer
+    check_disk(cfg)  # the store and checkpoints must fit the free space where they go, or the disk fills minutes in
     lock = RunLock(Path(cfg.train.run_dir), cfg.launcher.node_rank)  # held until exit: one job per run directory
     run_dir = prepare_run_dir(cfg)
     if prepare is not None:

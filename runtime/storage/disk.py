@@ -8,6 +8,7 @@ export.dtype to out=. The planner's part is pure (counted from the config); `che
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
@@ -84,27 +85,22 @@ def disk_plan(cfg: MoesysConfig, p: ParamCounts, mode: str, store_bytes_per_rank
 
 
 def disk_problem(cfg: MoesysConfig, disk: DiskPlan) -> str | None:
-    """The run's disk bytes per node against topology.ssd_gb; the checkpoints count on one node only (with several,
-    the run directory is shared storage, which the launch checks)."""
+    """The store and the checkpoints together against topology.ssd_gb on one node (the store alone is the plan's
+    per-node check; with several nodes the run directory is shared storage, which the launch checks)."""
     t = cfg.topology
-    need = disk.store_bytes + (disk.checkpoints_bytes if t.nodes == 1 else 0)
-    if need <= t.ssd_gb * GB:
+    room = t.ssd_gb * GB
+    if t.nodes > 1 or disk.store_bytes > room or disk.total_bytes <= room:
         return None
-    what = disk.describe() if t.nodes == 1 else disk.describe(0)
-    return f"disk per node {need / GB:.2f} GB ({what}) > topology.ssd_gb={t.ssd_gb:g} GB"
+    return f"disk per node {disk.total_bytes / GB:.2f} GB ({disk.describe()}) > topology.ssd_gb={t.ssd_gb:g} GB"
 
 
-def disk_suggestion(cfg: MoesysConfig, disk: DiskPlan) -> str:
-    """Fewer checkpoints on disk that fit topology.ssd_gb (a `try:` line: overrides under which the disk fits), else
-    why none does."""
-    room = cfg.topology.ssd_gb * GB
-    tr = cfg.train
-    if cfg.topology.nodes == 1 and disk.store_bytes + disk.checkpoint_bytes <= room and disk.checkpoints > 1:
-        return "train.checkpoint_every=0 fits (only the final checkpoint is written)"
-    if cfg.topology.nodes == 1 and disk.store_bytes <= room and (tr.checkpoint_every or tr.final_checkpoint):
-        return "train.checkpoint_every=0 train.final_checkpoint=false fits (no checkpoint is written)"
-    return (f"no checkpoint setting fits topology.ssd_gb={cfg.topology.ssd_gb:g}: the expert store alone is "
-            f"{disk.store_bytes / GB:.2f} GB a node; give the store a larger disk (storage.ssd_path) or more nodes")
+def fewer_checkpoints(cfg: MoesysConfig, disk: DiskPlan) -> tuple[MoesysConfig, str]:
+    """(cfg writing fewer checkpoints, its overrides) for a disk_problem, whose store fits alone: only the final
+    checkpoint when the store and one checkpoint fit, else none."""
+    one = disk.store_bytes + disk.checkpoint_bytes <= cfg.topology.ssd_gb * GB and disk.checkpoints > 1
+    train = dataclasses.replace(cfg.train, checkpoint_every=0, final_checkpoint=one)
+    overrides = "train.checkpoint_every=0" + ("" if one else " train.final_checkpoint=false")
+    return dataclasses.replace(cfg, train=train), overrides
 
 
 def size(n: float) -> str:

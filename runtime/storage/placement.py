@@ -18,7 +18,7 @@ from runtime.model.params import ParamCounts, count_parameters
 from runtime.parallel.embedding_bytes import embedding_bytes_per_rank
 from runtime.storage.budget import (ACTIVE_SPARSE_BYTES, CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
                                     STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
-from runtime.storage.disk import DiskPlan, disk_plan, disk_problem, disk_suggestion, kept_checkpoints
+from runtime.storage.disk import DiskPlan, disk_plan, disk_problem, fewer_checkpoints, kept_checkpoints
 from runtime.storage.step_memory import (CUDA_CONTEXT_BYTES, CUDA_HOST_BYTES, CUDA_WORKSPACE_BYTES, activation_bytes,
                                          optimizer_step_bytes, step_peak, weight_cast_params)
 from runtime.storage.suggest import serving_suggestions, training_suggestions
@@ -194,6 +194,11 @@ def _fits(cfg: MoesysConfig, budget: Eq1Budget, est: RankEstimate, mode: str) ->
         problems.append(f"per-rank device memory {est.device_total / GB:.2f} GB > {est.device_capacity / GB:.2f} GB")
     if cfg.topology.gpus_per_node and not est.host <= est.host_capacity:
         problems.append(f"per-rank host memory {est.host / GB:.2f} GB > {est.host_capacity / GB:.2f} GB")
+    if mode == "ssd" and est.ssd * cfg.topology.processes_per_node > cfg.topology.ssd_gb * GB:
+        # every rank of a node writes its experts' store there, replicas included (Eq. 1 assumes them split)
+        problems.append(f"per-node expert store {est.ssd * cfg.topology.processes_per_node / GB:.2f} GB "
+                        f"({cfg.topology.processes_per_node} ranks x {est.ssd / GB:.2f} GB) > topology.ssd_gb="
+                        f"{cfg.topology.ssd_gb:g} GB")
     # Eq. 1's GPU inequality is a floor for every mode; its CPU and SSD ones describe the SSD placement.
     tiers = budget.tiers.items() if mode == "ssd" else [("gpu", budget.gpu)]
     problems += [f"Eq. 1 {name.upper()} tier fails: {tier.formula} "
@@ -243,12 +248,10 @@ def plan_placement(cfg: MoesysConfig) -> Plan:
             break
     assert est is not None
     inference = _inference(cfg, p)
-    suggestions = training_suggestions(cfg, budget, chosen, MODES, _problems_of(p)) if problems else []
     disk = disk_plan(cfg, p, chosen, est.ssd)
-    no_room = disk_problem(cfg, disk)
-    if no_room:  # the store and checkpoints must fit the node's disk too
-        problems = [*problems, no_room]
-        suggestions = [*suggestions, disk_suggestion(cfg, disk)]
+    no_room = disk_problem(cfg, disk)  # the store and the checkpoints on the node's disk
+    suggestions = _training_suggestions(cfg, p, budget, chosen, problems, disk) if problems or no_room else []
+    problems = [*problems, *([no_room] if no_room else [])]
     if cfg.purpose == "serve":
         verdict = _serving_problems(cfg, p, inference)
         suggestions = serving_suggestions(cfg, inference, p.moe_layers) if verdict else []
@@ -262,10 +265,27 @@ def plan_placement(cfg: MoesysConfig) -> Plan:
 
 
 def _problems_of(p: ParamCounts):
-    """Every reason a changed config (same model, so same counts p) does not fit in a mode."""
+    """Every reason a changed config (same model, so same counts p) does not fit in a mode, its disk included."""
     def problems(trial: MoesysConfig, mode: str) -> list[str]:
-        return _fits(trial, eq1_budget(trial, p), _rank_estimate(trial, p, mode), mode)
+        est = _rank_estimate(trial, p, mode)
+        no_room = disk_problem(trial, disk_plan(trial, p, mode, est.ssd))
+        return [*_fits(trial, eq1_budget(trial, p), est, mode), *([no_room] if no_room else [])]
     return problems
+
+
+def _training_suggestions(cfg: MoesysConfig, p: ParamCounts, budget, mode: str, memory: list[str],
+                          disk: DiskPlan) -> list[str]:
+    """`try:` lines under which the whole plan fits. When the checkpoints do not fit the disk, no other knob makes
+    room for them: the lines start with the checkpoint settings that do (fewer_checkpoints)."""
+    base, prefix = cfg, ""
+    if disk_problem(cfg, disk):
+        base, prefix = fewer_checkpoints(cfg, disk)
+        if not memory:
+            written = "only the final checkpoint is" if base.train.final_checkpoint else "no checkpoint is"
+            return [f"{prefix} fits ({written} written)"]
+        prefix += " "
+    lines = training_suggestions(base, budget, mode, MODES, _problems_of(p))
+    return [line if line.startswith("no ") else prefix + line for line in lines]
 
 
 def _assumptions(cfg: MoesysConfig) -> list[str]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from moesys_cli.resolve import resolve_config
 from runtime.launch import WORKER_MODULE, build_launch, torchrun_prefix
 from tests.cli.conftest import FAST_TINY, losses, run_moesys
@@ -125,21 +123,3 @@ def test_slurm_without_sbatch_or_with_a_failing_one_is_one_line_exit_2(tmp_path,
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert len(out.stderr.strip().splitlines()) == 1 and "invalid partition specified" in out.stderr
 
-
-HUGE = ["recipe=tiny", "model.num_experts=512", "model.hidden_size=8192", "model.ffn_hidden_size=32768",
-        "model.num_layers=12", "model.num_heads=64", "train.lr=1e-4"]  # 3.3T parameters: 40 TB a checkpoint
-
-
-@pytest.mark.parametrize("extra,written", [
-    ([], "(3 checkpoints of 39624.76 GB at once, 2 kept and the next being written)"),
-    (["storage.offload=ssd", "train.checkpoint_every=0", "train.final_checkpoint=false"], "(expert store "),
-])
-def test_a_run_whose_files_do_not_fit_the_disk_is_refused_before_launch(tmp_path, extra, written):
-    run_dir = tmp_path / "run"
-    out = run_moesys("train", *HUGE, *extra, f"train.run_dir={run_dir}", "--dry-run", cwd=tmp_path)
-    assert out.returncode == 2, out.stderr
-    (line,) = out.stderr.strip().splitlines()
-    target = run_dir / ("expert_store" if extra else "checkpoints")
-    assert line.startswith("error: not enough disk: ") and f"GB to write to {target} {written}" in line, line
-    assert "but its filesystem has " in line and "set train.run_dir or storage.ssd_path to a larger disk" in line
-    assert not run_dir.exists()
