@@ -32,17 +32,35 @@ app = typer.Typer(
 CONTEXT = {"allow_extra_args": False}
 
 EPILOG = epilog()
-app.command("plan", context_settings=CONTEXT, epilog=EPILOG)(plan_cmd.plan)
-app.command("train", context_settings=CONTEXT, epilog=EPILOG)(train_cmd.train)
-app.command("infer", context_settings=CONTEXT, epilog=epilog(recipes=False))(infer_cmd.infer)
-app.command("export", context_settings=CONTEXT, epilog=epilog(recipes=False))(export_cmd.export)
-app.command("distill", context_settings=CONTEXT, epilog=epilog(recipes=False))(distill_cmd.distill)
-app.command("serve", context_settings=CONTEXT, epilog=epilog(recipes=False))(serve_cmd.serve)
-app.command("rebalance", context_settings=CONTEXT, epilog=EPILOG)(rebalance_cmd.rebalance)
-app.command("bench", context_settings=CONTEXT, epilog=EPILOG)(bench_cmd.bench)
-app.command("report", context_settings=CONTEXT)(report_cmd.report)
-app.command("config", context_settings=CONTEXT, epilog=EPILOG)(config_cmd.config)
+SHORT = {
+    "plan": "Memory budgets (Eq. 1), placement and a verdict: exit 0 fits, 1 does not, 2 bad input.",
+    "train": "Train with expert + data parallelism in torchrun processes.",
+    "infer": "Generate tokens from a checkpoint, experts placed within a device budget.",
+    "export": "Write one servable model (no optimizer state) from a training checkpoint.",
+    "distill": "Train a student with fewer experts per MoE layer from a teacher run.",
+    "serve": "Serve OpenAI-style completions over HTTP until SIGTERM or Ctrl-C.",
+    "rebalance": "Allocate GPUs to the tasks of a multi-task load so the slowest GPU carries the least.",
+    "bench": "Measure side by side and print the ratios.",
+    "report": "Write one HTML page of a run's or an inference result's charts.",
+    "config": "Print the configuration every verb resolves, or every key with --keys.",
+}
+"""One line per verb for `moesys --help` (the verbs' docstrings are their own --help, reflowed there)."""
 
+
+def _verb(name: str, fn, epilog: str | None = EPILOG) -> None:
+    app.command(name, context_settings=CONTEXT, epilog=epilog, short_help=SHORT[name])(fn)
+
+
+_verb("plan", plan_cmd.plan)
+_verb("train", train_cmd.train)
+_verb("infer", infer_cmd.infer, epilog(recipes=False))
+_verb("export", export_cmd.export, epilog(recipes=False))
+_verb("distill", distill_cmd.distill, epilog(recipes=False))
+_verb("serve", serve_cmd.serve, epilog(recipes=False))
+_verb("rebalance", rebalance_cmd.rebalance)
+_verb("bench", bench_cmd.bench)
+_verb("report", report_cmd.report, None)
+_verb("config", config_cmd.config)
 
 def _version(value: bool) -> None:
     if value:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Callable
+from typing import Annotated, Callable, List, Optional
 
 import typer
 from rich.table import Table
 
-from moesys_cli.options import Json, Overrides
+from moesys_cli.options import Json
 from moesys_cli.render import console, literal, print_json
 from moesys_cli.resolve import resolve_config
 from runtime.config import ConfigError, MoesysConfig
@@ -90,6 +90,23 @@ HONOURED: dict[str, tuple[str, ...] | None] = {
 than silently ignored, since a figure measured on another shape than asked for misleads."""
 
 
+def _overrides_help() -> str:
+    """What each benchmark takes of key=value overrides, from HONOURED."""
+    whole = [name for name, keys in HONOURED.items() if keys is None]
+    some: dict[tuple[str, ...], list[str]] = {}
+    for name, keys in HONOURED.items():
+        if keys:
+            some.setdefault(keys, []).append(name)
+    fixed = [name for name, keys in HONOURED.items() if keys == ()]
+    parts = [f"{', '.join(whole)}: recipe=NAME and any key=value override"]
+    parts += [f"{', '.join(names)}: only {', '.join(f'{k}=N' for k in keys)}" for keys, names in some.items()]
+    parts.append(f"{', '.join(fixed)}: none (they measure a fixed shape; an override is refused)")
+    return "Overrides, by benchmark. " + "; ".join(parts) + "."
+
+
+BenchOverrides = Annotated[Optional[List[str]], typer.Argument(help=_overrides_help(), show_default=False)]
+
+
 def _check_overrides(name: str, overrides: list[str]) -> None:
     honoured = HONOURED[name]
     if honoured is None:
@@ -103,7 +120,7 @@ def _check_overrides(name: str, overrides: list[str]) -> None:
 
 
 def bench(name: Annotated[str, typer.Argument(help=f"one of: {', '.join(BENCHES)}")],
-          overrides: Overrides = None, json_out: Json = False) -> None:
+          overrides: BenchOverrides = None, json_out: Json = False) -> None:
     """Measure side by side and print the ratios (JSON with --json)."""
     if name not in BENCHES:
         raise ConfigError(f"unknown benchmark {name!r}; available: {', '.join(BENCHES)}")

@@ -9,15 +9,21 @@ import typer
 from rich.table import Table
 
 from moesys_cli.options import Json, Overrides
-from moesys_cli.render import console, human_bytes, human_count, literal, print_json
-from moesys_cli.resolve import resolve_config
+from moesys_cli.render import console, human_bytes, human_count, literal, print_json, warn
+from moesys_cli.resolve import lr_warning, resolve_config
 from runtime.errors import UserError
+from runtime.launch import launch_ram_problem
 from runtime.storage.placement import plan_placement, plan_to_dict
 from runtime.train.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
 
 Compare = Annotated[Optional[Path], typer.Option(
     "--compare", metavar="RUN_DIR", help="Set the run's recorded plan beside the peak memory each of its ranks "
                                          "measured, per tier, with the ratio (the run's own config is used).")]
+
+
+TIER_NAMES = {"gpu": {"gpu": "on the GPU", "cpu": "in host RAM", "ssd": "on SSD"},
+              "cpu": {"gpu": "in the device pool (RAM)", "cpu": "in the host cache (RAM)", "ssd": "on SSD"}}
+"""What each tier of the placement is, by what the device is (placement.device)."""
 
 
 def plan(overrides: Overrides = None, json_out: Json = False, compare: Compare = None) -> None:
@@ -34,7 +40,15 @@ def plan(overrides: Overrides = None, json_out: Json = False, compare: Compare =
             _render_compare(compare.resolve(), rows)
         raise typer.Exit(0)
     cfg = resolve_config(overrides or [])
-    result = plan_to_dict(plan_placement(cfg))
+    planned = plan_placement(cfg)
+    result = plan_to_dict(planned)
+    machine = launch_ram_problem(cfg, planned.process_host_bytes) if cfg.purpose == "train" else None
+    if machine:  # what moesys train would refuse here before launching
+        result["problems"].append(machine)
+        result["feasible"] = False
+    result["warnings"] = [w for w in (lr_warning(cfg, overrides or []),) if w]
+    for warning in result["warnings"]:
+        warn(warning)
     if json_out:
         print_json({"recipe": cfg.recipe, **result})
     else:
@@ -56,18 +70,23 @@ def _render(recipe: str | None, r: dict) -> None:
                     "[green]yes[/]" if t["ok"] else "[red]no[/]")
     console.print(eq1)
     pl, pr = r["placement"], r["per_rank"]
-    rank = Table(title=f"Per rank ({pr['world_size']} ranks) with storage.offload={pl['offload']}: dense on "
-                       f"{pl['dense'].upper()}, experts on {pl['sparse'].upper()}")
+    tiers = TIER_NAMES[pl["device"]]
+    device = "GPU" if pl["device"] == "gpu" else "CPU (no GPU)"
+    console.print(f"Per rank ({pr['world_size']} ranks) on {device} with storage.offload={pl['offload']}: dense "
+                  f"{tiers[pl['dense']]}, experts {tiers[pl['sparse']]}", markup=False)
+    rank = Table()
     rank.add_column("state")
     rank.add_column("bytes", justify="right")
     for name, n in pr["device"].items():
         rank.add_row(f"device: {name}", human_bytes(n))
-    rank.add_row("[bold]device total[/]", f"{human_bytes(pr['device_total'])} / {human_bytes(pr['device_capacity'])}")
+    rank.add_row(f"[bold]device peak[/] (at {pr['device_peak_at']})",
+                 f"{human_bytes(pr['device_total'])} / {human_bytes(pr['device_capacity'])}")
     rank.add_row("host (expert cache)", f"{human_bytes(pr['host'])} / {human_bytes(pr['host_capacity'])}")
     rank.add_row("ssd (expert store)", human_bytes(pr["ssd"]))
     if pl["offload"] == "ssd":
         rank.add_row("CPU cache", f"{pl['cpu_cache_experts']} of {pl['local_experts']} local experts")
     console.print(rank)
+    _render_disk(r["disk"], b["tiers"]["ssd"]["capacity_bytes"] / max(1, b["nodes"]))
     inf = r["inference"]
     console.print(f"inference (ring memory): dense {human_bytes(inf['dense_bytes'])} resident, "
                   f"{human_bytes(inf['expert_layer_bytes'])} per MoE layer's experts -> largest infer.ring_slots "
@@ -90,12 +109,21 @@ def _render(recipe: str | None, r: dict) -> None:
             console.print(f"[yellow]try:[/] {literal(s)}")
 
 
+def _render_disk(d: dict, per_node: float) -> None:
+    parts = [f"expert store {human_bytes(d['expert_store_bytes'])}"] if d["expert_store_bytes"] else []
+    n = d["checkpoints_on_disk"]
+    if n:
+        parts.append(f"{n} checkpoint{'s' if n > 1 else ''} of {human_bytes(d['checkpoint_bytes'])} at once")
+    console.print(f"disk written: {' + '.join(parts) or 'nothing'} = {human_bytes(d['total_bytes'])} "
+                  f"(topology.ssd_gb: {human_bytes(per_node)} per node)", markup=False)
+
+
 def _render_compare(run_dir: Path, rows: list[TierComparison]) -> None:
     table = Table(title=f"Plan against measured peaks, {literal(run_dir)}")
     for col in ("rank", "tier", "predicted", "measured", "measured / predicted"):
         table.add_column(col, justify="left" if col == "tier" else "right")
     for row in rows:
-        ratio = "-" if row.ratio is None else f"{row.ratio:.2f}"
+        ratio = row.ratio_text
         if row.within is False:
             ratio = f"[red]{ratio}[/]"
         table.add_row(str(row.rank), row.tier, human_bytes(row.predicted_bytes),

@@ -46,6 +46,11 @@ def notice(message: str) -> None:
     err_console.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
+def warn(message: str) -> None:
+    """One line on stderr that does not stop the command; printed literally."""
+    err_console.print(Text.assemble(("warning:", "bold yellow"), " ", message), highlight=False, soft_wrap=True)
+
+
 def literal(value: object) -> str:
     """User or quoted text to embed in a markup string, escaped so that rich prints it as written."""
     return escape(str(value))

@@ -23,6 +23,7 @@ from runtime.config import ConfigError, MoesysConfig, resolve_auto, validate
 from runtime.config_keys import keys_meant
 from runtime.run_dir import expert_store_root
 from runtime.topology import detect_machine
+from runtime.train.lr_width import lr_width_warning
 
 GROUPS = ("model", "topology", "storage", "train", "infer", "launcher", "recipe")
 AUTO_KEYS = ("topology.expert_parallel",)
@@ -206,6 +207,21 @@ def resolve_config(overrides: list[str] | tuple[str, ...] = ()) -> MoesysConfig:
     resolve_auto(cfg)
     validate(cfg)
     return cfg
+
+
+def lr_warning(cfg: MoesysConfig, overrides: list[str] | tuple[str, ...]) -> str | None:
+    """A warning when train.lr is the recipe's own (not overridden) and the overrides made the model much wider
+    than the recipe's (runtime/train/lr_width.py); None otherwise."""
+    keys = [o.partition("=")[0].lstrip("+~") for o in overrides]
+    if "train.lr" in keys or not any(k == "model" or k.startswith("model.") for k in keys):
+        return None  # the user chose the lr, or the recipe's model is unchanged
+    recipe = [o for o in overrides if o.partition("=")[0] == "recipe"][-1:]
+    try:
+        base = resolve_config(recipe)
+    except ConfigError:
+        return None
+    return lr_width_warning(cfg.train.lr, cfg.model.hidden_size, cfg.recipe or "default", base.train.lr,
+                            base.model.hidden_size)
 
 
 def _apply_machine(cfg: MoesysConfig) -> None:

@@ -13,8 +13,8 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moesys_cli.options import Json, Overrides
-from moesys_cli.render import console, error, notice, print_json
-from moesys_cli.resolve import config_yaml, resolve_config
+from moesys_cli.render import console, error, notice, print_json, warn
+from moesys_cli.resolve import config_yaml, lr_warning, resolve_config
 from moesys_cli.slurm import submit
 from runtime.config import MoesysConfig
 from runtime.launch import build_launch, check_launchable, rendezvous_connect_s, rendezvous_join_s
@@ -25,7 +25,7 @@ from runtime.run_dir import (RunLock, check_run_dir, clear_fatal, default_run_di
                              prepare_run_dir, read_fatal, record_fatal, run_summary)
 from runtime.topology import host_memory_bytes
 from runtime.train.compare import recorded_plan
-from runtime.train.preflight import check_before_launch, check_plan
+from runtime.train.preflight import check_before_launch, check_disk, check_plan
 from runtime.train.decided import record as record_placement
 from runtime.train.rank_memory import clear_rank_memory, read_rank_memory
 
@@ -35,6 +35,8 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved conf
 def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json = False) -> None:
     """Train with expert + data parallelism in torchrun processes; exits with the job's status."""
     cfg = resolve_config(overrides or [])
+    if warning := lr_warning(cfg, overrides or []):
+        warn(warning)
     cfg.train.run_dir = str(Path(cfg.train.run_dir or default_run_dir(cfg)).resolve())
     check_run_dir(cfg.train.run_dir)  # an export or a model given as train.run_dir: refused, dry run or not
     check_before_launch(cfg)  # what every worker would otherwise fail on, after torchrun's retries
@@ -62,6 +64,7 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
     check_launchable(cfg)
     check_plan(cfg)  # a run the plan says does not fit fails later on a tier's budget or by the OOM killer
     check_run_dir(cfg.train.run_dir)  # before the lock file is written into it
+    check_disk(cfg)  # the store and checkpoints must fit the free space where they go, or the disk fills minutes in
     lock = RunLock(Path(cfg.train.run_dir), cfg.launcher.node_rank)  # held until exit: one job per run directory
     run_dir = prepare_run_dir(cfg)
     if prepare is not None:

@@ -82,7 +82,8 @@ class ModelConfig:
     importance_loss_weight: float = 0.0
     """Weight of the mean-importance loss."""
     embedding_partition: bool = False
-    """Split the [V, H] embedding column-wise over data-parallel ranks (seed 004 section 4.3)."""
+    """Split the [V, H] embedding column-wise over data-parallel ranks (the paper's "Embedding Partition in Data
+    Parallelism")."""
 
     @property
     def kv_heads(self) -> int:

@@ -147,19 +147,42 @@ def multinode_env(cfg: MoesysConfig) -> dict[str, str]:
 
 def check_host_memory(cfg: MoesysConfig, ram_bytes: float) -> None:
     """CPU processes of one node share its RAM: the plan's host bytes per process times nproc_per_node must fit."""
+    problem = host_memory_problem(cfg, ram_bytes)
+    if problem:
+        raise UserError(problem)
+
+
+def host_memory_problem(cfg: MoesysConfig, ram_bytes: float, each: int | None = None) -> str | None:
+    """Why this config's CPU processes do not fit in `ram_bytes` (one line with what to change), None when they
+    do; `each` is the plan's host bytes per process (computed when not given)."""
     nproc = cfg.topology.nproc_per_node
-    each = plan_placement(cfg).process_host_bytes
+    each = plan_placement(cfg).process_host_bytes if each is None else each
     if nproc * each + LAUNCHER_BYTES <= ram_bytes:
-        return
+        return None
     fit = int(max(0, ram_bytes - LAUNCHER_BYTES) // each)
     fixes = [f"lower topology.nproc_per_node to at most {fit} (topology.expert_parallel must divide it)" if fit
              else "shrink the model"]
     if cfg.train.micro_batch_size > 1:
         fixes.append("lower train.micro_batch_size")
-    raise UserError(f"topology.nproc_per_node={nproc} CPU processes need about {nproc * each / GB:.1f} GB of RAM "
-                    f"({each / GB:.2f} GB each by the plan, and {LAUNCHER_BYTES / GB:.2f} GB for the launcher) but "
-                    f"this machine has {ram_bytes / GB:.1f} GB; "
-                    f"{' or '.join(fixes)}")
+    return (f"topology.nproc_per_node={nproc} CPU processes need about {nproc * each / GB:.1f} GB of RAM "
+            f"({each / GB:.2f} GB each by the plan, and {LAUNCHER_BYTES / GB:.2f} GB for the launcher) but "
+            f"this machine has {ram_bytes / GB:.1f} GB; "
+            f"{' or '.join(fixes)}")
+
+
+def launch_ram_problem(cfg: MoesysConfig, each: int) -> str | None:
+    """What `moesys train` would refuse on this machine's RAM before launching (check_launchable): CPU processes
+    launched here (launcher local or multinode) that do not fit in its RAM or memory cgroup. None otherwise."""
+    if cfg.launcher.name == "slurm" or cfg.topology.gpus_per_node:
+        return None
+    ram = host_memory_bytes()
+    problem = host_memory_problem(cfg, ram, each)
+    if problem is None:
+        return None
+    declared = cfg.topology.cpu_memory_gb * GB
+    other = (f"; topology.cpu_memory_gb={cfg.topology.cpu_memory_gb:g} is more than this machine has"
+             if declared > ram else "")
+    return f"launched here (launcher={cfg.launcher.name}) {problem}{other}; moesys train would refuse it"
 
 
 def processes_per_node(cfg: MoesysConfig) -> int:

@@ -17,6 +17,7 @@ from runtime.config import MoesysConfig
 from runtime.elastic.allocation import Allocation, AllocationError, allocate
 from runtime.elastic.workload import Workload, workload_from_config, workload_from_metrics
 from runtime.io import atomic_write_text
+from runtime.storage.budget import GB
 from runtime.storage.placement import plan_placement, world_size
 
 
@@ -34,10 +35,27 @@ class Rebalance:
 def tasks_per_gpu(cfg: MoesysConfig, plan=None) -> int:
     """How many task replicas fit in one rank's device memory, by the plan's per-rank estimate (of `plan`, when
     the caller has it)."""
+    return _tasks_per_gpu(cfg, plan)[0]
+
+
+def _tasks_per_gpu(cfg: MoesysConfig, plan=None) -> tuple[int, str]:
+    """tasks_per_gpu, and why no more fit (empty when every task fits on one)."""
     est = (plan or plan_placement(cfg)).per_rank
     if est.device_total <= 0:
-        return max(1, len(cfg.tasks))
-    return max(1, min(len(cfg.tasks), est.device_capacity // est.device_total))
+        return max(1, len(cfg.tasks)), ""
+    fit = min(len(cfg.tasks), est.device_capacity // est.device_total)
+    t = cfg.topology
+    if fit >= len(cfg.tasks):
+        why = ""
+    elif t.gpus_per_node and not t.gpu_memory_gb:  # e.g. gpus_per_node set on topology=single, a CPU topology
+        why = (f"topology.gpus_per_node={t.gpus_per_node} with topology.gpu_memory_gb=0 gives the GPUs no memory to "
+               "share; set topology.gpu_memory_gb to one GPU's memory (e.g. topology.gpu_memory_gb=80), or use "
+               "topology=a100-80g or topology=local")
+    else:
+        where = "GPU" if t.gpus_per_node else "rank's RAM share"
+        why = (f"by the plan a task needs {est.device_total / GB:.2f} GB of device memory and a {where} has "
+               f"{est.device_capacity / GB:.2f} GB")
+    return max(1, fit), why
 
 
 def rebalance(cfg: MoesysConfig, from_run: Optional[str] = None) -> Rebalance:
@@ -45,8 +63,13 @@ def rebalance(cfg: MoesysConfig, from_run: Optional[str] = None) -> Rebalance:
         raise AllocationError("the config has no tasks; use a multi-task recipe such as recipe=ufo-multitask")
     batch_sizes = {name: t.batch_size for name, t in cfg.tasks.items()}
     workload = workload_from_metrics(from_run, batch_sizes) if from_run else workload_from_config(cfg.tasks)
-    gpus, per_gpu = world_size(cfg), tasks_per_gpu(cfg)
-    after = allocate(workload, gpus, per_gpu)
+    gpus, (per_gpu, why) = world_size(cfg), _tasks_per_gpu(cfg)
+    try:
+        after = allocate(workload, gpus, per_gpu)
+    except AllocationError as exc:
+        if not why or "do not fit" not in str(exc):
+            raise
+        raise AllocationError(f"{exc}: {why}") from None
     return Rebalance(workload=workload, num_gpus=gpus, max_tasks_per_gpu=per_gpu, before=after.baseline,
                      after=after, source=str(from_run) if from_run else "config")
 

@@ -206,6 +206,8 @@ class AutoOffloader(Offloader):
 
     @property
     def expert_host_bytes(self) -> int:
+        """The streamed layers as stored: N-K of them without a GPU, N-K+1 on CUDA, whose K-th slot caches fetched
+        experts instead of holding a layer."""
         return sum(self.source.layer_bytes(m, stored=True) for m, p in enumerate(self.placement) if p != RESIDENT)
 
     def reset_stats(self) -> None:

@@ -33,6 +33,7 @@ from runtime.inference.hf_mixtral import INDEX, config_to_hf, hf_tensor_names
 from runtime.inference.load import MoesysCheckpoint, read_moesys
 from runtime.io import atomic_write_json, atomic_write_text, fsync_dir, new_dir_mode
 from runtime.model.transformer import Transformer
+from runtime.storage.disk import check_free
 from runtime.moe.layer import is_expert_param
 from runtime.tensorfile import write_tensors
 
@@ -111,6 +112,9 @@ def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optio
     itemsize = {e.key: (to_dtype or files.get(e.key).dtype).itemsize for e in entries}
     nbytes = {e.key: files.nbytes(e.key) // files.get(e.key).element_size() * itemsize[e.key] for e in entries}
     shards = _shards(entries, nbytes, max(1, int(max_shard_gb * 1e9)))
+    smaller = "" if (to_dtype or torch.float32).itemsize < 4 else ", or export.dtype=bf16 (half the bytes of fp32)"
+    check_free([(out, sum(nbytes.values()), f"{len(entries)} tensors of the {fmt} export")],
+               f"free space there or choose out= on a larger disk{smaller}")
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

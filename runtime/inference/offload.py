@@ -198,11 +198,16 @@ class Offloader:
 
     @property
     def expert_device_bytes(self) -> int:
+        """Device memory set aside for expert weights, in the dtype placed (`peak_bytes.device.experts`): the
+        budget of K layer-sized slots whatever fills them (resident layers, ring slots, auto's fetched experts)."""
         return sum(p.numel() * p.element_size() for layer in self.model.moe_layers()
                    for p in layer.experts.parameters())
 
     @property
     def expert_host_bytes(self) -> int:
+        """Expert weights served from the host tier, as stored (`peak_bytes.host.experts`): every MoE layer that is
+        not resident on the device, on CPU (mapped files) and CUDA (mapped files, or the ring's pinned copies)
+        alike. 0 when every layer is resident."""
         return 0
 
     def reset(self) -> None:

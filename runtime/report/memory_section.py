@@ -44,5 +44,5 @@ def add_memory(page: Page, run: RunData, marks: list[VMark]) -> None:
     sec.table("memory-table", ("rank", "tier", "planned", "measured", "ratio", "on plan"),
               [(r.rank, r.tier, human_bytes(r.predicted_bytes),
                 "-" if r.measured_bytes is None else human_bytes(r.measured_bytes),
-                "-" if r.ratio is None else f"{r.ratio:.2f}", {True: "yes", False: "no", None: "-"}[r.within])
+                r.ratio_text, {True: "yes", False: "no", None: "-"}[r.within])
                for r in rows])

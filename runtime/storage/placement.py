@@ -18,6 +18,9 @@ from runtime.model.params import ParamCounts, count_parameters
 from runtime.parallel.embedding_bytes import embedding_bytes_per_rank
 from runtime.storage.budget import (CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
                                     STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
+from runtime.storage.disk import DiskPlan, disk_plan, disk_problem, fewer_checkpoints, kept_checkpoints
+from runtime.storage.step_memory import (CUDA_CONTEXT_BYTES, CUDA_HOST_BYTES, CUDA_WORKSPACE_BYTES, activation_bytes,
+                                         optimizer_step_bytes, step_peak, weight_cast_params)
 from runtime.storage.suggest import serving_suggestions, training_suggestions
 
 MODES = ("none", "cpu", "ssd")
@@ -48,12 +51,16 @@ class RankEstimate:
     host_capacity: int
     cache_experts: int
     local_experts: int
+    device_total: int
+    """The device's peak in a step: not the sum of `device`, whose activations and weight copies are gone by the
+    optimizer step and whose gradients do not exist yet when backward starts (step_memory.step_peak)."""
+    device_peak_at: str = "backward"
+    """When that peak happens: backward (its start) or optimizer step."""
+    ram_share: int = 0
+    """Without a GPU: the RAM of one rank that its device pool and host cache share."""
     expert_window: int = 0
-    """Offloaded modes: MoE layers whose active experts the device holds at once (expert_window())."""
-
-    @property
-    def device_total(self) -> int:
-        return sum(self.device.values())
+    """Offloaded modes: MoE layers whose active experts the device holds at once (the layer computing and
+    storage.prefetch_depth ahead, more where a GPU has room)."""
 
     @property
     def ok(self) -> bool:
@@ -78,6 +85,10 @@ class Plan:
     """Why training does not fit, whatever the purpose."""
     process_host_bytes: int = 0
     """Host RAM one worker process needs (process_host_bytes)."""
+    device: str = "gpu"
+    """What the device tier is: gpu, or cpu (no GPU: a budgeted pool in host RAM)."""
+    disk: DiskPlan = DiskPlan(0, 0, 0)
+    """What a training run writes to disk (expert store, checkpoints)."""
 
 
 def world_size(cfg: MoesysConfig) -> int:
@@ -85,8 +96,9 @@ def world_size(cfg: MoesysConfig) -> int:
 
 
 def process_host_bytes(cfg: MoesysConfig, est: RankEstimate) -> int:
-    """Host RAM one worker process needs: its expert cache, its runtime and, without a GPU, its device tier."""
-    return est.host + PROCESS_RUNTIME_BYTES + (0 if cfg.topology.gpus_per_node else est.device_total)
+    """Host RAM one worker process needs: its expert cache, its runtime and, without a GPU, its device tier (with
+    one, the CUDA runtime's host memory instead)."""
+    return est.host + PROCESS_RUNTIME_BYTES + (CUDA_HOST_BYTES if cfg.topology.gpus_per_node else est.device_total)
 
 
 @functools.lru_cache(maxsize=8)
@@ -103,19 +115,6 @@ def teacher_parameters(checkpoint: str) -> int:
         return 0
 
 
-def _activation_bytes(cfg: MoesysConfig) -> int:
-    """Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer at 16 bits; the FFN share (19 sbh at F = 4h)
-    scales with F/4h and, in MoE layers, with top_k; plus fp32 logits and their gradient."""
-    m, tr = cfg.model, cfg.train
-    s, b, h = tr.seq_len, tr.micro_batch_size, m.hidden_size
-    sbh = s * b * h
-    attention = sbh * (15 + 5 * m.num_heads * s / h)
-    ffn = 19 * sbh * m.ffn_size / (4 * h)
-    total = sum(attention + ffn * (m.top_k if m.is_moe_layer(i) else 1) for i in range(m.num_layers))
-    scale = 2 if tr.precision == "fp32" else 1
-    return int(total * scale + 2 * 4 * s * b * m.vocab_size)
-
-
 def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate:
     t, st = cfg.topology, cfg.storage
     world = world_size(cfg)
@@ -125,7 +124,7 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
     layer_experts = cfg.model.num_experts // ep
     layer_sparse = p.per_expert * layer_experts
     dense_share = p.dense / world if st.dense_shard else p.dense
-    device = {"dense_states": int(DENSE_STATE_BYTES * dense_share), "activations": _activation_bytes(cfg)}
+    device = {"dense_states": int(DENSE_STATE_BYTES * dense_share), "activations": activation_bytes(cfg)}
     if cfg.distill.teacher:  # every rank holds the whole frozen teacher, fp32 as its checkpoint stores it
         device["teacher_weights"] = 4 * teacher_parameters(cfg.distill.teacher)
     if cfg.model.embedding_partition and not st.dense_shard:  # seed 004 section 4.3: [V, H/N] per rank
@@ -137,16 +136,31 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
     host = ssd = 0
     cache_experts = 0
     ranks_per_node = t.processes_per_node
-    # What a rank's states may use of the node's RAM: its share after the launcher's, less its own runtime.
-    ram_per_rank = max(0, int((t.cpu_memory_gb * GB - LAUNCHER_BYTES) / ranks_per_node) - PROCESS_RUNTIME_BYTES)
-    window = 0
+    # What a rank's states may use of the node's RAM: its share after the launcher's, less its own runtime (with
+    # CUDA's, on a GPU).
+    runtime = PROCESS_RUNTIME_BYTES + (CUDA_HOST_BYTES if t.gpus_per_node else 0)
+    ram_per_rank = max(0, int((t.cpu_memory_gb * GB - LAUNCHER_BYTES) / ranks_per_node) - runtime)
+    window, layer_active = 0, int(active_expert_bytes(cfg) * st.alpha * layer_sparse)
     if mode == "none":
         device["expert_states"] = int(DENSE_STATE_BYTES * local_sparse)
     else:
-        window = expert_window(cfg, p, sum(device.values()))
-        device["expert_buffers"] = int(active_expert_bytes(cfg) * st.alpha * layer_sparse * window)
+        window = min(p.moe_layers, 1 + st.prefetch_depth) or 1
+        device["expert_buffers"] = layer_active * window
+    # Parameters with their states and torch's AdamW on this rank (dense share, resident experts), and what a step
+    # adds around them (runtime/storage/step_memory.py).
+    resident_experts = local_sparse if mode == "none" else 0
+    resident = device["dense_states"] // DENSE_STATE_BYTES + resident_experts
+    partitioned = cfg.model.vocab_size * cfg.model.hidden_size // world if cfg.model.embedding_partition else 0
+    bucketed = (0 if st.dense_shard else resident - resident_experts - partitioned) + resident_experts
+    device["weight_casts"] = 2 * weight_cast_params(cfg, p, resident_experts)
+    device["grad_buckets"] = 4 * max(0, bucketed)  # Replicated's flat buffers, allocated for every world size
+    device["optimizer_step"] = optimizer_step_bytes(cfg, resident, layer_experts if mode == "none" else 0)
+    if t.gpus_per_node:
+        device["cuda_workspace"] = CUDA_WORKSPACE_BYTES
+    device = {k: v for k, v in device.items() if v or k == "activations"}
+    peak, moment = step_peak(device, 4 * resident)
     # Without a GPU the device tier is a pool in the same RAM as the host tier: the host gets what it leaves.
-    host_capacity = ram_per_rank if t.gpus_per_node else max(0, ram_per_rank - sum(device.values()))
+    host_capacity = ram_per_rank if t.gpus_per_node else max(0, ram_per_rank - peak)
     if mode != "none":
         if mode == "cpu":
             host = int(CACHED_SPARSE_BYTES * local_sparse)
@@ -166,9 +180,20 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
             going_home = STORED_SPARSE_BYTES * max(0, step_active - cache_experts)
             host = int((STORED_SPARSE_BYTES * max(cache_experts, step_active) + grads + going_home + staged)
                        * p.per_expert)
-    device_capacity = int(t.gpu_memory_gb * GB) if t.gpus_per_node else ram_per_rank - host
+    # Without a GPU the device pool gets what the host cache leaves of the rank's RAM, never less than nothing.
+    device_capacity = (max(0, int(t.gpu_memory_gb * GB) - CUDA_CONTEXT_BYTES) if t.gpus_per_node
+                       else max(0, ram_per_rank - host))
+    if window and t.gpus_per_node and layer_active:
+        # The GPU's spare memory keeps more layers' active experts from their forward to their backward, each
+        # then copied once a step (runtime/storage/transfers.py); without a GPU the layers are used in place.
+        extra = min(p.moe_layers - window, max(0, device_capacity - peak) // layer_active)
+        if extra > 0:
+            window += extra
+            device["expert_buffers"] = layer_active * window
+            peak, moment = step_peak(device, 4 * resident)
     return RankEstimate(device=device, host=host, ssd=ssd, device_capacity=device_capacity,
                         host_capacity=host_capacity, cache_experts=cache_experts, local_experts=local_experts,
+                        device_total=peak, device_peak_at=moment, ram_share=0 if t.gpus_per_node else ram_per_rank,
                         expert_window=window)
 
 
@@ -178,26 +203,23 @@ def active_expert_bytes(cfg: MoesysConfig) -> int:
     return 2 * (4 if cfg.train.precision == "fp32" else 2)
 
 
-def expert_window(cfg: MoesysConfig, p: ParamCounts, other_device_bytes: int) -> int:
-    """MoE layers whose active experts the device holds at once, from a layer's forward to its backward: every
-    layer when a GPU has room for them beside the rest of the plan (no fetch twice a step), else the layer
-    computing and storage.prefetch_depth layers ahead."""
-    t, st = cfg.topology, cfg.storage
-    least = min(p.moe_layers, 1 + st.prefetch_depth) if p.moe_layers else 1 + st.prefetch_depth
-    layer = active_expert_bytes(cfg) * st.alpha * p.per_expert * cfg.model.num_experts / t.expert_parallel
-    if not t.gpus_per_node or layer <= 0:
-        return least
-    room = int((t.gpu_memory_gb * GB - other_device_bytes) // layer)
-    return max(least, min(p.moe_layers, room))
-
 
 def _fits(cfg: MoesysConfig, budget: Eq1Budget, est: RankEstimate, mode: str) -> list[str]:
     """Every reason the mode does not fit; empty when it fits."""
     problems = []
-    if not est.device_total <= est.device_capacity:
+    if not cfg.topology.gpus_per_node and not est.ok:  # one RAM holds both: one line, not two derived ones
+        problems.append(f"per-rank RAM {(est.device_total + est.host) / GB:.2f} GB (device pool "
+                        f"{est.device_total / GB:.2f} GB + host cache {est.host / GB:.2f} GB) > "
+                        f"{est.ram_share / GB:.2f} GB")
+    if cfg.topology.gpus_per_node and not est.device_total <= est.device_capacity:
         problems.append(f"per-rank device memory {est.device_total / GB:.2f} GB > {est.device_capacity / GB:.2f} GB")
-    if not est.host <= est.host_capacity:
+    if cfg.topology.gpus_per_node and not est.host <= est.host_capacity:
         problems.append(f"per-rank host memory {est.host / GB:.2f} GB > {est.host_capacity / GB:.2f} GB")
+    if mode == "ssd" and est.ssd * cfg.topology.processes_per_node > cfg.topology.ssd_gb * GB:
+        # every rank of a node writes its experts' store there, replicas included (Eq. 1 assumes them split)
+        problems.append(f"per-node expert store {est.ssd * cfg.topology.processes_per_node / GB:.2f} GB "
+                        f"({cfg.topology.processes_per_node} ranks x {est.ssd / GB:.2f} GB) > topology.ssd_gb="
+                        f"{cfg.topology.ssd_gb:g} GB")
     # Eq. 1's GPU inequality is a floor for every mode; its CPU and SSD ones describe the SSD placement.
     tiers = budget.tiers.items() if mode == "ssd" else [("gpu", budget.gpu)]
     problems += [f"Eq. 1 {name.upper()} tier fails: {tier.formula} "
@@ -247,23 +269,44 @@ def plan_placement(cfg: MoesysConfig) -> Plan:
             break
     assert est is not None
     inference = _inference(cfg, p)
+    disk = disk_plan(cfg, p, chosen, est.ssd)
+    no_room = disk_problem(cfg, disk)  # the store and the checkpoints on the node's disk
+    suggestions = _training_suggestions(cfg, p, budget, chosen, problems, disk) if problems or no_room else []
+    problems = [*problems, *([no_room] if no_room else [])]
     if cfg.purpose == "serve":
         verdict = _serving_problems(cfg, p, inference)
         suggestions = serving_suggestions(cfg, inference, p.moe_layers) if verdict else []
     else:
         verdict = problems
-        suggestions = training_suggestions(cfg, budget, chosen, MODES, _problems_of(p)) if problems else []
     return Plan(params=p, budget=budget, mode=chosen, per_rank=est, world_size=world_size(cfg),
                 feasible=not verdict, problems=verdict, suggestions=suggestions, assumptions=_assumptions(cfg),
                 inference=inference, purpose=cfg.purpose, training_problems=problems,
-                process_host_bytes=process_host_bytes(cfg, est))
+                process_host_bytes=process_host_bytes(cfg, est), device="gpu" if cfg.topology.gpus_per_node else "cpu",
+                disk=disk)
 
 
 def _problems_of(p: ParamCounts):
-    """Every reason a changed config (same model, so same counts p) does not fit in a mode."""
+    """Every reason a changed config (same model, so same counts p) does not fit in a mode, its disk included."""
     def problems(trial: MoesysConfig, mode: str) -> list[str]:
-        return _fits(trial, eq1_budget(trial, p), _rank_estimate(trial, p, mode), mode)
+        est = _rank_estimate(trial, p, mode)
+        no_room = disk_problem(trial, disk_plan(trial, p, mode, est.ssd))
+        return [*_fits(trial, eq1_budget(trial, p), est, mode), *([no_room] if no_room else [])]
     return problems
+
+
+def _training_suggestions(cfg: MoesysConfig, p: ParamCounts, budget, mode: str, memory: list[str],
+                          disk: DiskPlan) -> list[str]:
+    """`try:` lines under which the whole plan fits. When the checkpoints do not fit the disk, no other knob makes
+    room for them: the lines start with the checkpoint settings that do (fewer_checkpoints)."""
+    base, prefix = cfg, ""
+    if disk_problem(cfg, disk):
+        base, prefix = fewer_checkpoints(cfg, disk)
+        if not memory:
+            written = "only the final checkpoint is" if base.train.final_checkpoint else "no checkpoint is"
+            return [f"{prefix} fits ({written} written)"]
+        prefix += " "
+    lines = training_suggestions(base, budget, mode, MODES, _problems_of(p))
+    return [line if line.startswith("no ") else prefix + line for line in lines]
 
 
 def _assumptions(cfg: MoesysConfig) -> list[str]:
@@ -274,7 +317,10 @@ def _assumptions(cfg: MoesysConfig) -> list[str]:
         f"experts split over topology.expert_parallel={t.expert_parallel} ranks; "
         f"dense states {'sharded over' if cfg.storage.dense_shard else 'replicated on'} the {world_size(cfg)} "
         "data-parallel ranks",
-        "activations: Korthikanti et al. 2022 (no recomputation), FFN part scaled by top_k in MoE layers",
+        "activations: what the model code saves for backward (no recomputation; flash or memory-efficient "
+        "attention, no S x S scores), the routed rows and [R, F] intermediates of the experts, fp32 logits' "
+        "log-softmax and gradients; device total: the larger of the start of backward (no gradients yet) and the "
+        "optimizer step (torch AdamW's temporaries), not the sum of the rows",
         f"token embedding {'split column-wise over' if cfg.model.embedding_partition else 'replicated on'} the "
         "data-parallel ranks (model.embedding_partition)",
         f"prefetch buffers hold {cfg.storage.prefetch_depth} layer(s) ahead",
@@ -283,8 +329,16 @@ def _assumptions(cfg: MoesysConfig) -> list[str]:
     if not t.gpus_per_node:
         out.append("no GPU: the device tier is a pool in host RAM; it and the host cache share topology.cpu_memory_gb "
                    "/ nproc_per_node per rank")
-    out.append(f"each worker process needs {PROCESS_RUNTIME_BYTES / GB:.1f} GB of host RAM for its runtime besides "
-               "the states counted here")
+    else:
+        out.append(f"on a GPU: {CUDA_CONTEXT_BYTES / GB:.1f} GB of each GPU for the CUDA context (not allocatable), "
+                   f"{CUDA_WORKSPACE_BYTES / 2**20:.0f} MiB of cuBLAS workspaces; device bytes are CUDA's allocated "
+                   "peak, the caching allocator's reserve above it is not counted")
+    host_runtime = PROCESS_RUNTIME_BYTES + (CUDA_HOST_BYTES if t.gpus_per_node else 0)
+    out.append(f"each worker process needs {host_runtime / GB:.1f} GB of host RAM for its runtime"
+               f"{' (CUDA included)' if t.gpus_per_node else ''} besides the states counted here")
+    out.append(f"disk: the expert store is each rank's experts at 12 bytes a parameter (storage.offload=ssd; cpu "
+               f"writes none); a checkpoint is every parameter at 12 bytes, {kept_checkpoints(cfg)} kept and one more "
+               "while the next is written; judged against topology.ssd_gb per node")
     if cfg.purpose == "serve":
         out.append("serving: fp16 weights, KV cache and activations not counted; the experts of every MoE layer "
                    "live in the host tier (a memory-mapped store on disk)")
@@ -304,12 +358,16 @@ def plan_to_dict(plan: Plan) -> dict:
             "min_nodes": b.min_nodes(),
             "unsatisfiable": b.unsatisfiable(),
         },
-        "placement": {"offload": plan.mode, "dense": "gpu", "sparse": SPARSE_HOME[plan.mode],
+        "placement": {"offload": plan.mode, "dense": "gpu", "sparse": SPARSE_HOME[plan.mode], "device": plan.device,
                       "cpu_cache_experts": r.cache_experts, "local_experts": r.local_experts,
                       "device_expert_layers": r.expert_window},
         "per_rank": {"world_size": plan.world_size, "device": r.device, "device_total": r.device_total,
-                     "device_capacity": r.device_capacity, "host": r.host, "host_capacity": r.host_capacity,
+                     "device_capacity": r.device_capacity, "device_peak_at": r.device_peak_at,
+                     "host": r.host, "host_capacity": r.host_capacity,
                      "ssd": r.ssd, "ok": r.ok, "process_host_bytes": plan.process_host_bytes},
+        "disk": {"expert_store_bytes": plan.disk.store_bytes, "checkpoint_bytes": plan.disk.checkpoint_bytes,
+                 "checkpoints_on_disk": plan.disk.checkpoints, "checkpoints_bytes": plan.disk.checkpoints_bytes,
+                 "total_bytes": plan.disk.total_bytes},
         "inference": plan.inference,
         "purpose": plan.purpose,
         "training": {"feasible": not plan.training_problems, "problems": plan.training_problems},

@@ -31,6 +31,7 @@ from runtime.moe.layer import is_expert_param
 from runtime.parallel.embedding_partition import gather_columns, partitioned_parameters, shard_of
 from runtime.parallel.groups import ParallelGroups, group_size
 from runtime.run_dir import CHECKPOINTS
+from runtime.storage.disk import kept_checkpoints
 from runtime.tensorfile import TensorSpec, save_tensors, verify, write_tensors
 
 __all__ = ["CheckpointError", "check_fits", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
@@ -103,8 +104,9 @@ def _local_to_global(groups: ParallelGroups, local_experts: int) -> list[int]:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    groups: ParallelGroups, cfg: MoesysConfig, keep: int = 2, parts: Sequence = ()) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory.
+                    groups: ParallelGroups, cfg: MoesysConfig, keep: int | None = None, parts: Sequence = ()) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory. The newest `keep` complete
+    checkpoints stay (default: runtime/storage/disk.kept_checkpoints, the count the plan's disk bytes assume).
 
     Each of `parts` (runtime/train/parts.py) writes its own files into the checkpoint before it is renamed, and
     the model parameters it holds (part.held_params) are left to it."""
@@ -132,6 +134,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     final = root / name
     if groups.rank == 0:
         commit_checkpoint(tmp, checkpoint_meta(step, groups.world_size, groups.ep_size, cfg))
+        keep = kept_checkpoints(cfg) if keep is None else keep
         for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier(groups)

@@ -48,6 +48,24 @@ class TierComparison:
             return self.measured_bytes == 0
         return abs(self.ratio - 1) <= TOLERANCE
 
+    @property
+    def ratio_text(self) -> str:
+        """The ratio with as many digits as it takes for the printed figure to agree with `within` (decided on the
+        unrounded ratio): 0.798 is off the plan, and "0.80" would read as within 20%; "-" without a ratio."""
+        if self.ratio is None:
+            return "-"
+        return ratio_text(self.ratio, bool(self.within))
+
+
+def ratio_text(ratio: float, within: bool) -> str:
+    """`ratio` rounded to the fewest digits (two or more) whose value is on the same side of TOLERANCE as the
+    unrounded ratio."""
+    for digits in range(2, 10):
+        text = f"{ratio:.{digits}f}"
+        if (abs(float(text) - 1) <= TOLERANCE) == within:
+            return text
+    return repr(ratio)
+
 
 def predicted_per_rank(plan: dict, gpus_per_node: int) -> dict[str, int]:
     """The plan's bytes per rank for each compared tier (`plan` as `moesys plan --json` prints it)."""
@@ -104,7 +122,7 @@ def comparison_to_dict(run_dir: Path, rows: list[TierComparison]) -> dict:
     for row in rows:
         ranks.setdefault(row.rank, {})[row.tier] = {
             "predicted_bytes": row.predicted_bytes, "measured_bytes": row.measured_bytes,
-            "ratio": None if row.ratio is None else round(row.ratio, 4), "within_tolerance": row.within}
+            "ratio": row.ratio, "within_tolerance": row.within}
     return {"run_dir": str(run_dir), "tolerance": TOLERANCE,
             "ranks": [{"rank": rank, "tiers": tiers} for rank, tiers in sorted(ranks.items())],
             "within_tolerance": all(row.within is not False for row in rows)}

@@ -1,6 +1,7 @@
 """What `moesys train` checks before it launches anything: the errors each worker would otherwise meet at start,
 after torchrun had retried it (data shorter than a window, a plan that does not fit, an expert store that cannot be
-written or that another run owns). Each raises a UserError of one line."""
+written or that another run owns, a disk without room for the store and the checkpoints). Each raises a UserError of
+one line."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
-from runtime.run_dir import expert_store_root
+from runtime.run_dir import CHECKPOINTS, expert_store_root
+from runtime.storage.budget import GB
+from runtime.storage.disk import bytes_under, check_free, checkpoints_on_disk, kept_checkpoints
 from runtime.storage.placement import plan_placement
 from runtime.train.text import check_text
 
@@ -26,6 +29,30 @@ def check_before_launch(cfg: MoesysConfig) -> None:
         check_text(path, cfg.train.seq_len, key)  # DataError: missing, empty or too short
     if cfg.storage.offload in ("ssd", "auto"):
         _check_store(expert_store_root(cfg), str(Path(cfg.train.run_dir).resolve()))
+
+
+def check_disk(cfg: MoesysConfig) -> None:
+    """The expert store and the checkpoints the run will write must fit the free space of the filesystems they go to
+    (storage.ssd_path or RUN_DIR/expert_store; RUN_DIR/checkpoints): a full disk otherwise stops the run minutes in.
+    What a resumed run's directory already holds is counted as written. A SLURM job's nodes keep their stores
+    where this machine cannot see them: only its checkpoints are checked."""
+    plan = plan_placement(cfg)
+    disk = plan.disk
+    checkpoints = Path(cfg.train.run_dir).resolve() / CHECKPOINTS
+    done = sorted(p.name for p in checkpoints.glob("step_*") if p.is_dir()) if checkpoints.is_dir() else []
+    first = int(done[-1].removeprefix("step_")) if done and done[-1].removeprefix("step_").isdigit() else 0
+    new = checkpoints_on_disk(cfg, existing=len(done), first_step=first) - len(done)
+    store = expert_store_root(cfg)
+    here = cfg.launcher.name != "slurm"
+    store_new = max(0, disk.store_bytes - bytes_under(store)) if plan.mode == "ssd" and here else 0
+    held = f"{new} checkpoint{'s' if new > 1 else ''} of {disk.checkpoint_bytes / GB:.2f} GB at once"
+    if new > kept_checkpoints(cfg):
+        held += f", {kept_checkpoints(cfg)} kept and the next being written"
+    writes = [(store, store_new, f"expert store {store_new / GB:.2f} GB"),
+              (checkpoints, new * disk.checkpoint_bytes, held)]
+    check_free(writes, "free space there, set train.run_dir or storage.ssd_path to a larger disk, or write fewer "
+                       "checkpoints (train.checkpoint_every=0 writes only the final one, train.final_checkpoint=false "
+                       "none)")
 
 
 def check_plan(cfg: MoesysConfig) -> None:

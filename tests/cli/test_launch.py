@@ -146,3 +146,4 @@ def test_slurm_without_sbatch_or_with_a_failing_one_is_one_line_exit_2(tmp_path,
     out = run_moesys("train", "recipe=tiny", "launcher=slurm", f"train.run_dir={tmp_path / 'run'}")
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert len(out.stderr.strip().splitlines()) == 1 and "invalid partition specified" in out.stderr
+

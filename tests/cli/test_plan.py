@@ -83,3 +83,48 @@ def test_every_verb_sees_auto_expert_parallel_resolved(tmp_path):
     dry = run_moesys("train", "recipe=tiny", "topology.expert_parallel=auto", "topology.nproc_per_node=4",
                      "--dry-run", cwd=tmp_path)
     assert dry.returncode == 0 and "expert_parallel: 4\n" in dry.stdout
+
+
+def test_a_run_launched_here_is_planned_against_this_machines_ram(tmp_path):
+    """topology.cpu_memory_gb can declare more RAM than this machine has: moesys train refuses such a launch, so the
+    plan says so too, unless the job is launched elsewhere (SLURM)."""
+    big = ["recipe=tiny", "topology.cpu_memory_gb=100000", "topology.ssd_gb=100000", "model.num_experts=64",
+           "model.ffn_hidden_size=16384", "model.hidden_size=4096", "model.num_heads=32"]
+    out = run_moesys("plan", *big, "--json", cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    data = json.loads(out.stdout)
+    assert data["training"]["feasible"] and not data["feasible"]
+    (problem,) = data["problems"]
+    assert problem.startswith("launched here (launcher=local) topology.nproc_per_node=2 CPU processes need")
+    assert "topology.cpu_memory_gb=100000 is more than this machine has; moesys train would refuse it" in problem
+    assert run_moesys("plan", *big, "launcher=slurm", cwd=tmp_path).returncode == 0
+
+
+def test_a_recipes_lr_on_a_much_wider_model_is_warned_about(tmp_path):
+    wide = ["recipe=tiny", "model.hidden_size=2048", "model.num_heads=16"]
+    out = run_moesys("plan", *wide, "--json", cwd=tmp_path)
+    (warning,) = json.loads(out.stdout)["warnings"]
+    assert out.stderr == f"warning: {warning}\n" and "train.lr=0.003 is recipe tiny's" in warning
+    dry = run_moesys("train", *wide, "--dry-run", cwd=tmp_path)
+    assert dry.returncode == 0 and dry.stderr == f"warning: {warning}\n"
+    for quiet in (["recipe=tiny"], [*wide, "train.lr=1e-4"]):
+        out = run_moesys("plan", *quiet, "--json", cwd=tmp_path)
+        assert json.loads(out.stdout)["warnings"] == [] and out.stderr == ""
+
+
+def test_the_plan_shows_what_a_run_writes_to_disk_and_judges_it(tmp_path):
+    """A Mixtral-shaped model of 4 layers on one GPU with 60 GB of disk: its checkpoints alone are 73 GB each."""
+    run = ["model=mixtral-8x7b", "model.num_layers=4", "storage=cpu", "train.micro_batch_size=2",
+           "train.seq_len=2048", "train.precision=bf16", "train.lr=1e-4", "topology.gpus_per_node=1",
+           "topology.gpu_memory_gb=80", "topology.nproc_per_node=1", "topology.expert_parallel=1",
+           "topology.cpu_memory_gb=128", "topology.ssd_gb=60"]
+    out = run_moesys("plan", *run, cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "disk written: 3 checkpoints of 72.81 GB at once = 218.42 GB" in text
+    assert "does not fit: disk per node 218.42 GB (3 checkpoints of 72.81 GB) > topology.ssd_gb=60 GB" in text
+    assert "try: train.checkpoint_every=0 train.final_checkpoint=false fits" in text
+    data = json.loads(run_moesys("plan", *run, "--json", cwd=tmp_path).stdout)
+    assert data["disk"]["expert_store_bytes"] == 0 and data["disk"]["checkpoints_on_disk"] == 3
+    fixed = run_moesys("plan", *run, "train.checkpoint_every=0", "train.final_checkpoint=false", cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stdout

@@ -72,3 +72,18 @@ def test_auto_expert_parallel_is_written_resolved(tmp_path):
                      "topology.cpu_memory_gb=0.05", "--json", "--write", str(tmp_path / "bal.yaml"))
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["gpus"] == 4 and "expert_parallel: 4\n" in (tmp_path / "bal.yaml").read_text()
+
+
+def test_gpus_declared_without_memory_say_why_no_two_tasks_share_one():
+    """topology.gpus_per_node on the recipe's CPU topology leaves topology.gpu_memory_gb at 0: no GPU has room for a
+    second task, and the refusal says so (with a GPU's memory the tiny model's tasks pack two to a GPU)."""
+    args = ["rebalance", "recipe=ufo-multitask", "topology.nodes=1", "topology.gpus_per_node=2",
+            "topology.nproc_per_node=2", "topology.expert_parallel=auto",
+            *(f"tasks.task{i}.batch_size=64" for i in range(1, 5))]
+    out = run_moesys(*args)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("error: 4 tasks do not fit on 2 GPUs with at most 1 task(s) per GPU: "
+                                 "topology.gpus_per_node=2 with topology.gpu_memory_gb=0 gives the GPUs no memory")
+    packed = run_moesys(*args, "topology.gpu_memory_gb=80", "--json")
+    assert packed.returncode == 0, packed.stderr
+    assert json.loads(packed.stdout)["max_tasks_per_gpu"] >= 2

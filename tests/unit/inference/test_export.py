@@ -136,3 +136,25 @@ def test_a_deleted_file_of_a_training_checkpoint_or_an_export_is_named(tmp_path)
     (step / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserError, match=f"{step} is missing experts-ep0.safetensors, which holds expert 0 "):
         load_model(run)
+
+
+def test_an_export_its_disk_cannot_hold_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """The free space of out='s filesystem is what the machine reports; here it reports 1 KB."""
+    import shutil
+    from collections import namedtuple
+
+    from runtime.storage import disk
+
+    step = tmp_path / "step"
+    write_step(step)
+    usage, real = namedtuple("usage", "total used free"), shutil.disk_usage
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(UserError) as refused:
+        export_checkpoint(step, tmp_path / "deep" / "out")
+    message = str(refused.value)
+    assert message.startswith("not enough disk: ") and "\n" not in message
+    assert f"to write to {tmp_path / 'deep' / 'out'} (" in message and "has 1.00 KB free" in message
+    assert "export.dtype=bf16" in message
+    assert not (tmp_path / "deep").exists()
+    monkeypatch.setattr(disk.shutil, "disk_usage", real)
+    assert export_checkpoint(step, tmp_path / "deep" / "out")["bytes"] > 1000

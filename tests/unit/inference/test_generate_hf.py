@@ -59,6 +59,11 @@ def test_hybrid_placement_computes_on_cpu_or_fetches_and_matches_transformers(hf
     counters = ("cpu_computes", "fetched_experts", "cache_hits")
     assert {k for k in counters if stats[k]} == used
     assert len(offloader.cache) <= offloader.cache_capacity == 4
+    # the CUDA path's accounting, as on the CPU: the device holds K=2 layers' worth (one resident, one cache of
+    # fetched experts) and the host tier the two layers that are not resident
+    layer = loaded.experts.layer_bytes(0)
+    assert stats["expert_device_bytes"] == 2 * layer
+    assert stats["expert_host_bytes"] == sum(loaded.experts.layer_bytes(m, stored=True) for m in (1, 2))
 
 
 def test_hf_without_tokenizer_needs_ids(hf_dir):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -70,16 +71,29 @@ def test_the_suggestion_search_is_bounded_for_a_huge_model(monkeypatch):
 
 
 def test_more_nodes_are_found_by_bisection_and_fit():
-    cfg = tiny(cpu_memory_gb=1.8, ssd_gb=0.001, expert_parallel=2, nproc_per_node=2)
-    cfg.storage = StorageConfig(offload="ssd")
+    """Sharded dense states shrink with the world size: a 1 GB GPU needs 16 nodes here (far past the first few)."""
+    cfg = tiny(gpus_per_node=2, gpu_memory_gb=1.0, cpu_memory_gb=64, expert_parallel=2, nproc_per_node=2)
+    cfg.model = ModelConfig(num_experts=64, hidden_size=1024, ffn_hidden_size=1024, num_layers=8, num_heads=8,
+                            vocab_size=50000)
+    cfg.train = dataclasses.replace(cfg.train, micro_batch_size=1, seq_len=16)
+    cfg.storage = StorageConfig(offload="none", dense_shard=True)
     plan = plan_placement(cfg)
     line = next(s for s in plan.suggestions if s.startswith("topology.nodes="))
-    nodes = int(line.split("=")[1].split()[0])
-    assert nodes > 8  # far past the first few counts
-    fixed = dataclasses.replace(cfg, topology=dataclasses.replace(cfg.topology, nodes=nodes))
-    assert plan_placement(fixed).feasible
-    fewer = dataclasses.replace(cfg, topology=dataclasses.replace(cfg.topology, nodes=nodes - 1))
-    assert not plan_placement(fewer).feasible
+    keys = dict(k.split("=") for k in line.split() if "=" in k)
+    nodes, ep = int(keys["topology.nodes"]), int(keys["topology.expert_parallel"])
+    assert nodes > 8
+
+    def at(n: int) -> MoesysConfig:
+        return dataclasses.replace(cfg, topology=dataclasses.replace(cfg.topology, nodes=n, expert_parallel=ep),
+                                   storage=dataclasses.replace(cfg.storage, offload=keys["storage.offload"]))
+
+    assert plan_placement(at(nodes)).feasible
+    for n in range(1, nodes):  # no fewer nodes fit, in any mode and with any expert-parallel size that is valid there
+        for e in (e for e in (2, 4, 8, 16, 32, 64) if 2 * n % e == 0):
+            for mode in ("none", "cpu", "ssd"):
+                trial = dataclasses.replace(cfg, topology=dataclasses.replace(cfg.topology, nodes=n, expert_parallel=e),
+                                            storage=dataclasses.replace(cfg.storage, offload=mode))
+                assert not plan_placement(trial).feasible, (n, e, mode)
 
 
 def test_node_counts_keep_expert_parallel_dividing_the_world():
@@ -92,11 +106,11 @@ def test_node_counts_keep_expert_parallel_dividing_the_world():
 
 
 def test_no_suggestion_lowers_a_micro_batch_already_at_one():
-    plan = plan_placement(mixtral_on_one_gpu("train"))
+    plan = plan_placement(mixtral_on_one_gpu("train", seq_len=8192))  # activations no node count makes room for
     assert not plan.feasible
     assert not any("micro_batch_size" in s or "micro-batch" in s.split(":")[-1] for s in plan.suggestions)
     seq = int(plan.suggestions[0].split("train.seq_len=")[1].split()[0])
-    assert 1 <= seq < 4096
+    assert 1 <= seq < 8192
     assert plan_placement(mixtral_on_one_gpu("train", seq_len=seq)).feasible
 
 
@@ -172,3 +186,16 @@ def test_without_a_gpu_the_device_pool_and_the_host_cache_share_one_rams_budget(
     assert abs(r.device_capacity + r.host - 0.8 * ram) <= 1 and abs(r.host_capacity + r.device_total - 0.8 * ram) <= 1
     cfg.topology.cpu_memory_gb = (LAUNCHER_BYTES + 2 * (1.01 * ram + PROCESS_RUNTIME_BYTES)) / GB
     assert plan_placement(cfg).per_rank.ok
+
+
+def test_without_a_gpu_a_host_cache_beyond_the_ram_leaves_the_device_pool_nothing_not_less():
+    """A host cache larger than the rank's RAM showed the device pool's capacity as -3.95 GB."""
+    cfg = MoesysConfig(model=ModelConfig(hidden_size=512, ffn_hidden_size=4096, num_layers=4, num_heads=4,
+                                         num_experts=64), topology=TopologyConfig(cpu_memory_gb=10.74),
+                       storage=StorageConfig(offload="cpu"))
+    plan = plan_placement(cfg)
+    r = plan.per_rank
+    assert r.host > r.ram_share and r.device_capacity == 0 and r.host_capacity == r.ram_share - r.device_total
+    (problem,) = plan.training_problems
+    assert problem.startswith("per-rank RAM ") and not re.search(r"-\d", problem)
+    assert f"> {r.ram_share / GB:.2f} GB" in problem

@@ -4,6 +4,7 @@ rank measured set beside the plan it was launched with."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TopologyCon
 from runtime.errors import UserError
 from runtime.parallel.groups import build_groups
 from runtime.run_dir import read_metrics, save_config
-from runtime.train.compare import TOLERANCE, compare_run, comparison_to_dict
+from runtime.train.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
 from runtime.train.decided import record
 from runtime.train.rank_memory import PER_RANK_KEYS, read_rank_memory
 
@@ -75,3 +76,19 @@ def test_compare_refuses_what_is_not_a_measured_run(run_dir, tmp_path):
     (bare / "config.yaml").write_text((run_dir / "config.yaml").read_text())
     with pytest.raises(UserError, match="no measured memory"):
         compare_run(bare)
+
+
+@pytest.mark.parametrize("predicted,measured,text,within", [
+    (346_370_000, 276_480_000, "0.798", False),  # was printed "0.80" beside "more than 20% off"
+    (100, 80, "0.80", True), (100, 120, "1.20", True), (10_000, 12_004, "1.2004", False), (100, 79, "0.79", False)])
+def test_the_printed_ratio_agrees_with_the_verdict(predicted, measured, text, within):
+    from moesys_cli.plan import _render_compare
+    from moesys_cli.render import console
+
+    row = TierComparison(0, "device", predicted, measured)
+    assert row.within is within and row.ratio_text == text
+    assert (abs(float(row.ratio_text) - 1) <= TOLERANCE) is within
+    with console.capture() as table:
+        _render_compare(Path("run"), [row])
+    assert f" {text} " in table.get()
+    assert comparison_to_dict(Path("run"), [row])["ranks"][0]["tiers"]["device"]["ratio"] == measured / predicted

@@ -1,0 +1,54 @@
+"""What `--help` and the plan's table tell a user: one line per verb, the overrides each verb really takes, the
+device named as it is, and papers cited by title and section, never by a file number of this repository's sources."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from tests.cli.conftest import run_moesys
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_the_verb_list_gives_each_verb_one_whole_sentence():
+    out = run_moesys("--help")
+    assert out.returncode == 0, out.stderr
+    box = out.stdout.split("Commands")[1].split("╰")[0]
+    rows = [line.strip("│ ").rstrip() for line in box.splitlines()[1:] if line.strip("│ ").strip()]
+    assert len(rows) == 10, rows  # a docstring's line breaks made a verb's text run over several rows
+    for row in rows:
+        name, text = row.split(None, 1)
+        assert text.endswith("."), row
+
+
+def _flat(text: str) -> str:
+    """Help text without its box drawing and line wrapping."""
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
+
+
+def test_bench_and_rebalance_help_show_the_overrides_they_take():
+    bench = _flat(run_moesys("bench", "--help").stdout)
+    assert "moe-layer, offload, embedding, beyond-memory, serve: none" in bench
+    assert "ring, infer: only infer.ring_slots=N" in bench and "model.num_experts=16" not in bench
+    rebalance = _flat(run_moesys("rebalance", "--help").stdout)
+    assert "recipe=ufo-multitask" in rebalance and "gpt-moe-13b model.num_experts" not in rebalance
+
+
+def test_the_plan_names_the_device_it_plans_for(tmp_path):
+    cpu = run_moesys("plan", "recipe=tiny", cwd=tmp_path)
+    assert cpu.returncode == 0, cpu.stderr
+    assert "on CPU (no GPU) with storage.offload=none: dense in the device pool (RAM)" in cpu.stdout
+    assert "GPU," not in cpu.stdout
+    assert json.loads(run_moesys("plan", "recipe=tiny", "--json", cwd=tmp_path).stdout)["placement"]["device"] == "cpu"
+    gpu = run_moesys("plan", "recipe=gpt-moe-13b", "--json", cwd=tmp_path)
+    assert json.loads(gpu.stdout)["placement"]["device"] == "gpu"
+
+
+def test_help_keys_and_readme_cite_papers_by_name_not_by_source_file_number():
+    seed = re.compile(r"seed 0\d\d|seeds?/")
+    texts = [run_moesys(verb, "--help").stdout for verb in
+             ("plan", "train", "infer", "export", "distill", "serve", "report", "rebalance", "bench", "config")]
+    texts += [run_moesys("config", "--keys").stdout, README.read_text()]
+    assert not [m.group() for text in texts for m in seed.finditer(text)]
