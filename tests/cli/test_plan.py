@@ -128,3 +128,16 @@ def test_the_plan_shows_what_a_run_writes_to_disk_and_judges_it(tmp_path):
     assert data["disk"]["expert_store_bytes"] == 0 and data["disk"]["checkpoints_on_disk"] == 3
     fixed = run_moesys("plan", *run, "train.checkpoint_every=0", "train.final_checkpoint=false", cwd=tmp_path)
     assert fixed.returncode == 0, fixed.stdout
+
+
+def test_the_papers_fp16_recipe_offloads_when_the_model_outgrows_the_gpu():
+    """gpt-moe-13b trains in fp16 as the paper does: offloading it is advised, and it fits, without a precision
+    change (fp16 works with every offload mode: the loss scale's overflow check covers the CPU optimizer)."""
+    from moesys_cli.resolve import resolve_config
+    from runtime.storage.placement import plan_placement
+
+    args = ["recipe=gpt-moe-13b", "topology.gpus_per_node=1", "topology.gpu_memory_gb=40"]
+    plan = plan_placement(resolve_config(args))
+    assert not plan.feasible and "storage.offload=cpu fits" in plan.suggestions
+    cfg = resolve_config([*args, "storage.offload=cpu"])
+    assert cfg.train.precision == "fp16" and plan_placement(cfg).feasible
