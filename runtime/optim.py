@@ -26,6 +26,13 @@ class AdamWHyper:
     """Every expert tensor decays: the resident model stacks them ([e, ...], two or more dims)."""
 
 
+def square_sum(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's fp32 sum of squares, its share of the global norm the clip uses: one pass, no temporary (the
+    norm squared), and the same function for every part, offloaded experts included, so equal tensors give equal
+    numbers."""
+    return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+
+
 def lr_at(step: int, tr) -> float:
     """Linear warm-up, then cosine decay to train.min_lr at train.max_steps (step counts from 0)."""
     if step < tr.warmup_steps:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.optim import square_sum
 from runtime.parallel.groups import ProcessGroup, group_rank, group_size
 
 # torch >= 2.13 names the fused collectives *_single; older releases only have *_into_tensor.
@@ -245,7 +246,7 @@ class DenseShard:
     # ---- clipping and metrics
     def grad_sq(self) -> torch.Tensor:
         """Collective: squared L2 norm of the dense gradients over all shards (padding is zero)."""
-        total = sum((p.grad.float().pow(2).sum() for u in self.units for p in u.opt_params if p.grad is not None),
+        total = sum((square_sum(p.grad) for u in self.units for p in u.opt_params if p.grad is not None),
                     torch.zeros((), device=self.units[0].shard.device if self.units else None))
         total = total.reshape(1)
         if self.world > 1:

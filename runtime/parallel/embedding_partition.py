@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.optim import square_sum
 from runtime.parallel.alltoall import all_to_all_rows, exchange_counts
 from runtime.parallel.groups import ProcessGroup, group_rank, group_size
 from runtime.parallel.embedding_bytes import EmbeddingBytes, check_divisible, embedding_bytes_per_rank  # noqa: F401
@@ -183,7 +184,7 @@ def partitioned_grad_sq(model: nn.Module) -> torch.Tensor:
     for m in model.modules():
         if isinstance(m, PartitionedEmbedding):
             g = m.weight.grad
-            sq = (g.float().pow(2).sum() if g is not None else torch.zeros((), device=m.weight.device)).reshape(1)
+            sq = (square_sum(g) if g is not None else torch.zeros((), device=m.weight.device)).reshape(1)
             if m.n > 1:
                 dist.all_reduce(sq, group=m.group)
             total = total + sq.cpu()[0]

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from runtime.optim import AdamWHyper, catch_up, fused_adamw
+from runtime.optim import AdamWHyper, catch_up, fused_adamw, square_sum
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout
 from runtime.storage.step_timeline import StepTimeline
 
@@ -38,7 +38,7 @@ class LayerGrads:
 def squares(grads: dict[str, Tensor]) -> list[Tensor]:
     """Each tensor's fp32 sum of squares, reduced as the resident model's norm reduces its stacked gradient (so a
     layer computed in place gives the very same numbers)."""
-    return [g.float().pow(2).sum() for g in grads.values()]
+    return [square_sum(g) for g in grads.values()]
 
 
 class HostOptimizer:

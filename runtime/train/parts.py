@@ -18,6 +18,7 @@ from torch import nn
 from runtime.checkpoint_format import STATE_KEYS, CheckpointError, CheckpointReader, tensor_key
 from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.embedding_partition import partitioned_grad_sq, partitioned_parameters
+from runtime.optim import square_sum
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
 from runtime.storage.offload_engine import OffloadEngine
@@ -75,7 +76,7 @@ def _scale(params, coef: float) -> None:
 
 
 def _sq(params) -> torch.Tensor:
-    return sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None), torch.zeros(())).reshape(1)
+    return sum((square_sum(p.grad) for p in params if p.grad is not None), torch.zeros(())).reshape(1)
 
 
 class Replicated(Part):
