@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU validation on a lent device machine (the device tool's `run`), in two calls of under 8 minutes each:
 #   bash tests/gpu/device_validate.sh A   # env, pinned H2D bandwidth, tests/gpu, tiny training none/cpu/ssd, big model
-#   bash tests/gpu/device_validate.sh B   # bench moe-layer, ring, offload; tests/unit + tests/config
+#   bash tests/gpu/device_validate.sh B   # bench moe-layer, ring, offload, offload-train; tests/unit + tests/config
 # Needs hydra-core 1.3.2, omegaconf 2.3.0, antlr4-python3-runtime 4.9.3 as wheels in WHL (default .whl), carried.
 # Logs: $OUT/logs-PART.tgz (re-packed after every step, so a killed call still returns what ran) and
 # $OUT/summary-PART.txt (one line per step: name, exit status, seconds).
@@ -65,6 +65,9 @@ else
   step bench_moe_layer 90 'moesys bench moe-layer --json'
   step bench_ring 150 'moesys bench ring --json'
   step bench_offload 150 'moesys bench offload --json'
+  # The offload issue's shape: 2.43B parameters, 2.2B in 64 experts, every expert active at 8,192 tokens a step.
+  SHAPE="recipe=tiny topology=local model=mixtral-8x7b model.num_layers=8 model.hidden_size=2048 model.num_heads=16 model.num_kv_heads=4 model.ffn_hidden_size=5632 model.max_seq_len=4096 train.precision=bf16 train.micro_batch_size=4 train.seq_len=2048 train.lr=1e-4"
+  step bench_offload_train 420 "moesys bench offload-train $SHAPE --json"
   step tests_unit 200 'python3 -m pytest -p no:cacheprovider -q -x -n 8 tests/unit tests/config'
 fi
 cat "$OUT/summary-$PART.txt"
