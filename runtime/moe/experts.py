@@ -183,6 +183,13 @@ def _ffn_loop(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
                       for i, c in enumerate(chunks)], dim=0)
 
 
+def output_dtype(x_RD: Tensor) -> torch.dtype:
+    """The dtype experts compute and answer in: autocast's when it is on, else the rows' own. Every rank must
+    answer in it, rows or none: the combine's AlltoAll sends each rank's gradient in its own dtype."""
+    device_type = x_RD.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_RD.dtype
+
+
 def expert_ffn(x_RD: Tensor, tokens_per_expert_e: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None,
                b1: Tensor | None = None, b2: Tensor | None = None, b3: Tensor | None = None,
                kind: str = "gelu", impl: str = "auto") -> Tensor:
@@ -199,7 +206,7 @@ def expert_ffn(x_RD: Tensor, tokens_per_expert_e: Tensor, w1: Tensor, w2: Tensor
     # Under autocast the experts run in the autocast dtype (fp32 master weights cast per call); the grouped
     # kernels are not on autocast's op lists, so cast explicitly and keep autocast out of the way.
     device_type = x_RD.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_RD.dtype
+    dtype = output_dtype(x_RD)
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     x_RD, w1, w2, w3, b1, b2, b3 = map(cast, (x_RD, w1, w2, w3, b1, b2, b3))
     if kind == "gelu":

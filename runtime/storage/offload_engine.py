@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from runtime.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, tensor_key
 from runtime.model.init import init_expert
-from runtime.moe.experts import GroupedExperts, expert_ffn
+from runtime.moe.experts import GroupedExperts, expert_ffn, output_dtype
 from runtime.moe.layer import EXPERT_PARAM_NAMES
 from runtime.optim import AdamWHyper, catch_up
 from runtime.storage.budget import STORED_SPARSE_BYTES
@@ -143,7 +143,7 @@ class OffloadEngine:
         self._history[layer] = keys
         self._active += int((counts_e > 0).sum())
         if not active:  # no rows here; stay in the graph so this rank's backward runs the same AlltoAlls as its peers
-            return x_RD[:0] * 0
+            return x_RD[:0].to(output_dtype(x_RD)) * 0
         if not self.delayed:
             with self.timeline.span("wait_update", True):
                 self._updated[layer].wait()

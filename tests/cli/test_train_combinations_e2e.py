@@ -1,8 +1,9 @@
 """Features together, as the user combines them: every pair of {storage.offload=ssd, storage.dense_shard=true,
 model.embedding_partition=true, a multi-task recipe} that validate() accepts trains 30 steps on 2 gloo processes
 with EP 2 and matches the same run without those features within 1e-5 (routing leaves experts idle on most
-steps); a SIGKILLed worker of an offload + dense-shard run resumes to the uninterrupted losses; refused
-combinations exit 2 in one line with nothing launched."""
+steps); a SIGKILLed worker of an offload + dense-shard run resumes to the uninterrupted losses; fp16 with offload in
+host memory, the delayed update and dense sharding tracks fp16 resident training; refused combinations exit 2 in one
+line with nothing launched."""
 
 from __future__ import annotations
 
@@ -86,9 +87,24 @@ def test_a_killed_worker_of_an_offload_and_dense_shard_run_resumes_to_the_same_l
     assert losses(run_dir)[-1] == pytest.approx(ref[-1], rel=1e-5)
 
 
+def test_fp16_with_offload_delayed_update_and_dense_sharding_tracks_fp16_resident(workdir):
+    """The paper's precision with every offload feature on 2 ranks: the loss scale's overflow check spans the CPU
+    optimizer's gradients on both ranks, and the delayed update trains within a few percent of the exact run."""
+    fp16 = ("train.precision=fp16",)
+    ref = run_moesys("train", *FAST_TINY, *fp16, f"train.max_steps={STEPS}", "train.run_dir=fp16", "--json",
+                     cwd=workdir, timeout=900)
+    got = run_moesys("train", *FAST_TINY, *fp16, "storage.offload=cpu", "storage.delayed_update=true",
+                     FEATURES["dense_shard"], f"train.max_steps={STEPS}", "train.run_dir=fp16-all", "--json",
+                     cwd=workdir, timeout=900)
+    assert ref.returncode == 0 and got.returncode == 0, got.stderr[-3000:]
+    ref_losses, got_losses = losses(workdir / "fp16"), losses(workdir / "fp16-all")
+    assert len(got_losses) == STEPS and got_losses != ref_losses
+    assert got_losses[-1] == pytest.approx(ref_losses[-1], rel=0.05)
+
+
 def test_a_refused_combination_exits_2_in_one_line_before_launching(workdir):
-    proc = run_moesys("train", *FAST_TINY, FEATURES["ssd"], "train.precision=fp16", "train.run_dir=refused",
+    proc = run_moesys("train", *FAST_TINY, FEATURES["ssd"], "storage.delayed_update=true", "train.run_dir=refused",
                       cwd=workdir, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert "storage.offload=ssd with train.precision=fp16 is not supported" in proc.stderr
+    assert "storage.delayed_update=true needs storage.offload=cpu" in proc.stderr
     assert not (workdir / "refused").exists()

@@ -4,6 +4,7 @@ servable, and a stuck peer fails the job within train.collective_timeout_s inste
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import time
@@ -114,13 +115,29 @@ def test_a_serving_recipe_is_not_trained_by_accident(tmp_path):
 
 @pytest.fixture
 def small_filesystem(tmp_path):
-    """A 20 MB tmpfs: room for a tiny run's config, logs and metrics, not for its first checkpoint (about 29 MB)."""
-    with tmpfs(tmp_path / "small", "20m") as mount:
+    """A 100 MB tmpfs: room for what `moesys train` plans to write (its checkpoints), checked before launch."""
+    with tmpfs(tmp_path / "small", "100m") as mount:
         yield mount
 
 
 def test_a_full_disk_stops_at_once_in_one_line_and_leaves_no_partial_checkpoint(small_filesystem):
-    proc = train(small_filesystem, "train.max_steps=10", "train.checkpoint_every=5", "train.run_dir=run")
+    """The disk fills after launch (another writer takes all but 5 MB once training runs), so the first checkpoint
+    (about 29 MB) meets ENOSPC."""
+    run_dir = small_filesystem / "run"
+    cli = subprocess.Popen([moesys_bin(), "train", *FAST_TINY, "train.max_steps=10", "train.checkpoint_every=5",
+                            "train.run_dir=run"], cwd=small_filesystem, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run_dir / "metrics.jsonl").exists() and cli.poll() is None:
+            time.sleep(0.2)
+        free = shutil.disk_usage(small_filesystem).free
+        (small_filesystem / "ballast").write_bytes(b"\0" * max(0, free - (5 << 20)))
+        stdout, stderr = cli.communicate(timeout=300)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    proc = subprocess.CompletedProcess(cli.args, cli.returncode, stdout, stderr)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: training stopped: No space left on device")
     assert "run the same command again" in proc.stderr and "restarted" not in proc.stdout
