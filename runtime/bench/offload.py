@@ -35,7 +35,7 @@ from runtime.train.data import TokenDataset
 from runtime.train.loop import forward_backward, optimizer_step
 
 CPU = torch.device("cpu")
-PRICED_STEPS = 2
+PRICED_STEPS = 3
 """Steps after the timed ones whose host work is priced without overlap (background jobs run inline)."""
 START_S = 120.0
 """Seconds a fresh process may take to start and build its trainer before its result is waited for in vain."""
@@ -89,6 +89,11 @@ class _Trainer:
             self.mgr.drain()
             os.sync()
 
+    def forget_waits(self) -> None:
+        """Drop the timeline of a drain between steps: its waits belong to no step."""
+        if self.mgr:
+            self.mgr.timeline.take()
+
     def finish(self) -> None:
         if self.mgr:
             self.mgr.close()
@@ -96,7 +101,7 @@ class _Trainer:
 
 def host_floor(params: int, copied_bytes: int, repeats: int = 3) -> float:
     """Seconds of the least host work an offloaded step over `params` active expert parameters could do: torch's
-    fused AdamW over that many fp32 parameters, plus a memcpy of the bytes it copied (best of `repeats`)."""
+    fused AdamW over that many fp32 parameters, plus a memcpy of the bytes it copied (median of `repeats`)."""
     p, g, m, v = (torch.randn(max(params, 1)) for _ in range(4))
     v.abs_()
     step = torch.zeros(())
@@ -104,12 +109,13 @@ def host_floor(params: int, copied_bytes: int, repeats: int = 3) -> float:
     dst = torch.empty_like(buf)
 
     def best(fn) -> float:
+        fn()  # pages touched, kernels chosen
         times = []
         for _ in range(repeats):
             began = time.perf_counter()
             fn()
             times.append(time.perf_counter() - began)
-        return min(times)
+        return statistics.median(times)
 
     adamw = best(lambda: fused_adamw([p], [g], [m], [v], [step], 1e-4, AdamWHyper()))
     copy = best(lambda: dst.copy_(buf)) if copied_bytes else 0.0
@@ -150,6 +156,7 @@ def _measure(cfg: MoesysConfig, mode: str, store_dir: str, cache_experts: int, s
     for step in range(warmup):
         trainer.step(step)
     trainer.drain()
+    trainer.forget_waits()
     store = getattr(trainer.mgr.home, "store", None) if trainer.mgr else None
     read0, written0 = (store.bytes_read, store.bytes_written) if store else (0, 0)
     io0 = _process_io()
@@ -167,23 +174,30 @@ def _measure(cfg: MoesysConfig, mode: str, store_dir: str, cache_experts: int, s
     peaks = trainer.mgr.tiers.step_metrics() if trainer.mgr else {}
     host = {}
     if mode in OFFLOADED:  # the host work priced on steps whose background jobs run inline, without overlap
+        trainer.mgr.drain()
+        trainer.forget_waits()
         trainer.mgr.optimizer.inline = True
-        priced = [trainer.step(step) for step in range(warmup + steps, warmup + steps + PRICED_STEPS)]
-        host = _host_side(trainer, priced, overlapped=metrics)
+        per_expert = count_parameters(trainer.cfg.model).per_expert
+        priced, floors = [], []
+        for step in range(warmup + steps, warmup + steps + PRICED_STEPS):
+            priced.append(trainer.step(step))  # and its floor at once, under the same load
+            floors.append(host_floor(int(priced[-1]["offload/experts_active"] * per_expert),
+                                     int(priced[-1]["offload/copied_bytes"])))
+        host = _host_side(trainer, priced, floors, overlapped=metrics)
     trainer.finish()
     return {"steps_per_s": len(metrics) / elapsed, "elapsed_s": elapsed, "steps": len(metrics), "metrics": metrics,
             "peaks": peaks, **moved, **host}
 
 
-def _host_side(trainer: _Trainer, metrics: list[dict], overlapped: list[dict]) -> dict:
-    """The host work of the priced steps per active expert parameter and its floor measured here; the hidden
-    share of the timed (overlapped) steps."""
+def _host_side(trainer: _Trainer, metrics: list[dict], floors: list[float], overlapped: list[dict]) -> dict:
+    """The host work of the priced steps per active expert parameter and its floor measured beside each; the
+    hidden share of the timed (overlapped) steps."""
     n = len(metrics)
     mean = lambda key, ms=metrics: sum(m[f"offload/{key}"] for m in ms) / len(ms)  # noqa: E731
     per_expert = count_parameters(trainer.cfg.model).per_expert
     params = mean("experts_active") * per_expert
     cost = mean("host_cost_s")
-    floor = host_floor(int(params), int(mean("copied_bytes")))
+    floor = sum(floors) / len(floors)
     overlapped_cost, exposed = mean("host_cost_s", overlapped), mean("host_exposed_s", overlapped)
     kinds = sorted({k[len("offload/time_"):-2] for m in metrics for k in m if k.startswith("offload/time_")})
     return {"host": {"cpu_side_ns_per_param": cost / params * 1e9 if params else 0.0,
