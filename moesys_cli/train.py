@@ -73,7 +73,8 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
     check_disk(cfg)  # the store and checkpoints must fit the free space where they go, or the disk fills minutes in
     lock = RunLock(Path(cfg.train.run_dir), cfg.launcher.node_rank)  # held until exit: one job per run directory
     run_dir = prepare_run_dir(cfg)
-    moved = apply_resume_from(cfg)  # the checkpoint train.resume_from names becomes the newest
+    # the checkpoint train.resume_from names becomes the newest; node 0 moves the later ones, before any worker starts
+    moved = apply_resume_from(cfg) if cfg.launcher.node_rank == 0 else None
     if moved and not quiet:
         console.print(moved, markup=False, highlight=False)
     with ByteProgress(quiet, smallest=TOKENIZE_BAR_BYTES) as progress:

@@ -19,9 +19,10 @@ from torch import nn
 from runtime.config import MoesysConfig, config_from_dict
 from runtime.parallel.groups import ParallelGroups, build_groups
 from runtime.train.data import TokenDataset, open_dataset
-from runtime.train.text import DataError
+from runtime.train.text import DataError, is_token_file
+from runtime.train.token_file import open_token_file
 from runtime.train.tokenize import read_tokens
-from runtime.train.tokenizer import run_tokenizer
+from runtime.train.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, run_tokenizer
 
 Evaluate = Callable[[int, nn.Module, ContextManager], dict]
 """evaluate(step, model, autocast): the step line's eval_* fields at an evaluation step, {} at any other."""
@@ -86,6 +87,15 @@ EVAL_KEYS = ("seq_len", "eval_windows", "data_text_key", "micro_batch_size")
 """train.* keys `moesys eval` takes; the checkpoint's own values are the defaults."""
 
 
+def _tokenizer(loaded) -> Optional[Tokenizer]:
+    """The checkpoint's tokenizer as training reads text: a moesys checkpoint's own; a Hugging Face directory's
+    tokenizer.json (as moesys's hf export writes it), read with the tokenizers library."""
+    if loaded.kind == "moesys":
+        return loaded.tokenizer
+    found = Path(loaded.path) / TOKENIZER_FILE
+    return load_tokenizer(found, "tokenizer") if found.is_file() else None
+
+
 def evaluate_checkpoint(checkpoint: str | Path, data: str, overrides: Optional[dict[str, Any]] = None) -> dict:
     """`moesys eval`: the loss, perplexity and tokens of a run's newest checkpoint, a step directory or an export
     (moesys or Hugging Face layout, every expert in memory) on `data`, in the checkpoint's tokenizer."""
@@ -98,13 +108,16 @@ def evaluate_checkpoint(checkpoint: str | Path, data: str, overrides: Optional[d
     loaded = load_model(Path(checkpoint).expanduser())
     base = loaded.config_data
     cfg = config_from_dict({**base, "train": {**base.get("train", {}), **overrides}})
-    tokenizer = loaded.tokenizer
-    if tokenizer is None or not hasattr(tokenizer, "encode_pieces"):
-        raise DataError(f"checkpoint={checkpoint} has no tokenizer.json; give data= as a token file (.bin, .npy)")
     tr = cfg.train
     if tr.seq_len > cfg.model.max_seq_len:
         raise DataError(f"train.seq_len={tr.seq_len} exceeds the model's {cfg.model.max_seq_len} positions")
-    tokens = read_tokens(data, tokenizer, "data", tr.data_text_key)
+    tokenizer = _tokenizer(loaded)
+    if tokenizer is not None:
+        tokens = read_tokens(data, tokenizer, "data", tr.data_text_key)
+    elif is_token_file(data):  # ids need no tokenizer; the model's vocabulary decides a .bin's dtype
+        tokens = open_token_file(data, cfg.model.vocab_size, "data")
+    else:
+        raise DataError(f"checkpoint={checkpoint} has no tokenizer.json; give data= as a token file (.bin, .npy)")
     dataset = TokenDataset(tokens, tr.seq_len, 0, f"data={data}", cfg.model.vocab_size)
     count = window_count(dataset, tr.eval_windows)
     loss_sum, counted = heldout_sums(loaded.model, dataset, count, build_groups(1, 0, 1, 1), tr.micro_batch_size,

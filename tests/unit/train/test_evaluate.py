@@ -93,3 +93,19 @@ def test_eval_data_with_task_heads_is_refused():
     data = {"train": {"eval_data": str(HELDOUT)}, "tasks": {"a": {"batch_size": 1}, "b": {"batch_size": 1}}}
     with pytest.raises(ConfigError, match="train.eval_data measures a language model"):
         config_from_dict(json.loads(json.dumps(data)))
+
+
+def test_moesys_eval_gives_a_runs_number_for_its_hf_export_in_the_tokenizer_it_carries(tmp_path):
+    from dataclasses import replace
+
+    from runtime.inference.export import export_checkpoint
+
+    mixtral = replace(SMALL_MOE, expert_type="swiglu", norm="rmsnorm", position="rope", bias=False,
+                      tie_embeddings=False)
+    cfg = config(tmp_path / "run", max_steps=1)
+    cfg.model = mixtral
+    records(cfg)
+    export_checkpoint(tmp_path / "run", tmp_path / "hf", "hf")
+    keys = {"seq_len": 16, "eval_windows": 6}  # an hf export keeps no train.seq_len: give the run's
+    run, hf = (evaluate_checkpoint(tmp_path / where, str(HELDOUT), keys) for where in ("run", "hf"))
+    assert hf["tokens"] == run["tokens"] == 96 and hf["loss"] == pytest.approx(run["loss"], rel=1e-5)
