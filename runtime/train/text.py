@@ -26,7 +26,8 @@ MAX_SEGMENT = 1 << 20
 """Longest text a tokenizer encodes in one call; a longer stretch without a blank line is cut at a line break."""
 
 Progress = Callable[[int, int], None]
-"""progress(bytes done, bytes in all): called as a source is read."""
+"""progress(bytes done, bytes in all): called as a source is read, every PROGRESS_EVERY bytes and at the end."""
+PROGRESS_EVERY = 1 << 20
 
 
 class DataError(UserError):
@@ -142,7 +143,7 @@ def segments(path: Optional[str | Path], key: str = "train.data", text_key: str 
     """The text of a source as segments (see the module docstring); `progress` is told the bytes read."""
     files = text_files(path, key)
     jsonl = path is not None and Path(path).suffix.lower() in JSONL_SUFFIXES
-    total, done = sum(f.stat().st_size for f in files), 0
+    total, done, told = sum(f.stat().st_size for f in files), 0, 0
     first = True
     for file in files:
         documents = ([record] for record in _jsonl_records(file, key, text_key)) if jsonl else [_file_blocks(file)]
@@ -154,8 +155,9 @@ def segments(path: Optional[str | Path], key: str = "train.data", text_key: str 
                 opened, first = True, False
                 yield segment
                 done += len(segment)
-                if progress:
+                if progress and done - told >= PROGRESS_EVERY:
                     progress(min(done, total), total)
+                    told = done
     if progress:
         progress(total, total)
     if first:
