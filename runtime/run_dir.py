@@ -82,8 +82,8 @@ def check_run_dir(path: str | Path) -> None:
 def prepare_run_dir(cfg: MoesysConfig) -> Path:
     """Create the run directory (absolute) and write the resolved config the workers will read. A directory that
     holds a model or config of something other than a run is refused (check_run_dir); one that holds a checkpoint
-    is left untouched unless `cfg`'s model fits the checkpoint train.resume_from starts from (a resume). A directory that cannot be made or
-    written is a UserError naming train.run_dir."""
+    is left untouched unless `cfg`'s model fits the checkpoint train.resume_from starts from (a resume). A directory
+    that cannot be made or written is a UserError naming train.run_dir."""
     from runtime.train.checkpoint import check_fits  # it names its files after this module's
     from runtime.train.resume import chosen_checkpoint
 

@@ -4,6 +4,7 @@ checkpoints/step_00000020/
   dense.safetensors        model.NAME, exp_avg.NAME, exp_avg_sq.NAME, step.NAME for every non-expert parameter
   experts-ep{p}.safetensors the same keys per global expert g: model.NAME.{g} ... (written by expert-parallel rank p)
   rng-rank{r}.safetensors  each rank's RNG state
+  tokenizer.json           the run's tokenizer (what its exports and inference read)
   meta.json                step, world and expert-parallel sizes, the config
 checkpoints/latest         name of the newest complete checkpoint
 A checkpoint is written into .tmp-step_N, fsynced, then renamed: a killed job never leaves a torn one.

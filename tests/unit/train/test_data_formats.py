@@ -53,7 +53,9 @@ def test_every_format_gives_the_same_token_stream(sources, tmp_path, tokenizer):
         assert tokenize_to_file(sources["jsonl"], out, tok)["tokens"] == len(want)
         assert np.array_equal(read_tokens(out, tok), want)
     made = prepare_tokens(tmp_path / TOKENS, {"train.data": str(sources["dir"])}, tok, "text")
-    cached = read_tokens(sources["dir"], tok, "train.data", cache_dir=tmp_path / TOKENS)
+    (tmp_path / "copy.json").write_text(tok.to_str())  # the workers read the run directory's copy of the tokenizer
+    copy = load_tokenizer(tmp_path / "copy.json")
+    cached = read_tokens(sources["dir"], copy, "train.data", cache_dir=tmp_path / TOKENS)
     assert isinstance(cached, np.memmap) and np.array_equal(cached, want) and made["train.data"].exists()
 
 
