@@ -11,12 +11,15 @@ import typer
 from moesys_cli import bench as bench_cmd
 from moesys_cli import config as config_cmd
 from moesys_cli import distill as distill_cmd
+from moesys_cli import evaluate as eval_cmd
 from moesys_cli import export as export_cmd
 from moesys_cli import infer as infer_cmd
 from moesys_cli import plan as plan_cmd
 from moesys_cli import rebalance as rebalance_cmd
 from moesys_cli import report as report_cmd
 from moesys_cli import serve as serve_cmd
+from moesys_cli import tokenize as tokenize_cmd
+from moesys_cli import tokenizer as tokenizer_cmd
 from moesys_cli import train as train_cmd
 from moesys_cli.options import epilog
 from moesys_cli.render import error
@@ -43,6 +46,9 @@ SHORT = {
     "bench": "Measure side by side and print the ratios.",
     "report": "Write one HTML page of a run's or an inference result's charts.",
     "config": "Print the configuration every verb resolves, or every key with --keys.",
+    "tokenizer": "Train a byte-level BPE tokenizer on your text (moesys tokenizer train).",
+    "tokenize": "Write text as a memory-mapped token file for train.data or train.eval_data.",
+    "eval": "Print the held-out loss and perplexity of a run or an export on your data.",
 }
 """One line per verb for `moesys --help` (the verbs' docstrings are their own --help, reflowed there)."""
 
@@ -61,6 +67,9 @@ _verb("rebalance", rebalance_cmd.rebalance)
 _verb("bench", bench_cmd.bench)
 _verb("report", report_cmd.report, None)
 _verb("config", config_cmd.config)
+_verb("tokenize", tokenize_cmd.tokenize, epilog(recipes=False))
+_verb("eval", eval_cmd.evaluate, epilog(recipes=False))
+app.add_typer(tokenizer_cmd.app, name="tokenizer", short_help=SHORT["tokenizer"])
 
 def _version(value: bool) -> None:
     if value:

@@ -10,6 +10,8 @@ import sys
 
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
 from rich.text import Text
 
 console = Console()
@@ -54,3 +56,30 @@ def warn(message: str) -> None:
 def literal(value: object) -> str:
     """User or quoted text to embed in a markup string, escaped so that rich prints it as written."""
     return escape(str(value))
+
+
+class ByteProgress:
+    """A bar per source of the bytes read so far (tokenizing a corpus), as `progress(key, done, total)`; a source
+    under `smallest` bytes shows none (it is done before a bar would be read). A context manager."""
+
+    def __init__(self, quiet: bool = False, smallest: int = 0):
+        self.quiet, self.smallest = quiet, smallest
+        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                             TimeRemainingColumn(), console=console, transient=False)
+        self.tasks: dict[str, int] = {}
+
+    def __call__(self, key: str, done: int, total: int) -> None:
+        if self.quiet or total < self.smallest:
+            return
+        if key not in self.tasks:
+            if not self.tasks:
+                self.bars.start()
+            self.tasks[key] = self.bars.add_task(f"tokenizing {escape(key)}", total=total)
+        self.bars.update(self.tasks[key], completed=done)
+
+    def __enter__(self) -> "ByteProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.tasks:
+            self.bars.stop()

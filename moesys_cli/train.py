@@ -13,7 +13,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moesys_cli.options import Json, Overrides
-from moesys_cli.render import console, error, notice, print_json, warn
+from moesys_cli.render import ByteProgress, console, error, notice, print_json, warn
 from moesys_cli.resolve import config_yaml, lr_warning, resolve_config
 from moesys_cli.slurm import submit
 from runtime.config import MoesysConfig
@@ -27,8 +27,12 @@ from runtime.topology import host_memory_bytes
 from runtime.train.compare import recorded_plan
 from runtime.train.preflight import check_before_launch, check_disk, check_plan
 from runtime.train.decided import record as record_placement
+from runtime.train.resume import apply_resume_from
+from runtime.train.tokenize import prepare_run_data
 from runtime.train.rank_memory import clear_rank_memory, read_rank_memory
 
+TOKENIZE_BAR_BYTES = 16 << 20
+"""Text sources smaller than this are tokenized before launch without a progress bar."""
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and the command; run nothing.")]
 
 
@@ -49,8 +53,10 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     if json_out:
         print_json(summary)
     else:
+        held = "" if summary["eval_loss"] is None else \
+            f", held-out loss {summary['eval_loss']:.3f} (perplexity {summary['eval_perplexity']:.1f})"
         console.print(f"done: {summary['steps']} steps, loss {summary['initial_loss']:.3f} -> "
-                      f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:.0f} tokens/s; "
+                      f"{summary['final_loss']:.3f}{held}, {summary['tokens_per_s']:.0f} tokens/s; "
                       f"checkpoint {summary['checkpoint']}", markup=False, highlight=False)
     raise typer.Exit(0)
 
@@ -67,6 +73,12 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
     check_disk(cfg)  # the store and checkpoints must fit the free space where they go, or the disk fills minutes in
     lock = RunLock(Path(cfg.train.run_dir), cfg.launcher.node_rank)  # held until exit: one job per run directory
     run_dir = prepare_run_dir(cfg)
+    # the checkpoint train.resume_from names becomes the newest; node 0 moves the later ones, before any worker starts
+    moved = apply_resume_from(cfg) if cfg.launcher.node_rank == 0 else None
+    if moved and not quiet:
+        console.print(moved, markup=False, highlight=False)
+    with ByteProgress(quiet, smallest=TOKENIZE_BAR_BYTES) as progress:
+        prepare_run_data(cfg, progress)  # tokenizer.json, and text sources tokenized once for every rank
     if prepare is not None:
         prepare(run_dir)
     clear_fatal(run_dir)
@@ -138,7 +150,7 @@ def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom:
         resumed = resume_point(run_dir)
         if resumed and resumed[1] > 0:  # a step-0 checkpoint is a starting point (moesys distill's student)
             say(f"resumed from step {resumed[1]} ({resumed[0]})")
-        restarts, stopping, fatal_at = 0, None, None
+        restarts, stopping, fatal_at, evaluated = 0, None, None, None
         workers, generation_restarts = frozenset(), 0  # this node's workers now, and restarts when they started
         while True:
             code = job.wait(timeout=0.5)
@@ -169,8 +181,10 @@ def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom:
             workers = pids or workers
             m = last_step_metrics(run_dir)
             if m:
+                evaluated = m.get("eval_loss", evaluated)
+                held = f"  eval {evaluated:.3f}" if evaluated is not None else ""
                 progress.update(task, completed=m["step"],
-                                info=f"loss {m['loss']:.3f}  {m['tokens_per_s']:.0f} tok/s  "
+                                info=f"loss {m['loss']:.3f}{held}  {m['tokens_per_s']:.0f} tok/s  "
                                      f"load max/mean {m['expert_load_max_over_mean']:.2f}")
             if code is not None:
                 return code
@@ -190,8 +204,8 @@ def _stopped(run_dir: Path, step: int) -> str:
 
 def resume_command(verb: list[str], overrides: list[str], run_dir: Path) -> str:
     """The command that continues this run: `moesys VERB...` with the user's overrides and train.run_dir set once,
-    to this run."""
-    kept = [o for o in overrides if not re.match(r"\+{0,2}train\.run_dir=", o)]
+    to this run; without train.resume_from, which chose where this launch started, not where the next one does."""
+    kept = [o for o in overrides if not re.match(r"\+{0,2}train\.(run_dir|resume_from)=", o)]
     return shlex.join(["moesys", *verb, *kept, f"train.run_dir={run_dir}"])
 
 

@@ -36,7 +36,7 @@ class ModelConfig:
     num_kv_heads: Optional[int] = None
     """Key/value heads for grouped-query attention; None means num_heads."""
     vocab_size: int = 256
-    """Vocabulary V (the byte tokenizer needs at least 256)."""
+    """Vocabulary V: at least train.tokenizer's (256 for bytes); more leaves ids no text maps to."""
     ffn_hidden_size: Optional[int] = None
     """Expert / dense FFN width F; None means 4 x hidden_size."""
     num_experts: int = 8
@@ -211,7 +211,27 @@ class TrainConfig:
     run_dir: Optional[str] = None
     """Run directory; None makes one under ./outputs/."""
     data: Optional[str] = None
-    """A text file or directory of text files; None uses the corpus shipped with moesys."""
+    """Training data: a text file, a directory of *.txt files, a .jsonl file (one JSON object a line, its text under
+    train.data_text_key), or a token file (.bin: raw uint16 ids, uint32 for a vocabulary over 65,536; .npy of uint16
+    or uint32) read through a memory map; None uses the corpus shipped with moesys."""
+    data_text_key: str = "text"
+    """The key of each .jsonl record that holds its text (train.data, train.eval_data)."""
+    tokenizer: str = "bytes"
+    """bytes (UTF-8 bytes as ids 0..255) or the path of a Hugging Face tokenizer.json (moesys tokenizer train writes
+    one); the run, its checkpoints and its exports carry a copy."""
+    eval_data: Optional[str] = None
+    """Held-out data in any train.data format; its loss and perplexity go to metrics.jsonl (eval_loss,
+    eval_perplexity, eval_tokens) every train.eval_every steps. None: no evaluation."""
+    eval_every: int = 0
+    """Steps between evaluations on train.eval_data, and always at the last step; 0: at the last step only."""
+    eval_windows: int = 64
+    """Windows of train.seq_len + 1 tokens evaluated: the first ones of train.eval_data, not overlapping; 0: all."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept, the newest ones: an older one is removed once a new one is complete, so N + 1 are
+    on disk while the next is written (what the plan's disk bytes count)."""
+    resume_from: str = "latest"
+    """Where a launch starts: latest (the newest checkpoint of train.run_dir, if any), none (from scratch), or step_N
+    (that checkpoint). Checkpoints newer than the start are moved to checkpoints/superseded-TIME/."""
     precision: str = "fp32"
     """fp32, bf16 or fp16 compute (fp32 master weights)."""
     log_every: int = 1
@@ -403,6 +423,14 @@ BYTE_VOCAB = 256
 """Tokens of moesys's byte-level tokenizer (runtime/train/tokenizer.py): the smallest vocabulary it can train."""
 
 
+def resume_step(value: str) -> int | None | bool:
+    """train.resume_from as a step: None for latest and none (no fixed step), N for step_N, False when malformed."""
+    if value in ("latest", "none"):
+        return None
+    head, _, digits = str(value).partition("_")
+    return int(digits) if head == "step" and digits.isdigit() else False
+
+
 def _endpoint_problems(endpoint: str, nodes: int) -> list[str]:
     """launcher.rdzv_endpoint is host:port (an IPv6 host in brackets), and, for several nodes, not a loopback
     address: the other nodes would connect to themselves."""
@@ -503,9 +531,19 @@ def validate(cfg: MoesysConfig, packages: bool = True) -> None:
     for key in ("checkpoint_every", "max_restarts", "warmup_steps", "grad_clip", "weight_decay"):
         need(getattr(tr, key) >= 0, f"train.{key} must be >= 0 (got {getattr(tr, key)})")
     need(tr.lr > 0, f"train.lr must be positive (got {tr.lr})")
-    need(cfg.purpose != "train" or m.vocab_size >= BYTE_VOCAB,
+    need(cfg.purpose != "train" or tr.tokenizer != "bytes" or m.vocab_size >= BYTE_VOCAB,
          f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens it trains on; "
          f"set model.vocab_size>={BYTE_VOCAB}")
+    need(bool(tr.tokenizer), "train.tokenizer is empty; set it to bytes or the path of a tokenizer.json")
+    need(bool(tr.data_text_key), "train.data_text_key is empty; set it to the key of a .jsonl record's text")
+    need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1 (got {tr.keep_checkpoints}): the newest "
+         "checkpoint is what a restart resumes from")
+    for key in ("eval_every", "eval_windows"):
+        need(getattr(tr, key) >= 0, f"train.{key} must be >= 0 (got {getattr(tr, key)})")
+    need(resume_step(tr.resume_from) is not False,
+         f"train.resume_from={tr.resume_from!r} is not latest, none or step_N (e.g. train.resume_from=step_100)")
+    need(not (tr.eval_data and cfg.tasks), "train.eval_data measures a language model, and this config has tasks "
+         "(multi-task heads); set train.eval_data=null")
     need(tr.collective_timeout_s > 0, f"train.collective_timeout_s must be positive (got {tr.collective_timeout_s})")
     need(not s.delayed_update or s.offload == "cpu",
          f"storage.delayed_update=true needs storage.offload=cpu (got {s.offload}): the update runs beside the next "

@@ -82,14 +82,15 @@ def check_run_dir(path: str | Path) -> None:
 def prepare_run_dir(cfg: MoesysConfig) -> Path:
     """Create the run directory (absolute) and write the resolved config the workers will read. A directory that
     holds a model or config of something other than a run is refused (check_run_dir); one that holds a checkpoint
-    is left untouched unless `cfg`'s model fits that checkpoint (a resume). A directory that cannot be made or
-    written is a UserError naming train.run_dir."""
-    from runtime.train.checkpoint import check_fits, latest_checkpoint  # it names its files after this module's
+    is left untouched unless `cfg`'s model fits the checkpoint train.resume_from starts from (a resume). A directory
+    that cannot be made or written is a UserError naming train.run_dir."""
+    from runtime.train.checkpoint import check_fits  # it names its files after this module's
+    from runtime.train.resume import chosen_checkpoint
 
     run_dir = Path(cfg.train.run_dir or default_run_dir(cfg)).resolve()
     cfg.train.run_dir = str(run_dir)
     check_run_dir(run_dir)
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = chosen_checkpoint(cfg)  # the one train.resume_from starts from
     if ckpt is not None:
         try:
             check_fits(ckpt, cfg)
@@ -154,12 +155,14 @@ def last_step_metrics(run_dir: str | Path, tail_bytes: int = 1 << 20) -> dict | 
 
 
 def run_summary(run_dir: str | Path) -> dict:
-    """The `moesys train --json` summary: losses from metrics, steady-state speed, the newest checkpoint."""
+    """The `moesys train --json` summary: losses from metrics, steady-state speed, the newest checkpoint, the last
+    held-out loss and perplexity (train.eval_data; None without)."""
     run_dir = Path(run_dir)
     metrics = [m for m in read_metrics(run_dir) if "loss" in m]
     summary_file = run_dir / SUMMARY
     worker = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     steady = sorted(m["tokens_per_s"] for m in metrics[1:]) or [m["tokens_per_s"] for m in metrics]
+    evaluated = [m for m in metrics if "eval_loss" in m]
     return {
         "run_dir": str(run_dir),
         "steps": metrics[-1]["step"] if metrics else 0,
@@ -168,6 +171,8 @@ def run_summary(run_dir: str | Path) -> dict:
         "tokens_per_s": steady[len(steady) // 2] if steady else None,
         "checkpoint": worker.get("checkpoint"),
         "stopped_early": worker.get("stopped_early", False),
+        "eval_loss": evaluated[-1]["eval_loss"] if evaluated else None,
+        "eval_perplexity": evaluated[-1]["eval_perplexity"] if evaluated else None,
     }
 
 

@@ -5,12 +5,14 @@ parallel size, dense sharding or embedding partition of the run, so fusing is a 
 from the checkpoint's memory map and written into the output, one at a time (the model need not fit in memory),
 leaving out optimizer moments, step counts and RNG states. Output files are bounded by export.max_shard_gb and
 carry checksums; the directory is written under a temporary name and renamed when complete, with the mode mkdir
-would give it (readable by whoever may read its parent, e.g. a serving user).
+would give it (readable by whoever may read its parent, e.g. a serving user). Both formats carry the checkpoint's
+tokenizer.json.
 
 - moesys format: config.yaml + meta.json + model safetensors under the checkpoint's own keys, so `moesys infer`
   and `moesys serve` read it as they read a run.
-- hf format: the Hugging Face Mixtral layout (config.json, model.safetensors or shards with an index), so
-  transformers loads it; models that are not Mixtral-style are refused before anything is written.
+- hf format: the Hugging Face Mixtral layout (config.json, model.safetensors or shards with an index, and
+  tokenizer_config.json), so transformers loads the model and AutoTokenizer the tokenizer; models that are not
+  Mixtral-style are refused before anything is written.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from runtime.model.transformer import Transformer
 from runtime.storage.disk import check_free
 from runtime.moe.layer import is_expert_param
 from runtime.tensorfile import write_tensors
+from runtime.train.tokenizer import (HF_TOKENIZER_CONFIG, TOKENIZER_FILE, checkpoint_tokenizer,
+                                     hf_tokenizer_config)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("moesys", "hf")
@@ -128,8 +132,13 @@ def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optio
             weight_map = {e.name: name for name, shard in zip(names, shards) for e in shard}
             atomic_write_json(tmp / INDEX, {"metadata": {"total_size": sum(nbytes.values())},
                                             "weight_map": weight_map})
+        tokenizer = checkpoint_tokenizer(source.step_dir, source.step_dir, cfg)
+        if tokenizer is not None:  # the export carries the tokenizer the model was trained with
+            atomic_write_text(tmp / TOKENIZER_FILE, tokenizer.to_str())
         if fmt == "hf":
             atomic_write_json(tmp / "config.json", hf_config)
+            if tokenizer is not None:
+                atomic_write_json(tmp / HF_TOKENIZER_CONFIG, hf_tokenizer_config(cfg.model.max_seq_len))
         else:
             atomic_write_text(tmp / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
             atomic_write_json(tmp / "meta.json", {"step": _step(source.step_dir), "exported_from":
@@ -146,6 +155,7 @@ def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optio
         shutil.rmtree(tmp, ignore_errors=True)
     return {"checkpoint": str(source.step_dir), "out": str(out), "format": fmt, "files": names,
             "tensors": len(entries), "bytes": sum(nbytes.values()),
+            "tokenizer": TOKENIZER_FILE if tokenizer is not None else None,
             "checkpoint_bytes": sum(f.stat().st_size for f in source.step_dir.glob("*.safetensors")),
             "optimizer_state": any(key.startswith(f"{STATE_KEYS[0]}.") for key in files.where)}
 

@@ -30,7 +30,7 @@ from runtime.run_dir import CHECKPOINTS, CONFIG
 from runtime.checkpoint_format import MODEL, check_complete, latest_checkpoint, missing_tensor, tensor_key
 from runtime.page_cache import evict
 from runtime.tensorfile import verify
-from runtime.train.tokenizer import ByteTokenizer
+from runtime.train.tokenizer import checkpoint_tokenizer
 
 
 class InferError(UserError):
@@ -193,7 +193,7 @@ def open_moesys(path: Path, dtype: Optional[torch.dtype] = None, device: torch.d
     model.load_state_dict({k: copy_to(v, device, dtype) for k, v in state.items()}, strict=False, assign=True)
     if any(b.is_meta for b in model.buffers()):
         raise InferError(f"{step}: a model buffer has no value in the checkpoint")
-    tokenizer = ByteTokenizer() if cfg.model.vocab_size >= ByteTokenizer.vocab_size else None
+    tokenizer = checkpoint_tokenizer(path, step, cfg)
     source = ExpertSource(layers, cfg.model.expert_type, dtype, files)
     return LoadedModel(config_to_dict(cfg), model.eval(), "moesys", tokenizer, path, source)
 

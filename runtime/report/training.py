@@ -1,5 +1,6 @@
-"""The report of a training run: loss, router losses and lr with resumes and restarts marked; tokens/s and step
-time; each MoE layer's expert load over steps (with the share capacity dropped); then, when the run has them,
+"""The report of a training run: loss (and the held-out loss of train.eval_data), router losses and lr with resumes
+and restarts marked; tokens/s and step time; each MoE layer's expert load over steps (with the share capacity
+dropped); then, when the run has them,
 offloading (runtime/report/offload_section.py), memory per rank against the plan, and multi-task sections
 (runtime/report/task_section.py); the config and plan as collapsible text.
 """
@@ -48,6 +49,12 @@ def _summary(page: Page, run: RunData, cfg: dict) -> None:
     if losses:
         rows.append(("loss", f"{losses[0]:.4f} at step {run.steps[0]['step']} -> {losses[-1]:.4f} at step "
                              f"{run.last_step}"))
+    held = [s for s in run.steps if isinstance(s.get("eval_loss"), (int, float))]
+    if held:
+        last = held[-1]
+        rows.append(("held-out loss", f"{last['eval_loss']:.4f} at step {last['step']} (perplexity "
+                                      f"{last.get('eval_perplexity', float('nan')):.2f}, "
+                                      f"{last.get('eval_tokens', 0):,} tokens of train.eval_data)"))
     if speeds:
         rows.append(("tokens/s (median)", f"{statistics.median(speeds):,.0f}"))
     rows += [(f"start at step {m.step}", m.label) for m in run.marks]
@@ -57,8 +64,13 @@ def _summary(page: Page, run: RunData, cfg: dict) -> None:
 def _losses(page: Page, run: RunData, marks: list[VMark]) -> None:
     sec = page.section("loss", "Loss and learning rate")
     steps, loss = run.series("loss")
-    sec.figure("fig-loss", line_chart("Language-model loss", [Line("loss", steps, loss)], "loss", marks=marks),
-               "language-model loss over steps", "Mean over ranks; dashed lines: resumes and restarts.")
+    lines, caption = [Line("loss", steps, loss)], "Mean over ranks; dashed lines: resumes and restarts."
+    held_steps, held = run.series("eval_loss")
+    if held_steps:  # train.eval_data: the held-out loss at its steps, on the same axis
+        lines.append(Line("held-out (train.eval_data)", held_steps, held, {"marker": "o"}))
+        caption += " Dots: the loss on train.eval_data (held-out), every train.eval_every steps."
+    sec.figure("fig-loss", line_chart("Language-model loss", lines, "loss", marks=marks),
+               "language-model loss over steps", caption)
     names = sorted({k for s in run.steps for k, v in s.items()
                     if k.endswith("_loss") and k not in ROUTER_LOSSES_NOT and isinstance(v, (int, float))})
     router = [Line("aux_loss (weighted sum)", *run.series("aux_loss"), {"linewidth": 2.2})]
@@ -147,6 +159,16 @@ def training_page(run: RunData) -> Page:
     return page
 
 
+def _last_eval(run: RunData) -> dict | None:
+    """The newest held-out evaluation of the run (step, loss, perplexity, tokens), None without train.eval_data."""
+    held = [s for s in run.steps if isinstance(s.get("eval_loss"), (int, float))]
+    if not held:
+        return None
+    last = held[-1]
+    return {"step": last["step"], "loss": last["eval_loss"], "perplexity": last.get("eval_perplexity"),
+            "tokens": last.get("eval_tokens")}
+
+
 def write_training_report(run_dir: str | Path, out: str | Path | None = None) -> dict:
     """Write the report of a run directory (default RUN_DIR/report.html); the `moesys report --json` summary."""
     run = read_run(run_dir)
@@ -155,5 +177,6 @@ def write_training_report(run_dir: str | Path, out: str | Path | None = None) ->
     atomic_write_text(out, page.html())
     return {"kind": "training", "source": str(Path(run_dir).resolve()), "out": str(out.resolve()),
             "status": run.status, "steps": len(run.steps), "last_step": run.last_step,
+            "eval": _last_eval(run),
             "starts": [{"step": m.step, "resumed_from": m.resumed_from, "restart": m.restart} for m in run.marks],
             "sections": [s.id for s in page.sections], "figures": page.figure_ids}

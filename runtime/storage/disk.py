@@ -27,8 +27,8 @@ while the next is written there are KEEP_CHECKPOINTS + 1 on disk."""
 
 
 def kept_checkpoints(cfg: MoesysConfig) -> int:
-    """Complete checkpoints kept: train.keep_checkpoints where the config has it, else KEEP_CHECKPOINTS."""
-    return int(getattr(cfg.train, "keep_checkpoints", 0) or KEEP_CHECKPOINTS)
+    """Complete checkpoints kept: train.keep_checkpoints (its default is KEEP_CHECKPOINTS)."""
+    return cfg.train.keep_checkpoints
 
 
 def checkpoints_written(cfg: MoesysConfig, first_step: int = 0) -> int:

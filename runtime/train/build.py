@@ -9,7 +9,6 @@ the same for any expert-parallel size and any tier (runtime/model/init.py), and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,13 +24,14 @@ from runtime.parallel.embedding_partition import partition_embedding, partitione
 from runtime.parallel.expert_parallel import shard_experts
 from runtime.parallel.groups import ParallelGroups
 from runtime.storage.offload_engine import OffloadEngine, offload_from_config
-from runtime.train.data import TokenDataset
+from runtime.train.data import open_dataset
 from runtime.train.decided import Placement, decide
 from runtime.train.distill import Distillation
 from runtime.train.objective import LanguageModel
 from runtime.train.parts import (OffloadedExperts, Part, PartitionedEmbedding, Replicated, ShardedDense,
                                  TaskHeads)
 from runtime.train.tasks import MultiTask, add_heads_to_optimizer, build_multitask
+from runtime.train.tokenizer import run_tokenizer
 
 MB = 2**20
 
@@ -145,9 +145,7 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
     elif cfg.distill.teacher:  # moesys distill: the student also matches a frozen teacher's soft targets
         objective = Distillation.from_config(cfg, groups, device)
     else:
-        objective = LanguageModel(
-            TokenDataset.from_path(Path(cfg.train.data) if cfg.train.data else None, cfg.train.seq_len,
-                                   cfg.train.seed),
-            groups, cfg.train.micro_batch_size, cfg.train.seq_len)
+        objective = LanguageModel(open_dataset(cfg, run_tokenizer(cfg), "train.data", cfg.train.data),
+                                  groups, cfg.train.micro_batch_size, cfg.train.seq_len)
     return Components(model=model, optimizer=optimizer, objective=objective, parts=parts, dense_params=dense,
                       expert_params=experts, offload=offload, dense_shard=dense_shard, tasks=tasks)

@@ -4,6 +4,7 @@ checkpoints/step_00000020/
   dense.safetensors        model.NAME, exp_avg.NAME, exp_avg_sq.NAME, step.NAME for every non-expert parameter
   experts-ep{p}.safetensors the same keys per global expert g: model.NAME.{g} ... (written by expert-parallel rank p)
   rng-rank{r}.safetensors  each rank's RNG state
+  tokenizer.json           the run's tokenizer (what its exports and inference read)
   meta.json                step, world and expert-parallel sizes, the config
 checkpoints/latest         name of the newest complete checkpoint
 A checkpoint is written into .tmp-step_N, fsynced, then renamed: a killed job never leaves a torn one.
@@ -26,6 +27,7 @@ from torch import nn
 from runtime.checkpoint_format import (FILES, MODEL, PARTIAL, STATE_KEYS, CheckpointError, CheckpointReader,
                                        latest_checkpoint, read_meta, tensor_files, tensor_key)
 from runtime.config import MoesysConfig
+from runtime.errors import UserError
 from runtime.io import atomic_write_json, atomic_write_text, fsync_dir
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.embedding_partition import gather_columns, partitioned_parameters, shard_of
@@ -33,6 +35,8 @@ from runtime.parallel.groups import ParallelGroups, group_size
 from runtime.run_dir import CHECKPOINTS
 from runtime.storage.disk import kept_checkpoints
 from runtime.tensorfile import TensorSpec, save_tensors, verify, write_tensors
+from runtime.train.resume import skip_hint
+from runtime.train.tokenizer import TOKENIZER_FILE, run_tokenizer
 
 __all__ = ["CheckpointError", "check_fits", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -128,6 +132,8 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     if groups.edp_rank == 0 and experts:
         files.append(_write(tmp / f"experts-ep{groups.ep_rank}.safetensors", experts))
     files.append(save_tensors(tmp / f"rng-rank{groups.rank}.safetensors", _rng_state()))
+    if groups.rank == 0:  # the checkpoint carries its tokenizer: its exports and inference read it from here
+        atomic_write_text(tmp / TOKENIZER_FILE, run_tokenizer(cfg).to_str())
     for part in parts:  # may be collective: every rank, every part, in order
         files += part.save(tmp, step)
     _barrier(groups)
@@ -174,8 +180,11 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """Load model (and optimizer) state for this rank's experts, whatever EP size wrote it, then each part's
     state (runtime/train/parts.py). Returns the step."""
     path = Path(path)
-    meta = read_meta(path)
-    reader = CheckpointReader(path)
+    try:
+        meta = read_meta(path)
+        reader = CheckpointReader(path)
+    except UserError as exc:  # damaged or incomplete (a checksum, a missing file): say how to start without it
+        raise CheckpointError(f"{exc}; {skip_hint(path)}") from None
     shards = dict(partitioned_parameters(model))
     held = {name for part in parts for name in part.held_params()}
     for pname, param in model.named_parameters():
@@ -193,7 +202,10 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             optimizer.state[param] = {"step": step.reshape(()).to(param.device, copy=True), **moments}
     rng_file = path / f"rng-rank{groups.rank}.safetensors"
     if restore_rng and meta["world_size"] == groups.world_size and rng_file.exists():
-        verify(rng_file)
+        try:
+            verify(rng_file)
+        except UserError as exc:
+            raise CheckpointError(f"{exc}; {skip_hint(path)}") from None
         with safe_open(str(rng_file), framework="pt") as f:
             torch.set_rng_state(f.get_tensor("cpu"))
             if torch.cuda.is_available() and "cuda" in f.keys():

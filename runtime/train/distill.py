@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,8 +20,9 @@ from runtime.config import MoesysConfig
 from runtime.parallel.groups import ParallelGroups
 from runtime.train.data import TokenDataset
 from runtime.train.objective import LanguageModel
-from runtime.train.text import check_token_count, read_text_bytes
-from runtime.train.tokenizer import ByteTokenizer
+from runtime.train.text import check_token_count, source_name
+from runtime.train.tokenize import read_tokens, run_cache_dir
+from runtime.train.tokenizer import run_tokenizer
 
 
 # ---- held-out text ----
@@ -29,32 +31,34 @@ from runtime.train.tokenizer import ByteTokenizer
 class DistillText:
     """The student's training tokens and the held-out tokens, with where the held-out ones come from."""
 
-    train: torch.Tensor
-    heldout: torch.Tensor
+    train: np.ndarray
+    heldout: np.ndarray
     source: str
 
 
 def split_heldout(cfg: MoesysConfig) -> DistillText:
     """distill.heldout_data when given (the student then trains on all of train.data), else the last
-    distill.heldout_fraction of train.data's tokens, which the student's training never sees."""
-    tokenizer, d, seq_len = ByteTokenizer(), cfg.distill, cfg.train.seq_len
-    data_name = "shipped corpus" if cfg.train.data is None else f"train.data={cfg.train.data}"
-    tokens = tokenizer.encode_bytes(read_text_bytes(cfg.train.data))
+    distill.heldout_fraction of train.data's tokens, which the student's training never sees. Both in the run's
+    tokenizer (the teacher's)."""
+    tokenizer, d, tr = run_tokenizer(cfg), cfg.distill, cfg.train
+    data_name = source_name(tr.data, "train.data")
+    tokens = read_tokens(tr.data, tokenizer, "train.data", tr.data_text_key, run_cache_dir(cfg))
     if d.heldout_data:
-        heldout = tokenizer.encode_bytes(read_text_bytes(d.heldout_data, "distill.heldout_data"))
+        heldout = read_tokens(d.heldout_data, tokenizer, "distill.heldout_data", tr.data_text_key, run_cache_dir(cfg))
         text = DistillText(tokens, heldout, f"distill.heldout_data={d.heldout_data}")
     else:
-        cut = int(tokens.numel() * (1 - d.heldout_fraction))
+        cut = int(tokens.size * (1 - d.heldout_fraction))
         text = DistillText(tokens[:cut], tokens[cut:], f"the last {d.heldout_fraction * 100:g}% of the {data_name}")
-    check_token_count(text.train.numel(), seq_len, f"{data_name} without its held-out part")
-    check_token_count(text.heldout.numel(), seq_len, f"held-out text ({text.source})")
+    check_token_count(text.train.size, tr.seq_len, f"{data_name} without its held-out part")
+    check_token_count(text.heldout.size, tr.seq_len, f"held-out text ({text.source})")
     return text
 
 
-def heldout_windows(tokens: torch.Tensor, seq_len: int, limit: int) -> torch.Tensor:
+def heldout_windows(tokens: np.ndarray, seq_len: int, limit: int) -> torch.Tensor:
     """The first `limit` (at most) non-overlapping windows of seq_len + 1 tokens, as [N, S + 1] int64."""
-    count = min(limit, (tokens.numel() - 1) // seq_len)
-    return torch.stack([tokens[i * seq_len:i * seq_len + seq_len + 1] for i in range(count)]).to(torch.int64)
+    count = min(limit, (tokens.size - 1) // seq_len)
+    rows = [tokens[i * seq_len:i * seq_len + seq_len + 1] for i in range(count)]
+    return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
 @torch.no_grad()
@@ -123,7 +127,8 @@ class Distillation(LanguageModel):
     @classmethod
     def from_config(cls, cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> "Distillation":
         tr = cfg.train
-        data = TokenDataset(split_heldout(cfg).train, tr.seq_len, tr.seed, "student's training text")
+        data = TokenDataset(split_heldout(cfg).train, tr.seq_len, tr.seed, "student's training text",
+                            cfg.model.vocab_size)
         return cls(data, load_frozen(cfg.distill.teacher, device), groups, tr.micro_batch_size, tr.seq_len,
                    cfg.distill.temperature, cfg.distill.kd_weight)
 

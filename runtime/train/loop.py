@@ -21,6 +21,7 @@ from runtime.optim import lr_at
 from runtime.parallel.groups import ParallelGroups
 from runtime.parallel.timeouts import is_timeout, timeout_error
 from runtime.train.decided import read as read_placement
+from runtime.train.evaluate import evaluation
 from runtime.train.build import Components, build_components
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from runtime.train.metrics import MetricsWriter, memory_bytes, start_marks, step_stats
@@ -126,6 +127,7 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
     writer = MetricsWriter(run_dir, start) if groups.rank == 0 else None
     board = open_tensorboard(cfg, run_dir, start) if writer else None
     marks = start_marks(start)  # on the first line this worker writes
+    evaluate = evaluation(cfg, groups, device)  # held-out loss at its steps, {} at the others
     tr = cfg.train
     tokens_per_step = c.objective.tokens_per_step
     step, last_ckpt = start, ckpt
@@ -144,6 +146,7 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
             objective_stats, rank_lines = c.objective.records(step)  # collective
             stats.update(objective_stats)
             elapsed = time.perf_counter() - began
+            stats.update(evaluate(step, c.model, _autocast(device, tr.precision)))  # collective
             if writer:
                 record = {"step": step, "max_steps": tr.max_steps, **stats, "grad_norm": norm,
                           "lr": lr_at(step - 1, tr), "tokens_per_s": tokens_per_step / elapsed,

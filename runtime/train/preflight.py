@@ -1,7 +1,7 @@
 """What `moesys train` checks before it launches anything: the errors each worker would otherwise meet at start,
-after torchrun had retried it (data shorter than a window, a plan that does not fit, an expert store that cannot be
-written or that another run owns, a disk without room for the store and the checkpoints). Each raises a UserError of
-one line."""
+after torchrun had retried it (a tokenizer that does not load or fit the model, data that cannot be read or is shorter
+than a window, a resume point that does not exist, a plan that does not fit, an expert store that cannot be written or
+that another run owns, a disk without room for the store and the checkpoints). Each raises a UserError of one line."""
 
 from __future__ import annotations
 
@@ -14,21 +14,62 @@ from runtime.run_dir import CHECKPOINTS, expert_store_root
 from runtime.storage.budget import GB
 from runtime.storage.disk import bytes_under, check_free, checkpoints_on_disk, kept_checkpoints
 from runtime.storage.placement import plan_placement
-from runtime.train.text import check_text
+from runtime.train.resume import chosen_checkpoint
+from runtime.train.text import check_token_count, is_token_file, source_name
+from runtime.train.token_file import check_ids, open_token_file
+from runtime.train.tokenize import data_sources, encode_source
+from runtime.train.tokenizer import (BYTES, ByteTokenizer, Tokenizer, checkpoint_tokenizer_file, load_tokenizer,
+                                     tokenizer_digest)
 
 
 def check_before_launch(cfg: MoesysConfig) -> None:
-    """What would fail in every worker: a serving config, missing data, an expert store that is not writable or
-    belongs to another run. cfg.train.run_dir must be set (the directory the job will use)."""
+    """What would fail in every worker: a serving config, a tokenizer or data that cannot be used, an expert store
+    that is not writable or belongs to another run. cfg.train.run_dir must be set (the directory the job will use)."""
     if cfg.purpose != "train":
         raise UserError(f"this config is for serving (purpose={cfg.purpose}: {cfg.recipe or 'the recipe'} is planned "
                         "as an inference budget); serve it with moesys infer, or set purpose=train to train it")
-    sources = {"train.data": cfg.train.data} if not cfg.tasks else \
-        {f"tasks.{name}.data": task.data for name, task in cfg.tasks.items()}
-    for key, path in sources.items():
-        check_text(path, cfg.train.seq_len, key)  # DataError: missing, empty or too short
+    tokenizer = check_tokenizer(cfg)
+    for key, path in data_sources(cfg).items():
+        check_source(path, key, cfg, tokenizer)  # DataError: missing, empty, too short, unreadable
     if cfg.storage.offload in ("ssd", "auto"):
         _check_store(expert_store_root(cfg), str(Path(cfg.train.run_dir).resolve()))
+
+
+def check_tokenizer(cfg: MoesysConfig) -> Tokenizer:
+    """train.tokenizer loads, model.vocab_size has a row for each of its ids, and a resume continues with the
+    tokenizer its checkpoint was trained with. Also refuses a train.resume_from=step_N the run has no checkpoint of."""
+    tr, vocab = cfg.train, cfg.model.vocab_size
+    tokenizer = load_tokenizer(tr.tokenizer)
+    if tokenizer.vocab_size > vocab:
+        raise UserError(f"train.tokenizer={tr.tokenizer} has {tokenizer.vocab_size} tokens, more than model.vocab_size="
+                        f"{vocab}; set model.vocab_size={tokenizer.vocab_size} (or more)")
+    start = chosen_checkpoint(cfg)
+    if start is not None:
+        saved = checkpoint_tokenizer_file(Path(tr.run_dir), start)
+        trained = load_tokenizer(saved, "tokenizer") if saved else ByteTokenizer()
+        if tokenizer_digest(trained) != tokenizer_digest(tokenizer):
+            was = saved or BYTES
+            raise UserError(f"cannot resume {tr.run_dir} from {start.name}: it was trained with another tokenizer "
+                            f"({was}); set train.tokenizer={was}, train.resume_from=none to start over, or choose a "
+                            "new train.run_dir")
+    return tokenizer
+
+
+def check_source(path: str | None, key: str, cfg: MoesysConfig, tokenizer: Tokenizer) -> None:
+    """One data source is readable and holds more than one window: a token file's size, dtype and first ids; a text
+    source's first tokens (`moesys train` then tokenizes the rest before launch, which finds any later problem)."""
+    name, seq_len = source_name(path, key), cfg.train.seq_len
+    if is_token_file(path):
+        tokens = open_token_file(path, tokenizer.vocab_size, key)
+        check_token_count(tokens.size, seq_len, name)
+        check_ids(tokens, cfg.model.vocab_size, name)
+        return
+    count = 0
+    for ids in encode_source(path, tokenizer, key, cfg.train.data_text_key):
+        count += ids.size
+        if count > seq_len:
+            return
+    check_token_count(count, seq_len, name)
 
 
 def check_disk(cfg: MoesysConfig) -> None:

@@ -12,6 +12,7 @@ from runtime.checkpoint_format import META, latest_checkpoint, read_meta
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.run_dir import CHECKPOINTS
+from runtime.train.tokenizer import BYTES, checkpoint_tokenizer_file
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,16 @@ def find_teacher(checkpoint: str | Path) -> Teacher:
 
 def student_recipe(teacher: Teacher, num_experts: int) -> dict:
     """The student's starting config as a recipe: the teacher's, with `num_experts` experts per MoE layer, learning
-    from this teacher, in no run directory yet and with an expert store of its own."""
+    from this teacher with the teacher's tokenizer, in no run directory yet and with an expert store of its own."""
     data = copy.deepcopy(teacher.config)
     data["model"]["num_experts"] = num_experts
     data.setdefault("student", {})["num_experts"] = num_experts
     data.setdefault("distill", {})["teacher"] = str(teacher.step_dir)
     data["train"]["run_dir"] = None
     data.setdefault("storage", {})["ssd_path"] = ""  # a store belongs to one run: never the teacher's
+    saved = checkpoint_tokenizer_file(teacher.run_dir, teacher.step_dir)
+    if data["train"].get("tokenizer", BYTES) != BYTES and saved is not None:  # the teacher's ids: its own copy
+        data["train"]["tokenizer"] = str(saved)
     return data
 
 

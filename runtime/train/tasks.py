@@ -29,6 +29,7 @@ from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
 from runtime.tensorfile import save_tensors, verify
 from runtime.train.data import TokenDataset, build_task_datasets, task_seed
+from runtime.train.tokenizer import run_tokenizer
 HEAD_INIT_STD = 0.02
 
 
@@ -153,7 +154,7 @@ class MultiTask:
                 if t in self.local:
                     self.reducers[t] = GradBucketReducer(self.heads[t].parameters(), handle, bucket)
         self.data: dict[str, TokenDataset] = build_task_datasets(
-            {t: cfg.tasks[t].data for t in self.local}, cfg.train.seq_len, cfg.train.seed)
+            {t: cfg.tasks[t].data for t in self.local}, cfg.train.seq_len, cfg.train.seed, cfg, run_tokenizer(cfg))
         self.last_losses: dict[str, torch.Tensor] = {}
         self.last_compute_s = 0.0
 

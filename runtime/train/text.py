@@ -1,25 +1,51 @@
-"""Training text, read without torch: what `moesys train` checks before launching (the workers tokenize it)."""
+"""Training text, read without torch: a text file, a directory of *.txt files, or a .jsonl file with a text field,
+streamed as segments that any tokenizer encodes one at a time (what `moesys train` checks before launching, what
+`moesys tokenize` writes and what the workers read).
+
+A document (a file, or a .jsonl record) is stripped of surrounding whitespace, and documents are joined by a blank
+line (DOC_SEPARATOR). Each document is cut into segments at its blank lines (a segment of its own), and a segment
+longer than MAX_SEGMENT at its last line break before that length: concatenated, the segments are exactly the text,
+and the token stream is the concatenation of each segment's ids, whatever the block size the file was read in.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from runtime.errors import UserError
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 DOC_SEPARATOR = b"\n\n"
+JSONL_SUFFIXES = (".jsonl",)
+TOKEN_SUFFIXES = (".bin", ".npy")
+BLOCK = 8 << 20
+"""Bytes read from a text file at a time."""
+MAX_SEGMENT = 1 << 20
+"""Longest text a tokenizer encodes in one call; a longer stretch without a blank line is cut at a line break."""
+
+Progress = Callable[[int, int], None]
+"""progress(bytes done, bytes in all): called as a source is read, every PROGRESS_EVERY bytes and at the end."""
+PROGRESS_EVERY = 1 << 20
 
 
 class DataError(UserError):
-    """Training data that cannot be used; the message names the path."""
+    """Training data that cannot be used; the message names the key and the path."""
 
 
-def read_text_bytes(path: Optional[str | Path] = None, key: str = "train.data") -> bytes:
-    """The bytes of a text file, or of a directory's *.txt files (sorted, joined by a blank line).
+def source_name(path: Optional[str | Path], key: str) -> str:
+    return "shipped corpus" if path is None else f"{key}={path}"
 
-    None reads the corpus shipped with moesys; `key` is the config key named in errors.
-    """
+
+def is_token_file(path: Optional[str | Path]) -> bool:
+    """Whether `path` names a pre-tokenized file (.bin, .npy) rather than text."""
+    return path is not None and Path(path).suffix.lower() in TOKEN_SUFFIXES
+
+
+def text_files(path: Optional[str | Path], key: str = "train.data") -> list[Path]:
+    """The files a text source reads, in order: the file itself, a directory's *.txt files sorted by name, or
+    (None) the corpus shipped with moesys."""
     source = CORPUS_DIR if path is None else Path(path).expanduser()
     if not source.exists():
         raise DataError(f"{key}={source} does not exist")
@@ -27,23 +53,123 @@ def read_text_bytes(path: Optional[str | Path] = None, key: str = "train.data") 
         files = sorted(p for p in source.glob("*.txt") if p.is_file())
         if not files:
             raise DataError(f"{key}={source} holds no *.txt files")
-        parts = [p.read_bytes().strip() for p in files]
-        data = DOC_SEPARATOR.join(p for p in parts if p)
-    else:
-        data = source.read_bytes().strip()
-    if not data:
-        raise DataError(f"{key}={source} is empty")
-    return data
+        return files
+    return [source]
+
+
+def _cut(text: bytes) -> int:
+    """Where to end a segment of an overlong stretch: after its last line break before MAX_SEGMENT, else at the
+    last UTF-8 character start before it."""
+    newline = text.rfind(b"\n", 0, MAX_SEGMENT)
+    if newline >= 0:
+        return newline + 1
+    cut = MAX_SEGMENT
+    while cut > 1 and text[cut] & 0xC0 == 0x80:  # a continuation byte: back to the character's first byte
+        cut -= 1
+    return cut
+
+
+def _bounded(part: bytes) -> Iterator[bytes]:
+    """A stretch without a blank line as segments of at most MAX_SEGMENT bytes."""
+    while len(part) > MAX_SEGMENT:
+        cut = _cut(part)
+        yield part[:cut]
+        part = part[cut:]
+    yield part
+
+
+def _document(blocks: Iterable[bytes]) -> Iterator[bytes]:
+    """The segments of one document given as consecutive blocks of its bytes: stripped, cut at blank lines (each
+    separator a segment of its own) and at MAX_SEGMENT. Whitespace at the end is held back until text follows."""
+    held: list[bytes] = []  # the last segment with text, then whitespace-only segments after it
+    carry, started = b"", False
+
+    def emit(segment: bytes) -> Iterator[bytes]:
+        nonlocal held
+        if segment.strip():
+            yield from held
+            held = [segment]
+        elif held and segment:
+            held.append(segment)
+
+    for block in blocks:
+        if not started:
+            block = block.lstrip()
+            if not block:
+                continue
+            started = True
+        parts = (carry + block).split(DOC_SEPARATOR)
+        carry = parts.pop()
+        for part in parts:
+            for segment in _bounded(part):
+                yield from emit(segment)
+            yield from emit(DOC_SEPARATOR)
+        while len(carry) > MAX_SEGMENT + 1:  # its last byte may start a separator the next block completes
+            cut = _cut(carry)
+            yield from emit(carry[:cut])
+            carry = carry[cut:]
+    for segment in _bounded(carry):
+        yield from emit(segment)
+    if held:
+        yield held[0].rstrip()
+
+
+def _file_blocks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while block := f.read(BLOCK):
+            yield block
+
+
+def _jsonl_records(path: Path, key: str, text_key: str) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise DataError(f"{key}={path} line {number} is not JSON ({exc}); a .jsonl file holds one JSON "
+                                "object a line") from None
+            text = record.get(text_key) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                keys = f" (its keys: {', '.join(sorted(record)[:8])})" if isinstance(record, dict) else ""
+                raise DataError(f"{key}={path} line {number} has no {text_key!r} string{keys}; set "
+                                "train.data_text_key to the key of its text")
+            yield text.encode("utf-8")
+
+
+def segments(path: Optional[str | Path], key: str = "train.data", text_key: str = "text",
+             progress: Optional[Progress] = None) -> Iterator[bytes]:
+    """The text of a source as segments (see the module docstring); `progress` is told the bytes read."""
+    files = text_files(path, key)
+    jsonl = path is not None and Path(path).suffix.lower() in JSONL_SUFFIXES
+    total, done, told = sum(f.stat().st_size for f in files), 0, 0
+    first = True
+    for file in files:
+        documents = ([record] for record in _jsonl_records(file, key, text_key)) if jsonl else [_file_blocks(file)]
+        for blocks in documents:
+            opened = False
+            for segment in _document(blocks):
+                if not opened and not first:
+                    yield DOC_SEPARATOR
+                opened, first = True, False
+                yield segment
+                done += len(segment)
+                if progress and done - told >= PROGRESS_EVERY:
+                    progress(min(done, total), total)
+                    told = done
+    if progress:
+        progress(total, total)
+    if first:
+        raise DataError(f"{source_name(path, key)} is empty")
+
+
+def read_text_bytes(path: Optional[str | Path] = None, key: str = "train.data", text_key: str = "text") -> bytes:
+    """The whole text of a source, as the byte tokenizer reads it."""
+    return b"".join(segments(path, key, text_key))
 
 
 def check_token_count(tokens: int, seq_len: int, name: str) -> None:
     if tokens < seq_len + 1:
         raise DataError(f"{name} holds {tokens} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; "
                         "lower train.seq_len or give more text")
-
-
-def check_text(path: Optional[str | Path], seq_len: int, key: str = "train.data") -> None:
-    """DataError when the data is missing, empty or shorter than one window (the byte tokenizer: a token a byte)."""
-    if seq_len <= 0:
-        raise DataError(f"{key}: seq_len must be positive (got {seq_len})")
-    check_token_count(len(read_text_bytes(path, key)), seq_len, "shipped corpus" if path is None else f"{key}={path}")

@@ -27,7 +27,7 @@ def test_targets_are_inputs_shifted_by_one(corpus):
     assert x.shape == y.shape == (6, 32) and x.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1])
     # every row is a contiguous window of the token stream
-    stream = corpus.tokens.to(torch.int64)
+    stream = torch.from_numpy(corpus.tokens.astype("int64"))
     for row_x, row_y in zip(x, y):
         seq = torch.cat([row_x, row_y[-1:]])
         starts = (stream.unfold(0, 33, 32) == seq).all(dim=1).nonzero()

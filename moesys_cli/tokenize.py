@@ -1,0 +1,48 @@
+"""`moesys tokenize`: a text source written as a pre-tokenized token file (.bin or .npy) that `train.data` and
+`train.eval_data` read through a memory map."""
+
+from __future__ import annotations
+
+from typing import Annotated, List, Optional
+
+import typer
+
+from moesys_cli.options import Json, required, split_args
+from moesys_cli.render import ByteProgress, console, literal, print_json
+from runtime.config import config_from_dict
+from runtime.errors import UserError
+
+TokenizeArgs = Annotated[
+    Optional[List[str]],
+    typer.Argument(help="data=PATH (a text file, a directory of *.txt, a .jsonl), out=FILE.bin (or .npy), "
+                        "train.tokenizer=bytes|PATH (the run's) and train.data_text_key=KEY", show_default=False),
+]
+USAGE = "moesys tokenize takes data=PATH, out=FILE.bin, train.tokenizer=bytes|PATH and train.data_text_key=KEY"
+
+
+def parse_tokenize_args(args: list[str]) -> tuple[str, str, str, str]:
+    """(data, out, tokenizer, the .jsonl text key)."""
+    values, overrides = split_args(args, USAGE, ("data", "out"), ("train",))
+    extra = sorted(set(overrides["train"]) - {"tokenizer", "data_text_key"})
+    if extra:
+        raise UserError(f"unknown argument 'train.{extra[0]}'; {USAGE}")
+    tr = config_from_dict({"train": overrides["train"]}).train  # typed and checked
+    return required(values, "data", USAGE), required(values, "out", USAGE), tr.tokenizer, tr.data_text_key
+
+
+def tokenize(args: TokenizeArgs = None, json_out: Json = False) -> None:
+    """Tokenize text once into a memory-mapped token file for train.data or train.eval_data."""
+    data, out, spec, text_key = parse_tokenize_args(args or [])
+    from runtime.train.tokenize import tokenize_to_file
+    from runtime.train.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(spec)
+    with ByteProgress(json_out) as progress:
+        result = tokenize_to_file(data, out, tokenizer, "data", text_key,
+                                  lambda done, total: progress("data", done, total))
+    if json_out:
+        print_json(result)
+        return
+    console.print(f"[bold]moesys tokenize[/] {literal(result['out'])}: {result['tokens']:,} tokens ({result['dtype']}, "
+                  f"tokenizer {literal(result['tokenizer'])}) from {result['text_bytes']:,} bytes in "
+                  f"{result['seconds']:.1f} s; train with train.data={literal(result['out'])}", highlight=False)

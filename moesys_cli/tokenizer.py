@@ -1,0 +1,56 @@
+"""`moesys tokenizer train`: a byte-level BPE learned from the user's text, written as the tokenizer.json that
+`moesys train train.tokenizer=FILE` takes."""
+
+from __future__ import annotations
+
+from typing import Annotated, List, Optional
+
+import typer
+
+from moesys_cli.options import Json, required, split_args
+from moesys_cli.render import ByteProgress, console, literal, print_json
+from runtime.config import config_from_dict
+from runtime.errors import UserError
+
+app = typer.Typer(name="tokenizer", no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
+                  help="Tokenizers: moesys tokenizer train data=... vocab_size=N out=FILE.")
+
+TrainArgs = Annotated[
+    Optional[List[str]],
+    typer.Argument(help="data=PATH (a text file, a directory of *.txt, a .jsonl), vocab_size=N, out=FILE, and "
+                        "train.data_text_key=KEY for a .jsonl whose text is not under 'text'", show_default=False),
+]
+USAGE = "moesys tokenizer train takes data=PATH, vocab_size=N, out=FILE and train.data_text_key=KEY"
+
+
+def parse_train_args(args: list[str]) -> tuple[str, int, str, str]:
+    """(data, vocab size, out, the .jsonl text key)."""
+    values, overrides = split_args(args, USAGE, ("data", "vocab_size", "out"), ("train",))
+    extra = sorted(set(overrides["train"]) - {"data_text_key"})
+    if extra:
+        raise UserError(f"unknown argument 'train.{extra[0]}'; {USAGE}")
+    size = required(values, "vocab_size", USAGE)
+    try:
+        vocab_size = int(size)
+    except ValueError:
+        raise UserError(f"vocab_size={size!r} is not an integer; {USAGE}") from None
+    text_key = config_from_dict({"train": overrides["train"]}).train.data_text_key  # typed and checked
+    return required(values, "data", USAGE), vocab_size, required(values, "out", USAGE), text_key
+
+
+@app.command("train", context_settings={"allow_extra_args": False})
+def train(args: TrainArgs = None, json_out: Json = False) -> None:
+    """Train a byte-level BPE tokenizer on your text and write it as a Hugging Face tokenizer.json."""
+    data, vocab_size, out, text_key = parse_train_args(args or [])
+    from runtime.train.tokenizer_train import train_bpe
+
+    with ByteProgress(json_out) as progress:
+        result = train_bpe(data, vocab_size, out, "data", text_key, lambda done, total: progress("data", done, total))
+    if json_out:
+        print_json(result)
+        return
+    console.print(f"[bold]moesys tokenizer train[/] {literal(result['out'])}: byte-level BPE of "
+                  f"{result['vocab_size']} tokens (asked {result['requested_vocab_size']}) from "
+                  f"{result['text_bytes']:,} bytes of {literal(result['data'])} in {result['seconds']:.1f} s; train "
+                  f"with train.tokenizer={literal(result['out'])} model.vocab_size>={result['vocab_size']}",
+                  highlight=False)
