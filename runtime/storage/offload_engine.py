@@ -139,9 +139,10 @@ class OffloadEngine:
             counts_e = tokens_per_expert_e.detach().to("cpu", torch.long)
         active = list(range(spec.num_local)) if self.fetch_all else torch.nonzero(counts_e).flatten().tolist()
         keys = [spec.key(j) for j in active]
-        self.home.before_layer(layer, keys)
-        self._history[layer] = keys
-        self._active += int((counts_e > 0).sum())
+        if torch.is_grad_enabled():  # a training step's layer (an evaluation's forward is neither counted nor learned)
+            self.home.before_layer(layer, keys)
+            self._history[layer] = keys
+            self._active += int((counts_e > 0).sum())
         if not active:  # no rows here; stay in the graph so this rank's backward runs the same AlltoAlls as its peers
             return x_RD[:0].to(output_dtype(x_RD)) * 0
         if not self.delayed:
