@@ -27,7 +27,9 @@ from torch import Tensor, nn
 
 from runtime.inference.expert_source import ExpertSource, ExpertWeights
 from runtime.inference.offload import Offloader
+from runtime.inference.step_counts import host_list
 from runtime.model.transformer import Transformer
+from runtime.moe.dispatch import LocalDispatcher
 from runtime.moe.experts import ffn_one
 
 RESIDENT, INPLACE, HYBRID = "resident", "inplace", "hybrid"
@@ -79,12 +81,23 @@ def measure_costs(weights: ExpertWeights, kind: str, device: torch.device, dtype
 class StreamedExperts(nn.Module):
     """Stands in for a streamed layer's GroupedExperts: its offloader computes the routed experts."""
 
-    def __init__(self, offloader: "AutoOffloader", index: int):
+    def __init__(self, offloader: "AutoOffloader", index: int, num_experts: int):
         super().__init__()
         self.offloader, self.index = offloader, index
+        self.dispatcher = LocalDispatcher(num_experts)
 
     def forward(self, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
         return self.offloader.compute(self.index, x_RD, tokens_per_expert_e)
+
+    @torch.compiler.disable  # reads which experts were routed on the host: runs outside a compiled decode step
+    def routed(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        """RoutedExperts: the tokens' rows grouped by expert as prefill groups them, then `compute`, whose one
+        host read of the row counts is this layer's one synchronisation."""
+        x_RD, tokens_per_expert_E, meta = self.dispatcher.permute(x_TD.reshape(-1, x_TD.shape[-1]),
+                                                                  expert_ids_TK.reshape(-1, expert_ids_TK.shape[-1]),
+                                                                  weights_TK.reshape(-1, weights_TK.shape[-1]))
+        y_RD = self.offloader.compute(self.index, x_RD, tokens_per_expert_E)
+        return self.dispatcher.unpermute(y_RD, meta).view(x_TD.shape)
 
 
 class AutoOffloader(Offloader):
@@ -111,7 +124,7 @@ class AutoOffloader(Offloader):
                     source.fill(layer.experts, m, device)
                 self.resident_bytes += source.layer_bytes(m)  # in the dtype placed, not the stored one
             else:
-                layer.experts = StreamedExperts(self, m)
+                layer.experts = StreamedExperts(self, m, source.num_experts)
                 source.random_access(m)  # read expert by expert: no readahead into unrouted neighbours
         self.cache: dict[tuple[int, int], ExpertWeights] = {}
         self.uses: Counter[tuple[int, int]] = Counter()
@@ -136,7 +149,7 @@ class AutoOffloader(Offloader):
 
     def compute(self, m: int, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
         """Rows grouped by expert -> outputs in the same order; only experts with rows are read."""
-        counts = tokens_per_expert_e.tolist()
+        counts = host_list(tokens_per_expert_e)
         routed = [j for j, n in enumerate(counts) if n]
         self._score_prediction(m, routed)
         self.source.will_need(m, [j for j in routed if (m, j) not in self.cache])
@@ -150,7 +163,7 @@ class AutoOffloader(Offloader):
         changes little between layers) and start reading them while this layer computes."""
         gate_ED = self.gates[m]
         top_k = min(self.top_k, gate_ED.shape[0])
-        guess = F.linear(x_RD.to(gate_ED.dtype), gate_ED).topk(top_k, dim=-1).indices.unique().tolist()
+        guess = host_list(F.linear(x_RD.to(gate_ED.dtype), gate_ED).topk(top_k, dim=-1).indices.unique())
         self.predicted[m] = set(guess)
         self.source.will_need(m, guess)
 
