@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.inference.expert_source import ExpertSource, ExpertWeights
+from runtime.inference.host_tier import HostTier
 from runtime.inference.offload import Offloader
 from runtime.inference.step_counts import host_list
 from runtime.model.transformer import Transformer
@@ -131,9 +132,12 @@ class AutoOffloader(Offloader):
         self.cache_capacity = source.num_experts if HYBRID in self.placement else 0
         """Fetched experts kept on the device: one layer's worth (the slot the resident layers left free)."""
         streamed = [m for m, policy in enumerate(self.placement) if policy == HYBRID]
+        self.host = HostTier(source, streamed, device)
+        self.cpu_threads = torch.get_num_threads()
+        """Threads the CPU computes streamed experts with (the process's intra-op pool, set by the caller)."""
         if costs is None and streamed:  # timed here, not inside the first (timed) forward
             dtype = model.tok_embeddings.weight.dtype
-            costs = measure_costs(source.expert(streamed[0], 0), self.kind, device, source.dtype or dtype)
+            costs = measure_costs(self.host.expert(streamed[0], 0), self.kind, device, source.dtype or dtype)
         self.costs = costs
         self.predict_ahead = predict_ahead
         """Prefetch a streamed (inplace) layer's guessed experts while the streamed layer before it computes (CPU;
@@ -148,15 +152,22 @@ class AutoOffloader(Offloader):
     # ---- compute ----
 
     def compute(self, m: int, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
-        """Rows grouped by expert -> outputs in the same order; only experts with rows are read."""
-        counts = host_list(tokens_per_expert_e)
+        """Rows grouped by expert -> outputs in the same order; only experts with rows are read. The layer's one
+        synchronisation brings its row counts (and, on CUDA, its rows, for the experts the CPU computes) to the
+        host; nothing after it waits for the device."""
+        counts, x_host_RD = self.host.rows_to_host(tokens_per_expert_e, x_RD)
         routed = [j for j, n in enumerate(counts) if n]
         self._score_prediction(m, routed)
         self.source.will_need(m, [j for j in routed if (m, j) not in self.cache])
         if self.predict_ahead and m + 1 < self.num_layers and self.placement[m + 1] == INPLACE:
             self._prefetch_predicted(m + 1, x_RD)
-        outputs = [self._expert(m, j, rows) for j, rows in enumerate(x_RD.split(counts)) if counts[j]]
-        return torch.cat(outputs) if outputs else x_RD.new_zeros(0, x_RD.shape[1])
+        y_RD = torch.empty_like(x_RD)
+        start = 0
+        for j, n in enumerate(counts):
+            if n:
+                self._expert(m, j, x_RD[start:start + n], x_host_RD[start:start + n], y_RD[start:start + n])
+                start += n
+        return y_RD
 
     def _prefetch_predicted(self, m: int, x_RD: Tensor) -> None:
         """Guess layer m's experts by applying its gate to the previous layer's expert inputs (the residual stream
@@ -174,32 +185,38 @@ class AutoOffloader(Offloader):
             self.predicted_needed += len(routed)
             self.predicted_wasted += len(guess.difference(routed))
 
-    def _expert(self, m: int, j: int, x_ND: Tensor) -> Tensor:
+    def _expert(self, m: int, j: int, x_ND: Tensor, x_host_ND: Tensor, y_ND: Tensor) -> None:
+        """Expert j of layer m on its rows x_ND (x_host_ND: the same rows on the host), written into y_ND."""
         if self.placement[m] == INPLACE:
             self.streamed_bytes += self.source.expert_bytes(m, j, stored=True)  # read from the files as stored
             self.inplace_computes += 1
-            return ffn_one(x_ND, **_cast(self.source.expert(m, j), x_ND.dtype), kind=self.kind)
+            y_ND.copy_(ffn_one(x_ND, **_cast(self.source.expert(m, j), x_ND.dtype), kind=self.kind))
+            return
         self.uses[(m, j)] += 1
         cached = self.cache.get((m, j))
         if cached is not None:
             self.cache_hits += 1
-            return ffn_one(x_ND, **cached, kind=self.kind)
+            y_ND.copy_(ffn_one(x_ND, **cached, kind=self.kind))
+            return
         self.streamed_bytes += self.source.expert_bytes(m, j, stored=True)
         if self.costs.cpu_is_faster(x_ND.shape[0]):
             self.cpu_computes += 1
-            y = ffn_one(x_ND.cpu(), **_cast(self.source.expert(m, j), x_ND.dtype), kind=self.kind)
-            return y.to(self.device)
-        return ffn_one(x_ND, **self._fetch(m, j, x_ND.dtype), kind=self.kind)
+            weights = _cast(self.host.expert(m, j), x_host_ND.dtype)
+            self.host.rows_to_device(ffn_one(x_host_ND, **weights, kind=self.kind), y_ND)
+            return
+        y_ND.copy_(ffn_one(x_ND, **self._fetch(m, j, x_ND.dtype), kind=self.kind))
 
     def _fetch(self, m: int, j: int, dtype: torch.dtype) -> ExpertWeights:
-        """Copy expert j of layer m to the device (compute waits for it); cache it if it is used more often than
-        the least used cached expert. Streamed layers are visited in a cycle, which LRU would turn into a miss on
-        every visit once they hold more experts than the cache; counting uses keeps the popular ones."""
-        start = self.timeline.mark()
-        weights = {k: v.to(self.device, dtype, copy=True) for k, v in self.source.expert(m, j).items()}
-        end = self.timeline.mark()
+        """Copy expert j of layer m to the device (on CUDA from pinned memory on a side stream, which compute waits
+        for on the device); cache it if it is used more often than the least used cached expert. Streamed layers
+        are visited in a cycle, which LRU would turn into a miss on every visit once they hold more experts than
+        the cache; counting uses keeps the popular ones."""
+        before = self.timeline.mark()
+        weights, start, end = self.host.fetch(self.host.expert(m, j), dtype)
+        if start is None:  # the copy ran on this stream: compute stood still for it
+            start, end = before, self.timeline.mark()
         self.timeline.add("copy", start, end)
-        self.timeline.add("wait", start, end)
+        self.timeline.add("wait", before, end)
         self.copied_bytes += sum(w.numel() * w.element_size() for w in weights.values())  # as placed
         self.copies += 1
         if len(self.cache) >= self.cache_capacity:
@@ -233,5 +250,5 @@ class AutoOffloader(Offloader):
                     "fetched_experts": self.copies, "cache_hits": self.cache_hits,
                     "prefetch": {"predicted_right": self.predicted_hits, "routed": self.predicted_needed,
                                  "predicted_wrong": self.predicted_wasted},
-                    "costs": None if self.costs is None else vars(self.costs)})
+                    "costs": None if self.costs is None else vars(self.costs), "cpu_threads": self.cpu_threads})
         return out

@@ -167,8 +167,7 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
     infer.offload), place the experts, generate; a JSON-ready dict of tokens, speed, memory and bytes moved."""
     with PeakMemory() as host_peak:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cpu":
-            set_cpu_threads(1)  # the only process: every usable CPU, unless the user set OMP_NUM_THREADS
+        set_cpu_threads(1)  # the only process: every usable CPU (auto computes streamed experts on them on CUDA)
         loaded = open_checkpoint(checkpoint, device=device)
         overrides = dict(infer_overrides or {})
         if offload is not None:
@@ -219,6 +218,6 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
         "timeline": stats["timeline"],  # spans of copy/compute/wait of the last decoded token (moesys report)
         **({"experts_computed": {k: stats[k] for k in ("inplace_computes", "cpu_computes", "fetched_experts",
                                                        "cache_hits")}, "expert_costs": stats["costs"],
-            "prefetch": stats["prefetch"]}
+            "cpu_threads": stats["cpu_threads"], "prefetch": stats["prefetch"]}
            if inf.offload == "auto" else {}),
     }

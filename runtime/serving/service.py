@@ -77,8 +77,7 @@ def open_service(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any
     """Open and place a checkpoint as `run_inference` does (offload overrides infer.offload), and start its worker.
     Requests default to the checkpoint's infer.max_new_tokens, temperature, top_k and seed."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cpu":
-        set_cpu_threads(1)  # as `moesys infer`: the one model process gets every usable CPU
+    set_cpu_threads(1)  # as `moesys infer`: the one model process gets every usable CPU
     loaded = open_checkpoint(checkpoint, device=device)
     overrides = dict(infer_overrides or {})
     if offload is not None:

@@ -9,7 +9,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from runtime.config import ModelConfig
+from runtime.inference.auto import AutoOffloader, ExpertCosts
 from runtime.inference.decode import DecodeStep
+from runtime.inference.expert_source import ExpertSource
 from runtime.inference.generate import generate, sample_next
 from runtime.inference.modes import make_offloader
 from runtime.inference.step_counts import count_decode
@@ -49,6 +51,20 @@ def test_offloaded_decode_synchronises_only_where_it_streams(tmp_path):
         counts = count_decode(lambda n: generate(model, PROMPT, n, offloader=offloader), MIXTRAL.num_layers)
         offloader.close()
         assert counts.host_syncs_per_token == syncs, mode
+
+
+@pytest.mark.parametrize("costs", [ExpertCosts(0.0, 0.0, 1.0), ExpertCosts(1.0, 0.0, 0.0)], ids=["cpu", "fetch"])
+def test_hybrid_decode_reads_the_host_once_per_streamed_layer_whatever_the_cost_model_picks(costs):
+    """auto's CUDA policy run on the CPU: the counts and rows come to the host together, once a streamed layer,
+    whether the CPU computes the routed experts or they are fetched (the fetch waits on the device, not the host)."""
+    reference = generate(_model(), PROMPT, 6).tokens
+    model = _model()
+    offloader = AutoOffloader(model, CPU, ExpertSource.from_model(model), 2, streamed_policy="hybrid", costs=costs)
+    assert offloader.placement == ["resident", "hybrid", "hybrid", "hybrid"]
+    assert generate(model, PROMPT, 6, offloader=offloader).tokens == reference
+    counts = count_decode(lambda n: generate(model, PROMPT, n, offloader=offloader), MIXTRAL.num_layers)
+    assert counts.host_syncs_per_token == 3
+    offloader.close()
 
 
 def test_static_cache_is_reused_and_its_stale_slots_never_seen():
