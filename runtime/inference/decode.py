@@ -34,7 +34,7 @@ class DecodeStep:
     On CUDA the mode is reduce-overhead (CUDA graphs) and the cache's buffers are marked static."""
 
     def __init__(self, model: Transformer, compile: bool = False, backend: str = "inductor"):
-        """backend: torch.compile's (tests check a stand-in's graph breaks with aot_eager, which compiles in seconds)."""
+        """backend: torch.compile's (tests check graph breaks around stand-ins with aot_eager: seconds to compile)."""
         self.model = model
         self.device = model.tok_embeddings.weight.device
         self.compiled = compile
@@ -42,7 +42,7 @@ class DecodeStep:
         self.cache: Optional[StaticKVCache] = None
         fn: Callable[[Tensor, Tensor, StaticKVCache], Tensor] = model.decode
         if compile:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            mode = "reduce-overhead" if self.device.type == "cuda" and backend == "inductor" else None
             fn = torch.compile(model.decode, fullgraph=self.fullgraph, mode=mode, dynamic=False, backend=backend)
         self._decode = fn
 

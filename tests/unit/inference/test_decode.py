@@ -33,9 +33,9 @@ def _model(cfg: ModelConfig = MIXTRAL, dtype: torch.dtype = torch.float32) -> Tr
     return model
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_resident_decode_token_has_no_host_sync_and_at_most_40_operators_a_layer(dtype):
-    model = _model(dtype=dtype)
+def test_resident_decode_token_has_no_host_sync_and_at_most_40_operators_a_layer():
+    """In bf16, whose router and combine add casts an fp32 model does not have."""
+    model = _model(dtype=torch.bfloat16)
     offloader = make_offloader(model, "none", CPU)
     step = DecodeStep(model)
     counts = count_decode(lambda n: generate(model, PROMPT, n, offloader=offloader, step=step), MIXTRAL.num_layers)
