@@ -31,7 +31,7 @@ from runtime.inference.offload import Offloader
 from runtime.inference.step_counts import host_list
 from runtime.model.transformer import Transformer
 from runtime.moe.dispatch import LocalDispatcher
-from runtime.moe.experts import ffn_one
+from runtime.moe.experts import ffn_one, gathered_ffn
 
 RESIDENT, INPLACE, HYBRID = "resident", "inplace", "hybrid"
 
@@ -82,23 +82,17 @@ def measure_costs(weights: ExpertWeights, kind: str, device: torch.device, dtype
 class StreamedExperts(nn.Module):
     """Stands in for a streamed layer's GroupedExperts: its offloader computes the routed experts."""
 
-    def __init__(self, offloader: "AutoOffloader", index: int, num_experts: int):
+    def __init__(self, offloader: "AutoOffloader", index: int):
         super().__init__()
         self.offloader, self.index = offloader, index
-        self.dispatcher = LocalDispatcher(num_experts)
 
     def forward(self, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
         return self.offloader.compute(self.index, x_RD, tokens_per_expert_e)
 
     @torch.compiler.disable  # reads which experts were routed on the host: runs outside a compiled decode step
     def routed(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
-        """RoutedExperts: the tokens' rows grouped by expert as prefill groups them, then `compute`, whose one
-        host read of the row counts is this layer's one synchronisation."""
-        x_RD, tokens_per_expert_E, meta = self.dispatcher.permute(x_TD.reshape(-1, x_TD.shape[-1]),
-                                                                  expert_ids_TK.reshape(-1, expert_ids_TK.shape[-1]),
-                                                                  weights_TK.reshape(-1, weights_TK.shape[-1]))
-        y_RD = self.offloader.compute(self.index, x_RD, tokens_per_expert_E)
-        return self.dispatcher.unpermute(y_RD, meta).view(x_TD.shape)
+        """RoutedExperts: `AutoOffloader.routed`, one host read this layer."""
+        return self.offloader.routed(self.index, x_TD, expert_ids_TK, weights_TK)
 
 
 class AutoOffloader(Offloader):
@@ -125,8 +119,9 @@ class AutoOffloader(Offloader):
                     source.fill(layer.experts, m, device)
                 self.resident_bytes += source.layer_bytes(m)  # in the dtype placed, not the stored one
             else:
-                layer.experts = StreamedExperts(self, m, source.num_experts)
+                layer.experts = StreamedExperts(self, m)
                 source.random_access(m)  # read expert by expert: no readahead into unrouted neighbours
+        self.dispatcher = LocalDispatcher(source.num_experts)
         self.cache: dict[tuple[int, int], ExpertWeights] = {}
         self.uses: Counter[tuple[int, int]] = Counter()
         self.cache_capacity = source.num_experts if HYBRID in self.placement else 0
@@ -168,6 +163,29 @@ class AutoOffloader(Offloader):
                 self._expert(m, j, x_RD[start:start + n], x_host_RD[start:start + n], y_RD[start:start + n])
                 start += n
         return y_RD
+
+    def routed(self, m: int, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        """A decode step's few tokens. inplace: the routed experts' weights read from the mapped files into the
+        gathered layout of `gathered_ffn`, the arithmetic of a resident layer's decode, so that every mode gives
+        the same tokens. hybrid: rows grouped by expert, as prefill groups them, then `compute`. Either reads the
+        host once: the routed ids, or the row counts."""
+        if self.placement[m] != INPLACE:
+            x_RD, tokens_per_expert_E, meta = self.dispatcher.permute(
+                x_TD.reshape(-1, x_TD.shape[-1]), expert_ids_TK.reshape(-1, expert_ids_TK.shape[-1]),
+                weights_TK.reshape(-1, weights_TK.shape[-1]))
+            return self.dispatcher.unpermute(self.compute(m, x_RD, tokens_per_expert_E), meta).view(x_TD.shape)
+        chosen = host_list(expert_ids_TK.reshape(-1))
+        routed = sorted(set(chosen))
+        self._score_prediction(m, routed)
+        self.source.will_need(m, routed)
+        if self.predict_ahead and m + 1 < self.num_layers and self.placement[m + 1] == INPLACE:
+            self._prefetch_predicted(m + 1, x_TD.reshape(-1, x_TD.shape[-1]))
+        self.streamed_bytes += sum(self.source.expert_bytes(m, j, stored=True) for j in routed)
+        self.inplace_computes += len(routed)
+        experts = [self.source.expert(m, j) for j in chosen]
+        gathered = {k: torch.stack([e[k] for e in experts]).to(x_TD.dtype).view(*expert_ids_TK.shape, *v.shape)
+                    for k, v in experts[0].items()}
+        return gathered_ffn(x_TD, weights_TK, **gathered, kind=self.kind)
 
     def _prefetch_predicted(self, m: int, x_RD: Tensor) -> None:
         """Guess layer m's experts by applying its gate to the previous layer's expert inputs (the residual stream

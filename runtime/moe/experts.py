@@ -221,11 +221,21 @@ def routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w1: Tens
                b3: Tensor | None = None, kind: str = "gelu") -> Tensor:
     """y_TD = sum over k of weights_TK[t, k] * expert expert_ids_TK[t, k]'s FFN of x_TD[t], from the routed experts'
     weights gathered by index (leading dims of x, ids and weights may be any, e.g. [B, 1]). Reads only routed
-    experts and never the host; each token gathers its own K experts, so it is for a few tokens. Weights in x's
-    dtype; the combine runs in it too, as `LocalDispatcher.combine` does."""
+    experts and never the host; each token gathers its own K experts, so it is for a few tokens."""
+    pick = lambda t: None if t is None else t[expert_ids_TK]  # noqa: E731
+    return gathered_ffn(x_TD, weights_TK, pick(w1), pick(w2), pick(w3), pick(b1), pick(b2), pick(b3), kind)
+
+
+def gathered_ffn(x_TD: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None,
+                 b1: Tensor | None = None, b2: Tensor | None = None, b3: Tensor | None = None,
+                 kind: str = "gelu") -> Tensor:
+    """`routed_ffn` on weights already gathered per token and choice (w1 [..., K, F, D]: token t's k-th expert's w1
+    at [t, k]; w2 [..., K, D, F]; biases [..., K, F] and [..., K, D]), wherever they were gathered from: the same
+    operators on the same shapes, so the same result bit for bit. Weights in x's dtype; the combine runs in it
+    too, as `LocalDispatcher.combine` does."""
     def proj(a, w, b, spec):
-        out = torch.einsum(spec, a, w[expert_ids_TK])
-        return out if b is None else out + b[expert_ids_TK]
+        out = torch.einsum(spec, a, w)
+        return out if b is None else out + b
 
     h_TKF = proj(x_TD, w1, b1, "...d,...kfd->...kf")
     if kind == "gelu":
