@@ -3,13 +3,15 @@ fetched only when the routing selects them.
 
 Layers 0..K-1 keep their experts resident on the device. Every other layer is *streamed*: a forward computes only
 the experts its tokens were routed to, reading their weights from the checkpoint's memory map.
-- Without a GPU the host tier and the device are the same RAM, so a streamed expert is computed in place from
-  the mapped file: no copy at all, the page cache holds what is hot (policy `inplace`).
+- Without a GPU the host tier and the device are the same RAM, so a streamed expert is read where it lies, the
+  mapped file, whose page cache holds what is hot (policy `inplace`): a prompt computes on the mapped pages; a
+  decode token reads its routed experts into the gathered layout a resident layer's decode computes on, the same
+  arithmetic, so every mode gives the same tokens.
 - On CUDA a streamed layer keeps one slot as a cache of fetched experts (so K-1 layers are resident) and each
-  routed expert missing from it is either computed on the CPU from the mapped file, with only its rows crossing
-  the bus (as llama.cpp's --n-cpu-moe and Fiddler do), or copied to the device, whichever a cost model measured
-  on this machine at start says is faster for the rows at hand (policy `hybrid`): decode's few rows go to the
-  CPU, prefill's many rows fetch the weights.
+  routed expert missing from it is either computed on the CPU from pinned host memory, with only its rows crossing
+  the bus (as llama.cpp's --n-cpu-moe and Fiddler do), or copied to the device on a side stream, whichever a cost
+  model measured on this machine at start says is faster for the rows at hand (policy `hybrid`): decode's few
+  rows go to the CPU, prefill's many rows fetch the weights. The layer synchronises once (host_tier.py).
 The ring's whole-layer copies (seed 004's ring memory) remain `--offload ring`; with K = N every mode is resident.
 """
 

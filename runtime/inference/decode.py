@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from runtime.inference.load import InferError
 from runtime.model.attention import StaticKVCache
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
@@ -33,7 +34,7 @@ class DecodeStep:
     stand-in experts run outside the graph (their copies and host reads are not capturable), splitting it.
     On CUDA the mode is reduce-overhead (CUDA graphs) and the cache's buffers are marked static."""
 
-    def __init__(self, model: Transformer, compile: bool = False, backend: str = "inductor"):
+    def __init__(self, model: Transformer, compile: bool = False, backend: str | Callable = "inductor"):
         """backend: torch.compile's (tests check graph breaks around stand-ins with aot_eager: seconds to compile)."""
         self.model = model
         self.device = model.tok_embeddings.weight.device
@@ -67,4 +68,8 @@ class DecodeStep:
 
     def __call__(self, tokens_B1: Tensor, pos_1: Tensor, cache: StaticKVCache) -> Tensor:
         """Next-token logits [B, V] for tokens [B, 1] at position pos_1 (device tensor)."""
-        return self._decode(tokens_B1, pos_1, cache)
+        try:
+            return self._decode(tokens_B1, pos_1, cache)
+        except torch._dynamo.exc.TorchDynamoException as exc:  # only a compiled step raises these
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise InferError(f"infer.compile=true: torch.compile failed ({reason}); set infer.compile=false") from exc

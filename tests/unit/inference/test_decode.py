@@ -14,6 +14,7 @@ from runtime.inference.auto import AutoOffloader, ExpertCosts
 from runtime.inference.decode import DecodeStep
 from runtime.inference.expert_source import ExpertSource
 from runtime.inference.generate import generate, sample_next
+from runtime.inference.load import InferError
 from runtime.inference.modes import make_offloader
 from runtime.inference.step_counts import count_decode
 from runtime.model.transformer import Transformer
@@ -140,3 +141,13 @@ def test_compiled_step_around_offloaded_experts_gives_the_eager_tokens(mode, slo
             assert counters["frames"]["total"] == 0
         offloader.close()
     assert runs[True] == runs[False]
+
+
+def test_a_compiler_that_fails_is_a_one_line_error():
+    def broken(graph, example_inputs):
+        raise RuntimeError("no C++ compiler found\nmore detail")
+
+    model = _model()
+    with pytest.raises(InferError, match=r"infer.compile=true: torch.compile failed .*set infer.compile=false") as exc:
+        generate(model, PROMPT, 3, step=DecodeStep(model, compile=True, backend=broken))
+    assert "\n" not in str(exc.value)
