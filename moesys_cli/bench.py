@@ -28,9 +28,9 @@ def _ring(cfg: MoesysConfig) -> dict:
     return run_ring_bench(ring_slots=cfg.infer.ring_slots)
 
 
-def _infer(cfg: MoesysConfig) -> dict:
+def _infer(cfg: MoesysConfig, size: str = "small") -> dict:
     from runtime.bench.infer import run_infer_bench
-    return run_infer_bench(ring_slots=cfg.infer.ring_slots)
+    return run_infer_bench(ring_slots=cfg.infer.ring_slots, size=size, compile=cfg.infer.compile)
 
 
 def _offload_train(cfg: MoesysConfig) -> dict:
@@ -83,11 +83,13 @@ BENCHES: dict[str, Callable[[MoesysConfig], dict]] = {
 }
 HONOURED: dict[str, tuple[str, ...] | None] = {
     "moe-layer": (), "offload": (), "embedding": (), "ring": ("infer.ring_slots",),
-    "infer": ("infer.ring_slots",), "train": None, "offload-train": None, "elastic": None,
+    "infer": ("infer.ring_slots", "infer.compile"), "train": None, "offload-train": None, "elastic": None,
     "beyond-memory": (), "alltoall": None, "serve": (),
 }
 """The override keys each benchmark uses (None: the whole resolved config); any other override is refused rather
 than silently ignored, since a figure measured on another shape than asked for misleads."""
+SIZES: dict[str, tuple[str, ...]] = {"infer": ("small", "large")}
+"""The benchmarks that take --size, and their presets (runtime/bench/infer.py SIZES)."""
 
 
 def _overrides_help() -> str:
@@ -119,16 +121,31 @@ def _check_overrides(name: str, overrides: list[str]) -> None:
                               f"drop {key}")
 
 
+Size = Annotated[Optional[str], typer.Option(
+    "--size", help="infer only: the model's shape, small (1.6 GB, the default; runs on a laptop CPU) or large "
+                   "(a 16-layer Mixtral, 11.9 GB, for a GPU).", show_default=False)]
+
+
+def _check_size(name: str, size: Optional[str]) -> None:
+    if size is None:
+        return
+    if name not in SIZES:
+        raise ConfigError(f"moesys bench {name} takes no --size (only {', '.join(SIZES)} does)")
+    if size not in SIZES[name]:
+        raise ConfigError(f"--size {size!r} is not one of {', '.join(SIZES[name])}")
+
+
 def bench(name: Annotated[str, typer.Argument(help=f"one of: {', '.join(BENCHES)}")],
-          overrides: BenchOverrides = None, json_out: Json = False) -> None:
+          overrides: BenchOverrides = None, json_out: Json = False, size: Size = None) -> None:
     """Measure side by side and print the ratios (JSON with --json)."""
     if name not in BENCHES:
         raise ConfigError(f"unknown benchmark {name!r}; available: {', '.join(BENCHES)}")
     _check_overrides(name, overrides or [])
+    _check_size(name, size)
     cfg = resolve_config(overrides or [])
     if not json_out:
         console.print(f"[bold]moesys bench {name}[/]: measuring (this takes a minute or two)...")
-    result = BENCHES[name](cfg)
+    result = BENCHES[name](cfg, **({"size": size} if size is not None else {}))
     if json_out:
         print_json(result)
         return

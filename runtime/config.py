@@ -269,6 +269,8 @@ class InferConfig:
     """auto: start reading a streamed layer's likely experts (the layer's gate applied to the previous layer's
     input) while the previous layer computes. Off by default: measured on the CPU machine it guessed 64% of the
     routed experts, gained nothing from a cold page cache and halved decode speed under a memory cap."""
+    compile: Optional[bool] = None
+    """Wrap the decode step in torch.compile (CUDA graphs on a GPU); null: where it pays, on CUDA, not on the CPU."""
 
 
 @dataclass

@@ -7,11 +7,15 @@ One random bf16 Hugging Face Mixtral checkpoint, written as shards with an index
   and sends the other layers' experts to an offload folder on disk (everything else stays in memory). accelerate
   1.15 with transformers 5.x writes that folder as safetensors and maps each offloaded module per forward without
   a copy, so only the routed experts' pages are read, from the page cache when the machine has room for it,
-- `moesys infer --offload none`, `--offload auto` and `--offload ring` with infer.ring_slots=K.
+- `moesys infer --offload none`, `--offload auto` and `--offload ring` with infer.ring_slots=K, each with its decode
+  step eager or compiled as infer.compile says, and its host synchronisations and operators per layer per decode
+  token counted with torch.profiler (runtime/inference/step_counts.py).
 Decode tokens/s is the median of `repeats` generations in each process (decode = the tokens after the first,
-timed apart from the prompt). Then `moesys infer --offload auto` runs inside a memory cgroup of half the
-checkpoint's size (with the budget that fits there, CAPPED_SLOTS), from a cold page cache (the checkpoint's files
-evicted from it, runtime/page_cache.py) and from a warm one, and must give the tokens of uncapped `--offload none`;
+timed apart from the prompt). Each system is put beside its bandwidth bound: the bytes its token reads (dense
+weights, routed experts, what it streams or copies from the host tier) over the read bandwidth measured here.
+Then `moesys infer --offload auto` runs inside a memory cgroup of half the checkpoint's size (with the budget that
+fits there, CAPPED_SLOTS), from a cold page cache (the checkpoint's files evicted from it, runtime/page_cache.py)
+and from a warm one, and must give the tokens of uncapped `--offload none`;
 accelerate runs in the same cap with the same budget, where its page cache counts against the budget as auto's
 does. A system that fails or runs past its time limit gets an {"error": ...} row instead of results. Greedy tokens
 of transformers are compared too; in bf16 its op order differs, so on a random model they can part after a few
@@ -34,7 +38,12 @@ from typing import Any, Optional
 from runtime import memcap
 from runtime.page_cache import evict_dir
 
-SHAPE = {"hidden": 1024, "ffn": 3584, "layers": 8, "experts": 8, "vocab": 32000, "heads": 8}
+SIZES = {
+    "small": {"hidden": 1024, "ffn": 3584, "layers": 8, "experts": 8, "vocab": 32000, "heads": 8, "kv_heads": 8},
+    "large": {"hidden": 2048, "ffn": 7168, "layers": 16, "experts": 8, "vocab": 32000, "heads": 16, "kv_heads": 4},
+}
+"""`--size`: small (1.6 GB, runs on the 2-core development machine) and large (issue 28's 16-layer Mixtral, 11.9 GB,
+for a GPU machine)."""
 PROMPT = list(range(100, 116))
 NEW_TOKENS = 32
 REPEATS = 3
@@ -59,22 +68,29 @@ def _decode_rate(generate, new_tokens: int, repeats: int) -> tuple[list[int], fl
 
 
 def _hf_worker(checkpoint: str, slots: int, offload_dir: Optional[str], new_tokens: int, repeats: int) -> dict:
-    """transformers (+ accelerate's disk offload when offload_dir is given), in this process."""
+    """transformers (+ accelerate's offload when offload_dir is given), in this process. With a GPU, the model is
+    on it and accelerate keeps the dense weights and layers 0..K-1's experts there, the other experts in host
+    memory (its CPU offload); without one, everything is in memory and the other experts go to disk."""
     import torch
     import transformers
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     kwargs: dict[str, Any] = {"dtype": torch.bfloat16}
     if offload_dir is not None:
         config = transformers.AutoConfig.from_pretrained(checkpoint)
-        device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+        place = 0 if device == "cuda" else "cpu"
+        device_map = {"model.embed_tokens": place, "model.norm": place, "model.rotary_emb": place, "lm_head": place}
         for i in range(config.num_hidden_layers):
             for part in ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp.gate"):
-                device_map[f"model.layers.{i}.{part}"] = "cpu"
-            device_map[f"model.layers.{i}.mlp.experts"] = "cpu" if i < slots else "disk"
+                device_map[f"model.layers.{i}.{part}"] = place
+            device_map[f"model.layers.{i}.mlp.experts"] = place if i < slots else (
+                "cpu" if device == "cuda" else "disk")
         kwargs.update(device_map=device_map, offload_folder=offload_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs).eval()
-    ids = torch.tensor([PROMPT])
+    if offload_dir is None:
+        model.to(device)
+    ids = torch.tensor([PROMPT], device=device)
 
     def generate(n: int) -> list[int]:
         with torch.no_grad():
@@ -89,27 +105,44 @@ def _hf_worker(checkpoint: str, slots: int, offload_dir: Optional[str], new_toke
             "disk_read_bytes_per_token": (_read_bytes() - read_before) / new_tokens}
 
 
-def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repeats: int) -> dict:
-    """moesys in this process: the checkpoint opened and placed once, then timed generations."""
+def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repeats: int,
+                   compile: Optional[bool] = None) -> dict:
+    """moesys in this process: the checkpoint opened and placed once (on the GPU when there is one), one decode
+    step (compiled or not, as infer.compile says) reused by timed generations, then its counts under the
+    profiler and the bytes its token reads."""
     import torch
 
+    from runtime.bench.decode_bound import token_bytes
+    from runtime.inference.decode import DecodeStep, compile_default
     from runtime.inference.generate import generate
     from runtime.inference.load import open_checkpoint
     from runtime.inference.modes import make_offloader
+    from runtime.inference.step_counts import count_decode
     from runtime.topology import set_cpu_threads
 
     set_cpu_threads(1)
-    loaded = open_checkpoint(checkpoint)
-    offloader = make_offloader(loaded.model, mode, torch.device("cpu"), slots, source=loaded.experts)
-    tokens, rate = _decode_rate(lambda n: generate(loaded.model, [PROMPT], n, offloader=offloader).tokens[0],
-                                new_tokens, repeats)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = open_checkpoint(checkpoint, device=device)
+    model = loaded.model
+    offloader = make_offloader(model, mode, device, slots, source=loaded.experts)
+    step = DecodeStep(model, compile=compile_default(device) if compile is None else compile)
+    run = lambda n: generate(model, [PROMPT], n, offloader=offloader, step=step)  # noqa: E731
+    tokens, rate = _decode_rate(lambda n: run(n).tokens[0], new_tokens, repeats)
     offloader.reset_stats()
     read_before = _read_bytes()
-    generate(loaded.model, [PROMPT], new_tokens, offloader=offloader)
+    run(new_tokens)
     read = _read_bytes() - read_before
     stats = offloader.stats()
+    counts = count_decode(run, len(model.layers), cuda=device.type == "cuda")
     offloader.close()
-    return {"tokens": tokens, "decode_tokens_per_s": rate, "placement": stats["placement"],
+    dense, per_expert = token_bytes(model)
+    routed = model.cfg.top_k * per_expert  # batch 1: K distinct experts a MoE layer
+    resident = sum(p == "resident" for p in stats["placement"]) if mode == "auto" else len(stats["placement"])
+    host = stats["store_bytes"] if mode == "auto" else stats["copied_bytes"]
+    return {"tokens": tokens, "decode_tokens_per_s": rate, "compiled": step.compiled,
+            "host_syncs_per_token": counts.host_syncs_per_token, "ops_per_layer_token": counts.ops_per_layer_token,
+            "placement": stats["placement"],
+            "device_read_bytes_per_token": dense + resident * routed, "host_read_bytes_per_token": host / new_tokens,
             "store_bytes_per_token": stats["store_bytes"] / new_tokens,
             "copied_bytes_per_token": stats["copied_bytes"] / new_tokens,
             "disk_read_bytes_per_token": read / new_tokens}
@@ -179,20 +212,56 @@ def _ratio(a: dict, b: dict) -> Optional[float]:
     return a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
 
 
+def _bandwidths() -> dict[str, float]:
+    """Read bandwidth of the device tier and of the host tier (the same RAM without a GPU), and pinned copies'."""
+    import torch
+
+    from runtime.bench.decode_bound import host_to_device_bandwidth, read_bandwidth
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    host = read_bandwidth(torch.device("cpu"))
+    return {"device_read_bytes_per_s": read_bandwidth(device) if device.type == "cuda" else host,
+            "host_read_bytes_per_s": host, "host_to_device_bytes_per_s": host_to_device_bandwidth(device)}
+
+
+def _bounds(systems: dict[str, dict], bandwidth: dict[str, float]) -> None:
+    """Each system's bandwidth bound, from the bytes its token reads: a moesys mode's own; transformers reads what
+    none reads (the same weights), accelerate what auto reads (the same budget, routed experts only)."""
+    from runtime.bench.decode_bound import decode_bound
+
+    copy_bw = bandwidth["host_to_device_bytes_per_s"] or bandwidth["host_read_bytes_per_s"]
+    host_bw = {"moesys_ring": copy_bw,  # whole layers copied into slots
+               "moesys_auto": max(bandwidth["host_to_device_bytes_per_s"], bandwidth["host_read_bytes_per_s"])}
+    for name, like in (("moesys_none", None), ("moesys_auto", None), ("moesys_ring", None),
+                       ("transformers", "moesys_none"), ("accelerate_disk", "moesys_auto")):
+        source = systems[like or name]
+        if "device_read_bytes_per_token" not in source:
+            continue
+        bound = decode_bound(source["device_read_bytes_per_token"], bandwidth["device_read_bytes_per_s"],
+                             source["host_read_bytes_per_token"], host_bw.get(like or name, copy_bw))
+        systems[name]["bandwidth_bound_tokens_per_s"] = bound
+        if "decode_tokens_per_s" in systems[name]:
+            systems[name]["share_of_bound"] = systems[name]["decode_tokens_per_s"] / bound if bound else None
+
+
 def run_infer_bench(ring_slots: int, shape: Optional[dict] = None, new_tokens: int = NEW_TOKENS,
                     repeats: int = REPEATS, capped: bool = True, workdir: Optional[Path] = None,
-                    isolate: bool = True) -> dict:
+                    isolate: bool = True, size: str = "small", compile: Optional[bool] = None) -> dict:
     """Every system on one checkpoint with an expert budget of `ring_slots` layers (`moesys bench infer` passes
-    infer.ring_slots); the ratios the issue targets and the capped cold/warm runs. isolate=False runs the systems in
-    this process (tests: the same code without a fresh interpreter for each)."""
+    infer.ring_slots and infer.compile, and --size picks the shape from SIZES; `shape` overrides its keys); the
+    ratios the issue targets, each system's bandwidth bound and the capped cold/warm runs. isolate=False runs the
+    systems in this process (tests: the same code without a fresh interpreter for each)."""
     from runtime.inference.random_checkpoint import write_random_mixtral
 
-    shape = dict(SHAPE, **(shape or {}))
+    if size not in SIZES:
+        raise ValueError(f"--size {size!r} is not one of {', '.join(SIZES)}")
+    shape = dict(SIZES[size], **(shape or {}))
     root = Path(tempfile.mkdtemp(prefix="moesys-bench-infer-", dir=workdir))
     try:
         checkpoint = root / "mixtral"
-        size = write_random_mixtral(checkpoint, shape["hidden"], shape["ffn"], shape["layers"], shape["experts"],
-                                    shape["vocab"], heads=shape["heads"])
+        size_bytes = write_random_mixtral(checkpoint, shape["hidden"], shape["ffn"], shape["layers"],
+                                          shape["experts"], shape["vocab"], heads=shape["heads"],
+                                          kv_heads=shape.get("kv_heads"))
         expert_bytes = 3 * shape["hidden"] * shape["ffn"] * 2 * shape["experts"] * shape["layers"]
         common = {"checkpoint": str(checkpoint), "slots": ring_slots, "new_tokens": new_tokens, "repeats": repeats}
         systems: dict[str, dict] = {
@@ -200,14 +269,18 @@ def run_infer_bench(ring_slots: int, shape: Optional[dict] = None, new_tokens: i
             "accelerate_disk": _subprocess("_hf_worker", {**common, "offload_dir": str(root / "offload")}, isolate),
         }
         for mode in MOESYS_MODES:
-            systems[f"moesys_{mode}"] = _subprocess("_moesys_worker", {**common, "mode": mode}, isolate)
+            systems[f"moesys_{mode}"] = _subprocess("_moesys_worker", {**common, "mode": mode, "compile": compile},
+                                                    isolate)
         reference = systems["moesys_none"].get("tokens")
         for result in systems.values():
             result["same_tokens_as_none"] = result.get("tokens") == reference
             result["matching_prefix"] = _matching_prefix(result.get("tokens") or [], reference or [])
+        bandwidth = _bandwidths()
+        _bounds(systems, bandwidth)
         out: dict[str, Any] = {
-            "shape": shape, "checkpoint_bytes": size, "expert_share": expert_bytes / size, "ring_slots": ring_slots,
-            "prompt_tokens": len(PROMPT), "new_tokens": new_tokens, "systems": systems,
+            "shape": shape, "checkpoint_bytes": size_bytes, "expert_share": expert_bytes / size_bytes,
+            "ring_slots": ring_slots, "prompt_tokens": len(PROMPT), "new_tokens": new_tokens,
+            "bandwidth": bandwidth, "systems": systems,
             "auto_vs_none": _ratio(systems["moesys_auto"], systems["moesys_none"]),
             "auto_vs_accelerate": _ratio(systems["moesys_auto"], systems["accelerate_disk"]),
             "ring_vs_none": _ratio(systems["moesys_ring"], systems["moesys_none"]),
@@ -215,7 +288,7 @@ def run_infer_bench(ring_slots: int, shape: Optional[dict] = None, new_tokens: i
             "targets": {"auto_vs_none": 0.9, "auto_vs_accelerate": 1.6},
         }
         if capped:
-            out["capped"] = _capped_runs(checkpoint, size, new_tokens, reference,
+            out["capped"] = _capped_runs(checkpoint, size_bytes, new_tokens, reference,
                                          systems["accelerate_disk"].get("tokens"))
         return out
     finally:

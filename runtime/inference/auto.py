@@ -3,13 +3,15 @@ fetched only when the routing selects them.
 
 Layers 0..K-1 keep their experts resident on the device. Every other layer is *streamed*: a forward computes only
 the experts its tokens were routed to, reading their weights from the checkpoint's memory map.
-- Without a GPU the host tier and the device are the same RAM, so a streamed expert is computed in place from
-  the mapped file: no copy at all, the page cache holds what is hot (policy `inplace`).
+- Without a GPU the host tier and the device are the same RAM, so a streamed expert is read where it lies, the
+  mapped file, whose page cache holds what is hot (policy `inplace`): a prompt computes on the mapped pages; a
+  decode token reads its routed experts into the gathered layout a resident layer's decode computes on, the same
+  arithmetic, so every mode gives the same tokens.
 - On CUDA a streamed layer keeps one slot as a cache of fetched experts (so K-1 layers are resident) and each
-  routed expert missing from it is either computed on the CPU from the mapped file, with only its rows crossing
-  the bus (as llama.cpp's --n-cpu-moe and Fiddler do), or copied to the device, whichever a cost model measured
-  on this machine at start says is faster for the rows at hand (policy `hybrid`): decode's few rows go to the
-  CPU, prefill's many rows fetch the weights.
+  routed expert missing from it is either computed on the CPU from pinned host memory, with only its rows crossing
+  the bus (as llama.cpp's --n-cpu-moe and Fiddler do), or copied to the device on a side stream, whichever a cost
+  model measured on this machine at start says is faster for the rows at hand (policy `hybrid`): decode's few
+  rows go to the CPU, prefill's many rows fetch the weights. The layer synchronises once (host_tier.py).
 The ring's whole-layer copies (seed 004's ring memory) remain `--offload ring`; with K = N every mode is resident.
 """
 
@@ -26,9 +28,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.inference.expert_source import ExpertSource, ExpertWeights
+from runtime.inference.host_tier import HostTier
 from runtime.inference.offload import Offloader
+from runtime.inference.step_counts import host_list
 from runtime.model.transformer import Transformer
-from runtime.moe.experts import ffn_one
+from runtime.moe.dispatch import LocalDispatcher
+from runtime.moe.experts import ffn_one, gathered_ffn
 
 RESIDENT, INPLACE, HYBRID = "resident", "inplace", "hybrid"
 
@@ -86,6 +91,11 @@ class StreamedExperts(nn.Module):
     def forward(self, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
         return self.offloader.compute(self.index, x_RD, tokens_per_expert_e)
 
+    @torch.compiler.disable  # reads which experts were routed on the host: runs outside a compiled decode step
+    def routed(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        """RoutedExperts: `AutoOffloader.routed`, one host read this layer."""
+        return self.offloader.routed(self.index, x_TD, expert_ids_TK, weights_TK)
+
 
 class AutoOffloader(Offloader):
     """Layers 0..K-1 resident (K-1 on CUDA, whose last slot caches fetched experts); the rest streamed."""
@@ -113,14 +123,18 @@ class AutoOffloader(Offloader):
             else:
                 layer.experts = StreamedExperts(self, m)
                 source.random_access(m)  # read expert by expert: no readahead into unrouted neighbours
+        self.dispatcher = LocalDispatcher(source.num_experts)
         self.cache: dict[tuple[int, int], ExpertWeights] = {}
         self.uses: Counter[tuple[int, int]] = Counter()
         self.cache_capacity = source.num_experts if HYBRID in self.placement else 0
         """Fetched experts kept on the device: one layer's worth (the slot the resident layers left free)."""
         streamed = [m for m, policy in enumerate(self.placement) if policy == HYBRID]
+        self.host = HostTier(source, streamed, device)
+        self.cpu_threads = torch.get_num_threads()
+        """Threads the CPU computes streamed experts with (the process's intra-op pool, set by the caller)."""
         if costs is None and streamed:  # timed here, not inside the first (timed) forward
             dtype = model.tok_embeddings.weight.dtype
-            costs = measure_costs(source.expert(streamed[0], 0), self.kind, device, source.dtype or dtype)
+            costs = measure_costs(self.host.expert(streamed[0], 0), self.kind, device, source.dtype or dtype)
         self.costs = costs
         self.predict_ahead = predict_ahead
         """Prefetch a streamed (inplace) layer's guessed experts while the streamed layer before it computes (CPU;
@@ -135,22 +149,52 @@ class AutoOffloader(Offloader):
     # ---- compute ----
 
     def compute(self, m: int, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
-        """Rows grouped by expert -> outputs in the same order; only experts with rows are read."""
-        counts = tokens_per_expert_e.tolist()
+        """Rows grouped by expert -> outputs in the same order; only experts with rows are read. The layer's one
+        synchronisation brings its row counts (and, on CUDA, its rows, for the experts the CPU computes) to the
+        host; nothing after it waits for the device."""
+        counts, x_host_RD = self.host.rows_to_host(tokens_per_expert_e, x_RD)
         routed = [j for j, n in enumerate(counts) if n]
         self._score_prediction(m, routed)
         self.source.will_need(m, [j for j in routed if (m, j) not in self.cache])
         if self.predict_ahead and m + 1 < self.num_layers and self.placement[m + 1] == INPLACE:
             self._prefetch_predicted(m + 1, x_RD)
-        outputs = [self._expert(m, j, rows) for j, rows in enumerate(x_RD.split(counts)) if counts[j]]
-        return torch.cat(outputs) if outputs else x_RD.new_zeros(0, x_RD.shape[1])
+        y_RD = torch.empty_like(x_RD)
+        start = 0
+        for j, n in enumerate(counts):
+            if n:
+                self._expert(m, j, x_RD[start:start + n], x_host_RD[start:start + n], y_RD[start:start + n])
+                start += n
+        return y_RD
+
+    def routed(self, m: int, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        """A decode step's few tokens. inplace: the routed experts' weights read from the mapped files into the
+        gathered layout of `gathered_ffn`, the arithmetic of a resident layer's decode, so that every mode gives
+        the same tokens. hybrid: rows grouped by expert, as prefill groups them, then `compute`. Either reads the
+        host once: the routed ids, or the row counts."""
+        if self.placement[m] != INPLACE:
+            x_RD, tokens_per_expert_E, meta = self.dispatcher.permute(
+                x_TD.reshape(-1, x_TD.shape[-1]), expert_ids_TK.reshape(-1, expert_ids_TK.shape[-1]),
+                weights_TK.reshape(-1, weights_TK.shape[-1]))
+            return self.dispatcher.unpermute(self.compute(m, x_RD, tokens_per_expert_E), meta).view(x_TD.shape)
+        chosen = host_list(expert_ids_TK.reshape(-1))
+        routed = sorted(set(chosen))
+        self._score_prediction(m, routed)
+        self.source.will_need(m, routed)
+        if self.predict_ahead and m + 1 < self.num_layers and self.placement[m + 1] == INPLACE:
+            self._prefetch_predicted(m + 1, x_TD.reshape(-1, x_TD.shape[-1]))
+        self.streamed_bytes += sum(self.source.expert_bytes(m, j, stored=True) for j in routed)
+        self.inplace_computes += len(routed)
+        experts = [self.source.expert(m, j) for j in chosen]
+        gathered = {k: torch.stack([e[k] for e in experts]).to(x_TD.dtype).view(*expert_ids_TK.shape, *v.shape)
+                    for k, v in experts[0].items()}
+        return gathered_ffn(x_TD, weights_TK, **gathered, kind=self.kind)
 
     def _prefetch_predicted(self, m: int, x_RD: Tensor) -> None:
         """Guess layer m's experts by applying its gate to the previous layer's expert inputs (the residual stream
         changes little between layers) and start reading them while this layer computes."""
         gate_ED = self.gates[m]
         top_k = min(self.top_k, gate_ED.shape[0])
-        guess = F.linear(x_RD.to(gate_ED.dtype), gate_ED).topk(top_k, dim=-1).indices.unique().tolist()
+        guess = host_list(F.linear(x_RD.to(gate_ED.dtype), gate_ED).topk(top_k, dim=-1).indices.unique())
         self.predicted[m] = set(guess)
         self.source.will_need(m, guess)
 
@@ -161,32 +205,38 @@ class AutoOffloader(Offloader):
             self.predicted_needed += len(routed)
             self.predicted_wasted += len(guess.difference(routed))
 
-    def _expert(self, m: int, j: int, x_ND: Tensor) -> Tensor:
+    def _expert(self, m: int, j: int, x_ND: Tensor, x_host_ND: Tensor, y_ND: Tensor) -> None:
+        """Expert j of layer m on its rows x_ND (x_host_ND: the same rows on the host), written into y_ND."""
         if self.placement[m] == INPLACE:
             self.streamed_bytes += self.source.expert_bytes(m, j, stored=True)  # read from the files as stored
             self.inplace_computes += 1
-            return ffn_one(x_ND, **_cast(self.source.expert(m, j), x_ND.dtype), kind=self.kind)
+            y_ND.copy_(ffn_one(x_ND, **_cast(self.source.expert(m, j), x_ND.dtype), kind=self.kind))
+            return
         self.uses[(m, j)] += 1
         cached = self.cache.get((m, j))
         if cached is not None:
             self.cache_hits += 1
-            return ffn_one(x_ND, **cached, kind=self.kind)
+            y_ND.copy_(ffn_one(x_ND, **cached, kind=self.kind))
+            return
         self.streamed_bytes += self.source.expert_bytes(m, j, stored=True)
         if self.costs.cpu_is_faster(x_ND.shape[0]):
             self.cpu_computes += 1
-            y = ffn_one(x_ND.cpu(), **_cast(self.source.expert(m, j), x_ND.dtype), kind=self.kind)
-            return y.to(self.device)
-        return ffn_one(x_ND, **self._fetch(m, j, x_ND.dtype), kind=self.kind)
+            weights = _cast(self.host.expert(m, j), x_host_ND.dtype)
+            self.host.rows_to_device(ffn_one(x_host_ND, **weights, kind=self.kind), y_ND)
+            return
+        y_ND.copy_(ffn_one(x_ND, **self._fetch(m, j, x_ND.dtype), kind=self.kind))
 
     def _fetch(self, m: int, j: int, dtype: torch.dtype) -> ExpertWeights:
-        """Copy expert j of layer m to the device (compute waits for it); cache it if it is used more often than
-        the least used cached expert. Streamed layers are visited in a cycle, which LRU would turn into a miss on
-        every visit once they hold more experts than the cache; counting uses keeps the popular ones."""
-        start = self.timeline.mark()
-        weights = {k: v.to(self.device, dtype, copy=True) for k, v in self.source.expert(m, j).items()}
-        end = self.timeline.mark()
+        """Copy expert j of layer m to the device (on CUDA from pinned memory on a side stream, which compute waits
+        for on the device); cache it if it is used more often than the least used cached expert. Streamed layers
+        are visited in a cycle, which LRU would turn into a miss on every visit once they hold more experts than
+        the cache; counting uses keeps the popular ones."""
+        before = self.timeline.mark()
+        weights, start, end = self.host.fetch(self.host.expert(m, j), dtype)
+        if start is None:  # the copy ran on this stream: compute stood still for it
+            start, end = before, self.timeline.mark()
         self.timeline.add("copy", start, end)
-        self.timeline.add("wait", start, end)
+        self.timeline.add("wait", before, end)
         self.copied_bytes += sum(w.numel() * w.element_size() for w in weights.values())  # as placed
         self.copies += 1
         if len(self.cache) >= self.cache_capacity:
@@ -222,5 +272,5 @@ class AutoOffloader(Offloader):
                     "fetched_experts": self.copies, "cache_hits": self.cache_hits,
                     "prefetch": {"predicted_right": self.predicted_hits, "routed": self.predicted_needed,
                                  "predicted_wrong": self.predicted_wasted},
-                    "costs": None if self.costs is None else vars(self.costs)})
+                    "costs": None if self.costs is None else vars(self.costs), "cpu_threads": self.cpu_threads})
         return out

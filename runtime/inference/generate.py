@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from runtime.inference.decode import DecodeStep, compile_default
 from runtime.inference.load import InferError, open_checkpoint, resolve_infer_config
 from runtime.inference.offload import Offloader
 from runtime.inference.modes import make_offloader
@@ -61,14 +62,17 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int
 
 
 def sample_next(logits_BV: Tensor, temperature: float, top_k: int, generator: Optional[torch.Generator]) -> Tensor:
-    """Next ids [B]: argmax when temperature is 0, else a draw from softmax(logits / temperature) over the top k."""
+    """Next ids [B], on the device: argmax when temperature is 0, else a draw from softmax(logits / temperature) over
+    the top k. The draw is torch.multinomial's own for one sample (argmax of probs / Exp(1) noise from the same
+    generator: the same ids) without its validity checks, which read the probabilities on the host."""
     if temperature <= 0:
         return logits_BV.argmax(dim=-1)
     logits_BV = logits_BV.float() / temperature
     if 0 < top_k < logits_BV.shape[-1]:
         kth = logits_BV.topk(top_k, dim=-1).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
-    return torch.multinomial(logits_BV.softmax(dim=-1), 1, generator=generator).squeeze(1)
+    probs_BV = logits_BV.softmax(dim=-1)
+    return probs_BV.div_(torch.empty_like(probs_BV).exponential_(1, generator=generator)).argmax(dim=-1)
 
 
 def _sync(device: torch.device) -> None:
@@ -79,10 +83,12 @@ def _sync(device: torch.device) -> None:
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, offloader: Optional[Offloader] = None,
-             keep_logits: bool = False, on_token: Optional[Callable[[list[int], Tensor], None]] = None) -> Generation:
+             keep_logits: bool = False, on_token: Optional[Callable[[list[int], Tensor], None]] = None,
+             step: Optional[DecodeStep] = None) -> Generation:
     """Prompts of equal length run as one batch (no padding: a row never sees another row's tokens, though its
     logits may differ from a lone run's by float rounding, which can flip a greedy near-tie); each batch is one
-    prefill forward, then max_new_tokens - 1 single-token forwards against the KV cache.
+    prefill forward into a static KV cache, then max_new_tokens - 1 decode steps (`step`, eager when not given;
+    pass one to reuse its cache and compiled code across calls), none of which reads the device on the host.
 
     on_token(members, ids_B), when given, sees each step's new ids (on the device) of the batch made of
     prompts[members], between forwards: a streaming server sends them on, and an exception it raises stops the
@@ -90,6 +96,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     cfg = model.cfg
     check_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_seq_len)
     device = model.tok_embeddings.weight.device
+    step = step if step is not None else DecodeStep(model)
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(prompts):
@@ -100,22 +107,26 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         if offloader is not None:
             offloader.reset()
         tokens_BS = torch.tensor([prompts[i] for i in members], dtype=torch.long, device=device)
-        cache = model.new_cache(max_len=length + max_new_tokens)
+        cache = step.cache_for(len(members), length + max_new_tokens)
+        positions = torch.arange(length, length + max_new_tokens, device=device)
         new: list[Tensor] = []
         _sync(device)
         began = time.perf_counter()
-        for step in range(max_new_tokens):
-            if step == 0:
-                logits_BV = model(tokens_BS, cache, 0).logits[:, -1]
+        for n in range(max_new_tokens):
+            if n == 0:
+                logits_BV = step.prefill(tokens_BS, cache)
+            elif offloader is not None:
+                with offloader.computing():
+                    logits_BV = step(new[-1][:, None], positions[n - 1:n], cache)
             else:
-                logits_BV = model(new[-1][:, None], cache, length + step - 1).logits[:, -1]
+                logits_BV = step(new[-1][:, None], positions[n - 1:n], cache)
             new.append(sample_next(logits_BV, temperature, top_k, generator))
             if on_token is not None:
                 on_token(members, new[-1])
             if keep_logits:
                 for row, i in enumerate(members):
                     logits_of[i].append(logits_BV[row].float().cpu())
-            if step == 0:
+            if n == 0:
                 _sync(device)
                 now = time.perf_counter()
                 out.prefill_s += now - began
@@ -156,8 +167,7 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
     infer.offload), place the experts, generate; a JSON-ready dict of tokens, speed, memory and bytes moved."""
     with PeakMemory() as host_peak:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cpu":
-            set_cpu_threads(1)  # the only process: every usable CPU, unless the user set OMP_NUM_THREADS
+        set_cpu_threads(1)  # the only process: every usable CPU (auto computes streamed experts on them on CUDA)
         loaded = open_checkpoint(checkpoint, device=device)
         overrides = dict(infer_overrides or {})
         if offload is not None:
@@ -174,7 +184,9 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             read_before = disk_read_bytes()
-            gen = generate(model, ids, inf.max_new_tokens, inf.temperature, inf.top_k, inf.seed, offloader)
+            step = DecodeStep(model, compile=compile_default(device) if inf.compile is None else inf.compile)
+            gen = generate(model, ids, inf.max_new_tokens, inf.temperature, inf.top_k, inf.seed, offloader,
+                           step=step)
             disk_read = disk_read_bytes() - read_before
             stats = offloader.stats()
         finally:
@@ -189,6 +201,7 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
     return {
         "checkpoint": str(loaded.path), "kind": loaded.kind, "device": str(device), "offload": inf.offload,
         "ring_slots": inf.ring_slots if inf.offload in ("ring", "auto") else None, "moe_layers": stats["moe_layers"],
+        "compiled": step.compiled,
         "placement": stats["placement"],
         "prompt_tokens": ids, "tokens": gen.tokens,
         "text": [tok.decode(t) for t in gen.tokens] if tok is not None else None,
@@ -205,6 +218,6 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
         "timeline": stats["timeline"],  # spans of copy/compute/wait of the last decoded token (moesys report)
         **({"experts_computed": {k: stats[k] for k in ("inplace_computes", "cpu_computes", "fetched_experts",
                                                        "cache_hits")}, "expert_costs": stats["costs"],
-            "prefetch": stats["prefetch"]}
+            "cpu_threads": stats["cpu_threads"], "prefetch": stats["prefetch"]}
            if inf.offload == "auto" else {}),
     }

@@ -8,9 +8,10 @@ from __future__ import annotations
 import mmap
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +20,7 @@ from runtime.inference.expert_source import ExpertSource
 from runtime.inference.load import InferError
 from runtime.inference.mapped import DTYPES, MappedFileError, read_header
 from runtime.model.transformer import Transformer
-from runtime.moe.experts import expert_ffn
+from runtime.moe.experts import expert_ffn, routed_ffn
 from runtime.tensorfile import save_tensors
 
 MODES = ("auto", "ring", "ondemand", "none")
@@ -172,6 +173,14 @@ class SlotExperts(nn.Module):
         self.offloader.release(self.index)
         return y_RD
 
+    @torch.compiler.disable  # waits on and schedules copies: runs outside a compiled decode step
+    def routed(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        """RoutedExperts: the routed experts gathered from the slot's stacked weights; no host read."""
+        weights = self.offloader.acquire(self.index)
+        y_TD = routed_ffn(x_TD, expert_ids_TK, weights_TK, **weights, kind=self.expert_type)
+        self.offloader.release(self.index)
+        return y_TD
+
 
 class Offloader:
     """Base: counts device/host bytes and copies; marks compute spans with hooks around the model's forward."""
@@ -195,6 +204,13 @@ class Offloader:
 
     def _end(self, module, args, output) -> None:
         self.timeline.add("compute", self._started, self.timeline.mark())
+
+    @contextmanager
+    def computing(self) -> Iterator[None]:
+        """A compute span around a decode step, as the hooks mark one around a forward."""
+        self._begin(None, None)
+        yield
+        self._end(None, None, None)
 
     @property
     def expert_device_bytes(self) -> int:

@@ -1,4 +1,5 @@
-"""Causal grouped-query self-attention with RoPE (HF Llama/Mixtral rotate_half convention) and a KV cache."""
+"""Causal grouped-query self-attention with RoPE (HF Llama/Mixtral rotate_half convention) and KV caches: one that
+grows, and a static one a decode step writes by a position held on the device (gpt-fast's)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,19 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
+
+
+def decode_rope(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """cos and signed sin [S, head_dim] in `dtype` for `rotate`: sin with its first half negated, so that
+    rotate_half(x) * sin == x.roll(half) * signed sin (negation rounds symmetrically: equal bit for bit)."""
+    cos, sin = rope_cos_sin(positions, head_dim, theta)
+    half = head_dim // 2
+    return cos.to(dtype), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope in four operators, with cos and signed sin from `decode_rope` already in x's dtype."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +72,63 @@ class KVCache:
         buf_k[:, :, start_pos:end] = k
         buf_v[:, :, start_pos:end] = v
         return buf_k[:, :, :end], buf_v[:, :, :end]
+
+
+class StaticKVCache(nn.Module):
+    """Keys and values of every attention layer in buffers [B, KV, capacity, hd] allocated once (module buffers:
+    CUDA graphs see fixed addresses).
+
+    Prefill writes positions 0..S-1 through `update`, as KVCache does. A decode step writes its position by index
+    (`write`, the position a device tensor) and attends to the whole buffer under `mask`: its shapes never change
+    and nothing is read on the host, so one compiled step serves every position.
+    """
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, rope_theta: Optional[float] = None):
+        """rope_theta: also keep `decode_rope`'s table of every slot (RoPE models), so a step looks its position up."""
+        super().__init__()
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.num_layers, self.capacity = num_layers, capacity
+        for layer in range(num_layers):
+            self.register_buffer(f"k{layer}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+            self.register_buffer(f"v{layer}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("slots", torch.arange(capacity, device=device), persistent=False)
+        cos, signed_sin = decode_rope(self.slots, head_dim, rope_theta, dtype) if rope_theta else (None, None)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("signed_sin", signed_sin, persistent=False)
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return [getattr(self, f"k{layer}") for layer in range(self.num_layers)]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [getattr(self, f"v{layer}") for layer in range(self.num_layers)]
+
+    def update(self, layer: int, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KVCache.update: store k, v [B, KV, S, hd] at start_pos.. and return keys/values up to start_pos + S."""
+        end = start_pos + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"positions up to {end} exceed the static KV cache's {self.capacity}")
+        buf_k, buf_v = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
+        buf_k[:, :, start_pos:end] = k
+        buf_v[:, :, start_pos:end] = v
+        return buf_k[:, :, :end], buf_v[:, :, :end]
+
+    def write(self, layer: int, pos_S: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Store k, v [B, KV, S, hd] at positions pos_S (a device tensor); the whole buffers, for `mask`."""
+        buf_k, buf_v = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
+        buf_k.index_copy_(2, pos_S, k)
+        buf_v.index_copy_(2, pos_S, v)
+        return buf_k, buf_v
+
+    def rope(self, pos_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [S, hd] of positions pos_S, for `rotate`."""
+        return self.cos.index_select(0, pos_S), self.signed_sin.index_select(0, pos_S)
+
+    def mask(self, pos_S: torch.Tensor) -> torch.Tensor:
+        """[S, capacity] bool: the query at position p sees slots 0..p (later slots hold stale or no keys)."""
+        return self.slots <= pos_S[:, None]
 
 
 class Attention(nn.Module):
@@ -105,3 +176,20 @@ class Attention(nn.Module):
             mask = torch.arange(k.shape[2], device=x.device)[None, :] <= q_pos[:, None]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
+
+    def decode(self, x_B1D: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]], cache: StaticKVCache,
+               pos_1: torch.Tensor, mask_1L: torch.Tensor) -> torch.Tensor:
+        """One new position per row: x [B, 1, D] at position pos_1 (a device tensor) -> [B, 1, D], against the
+        static cache's whole buffers. rope is (cos, signed sin) from `decode_rope`. A KV head's query heads are its
+        query rows, so grouped-query attention reads the cache without repeating it."""
+        B = x_B1D.shape[0]
+        KV, hd = self.num_kv_heads, self.head_dim
+        group = self.num_heads // KV
+        q = self.wq(x_B1D).view(B, KV, group, hd)  # [B, 1, H*hd] holds heads in order h = kv * group + g
+        k = self.wk(x_B1D).view(B, KV, 1, hd)
+        v = self.wv(x_B1D).view(B, KV, 1, hd)
+        if self.rope:
+            q, k = rotate(torch.cat((q, k), dim=2), *rope).split((group, 1), dim=2)
+        keys, values = cache.write(self.layer_index, pos_1, k, v)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_1L)
+        return self.wo(out.reshape(B, 1, self.num_heads * hd))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.config import ModelConfig
-from runtime.model.attention import Attention, KVCache, rope_cos_sin
+from runtime.model.attention import Attention, KVCache, StaticKVCache, rope_cos_sin
 from runtime.model.ffn import DenseFFN
 from runtime.model.init import draw_seed, init_parameters
 from runtime.model.norms import build_norm
@@ -46,6 +46,11 @@ class Block(nn.Module):
             return h + y, stats
         return h + self.ffn(self.ffn_norm(h)), None
 
+    def decode(self, x, rope, cache: StaticKVCache, pos_1: torch.Tensor, mask_1L: torch.Tensor):
+        """forward for one new position per row against a static cache (Transformer.decode); x [B, 1, D]."""
+        h = x + self.attention.decode(self.attention_norm(x), rope, cache, pos_1, mask_1L)
+        return h + (self.ffn.decode if self.is_moe else self.ffn)(self.ffn_norm(h))
+
 
 class Transformer(nn.Module):
     """tokens [B, S] -> ModelOutput; one code path for every ModelConfig, single device."""
@@ -79,6 +84,13 @@ class Transformer(nn.Module):
         """An empty KV cache for incremental decoding with this model."""
         return KVCache(len(self.layers), max_len)
 
+    def new_static_cache(self, batch: int, capacity: int) -> StaticKVCache:
+        """A zeroed static KV cache of `capacity` positions for `batch` rows, in this model's dtype and device."""
+        weight = self.tok_embeddings.weight
+        theta = self.cfg.rope_theta if self.pos_embeddings is None else None
+        return StaticKVCache(len(self.layers), batch, self.cfg.kv_heads, capacity, self.cfg.head_dim, weight.dtype,
+                             weight.device, rope_theta=theta)
+
     def reset_parameters(self, seed: int | None = None) -> None:
         """GPT-2 style init (runtime/model/init.py), each tensor and each expert from its own (seed, name, expert)
         generator; without a seed, one is drawn from torch's global RNG."""
@@ -108,3 +120,19 @@ class Transformer(nn.Module):
         logits = self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
         aux = sum((s.aux_loss for s in stats), h.new_zeros(()))
         return ModelOutput(logits=logits, aux_loss=aux, moe_stats=stats)
+
+    def decode(self, tokens_B1: torch.Tensor, pos_1: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """The decode step: tokens [B, 1] at position pos_1 (a one-element device tensor, below the cache's
+        capacity; the prefix is in `cache`) -> next-token logits [B, V]. Static shapes, no host read, MoE layers
+        through `MoELayer.decode`: the step `torch.compile` captures whole."""
+        h = self.tok_embeddings(tokens_B1)
+        rope = None
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(pos_1)
+        else:
+            rope = cache.rope(pos_1)
+        mask_1L = cache.mask(pos_1)
+        for block in self.layers:
+            h = block.decode(h, rope, cache, pos_1, mask_1L)
+        h = self.norm(h)[:, 0]
+        return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)

@@ -1,6 +1,9 @@
 """Merged experts: all local experts' FFNs computed together on rows grouped by expert (ORT MoE "merged
 experts", seed 003; MegaBlocks-style grouped GEMM), plus the plain per-expert loop used as the reference.
 
+For a few tokens (a decode step) `routed_ffn` instead gathers each token's routed experts' weights by index
+(gpt-fast's `w1[expert_ids]`): no sort, no row counts, nothing read on the host.
+
 Legend: R routed rows, D model dim, F ffn dim, e local experts, T tokens, K top-k.
 Weights follow nn.Linear's [out, in] layout: w1 [e, F, D], w2 [e, D, F], w3 [e, F, D], b1 [e, F], b2 [e, D].
 """
@@ -8,6 +11,7 @@ Weights follow nn.Linear's [out, in] layout: w1 [e, F, D], w2 [e, D, F], w3 [e, 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -219,6 +223,45 @@ def expert_ffn(x_RD: Tensor, tokens_per_expert_e: Tensor, w1: Tensor, w2: Tensor
         return fn(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind)
 
 
+def routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor,
+               w3: Tensor | None = None, b1: Tensor | None = None, b2: Tensor | None = None,
+               b3: Tensor | None = None, kind: str = "gelu") -> Tensor:
+    """y_TD = sum over k of weights_TK[t, k] * expert expert_ids_TK[t, k]'s FFN of x_TD[t], from the routed experts'
+    weights gathered by index (leading dims of x, ids and weights may be any, e.g. [B, 1]). Reads only routed
+    experts and never the host; each token gathers its own K experts, so it is for a few tokens."""
+    pick = lambda t: None if t is None else t[expert_ids_TK]  # noqa: E731
+    return gathered_ffn(x_TD, weights_TK, pick(w1), pick(w2), pick(w3), pick(b1), pick(b2), pick(b3), kind)
+
+
+def gathered_ffn(x_TD: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None,
+                 b1: Tensor | None = None, b2: Tensor | None = None, b3: Tensor | None = None,
+                 kind: str = "gelu") -> Tensor:
+    """`routed_ffn` on weights already gathered per token and choice (w1 [..., K, F, D]: token t's k-th expert's w1
+    at [t, k]; w2 [..., K, D, F]; biases [..., K, F] and [..., K, D]), wherever they were gathered from: the same
+    operators on the same shapes, so the same result bit for bit. Weights in x's dtype; the combine runs in it
+    too, as `LocalDispatcher.combine` does."""
+    def proj(a, w, b, spec):
+        out = torch.einsum(spec, a, w)
+        return out if b is None else out + b
+
+    h_TKF = proj(x_TD, w1, b1, "...d,...kfd->...kf")
+    if kind == "gelu":
+        h_TKF = F.gelu(h_TKF)
+    else:
+        h_TKF = F.silu(h_TKF) * proj(x_TD, w3, b3, "...d,...kfd->...kf")
+    y_TKD = proj(h_TKF, w2, b2, "...kf,...kdf->...kd")
+    return torch.einsum("...kd,...k->...d", y_TKD, weights_TK.to(y_TKD.dtype) if weights_TK.dtype != y_TKD.dtype
+                        else weights_TK)
+
+
+class RoutedExperts(Protocol):
+    """What a decode step computes a layer's experts through (GroupedExperts and each offloader's stand-in)."""
+
+    def routed(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        """y_TD: each token's routed experts' outputs summed with its weights (`routed_ffn`'s contract)."""
+        ...
+
+
 class GroupedExperts(nn.Module):
     """num_experts FFNs stored as stacked weights and run together by `expert_ffn`."""
 
@@ -253,6 +296,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
         return expert_ffn(x_RD, tokens_per_expert_e, **self.weights(), kind=self.expert_type, impl=self.impl)
+
+    def routed(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        return routed_ffn(x_TD, expert_ids_TK, weights_TK, **self.weights(), kind=self.expert_type)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, ffn={self.ffn}, "

@@ -72,6 +72,19 @@ class MoELayer(nn.Module):
         stats = MoEStats(aux_loss, losses, gate_metrics(routing, keep_TK))
         return y_TD.view(x.shape), stats
 
+    def decode(self, x: Tensor) -> Tensor:
+        """x [..., D] -> y [..., D] for a few tokens at inference (a decode step): the routed experts computed by
+        `experts.routed` (a RoutedExperts), no sort, no host read, no losses or metrics. The same outputs as
+        forward up to float rounding, as long as no assignment can be dropped: with a capacity below the token
+        count it is forward's."""
+        cfg = self.cfg
+        tokens = x.numel() // x.shape[-1]
+        capacity = expert_capacity(tokens, cfg.num_experts, cfg.top_k, cfg.capacity_factor)
+        if self.training or (capacity is not None and capacity < tokens):
+            return self.forward(x)[0]
+        routing = self.router(x)
+        return self.experts.routed(x, routing.expert_ids_TK, routing.weights_TK)
+
 
 def is_expert_param(name: str) -> bool:
     """True for a parameter name (from named_parameters) of a GroupedExperts module held as `experts`."""

@@ -66,10 +66,15 @@ def select_top_k(logits_TE: Tensor, k: int, gumbel: bool = False,
 
 def routing_weights(probs_TE: Tensor, expert_ids_TK: Tensor, normalize: bool) -> Tensor:
     """Mixtral semantics: softmax over all experts, gather the chosen ones, divide by their sum."""
-    weights_TK = probs_TE.gather(1, expert_ids_TK)
+    weights_TK = probs_TE.gather(-1, expert_ids_TK)
     if normalize:
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
     return weights_TK
+
+
+def _fp32(t: Tensor) -> Tensor:
+    """t in fp32, without an operator when it already is (a decode token counts them)."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 class Router(nn.Module):
@@ -87,7 +92,7 @@ class Router(nn.Module):
 
     def forward(self, x_TD: Tensor, generator: torch.Generator | None = None) -> Routing:
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            x_TD = x_TD.float()
+            x_TD = _fp32(x_TD)
             if self.training and self.jitter > 0:
                 u_TD = torch.rand(x_TD.shape, device=x_TD.device, generator=generator)
                 x_TD = x_TD * (1.0 - self.jitter + 2.0 * self.jitter * u_TD)
@@ -97,7 +102,7 @@ class Router(nn.Module):
                 else:  # F.dropout takes no generator: build the same mask from it
                     keep = torch.rand(x_TD.shape, device=x_TD.device, generator=generator) >= self.input_dropout
                     x_TD = x_TD * keep / (1.0 - self.input_dropout)
-            logits_TE = F.linear(x_TD, self.gate.weight.float())
+            logits_TE = F.linear(x_TD, _fp32(self.gate.weight))
             probs_TE = torch.softmax(logits_TE, dim=-1)
             with torch.no_grad():
                 expert_ids_TK = select_top_k(logits_TE, self.top_k, self.training and self.gumbel, generator)

@@ -14,6 +14,7 @@ import torch
 from runtime.config import MoesysConfig
 from runtime.inference.generate import _fingerprint
 from runtime.inference.load import LoadedModel, open_checkpoint, resolve_infer_config
+from runtime.inference.decode import DecodeStep, compile_default
 from runtime.inference.modes import make_offloader
 from runtime.inference.offload import Offloader
 from runtime.serving.protocol import Defaults
@@ -76,8 +77,7 @@ def open_service(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any
     """Open and place a checkpoint as `run_inference` does (offload overrides infer.offload), and start its worker.
     Requests default to the checkpoint's infer.max_new_tokens, temperature, top_k and seed."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cpu":
-        set_cpu_threads(1)  # as `moesys infer`: the one model process gets every usable CPU
+    set_cpu_threads(1)  # as `moesys infer`: the one model process gets every usable CPU
     loaded = open_checkpoint(checkpoint, device=device)
     overrides = dict(infer_overrides or {})
     if offload is not None:
@@ -86,6 +86,7 @@ def open_service(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any
     inf = cfg.infer
     offloader = make_offloader(loaded.model, inf.offload, device, inf.ring_slots, cache_dir,
                                _fingerprint(loaded.path), source=loaded.experts, prefetch=inf.prefetch)
+    step = DecodeStep(loaded.model, compile=compile_default(device) if inf.compile is None else inf.compile)
     worker = GenerationWorker(loaded.model, offloader, cfg.serve.max_batch_size, cfg.serve.max_queue,
-                              stuck_after_s=cfg.serve.request_timeout_s)
+                              stuck_after_s=cfg.serve.request_timeout_s, step=step)
     return Service(loaded.path.resolve().name, cfg, loaded, offloader, worker, device)

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from torch import Tensor
 
+from runtime.inference.decode import DecodeStep
 from runtime.inference.generate import generate
 from runtime.inference.offload import Offloader
 from runtime.model.transformer import Transformer
@@ -68,9 +69,11 @@ class GenerationWorker:
     generation ends the thread: every job it holds fails with WorkerDied, and so does every later submit."""
 
     def __init__(self, model: Transformer, offloader: Offloader, max_batch_size: int = 1, max_queue: int = 64,
-                 stuck_after_s: float = 600.0):
+                 stuck_after_s: float = 600.0, step: Optional[DecodeStep] = None):
+        """step: the decode step every batch reuses (its static cache, its compiled code); eager when not given."""
         dropless = model.cfg.capacity_factor == 0  # with a capacity, which tokens an expert drops depends on the batch
         self.model, self.offloader = model, offloader
+        self.step = step if step is not None else DecodeStep(model)
         self.max_batch_size = max_batch_size if dropless else 1
         self.max_queue = max_queue
         self.completed = self.failed = self.cancelled = 0
@@ -221,7 +224,7 @@ class GenerationWorker:
         try:
             self.offloader.reset_stats()  # its timeline would otherwise grow with every forward for the server's life
             gen = generate(self.model, [job.request.prompt_ids for job in jobs], first.max_tokens, first.temperature,
-                           first.top_k, first.seed, self.offloader, on_token=on_token)
+                           first.top_k, first.seed, self.offloader, on_token=on_token, step=self.step)
         except Cancelled as exc:
             self.cancelled += len(jobs)
             for job in jobs:

@@ -27,3 +27,11 @@ def test_an_override_a_benchmark_would_ignore_is_refused(name, override):
     proc = run_moesys("bench", name, override)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert f"moesys bench {name} takes" in proc.stderr and f"drop {override.split('=')[0]}" in proc.stderr
+
+
+@pytest.mark.parametrize("args,message", [(("bench", "ring", "--size", "large"), "moesys bench ring takes no --size"),
+                                          (("bench", "infer", "--size", "huge"), "--size 'huge' is not one of small"),
+                                          (("bench", "infer", "infer.compile=maybe"), "infer.compile=maybe")])
+def test_a_size_or_compile_value_the_benchmark_cannot_take_is_refused(args, message):
+    proc = run_moesys(*args)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr

@@ -2,6 +2,7 @@
 # GPU validation on a lent device machine (the device tool's `run`), in two calls of under 8 minutes each:
 #   bash tests/gpu/device_validate.sh A   # env, pinned H2D bandwidth, tests/gpu, tiny training none/cpu/ssd, big model
 #   bash tests/gpu/device_validate.sh B   # bench moe-layer, ring, offload, offload-train; tests/unit + tests/config
+#   bash tests/gpu/device_validate.sh C   # bench infer at issue 28's 16-layer shape (K=4 of 16), bench serve
 # Needs hydra-core 1.3.2, omegaconf 2.3.0, antlr4-python3-runtime 4.9.3 as wheels in WHL (default .whl), carried.
 # Logs: $OUT/logs-PART.tgz (re-packed after every step, so a killed call still returns what ran) and
 # $OUT/summary-PART.txt (one line per step: name, exit status, seconds).
@@ -61,6 +62,9 @@ EOF'
   BIG="model.hidden_size=2048 model.ffn_hidden_size=4096 model.num_experts=32 model.num_layers=6 model.num_heads=16"  # plan: ~53 GB on the GPU
   step plan_big 30 "moesys plan recipe=tiny topology=local train.precision=bf16 $BIG --json"
   step train_big 150 "$TRAIN $BIG train.max_steps=10 train.log_every=1 train.run_dir=$R/big && moesys plan --compare $R/big --json"
+elif [ "$PART" = C ]; then
+  step bench_infer_large 480 'moesys bench infer --size large infer.ring_slots=4 --json'
+  step bench_serve 100 'moesys bench serve --json'
 else
   step bench_moe_layer 90 'moesys bench moe-layer --json'
   step bench_ring 150 'moesys bench ring --json'

@@ -101,3 +101,58 @@ def test_each_active_expert_crosses_the_bus_once_a_step_in_bf16_and_its_gradient
         assert m["offload/device_in_bytes"] == m["offload/experts_active"] * numel * 2
         assert m["offload/copied_bytes"] == 2 * m["offload/device_in_bytes"]  # weights in, gradients home
     c.offload.close()
+
+
+def _mixtral(device):
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=96, ffn_hidden_size=64,
+                      num_experts=4, top_k=2, expert_type="swiglu", norm="rmsnorm", bias=False, position="rope",
+                      tie_embeddings=False, max_seq_len=64)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for layer in model.moe_layers():
+            layer.router.gate.weight.normal_(0, 1.0)
+    return model.to(device)
+
+
+def test_decode_step_on_cuda_has_no_synchronisation_and_cuda_graphs_give_the_eager_tokens():
+    """The eager step launches without the host waiting; compiled (reduce-overhead: CUDA graphs) it replays the
+    same graph at every position, with the eager tokens."""
+    from torch._dynamo.utils import counters
+
+    from runtime.inference.decode import DecodeStep
+    from runtime.inference.step_counts import count_decode
+
+    model = _mixtral(CUDA)
+    prompt = [[3, 14, 15, 92, 65, 35]]
+    eager_step = DecodeStep(model)
+    counts = count_decode(lambda n: generate(model, prompt, n, step=eager_step), 4, cuda=True)
+    assert counts.host_syncs_per_token == 0 and counts.ops_per_layer_token <= 40
+    eager = generate(model, prompt, 33, step=eager_step).tokens
+    step = DecodeStep(model, compile=True)
+    generate(model, prompt, 3, step=step)
+    counters.clear()
+    assert generate(model, prompt, 33, step=step).tokens == eager
+    assert counters["frames"]["total"] == 0
+    assert count_decode(lambda n: generate(model, prompt, n, step=step), 4, cuda=True).host_syncs_per_token == 0
+
+
+@pytest.mark.parametrize("costs", [ExpertCosts(0.0, 0.0, 1.0), ExpertCosts(1.0, 0.0, 0.0)], ids=["cpu", "fetch"])
+def test_hybrid_decode_synchronises_at_most_once_per_streamed_layer(costs):
+    """Streamed experts pinned in host memory; routed ones computed on the CPU (rows back without a wait) or copied
+    on the side stream (compute waits on the device): one synchronisation a streamed layer, the resident tokens."""
+    from runtime.inference.expert_source import ExpertSource
+    from runtime.inference.step_counts import count_decode
+
+    prompt = [[3, 14, 15, 92, 65, 35]]
+    reference = generate(_mixtral(CUDA), prompt, 8).tokens
+    model = _mixtral("cpu")
+    source = ExpertSource.from_model(model)
+    offloader = AutoOffloader(model, CUDA, source, 2, costs=costs)
+    model.to(CUDA)
+    assert offloader.placement == ["resident", "hybrid", "hybrid", "hybrid"]
+    assert all(t.is_pinned() for t in offloader.host.expert(1, 0).values())
+    assert generate(model, prompt, 8, offloader=offloader).tokens == reference
+    counts = count_decode(lambda n: generate(model, prompt, n, offloader=offloader), 4, cuda=True)
+    assert counts.host_syncs_per_token <= 3
+    offloader.close()

@@ -121,6 +121,7 @@ def test_bad_checkpoints_and_inputs(run_dir, tmp_path):
         (run_dir, {"max_new_tokens": 40}, "exceeds model.max_seq_len=48"),
         (run_dir, {"max_new_tokens": 4, "prompt": None}, "no prompt"),
         (run_dir, {"ring_sots": 2}, "did you mean ring_slots"),
+        (run_dir, {"compile": "maybe"}, "infer.compile='maybe' is not a bool"),
     ]
     for path, overrides, message in cases:
         prompts = None if "prompt" in overrides else ["hello world"]

@@ -1,6 +1,7 @@
 """`moesys bench infer` at a tiny shape: every system (transformers, transformers + accelerate's disk offload,
 moesys none/auto/ring) decodes the same greedy tokens, accelerate really offloaded the streamed layers' experts to
-its folder, and the ratios the issue targets are reported. No timing is asserted."""
+its folder, the ratios the issue targets are reported, and so are each moesys mode's profiler counts and every
+system's bandwidth bound. No timing is asserted."""
 
 import pytest
 
@@ -9,7 +10,7 @@ from runtime.bench.infer import run_infer_bench
 pytest.importorskip("transformers", reason="transformers is not installed")
 pytest.importorskip("accelerate", reason="accelerate is not installed")
 
-TINY = {"hidden": 128, "ffn": 256, "layers": 4, "experts": 4, "vocab": 512, "heads": 4}
+TINY = {"hidden": 128, "ffn": 256, "layers": 4, "experts": 4, "vocab": 512, "heads": 4, "kv_heads": 2}
 
 
 def test_every_system_decodes_the_same_tokens_and_accelerate_offloads_to_disk():
@@ -25,3 +26,14 @@ def test_every_system_decodes_the_same_tokens_and_accelerate_offloads_to_disk():
     assert systems["moesys_auto"]["placement"] == ["resident", "resident", "inplace", "inplace"]
     for key in ("auto_vs_none", "auto_vs_accelerate", "ring_vs_none"):
         assert r[key] > 0
+    # the resident step and the ring's slots need nothing on the host; auto reads each streamed layer's routing once
+    syncs = {mode: systems[f"moesys_{mode}"]["host_syncs_per_token"] for mode in ("none", "ring", "auto")}
+    assert syncs == {"none": 0, "ring": 0, "auto": 2}
+    assert 20 <= systems["moesys_none"]["ops_per_layer_token"] <= 40
+    routed = 2 * 3 * 128 * 256 * 2  # top-2 experts of a layer, bf16
+    none, auto = systems["moesys_none"], systems["moesys_auto"]
+    assert none["device_read_bytes_per_token"] - auto["device_read_bytes_per_token"] == 2 * routed
+    assert none["host_read_bytes_per_token"] == 0 < auto["host_read_bytes_per_token"]
+    for name, result in systems.items():
+        assert 0 < result["bandwidth_bound_tokens_per_s"] < float("inf"), name
+    assert r["bandwidth"]["host_read_bytes_per_s"] > 0

@@ -90,6 +90,20 @@ def test_parameter_names_and_shapes_match_the_spec(name):
     assert model.blocks is model.layers
 
 
+@pytest.mark.parametrize("name", ["gpt", "mixtral_gqa", "mixtral_moe_every_2nd_bias", "dense_only"])
+def test_static_decode_step_equals_full_forward(name):
+    """Transformer.decode (position a tensor, the static cache's whole buffers under a mask, experts gathered by
+    index) gives the full forward's logits at every position, after a prefill into the same static cache."""
+    model = build(name)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(tokens).logits
+        cache = model.new_static_cache(batch=2, capacity=16)
+        steps = [model(tokens[:, :5], cache=cache).logits[:, -1]]
+        steps += [model.decode(tokens[:, t:t + 1], torch.tensor([t]), cache) for t in range(5, 12)]
+    torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 4:], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["gpt", "mixtral_gqa", "moe_every_2nd"])
 def test_changing_a_future_token_leaves_earlier_logits_unchanged(name):
     model = build(name)

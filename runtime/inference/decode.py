@@ -1,0 +1,75 @@
+"""The decode token as one static step (gpt-fast's recipe; DESIGN.md "On a GPU: the step and the token"): a static
+KV cache, routed experts gathered by index, the position a device tensor, so a token reads nothing on the host and
+`torch.compile` captures the step whole (`infer.compile`; CUDA graphs on a GPU). Prefill stays the model's forward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from runtime.inference.load import InferError
+from runtime.model.attention import StaticKVCache
+from runtime.model.transformer import Transformer
+from runtime.moe.experts import GroupedExperts
+
+CACHE_BUCKET = 64
+"""Static caches are sized up to a multiple of this many positions, so generations of nearby lengths share one
+cache (and one compiled step) while a short one does not attend over the model's whole context."""
+
+
+def compile_default(device: torch.device) -> bool:
+    """infer.compile=null: compile where it pays. On CUDA the step is launch-bound and CUDA graphs replay it in
+    one launch; on the CPU compiling costs more seconds than a generation of the default length saves."""
+    return device.type == "cuda"
+
+
+class DecodeStep:
+    """`Transformer.decode` with the static cache it writes, eager or compiled; one per model, reused across
+    generations (a compiled step is compiled once per batch size and cache capacity).
+
+    Compiled: `fullgraph=True` where every MoE layer's experts are resident (GroupedExperts); an offloader's
+    stand-in experts run outside the graph (their copies and host reads are not capturable), splitting it.
+    On CUDA the mode is reduce-overhead (CUDA graphs) and the cache's buffers are marked static."""
+
+    def __init__(self, model: Transformer, compile: bool = False, backend: str | Callable = "inductor"):
+        """backend: torch.compile's (tests check graph breaks around stand-ins with aot_eager: seconds to compile)."""
+        self.model = model
+        self.device = model.tok_embeddings.weight.device
+        self.compiled = compile
+        self.fullgraph = all(isinstance(layer.experts, GroupedExperts) for layer in model.moe_layers())
+        self.cache: Optional[StaticKVCache] = None
+        fn: Callable[[Tensor, Tensor, StaticKVCache], Tensor] = model.decode
+        if compile:
+            mode = "reduce-overhead" if self.device.type == "cuda" and backend == "inductor" else None
+            fn = torch.compile(model.decode, fullgraph=self.fullgraph, mode=mode, dynamic=False, backend=backend)
+        self._decode = fn
+
+    def cache_for(self, batch: int, positions: int) -> StaticKVCache:
+        """A static cache of at least `positions` for `batch` rows: the last one when it fits (its stale slots are
+        masked until overwritten), else a new one."""
+        capacity = -(-positions // CACHE_BUCKET) * CACHE_BUCKET
+        cache = self.cache
+        if cache is None or cache.keys[0].shape[0] != batch or cache.capacity != capacity or \
+                cache.keys[0].dtype != self.model.tok_embeddings.weight.dtype:
+            self.cache = cache = None  # let go of the old buffers before allocating the new ones
+            cache = self.model.new_static_cache(batch, capacity)
+            if self.compiled and self.device.type == "cuda":
+                for buf in cache.buffers():
+                    torch._dynamo.mark_static_address(buf)
+            self.cache = cache
+        return cache
+
+    def prefill(self, tokens_BS: Tensor, cache: StaticKVCache) -> Tensor:
+        """The prompt's forward (sort-based MoE dispatch), filling positions 0..S-1 -> last position's logits."""
+        return self.model(tokens_BS, cache, 0).logits[:, -1]
+
+    def __call__(self, tokens_B1: Tensor, pos_1: Tensor, cache: StaticKVCache) -> Tensor:
+        """Next-token logits [B, V] for tokens [B, 1] at position pos_1 (device tensor)."""
+        try:
+            return self._decode(tokens_B1, pos_1, cache)
+        except torch._dynamo.exc.TorchDynamoException as exc:  # only a compiled step raises these
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise InferError(f"infer.compile=true: torch.compile failed ({reason}); set infer.compile=false") from exc
