@@ -22,8 +22,8 @@ import psutil
 
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
-from runtime.storage.budget import GB
-from runtime.storage.placement import LAUNCHER_BYTES, plan_placement
+from runtime.plan.budget import GB
+from runtime.plan.planner import LAUNCHER_BYTES, plan_placement
 from runtime.topology import host_memory_bytes
 from runtime.io import atomic_write_text
 from runtime.run_dir import node_logs

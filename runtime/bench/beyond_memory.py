@@ -33,7 +33,7 @@ import psutil
 from runtime import memcap
 from runtime.errors import UserError
 from runtime.bench.disk import measure_disk
-from runtime.model.params import count_parameters
+from runtime.plan.params import count_parameters
 from runtime.run_dir import read_metrics
 
 HIDDEN, FFN, LAYERS, HEADS = 1024, 512, 6, 8

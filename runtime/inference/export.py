@@ -35,7 +35,7 @@ from runtime.inference.hf_mixtral import INDEX, config_to_hf, hf_tensor_names
 from runtime.inference.load import MoesysCheckpoint, read_moesys
 from runtime.io import atomic_write_json, atomic_write_text, fsync_dir, new_dir_mode
 from runtime.model.transformer import Transformer
-from runtime.storage.disk import check_free
+from runtime.plan.disk import check_free
 from runtime.moe.layer import is_expert_param
 from runtime.tensorfile import write_tensors
 from runtime.train.tokenizer import (HF_TOKENIZER_CONFIG, TOKENIZER_FILE, checkpoint_tokenizer,

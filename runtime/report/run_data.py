@@ -12,7 +12,7 @@ from pathlib import Path
 
 from runtime.errors import UserError
 from runtime.run_dir import CONFIG, LOCK, METRICS, is_run_dir, model_files, read_metrics
-from runtime.train.decided import PLAN
+from runtime.plan.placement import PLAN
 
 
 @dataclass(frozen=True)

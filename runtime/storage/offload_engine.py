@@ -27,7 +27,7 @@ from runtime.model.init import init_expert
 from runtime.moe.experts import GroupedExperts, expert_ffn, output_dtype
 from runtime.moe.layer import EXPERT_PARAM_NAMES
 from runtime.optim import AdamWHyper, catch_up
-from runtime.storage.budget import STORED_SPARSE_BYTES
+from runtime.plan.budget import STORED_SPARSE_BYTES
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, needs_separate_stage
 from runtime.storage.expert_store import ExpertKey, ExpertStore
 from runtime.storage.host_adamw import HostOptimizer, LayerGrads, squares
@@ -495,7 +495,7 @@ def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.d
 
 def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, placement,
                         write_initial: bool = True) -> OffloadEngine | None:
-    """The offload runtime of `placement` (runtime/train/decided.py: RUN_DIR/plan.json, decided once by
+    """The offload runtime of `placement` (runtime/plan/placement.py: RUN_DIR/plan.json, decided once by
     `moesys train`), or None when expert states stay on the device.
 
     With offload=ssd each rank keeps its own store under STORE/ep{r}-of-{n}-edp{k} (STORE: storage.ssd_path, or

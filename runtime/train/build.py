@@ -25,7 +25,7 @@ from runtime.parallel.expert_parallel import shard_experts
 from runtime.parallel.groups import ParallelGroups
 from runtime.storage.offload_engine import OffloadEngine, offload_from_config
 from runtime.train.data import open_dataset
-from runtime.train.decided import Placement, decide
+from runtime.plan.placement import Placement, decide
 from runtime.train.distill import Distillation
 from runtime.train.objective import LanguageModel
 from runtime.train.parts import (OffloadedExperts, Part, PartitionedEmbedding, Replicated, ShardedDense,

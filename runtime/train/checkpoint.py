@@ -33,7 +33,7 @@ from runtime.moe.layer import is_expert_param
 from runtime.parallel.embedding_partition import gather_columns, partitioned_parameters, shard_of
 from runtime.parallel.groups import ParallelGroups, group_size
 from runtime.run_dir import CHECKPOINTS
-from runtime.storage.disk import kept_checkpoints
+from runtime.plan.disk import kept_checkpoints
 from runtime.tensorfile import TensorSpec, save_tensors, verify, write_tensors
 from runtime.train.resume import skip_hint
 from runtime.train.tokenizer import TOKENIZER_FILE, run_tokenizer
@@ -110,7 +110,7 @@ def _local_to_global(groups: ParallelGroups, local_experts: int) -> list[int]:
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     groups: ParallelGroups, cfg: MoesysConfig, keep: int | None = None, parts: Sequence = ()) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory. The newest `keep` complete
-    checkpoints stay (default: runtime/storage/disk.kept_checkpoints, the count the plan's disk bytes assume).
+    checkpoints stay (default: runtime/plan/disk.kept_checkpoints, the count the plan's disk bytes assume).
 
     Each of `parts` (runtime/train/parts.py) writes its own files into the checkpoint before it is renamed, and
     the model parameters it holds (part.held_params) are left to it."""

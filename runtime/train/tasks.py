@@ -117,7 +117,7 @@ def task_gpu_counts(cfg: MoesysConfig, world: int, plan=None) -> dict[str, int]:
     the elastic allocation of the configured workload on `world` ranks within the plan's memory estimate."""
     if all(t.gpus > 0 for t in cfg.tasks.values()):
         return {n: t.gpus for n, t in cfg.tasks.items()}
-    from runtime.elastic.rebalance import tasks_per_gpu  # the plan's memory estimate, as `moesys rebalance`
+    from runtime.plan.rebalance import tasks_per_gpu  # the plan's memory estimate, as `moesys rebalance`
     return allocate(workload_from_config(cfg.tasks), world, tasks_per_gpu(cfg, plan)).gpus
 
 

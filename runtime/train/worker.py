@@ -21,7 +21,7 @@ from runtime.parallel.groups import build_groups
 from runtime.process import die_with_parent
 from runtime.run_dir import SUMMARY, load_config, read_fatal, record_fatal
 from runtime.topology import set_cpu_threads
-from runtime.train.compare import recorded_plan
+from runtime.plan.compare import recorded_plan
 from runtime.train.loop import train
 
 

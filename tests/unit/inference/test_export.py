@@ -143,7 +143,7 @@ def test_an_export_its_disk_cannot_hold_is_refused_before_anything_is_written(tm
     import shutil
     from collections import namedtuple
 
-    from runtime.storage import disk
+    from runtime.plan import disk
 
     step = tmp_path / "step"
     write_step(step)

@@ -17,7 +17,7 @@ from runtime.model.transformer import Transformer
 from runtime.parallel.embedding_partition import (
     PartitionedEmbedding, PartitionedTiedHead, check_divisible, embedding_bytes_per_rank, full_table_from_shards,
     partition_embedding, partitioned_grad_sq, partitioned_parameters, reshard, shard_of)
-from runtime.storage.budget import DENSE_STATE_BYTES
+from runtime.plan.budget import DENSE_STATE_BYTES
 
 
 def _table(v: int = 11, h: int = 12) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from runtime.checkpoint_format import CheckpointReader
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
-from runtime.model.params import count_parameters
+from runtime.plan.params import count_parameters
 from runtime.parallel.groups import build_groups
 from runtime.storage.expert_store import ExpertStore
 from runtime.optim import AdamWHyper, lr_at

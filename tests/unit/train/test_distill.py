@@ -143,8 +143,8 @@ def test_the_plan_counts_the_whole_teacher_on_every_rank(tmp_path):
     from runtime.config import config_to_dict
     from runtime.errors import UserError
     from runtime.launch import check_host_memory
-    from runtime.model.params import count_parameters
-    from runtime.storage.placement import plan_placement
+    from runtime.plan.params import count_parameters
+    from runtime.plan.planner import plan_placement
 
     teacher_cfg = MoesysConfig(model=ModelConfig(hidden_size=256, num_layers=4, num_heads=4, vocab_size=256,
                                                  ffn_hidden_size=1024, num_experts=32, max_seq_len=128))

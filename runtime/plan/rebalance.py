@@ -17,8 +17,8 @@ from runtime.config import MoesysConfig
 from runtime.elastic.allocation import Allocation, AllocationError, allocate
 from runtime.elastic.workload import Workload, workload_from_config, workload_from_metrics
 from runtime.io import atomic_write_text
-from runtime.storage.budget import GB
-from runtime.storage.placement import plan_placement, world_size
+from runtime.plan.budget import GB
+from runtime.plan.planner import plan_placement, world_size
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""runtime/storage/disk.py: the bytes a run writes (expert store, checkpoints on disk at once) and the free-space
+"""runtime/plan/disk.py: the bytes a run writes (expert store, checkpoints on disk at once) and the free-space
 check that refuses a run or an export whose filesystem cannot hold them."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TopologyConfig, TrainConfig
 from runtime.errors import UserError
-from runtime.model.params import count_parameters
-from runtime.storage.budget import GB
-from runtime.storage.disk import KEEP_CHECKPOINTS, check_free, checkpoints_on_disk, checkpoints_written
-from runtime.storage.placement import plan_placement, plan_to_dict
+from runtime.plan.params import count_parameters
+from runtime.plan.budget import GB
+from runtime.plan.disk import KEEP_CHECKPOINTS, check_free, checkpoints_on_disk, checkpoints_written
+from runtime.plan.planner import plan_placement, plan_to_dict
 
 
 def train(**keys) -> MoesysConfig:

@@ -10,7 +10,7 @@ import torch
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TaskConfig, TrainConfig
 from runtime.parallel.groups import build_groups
 from runtime.train.build import build_components
-from runtime.train.decided import PLAN, decide, read, record
+from runtime.plan.placement import PLAN, decide, read, record
 
 
 def config(tmp_path, **storage) -> MoesysConfig:

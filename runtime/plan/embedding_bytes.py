@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.config import MoesysConfig
-from runtime.storage.budget import DENSE_STATE_BYTES
+from runtime.plan.budget import DENSE_STATE_BYTES
 
 
 def check_divisible(hidden: int, n: int) -> None:

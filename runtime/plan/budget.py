@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from runtime.config import MoesysConfig
-from runtime.model.params import ParamCounts
+from runtime.plan.params import ParamCounts
 
 GB = 1e9
 

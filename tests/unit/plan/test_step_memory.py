@@ -1,5 +1,5 @@
 """The per-rank device estimate against CUDA's max allocated, measured on one H100 80GB (moesys plan --compare of
-moesys train runs, tests/gpu/device_validate.sh): every case within 20% (runtime/storage/step_memory.py)."""
+moesys train runs, tests/gpu/device_validate.sh): every case within 20% (runtime/plan/step_memory.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TopologyConfig, TrainConfig
-from runtime.storage.budget import GB
-from runtime.storage.placement import plan_placement
-from runtime.storage.step_memory import activation_bytes, step_peak
+from runtime.plan.budget import GB
+from runtime.plan.planner import plan_placement
+from runtime.plan.step_memory import activation_bytes, step_peak
 
 ONE_GPU = dict(nodes=1, gpus_per_node=1, gpu_memory_gb=80, cpu_memory_gb=128, expert_parallel=1, nproc_per_node=1)
 TINY = ModelConfig(ffn_hidden_size=256)  # conf/model/tiny.yaml

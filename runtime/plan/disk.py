@@ -16,8 +16,8 @@ from pathlib import Path
 
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
-from runtime.model.params import ParamCounts
-from runtime.storage.budget import GB, STORED_SPARSE_BYTES
+from runtime.plan.params import ParamCounts
+from runtime.plan.budget import GB, STORED_SPARSE_BYTES
 
 CHECKPOINT_BYTES = 12
 """A parameter in a checkpoint: fp32 weight, exp_avg and exp_avg_sq (step counts and RNG states are negligible)."""

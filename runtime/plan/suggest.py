@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
 from runtime.config import ConfigError, MoesysConfig, validate
-from runtime.storage.budget import GB, Eq1Budget
+from runtime.plan.budget import GB, Eq1Budget
 
 MAX_NODES = 1 << 20
 """The node-count search stops here (a million nodes: far past any cluster, so 'no node count fits')."""

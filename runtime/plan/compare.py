@@ -14,8 +14,8 @@ from pathlib import Path
 
 from runtime.errors import UserError
 from runtime.run_dir import CONFIG, load_config, read_metrics
-from runtime.storage.placement import plan_placement, plan_to_dict
-from runtime.train.decided import PLAN
+from runtime.plan.planner import plan_placement, plan_to_dict
+from runtime.plan.placement import PLAN
 from runtime.train.rank_memory import read_rank_memory
 
 TOLERANCE = 0.2

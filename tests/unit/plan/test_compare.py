@@ -1,4 +1,4 @@
-"""runtime/train/compare.py and rank_memory.py on the files of a real (single-process, SSD-offloaded) run: what each
+"""runtime/plan/compare.py and rank_memory.py on the files of a real (single-process, SSD-offloaded) run: what each
 rank measured set beside the plan it was launched with."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TopologyCon
 from runtime.errors import UserError
 from runtime.parallel.groups import build_groups
 from runtime.run_dir import read_metrics, save_config
-from runtime.train.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
-from runtime.train.decided import record
+from runtime.plan.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
+from runtime.plan.placement import record
 from runtime.train.rank_memory import PER_RANK_KEYS, read_rank_memory
 
 MB = 2**20

@@ -10,10 +10,10 @@ import re
 import pytest
 
 from runtime.config import InferConfig, ModelConfig, MoesysConfig, StorageConfig, TopologyConfig, TrainConfig
-from runtime.storage import placement
-from runtime.storage.budget import GB, eq1_budget
-from runtime.storage.placement import plan_placement, plan_to_dict
-from runtime.storage.suggest import first_passing, node_counts
+from runtime.plan import planner
+from runtime.plan.budget import GB, eq1_budget
+from runtime.plan.planner import plan_placement, plan_to_dict
+from runtime.plan.suggest import first_passing, node_counts
 
 MIXTRAL = ModelConfig(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, vocab_size=32000,
                       ffn_hidden_size=14336, num_experts=8, top_k=2, expert_type="swiglu", max_seq_len=32768,
@@ -49,21 +49,21 @@ def test_a_tier_with_no_capacity_is_named_and_the_plan_never_raises(topology):
 
 def test_min_nodes_of_an_empty_requirement_is_one():
     cfg = tiny(ssd_gb=0)
-    p = placement.count_parameters(cfg.model)
+    p = planner.count_parameters(cfg.model)
     budget = eq1_budget(cfg, dataclasses.replace(p, sparse=0))
     assert budget.ssd.nodes_needed(1) == 1 and "ssd" not in budget.unsatisfiable()
 
 
 def test_the_suggestion_search_is_bounded_for_a_huge_model(monkeypatch):
     calls = []
-    estimate = placement._rank_estimate
+    estimate = planner._rank_estimate
 
     def counted(*args):
         calls.append(args)
         assert len(calls) < 300, "the search estimates once per node count (millions of them)"
         return estimate(*args)
 
-    monkeypatch.setattr(placement, "_rank_estimate", counted)
+    monkeypatch.setattr(planner, "_rank_estimate", counted)
     cfg = tiny(expert_parallel=2, nproc_per_node=2)
     cfg.model = dataclasses.replace(cfg.model, hidden_size=10_000_000)
     plan = plan_placement(cfg)
@@ -169,8 +169,8 @@ def test_more_nodes_may_split_the_experts_over_more_ranks():
 def test_without_a_gpu_the_device_pool_and_the_host_cache_share_one_rams_budget():
     """Each fits half of a rank's RAM on its own; together they do not (the plan counted the RAM twice)."""
     from runtime.config import ModelConfig, MoesysConfig
-    from runtime.storage.budget import GB
-    from runtime.storage.placement import LAUNCHER_BYTES, PROCESS_RUNTIME_BYTES, plan_placement
+    from runtime.plan.budget import GB
+    from runtime.plan.planner import LAUNCHER_BYTES, PROCESS_RUNTIME_BYTES, plan_placement
 
     cfg = MoesysConfig(model=ModelConfig(hidden_size=256, ffn_hidden_size=1024, num_layers=4, num_heads=4,
                                          num_experts=8))

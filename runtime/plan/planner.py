@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import MoesysConfig
-from runtime.model.params import ParamCounts, count_parameters
-from runtime.parallel.embedding_bytes import embedding_bytes_per_rank
-from runtime.storage.budget import (CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
+from runtime.plan.params import ParamCounts, count_parameters
+from runtime.plan.embedding_bytes import embedding_bytes_per_rank
+from runtime.plan.budget import (CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
                                     STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
-from runtime.storage.disk import DiskPlan, disk_plan, disk_problem, fewer_checkpoints, kept_checkpoints
-from runtime.storage.step_memory import (CUDA_CONTEXT_BYTES, CUDA_HOST_BYTES, CUDA_WORKSPACE_BYTES, activation_bytes,
+from runtime.plan.disk import DiskPlan, disk_plan, disk_problem, fewer_checkpoints, kept_checkpoints
+from runtime.plan.step_memory import (CUDA_CONTEXT_BYTES, CUDA_HOST_BYTES, CUDA_WORKSPACE_BYTES, activation_bytes,
                                          optimizer_step_bytes, step_peak, weight_cast_params)
-from runtime.storage.suggest import serving_suggestions, training_suggestions
+from runtime.plan.suggest import serving_suggestions, training_suggestions
 
 MODES = ("none", "cpu", "ssd")
 SPARSE_HOME = {"none": "gpu", "cpu": "cpu", "ssd": "ssd"}
@@ -147,7 +147,7 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
         window = min(p.moe_layers, 1 + st.prefetch_depth) or 1
         device["expert_buffers"] = layer_active * window
     # Parameters with their states and torch's AdamW on this rank (dense share, resident experts), and what a step
-    # adds around them (runtime/storage/step_memory.py).
+    # adds around them (runtime/plan/step_memory.py).
     resident_experts = local_sparse if mode == "none" else 0
     resident = device["dense_states"] // DENSE_STATE_BYTES + resident_experts
     partitioned = cfg.model.vocab_size * cfg.model.hidden_size // world if cfg.model.embedding_partition else 0

@@ -7,10 +7,10 @@ import math
 import dataclasses
 
 from runtime.config import MoesysConfig, ModelConfig, StorageConfig, TopologyConfig
-from runtime.model.params import count_parameters
-from runtime.storage.budget import GB, eq1_budget
-from runtime.storage.placement import LAUNCHER_BYTES, PROCESS_RUNTIME_BYTES, plan_placement, plan_to_dict
-from runtime.storage.step_memory import CUDA_HOST_BYTES
+from runtime.plan.params import count_parameters
+from runtime.plan.budget import GB, eq1_budget
+from runtime.plan.planner import LAUNCHER_BYTES, PROCESS_RUNTIME_BYTES, plan_placement, plan_to_dict
+from runtime.plan.step_memory import CUDA_HOST_BYTES
 
 
 def config(**topology) -> MoesysConfig:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from runtime.config import MoesysConfig
 from runtime.io import atomic_write_json
-from runtime.storage.budget import GB
-from runtime.storage.placement import plan_placement, plan_to_dict
+from runtime.plan.budget import GB
+from runtime.plan.planner import plan_placement, plan_to_dict
 
 PLAN = "plan.json"
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from runtime.config import (ConfigError, InferConfig, ModelConfig, MoesysConfig, StorageConfig, TopologyConfig, TrainConfig,
                             config_from_dict, config_to_dict, resolve_auto, validate)
-from runtime.storage.placement import plan_placement, plan_to_dict
+from runtime.plan.planner import plan_placement, plan_to_dict
 
 OVERRIDE = re.compile(r"([a-z_]+(?:\.[a-z_0-9]+)+)=(\S+)")
 

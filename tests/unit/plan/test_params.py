@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from runtime.config import ModelConfig
-from runtime.model.params import count_parameters
+from runtime.plan.params import count_parameters
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 

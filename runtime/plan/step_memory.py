@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from runtime.config import MoesysConfig
-from runtime.model.params import ParamCounts, ffn_params
+from runtime.plan.params import ParamCounts, ffn_params
 
 MiB = 2**20
 CUDA_WORKSPACE_BYTES = 2 * 32 * MiB
