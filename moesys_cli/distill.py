@@ -17,7 +17,7 @@ from moesys_cli.resolve import resolve_config
 from moesys_cli.train import resume_command, run_job
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
-from runtime.run_dir import last_step_metrics
+from runtime.files.run_dir import last_step_metrics
 from runtime.train.preflight import check_before_launch
 from runtime.train.student_config import (Teacher, check_student, default_student_dir, find_teacher, recorded_teacher,
                                           student_recipe)

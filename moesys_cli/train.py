@@ -21,13 +21,13 @@ from runtime.launch import build_launch, check_launchable, rendezvous_connect_s,
 from runtime.node_watch import LostNodeWatch
 from runtime.oom import OUT_OF_MEMORY_EXIT, OomWatch, oom_message, smallest_fix
 from runtime.process import Job, TorchrunLogs, exception_line, resume_point, worker_pids
-from runtime.run_dir import (RunLock, check_run_dir, clear_fatal, default_run_dir, last_step_metrics, node_logs,
+from runtime.files.run_dir import (RunLock, check_run_dir, clear_fatal, default_run_dir, last_step_metrics, node_logs,
                              prepare_run_dir, read_fatal, record_fatal, run_summary)
 from runtime.topology import host_memory_bytes
 from runtime.plan.compare import recorded_plan
 from runtime.train.preflight import check_before_launch, check_disk, check_plan
 from runtime.plan.placement import record as record_placement
-from runtime.train.resume import apply_resume_from
+from runtime.files.resume import apply_resume_from
 from runtime.train.tokenize import prepare_run_data
 from runtime.train.rank_memory import clear_rank_memory, read_rank_memory
 

@@ -26,7 +26,7 @@ from runtime.plan.budget import GB
 from runtime.plan.planner import LAUNCHER_BYTES, plan_placement
 from runtime.topology import host_memory_bytes
 from runtime.io import atomic_write_text
-from runtime.run_dir import node_logs
+from runtime.files.run_dir import node_logs
 
 WORKER_MODULE = "runtime.train.worker"
 SAFE_RUN = ('import runpy, sys; sys.path[:1] == [""] and sys.path.pop(0); '

@@ -34,7 +34,7 @@ from runtime import memcap
 from runtime.errors import UserError
 from runtime.bench.disk import measure_disk
 from runtime.plan.params import count_parameters
-from runtime.run_dir import read_metrics
+from runtime.files.run_dir import read_metrics
 
 HIDDEN, FFN, LAYERS, HEADS = 1024, 512, 6, 8
 GB = 1e9

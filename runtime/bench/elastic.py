@@ -19,7 +19,7 @@ from runtime.config import MoesysConfig, TaskConfig
 from runtime.elastic.allocation import allocate
 from runtime.elastic.workload import workload_from_config, workload_from_metrics
 from runtime.launch import build_launch
-from runtime.run_dir import prepare_run_dir, read_metrics
+from runtime.files.run_dir import prepare_run_dir, read_metrics
 
 NPROC = 4
 

@@ -20,7 +20,7 @@ from runtime.inference.load import InferError
 from runtime.inference.mapped import DTYPES, MappedFileError, read_header
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import expert_ffn
-from runtime.tensorfile import save_tensors
+from runtime.files.tensorfile import save_tensors
 
 MODES = ("auto", "ring", "ondemand", "none")
 

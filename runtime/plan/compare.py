@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import UserError
-from runtime.run_dir import CONFIG, load_config, read_metrics
+from runtime.files.run_dir import CONFIG, load_config, read_metrics
 from runtime.plan.planner import plan_placement, plan_to_dict
 from runtime.plan.placement import PLAN
 from runtime.train.rank_memory import read_rank_memory

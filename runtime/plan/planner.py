@@ -105,7 +105,7 @@ def process_host_bytes(cfg: MoesysConfig, est: RankEstimate) -> int:
 def teacher_parameters(checkpoint: str) -> int:
     """Parameters of a distillation's teacher, counted from the model config its checkpoint recorded (meta.json);
     0 when that cannot be read (moesys distill refuses such a teacher before anything is planned)."""
-    from runtime.checkpoint_format import read_meta
+    from runtime.files.checkpoint_format import read_meta
     from runtime.config import config_from_dict
     from runtime.errors import UserError
 

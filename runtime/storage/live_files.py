@@ -2,7 +2,7 @@
 tensors' memory, and one scatter read (os.preadv) straight into fresh tensors (seed 004 section 3.2.2: SSD traffic
 overlapped with compute needs large requests, not a serialised copy or page faults on a memory map).
 
-The files are the checksummed safetensors files of runtime/tensorfile.py (same header, same `moesys.crc32`), so
+The files are the checksummed safetensors files of runtime/files/tensorfile.py (same header, same `moesys.crc32`), so
 `verify` and any safetensors reader read them. A file is replaced by rename (a reader sees the old or the new file,
 never a torn one); fsync only when `durable`: live files are working memory, rebuilt from a checkpoint on resume.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from runtime.io import fsync_dir
-from runtime.tensorfile import _DTYPES, ChecksumError, _header, _raw, spec_of
+from runtime.files.tensorfile import _DTYPES, ChecksumError, _header, _raw, spec_of
 
 _TORCH = {name: dtype for dtype, name in _DTYPES.items()}
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from runtime.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, tensor_key
+from runtime.files.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, tensor_key
 from runtime.model.init import init_expert
 from runtime.moe.experts import GroupedExperts, expert_ffn, output_dtype
 from runtime.moe.layer import EXPERT_PARAM_NAMES
@@ -36,7 +36,7 @@ from runtime.storage.ssd_home import SSDHome
 from runtime.storage.step_timeline import StepTimeline, by_kind, host_cost
 from runtime.storage.tiers import Tiers
 from runtime.storage.transfers import DeviceCopy, TransferEngine
-from runtime.tensorfile import spec_of, write_tensors
+from runtime.files.tensorfile import spec_of, write_tensors
 
 STALLS = ("wait_update", "wait_prefetch", "acquire", "h2d")
 """Critical spans that count as the forward or backward waiting for experts (offload/fetch_stall_s)."""
@@ -388,7 +388,7 @@ class OffloadEngine:
 
     @staticmethod
     def _checkpoint_items(spec: LayerSpec, g: int, slot: ExpertSlot) -> list[tuple[str, Tensor]]:
-        """One expert's states under the checkpoint keys of a resident model (runtime/checkpoint_format.py)."""
+        """One expert's states under the checkpoint keys of a resident model (runtime/files/checkpoint_format.py)."""
         views = {attr: slot.views(attr, spec.layout) for attr in ("master", "exp_avg", "exp_avg_sq")}
         out = []
         for name in spec.names:
@@ -501,7 +501,7 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, pla
     With offload=ssd each rank keeps its own store under STORE/ep{r}-of-{n}-edp{k} (STORE: storage.ssd_path, or
     the run directory's expert_store/), owned by this run; with offload=cpu the states stay in host memory."""
     from runtime.optim import lr_at
-    from runtime.run_dir import expert_store_root
+    from runtime.files.run_dir import expert_store_root
 
     st = cfg.storage
     if placement.offload not in ("cpu", "ssd"):

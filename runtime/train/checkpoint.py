@@ -24,7 +24,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from runtime.checkpoint_format import (FILES, MODEL, PARTIAL, STATE_KEYS, CheckpointError, CheckpointReader,
+from runtime.files.checkpoint_format import (FILES, MODEL, PARTIAL, STATE_KEYS, CheckpointError, CheckpointReader,
                                        latest_checkpoint, read_meta, tensor_files, tensor_key)
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
@@ -32,10 +32,10 @@ from runtime.io import atomic_write_json, atomic_write_text, fsync_dir
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.embedding_partition import gather_columns, partitioned_parameters, shard_of
 from runtime.parallel.groups import ParallelGroups, group_size
-from runtime.run_dir import CHECKPOINTS
+from runtime.files.run_dir import CHECKPOINTS
 from runtime.plan.disk import kept_checkpoints
-from runtime.tensorfile import TensorSpec, save_tensors, verify, write_tensors
-from runtime.train.resume import skip_hint
+from runtime.files.tensorfile import TensorSpec, save_tensors, verify, write_tensors
+from runtime.files.resume import skip_hint
 from runtime.train.tokenizer import TOKENIZER_FILE, run_tokenizer
 
 __all__ = ["CheckpointError", "check_fits", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from runtime.io import atomic_write_text
 from runtime.parallel.groups import ParallelGroups
-from runtime.run_dir import METRICS, read_metrics
+from runtime.files.run_dir import METRICS, read_metrics
 
 
 def memory_bytes(device: torch.device) -> int:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
-from runtime.run_dir import CHECKPOINTS, expert_store_root
+from runtime.files.run_dir import CHECKPOINTS, expert_store_root
 from runtime.plan.budget import GB
 from runtime.plan.disk import bytes_under, check_free, checkpoints_on_disk, kept_checkpoints
 from runtime.plan.planner import plan_placement
-from runtime.train.resume import chosen_checkpoint
+from runtime.files.resume import chosen_checkpoint
 from runtime.train.text import check_token_count, is_token_file, source_name
 from runtime.train.token_file import check_ids, open_token_file
 from runtime.train.tokenize import data_sources, encode_source

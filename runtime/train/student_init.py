@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, latest_checkpoint, tensor_key
+from runtime.files.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, latest_checkpoint, tensor_key
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.io import atomic_write_json
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import MoELayer, is_expert_param
-from runtime.run_dir import CHECKPOINTS
-from runtime.tensorfile import save_tensors, write_tensors
+from runtime.files.run_dir import CHECKPOINTS
+from runtime.files.tensorfile import save_tensors, write_tensors
 from runtime.train.checkpoint import checkpoint_meta, commit_checkpoint
 from runtime.train.distill import heldout_windows, load_frozen, split_heldout
 

@@ -20,14 +20,14 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from runtime.checkpoint_format import STATE_KEYS, CheckpointError
+from runtime.files.checkpoint_format import STATE_KEYS, CheckpointError
 from runtime.config import MoesysConfig
 from runtime.elastic.allocation import AllocationError, Workload, allocate
 from runtime.elastic.workload import workload_from_config
 from runtime.io import atomic_write_json
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
-from runtime.tensorfile import save_tensors, verify
+from runtime.files.tensorfile import save_tensors, verify
 from runtime.train.data import TokenDataset, build_task_datasets, task_seed
 from runtime.train.tokenizer import run_tokenizer
 HEAD_INIT_STD = 0.02

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 from runtime.config import BYTE_VOCAB, MoesysConfig
 from runtime.errors import UserError
-from runtime.run_dir import CHECKPOINTS
+from runtime.files.run_dir import CHECKPOINTS
 
 if TYPE_CHECKING:
     import torch

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from runtime import tensorfile
+from runtime.files import tensorfile
 from runtime.inference.auto import AutoOffloader
 from runtime.inference.generate import generate
 from runtime.inference.load import open_checkpoint

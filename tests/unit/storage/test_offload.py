@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.checkpoint_format import CheckpointReader
+from runtime.files.checkpoint_format import CheckpointReader
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.plan.params import count_parameters
 from runtime.parallel.groups import build_groups

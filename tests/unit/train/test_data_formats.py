@@ -13,7 +13,7 @@ import torch
 
 from runtime.config import MoesysConfig, TrainConfig
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import prepare_run_dir, read_metrics
+from runtime.files.run_dir import prepare_run_dir, read_metrics
 from runtime.train.data import TokenDataset
 from runtime.train.loop import train
 from runtime.train.text import CORPUS_DIR

@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from runtime.checkpoint_format import CheckpointReader, latest_checkpoint
+from runtime.files.checkpoint_format import CheckpointReader, latest_checkpoint
 from runtime.config import ModelConfig, MoesysConfig, TopologyConfig, TrainConfig, config_from_dict
 from runtime.inference.load import load_model
 from runtime.moe.layer import MoELayer
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import read_metrics
+from runtime.files.run_dir import read_metrics
 from runtime.train.distill import Distillation, heldout_windows, kd_loss, split_heldout
 from runtime.train.loop import train
 from runtime.train.student_config import find_teacher, recorded_teacher, student_recipe

@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from runtime.checkpoint_format import META, latest_checkpoint
+from runtime.files.checkpoint_format import META, latest_checkpoint
 from runtime.config import MoesysConfig, resume_step
 from runtime.errors import UserError
 from runtime.io import atomic_write_text, fsync_dir
-from runtime.run_dir import CHECKPOINTS
+from runtime.files.run_dir import CHECKPOINTS
 
 SUPERSEDED = "superseded-"
 """CHECKPOINTS/superseded-TIME/: the checkpoints a launch with train.resume_from=none|step_N started before."""

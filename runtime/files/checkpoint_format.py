@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from safetensors import safe_open
 
 from runtime.errors import UserError
-from runtime.run_dir import CHECKPOINTS
+from runtime.files.run_dir import CHECKPOINTS
 
 if TYPE_CHECKING:
     import torch
@@ -87,7 +87,7 @@ class CheckpointReader:
     checksum is verified when the reader opens it, so a damaged file is named before anything loads from it."""
 
     def __init__(self, path: Path):
-        from runtime.tensorfile import verify  # torch: only readers of tensors load it
+        from runtime.files.tensorfile import verify  # torch: only readers of tensors load it
 
         self.path = Path(path)
         self.where = {}

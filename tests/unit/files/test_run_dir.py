@@ -1,4 +1,4 @@
-"""runtime/run_dir.py: the run directory is made or refused with a UserError, left untouched by a resume that does
+"""runtime/files/run_dir.py: the run directory is made or refused with a UserError, left untouched by a resume that does
 not fit its checkpoint, and locked while a job runs in it; metrics lines are read whole."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.errors import UserError
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import (CONFIG, RunLock, clear_fatal, is_run_dir, load_config, prepare_run_dir, read_fatal,
+from runtime.files.run_dir import (CONFIG, RunLock, clear_fatal, is_run_dir, load_config, prepare_run_dir, read_fatal,
                              record_fatal)
 from runtime.train.loop import train
 
@@ -91,7 +91,7 @@ def test_a_run_dir_in_use_is_refused_and_freed_when_its_holder_dies(tmp_path):
         RunLock(tmp_path)
     lock.release()
     RunLock(tmp_path).release()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from runtime.run_dir import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from runtime.files.run_dir import RunLock; "
                                f"lock = RunLock({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
     assert holder.stdout.readline().strip() == "held"

@@ -85,7 +85,7 @@ def prepare_run_dir(cfg: MoesysConfig) -> Path:
     is left untouched unless `cfg`'s model fits the checkpoint train.resume_from starts from (a resume). A directory
     that cannot be made or written is a UserError naming train.run_dir."""
     from runtime.train.checkpoint import check_fits  # it names its files after this module's
-    from runtime.train.resume import chosen_checkpoint
+    from runtime.files.resume import chosen_checkpoint
 
     run_dir = Path(cfg.train.run_dir or default_run_dir(cfg)).resolve()
     cfg.train.run_dir = str(run_dir)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from runtime.tensorfile import CHECKSUM_KEY, ChecksumError, save_tensors, spec_of, verify, write_tensors
+from runtime.files.tensorfile import CHECKSUM_KEY, ChecksumError, save_tensors, spec_of, verify, write_tensors
 
 
 def tensors() -> dict[str, torch.Tensor]:
