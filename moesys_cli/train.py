@@ -28,7 +28,7 @@ from runtime.plan.compare import recorded_plan
 from runtime.train.preflight import check_before_launch, check_disk, check_plan
 from runtime.plan.placement import record as record_placement
 from runtime.files.resume import apply_resume_from
-from runtime.train.tokenize import prepare_run_data
+from runtime.data.tokenize import prepare_run_data
 from runtime.train.rank_memory import clear_rank_memory, read_rank_memory
 
 TOKENIZE_BAR_BYTES = 16 << 20

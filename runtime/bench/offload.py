@@ -31,7 +31,7 @@ from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.plan.params import count_parameters
 from runtime.parallel.groups import build_groups
 from runtime.train.build import build_components
-from runtime.train.data import TokenDataset
+from runtime.data.dataset import TokenDataset
 from runtime.train.loop import forward_backward, optimizer_step
 
 CPU = torch.device("cpu")

@@ -30,7 +30,7 @@ from runtime.files.run_dir import CHECKPOINTS, CONFIG
 from runtime.files.checkpoint_format import MODEL, check_complete, latest_checkpoint, missing_tensor, tensor_key
 from runtime.page_cache import evict
 from runtime.files.tensorfile import verify
-from runtime.train.tokenizer import checkpoint_tokenizer
+from runtime.data.tokenizer import checkpoint_tokenizer
 
 
 class InferError(UserError):

@@ -36,7 +36,7 @@ from runtime.files.run_dir import CHECKPOINTS
 from runtime.plan.disk import kept_checkpoints
 from runtime.files.tensorfile import TensorSpec, save_tensors, verify, write_tensors
 from runtime.files.resume import skip_hint
-from runtime.train.tokenizer import TOKENIZER_FILE, run_tokenizer
+from runtime.data.tokenizer import TOKENIZER_FILE, run_tokenizer
 
 __all__ = ["CheckpointError", "check_fits", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 

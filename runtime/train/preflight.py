@@ -15,10 +15,10 @@ from runtime.plan.budget import GB
 from runtime.plan.disk import bytes_under, check_free, checkpoints_on_disk, kept_checkpoints
 from runtime.plan.planner import plan_placement
 from runtime.files.resume import chosen_checkpoint
-from runtime.train.text import check_token_count, is_token_file, source_name
-from runtime.train.token_file import check_ids, open_token_file
-from runtime.train.tokenize import data_sources, encode_source
-from runtime.train.tokenizer import (BYTES, ByteTokenizer, Tokenizer, checkpoint_tokenizer_file, load_tokenizer,
+from runtime.data.text import check_token_count, is_token_file, source_name
+from runtime.data.token_file import check_ids, open_token_file
+from runtime.data.tokenize import data_sources, encode_source
+from runtime.data.tokenizer import (BYTES, ByteTokenizer, Tokenizer, checkpoint_tokenizer_file, load_tokenizer,
                                      tokenizer_digest)
 
 

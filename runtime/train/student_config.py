@@ -12,7 +12,7 @@ from runtime.files.checkpoint_format import META, latest_checkpoint, read_meta
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.files.run_dir import CHECKPOINTS
-from runtime.train.tokenizer import BYTES, checkpoint_tokenizer_file
+from runtime.data.tokenizer import BYTES, checkpoint_tokenizer_file
 
 
 @dataclass(frozen=True)

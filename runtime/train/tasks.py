@@ -28,8 +28,8 @@ from runtime.io import atomic_write_json
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
 from runtime.files.tensorfile import save_tensors, verify
-from runtime.train.data import TokenDataset, build_task_datasets, task_seed
-from runtime.train.tokenizer import run_tokenizer
+from runtime.data.dataset import TokenDataset, build_task_datasets, task_seed
+from runtime.data.tokenizer import run_tokenizer
 HEAD_INIT_STD = 0.02
 
 

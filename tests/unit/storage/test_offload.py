@@ -19,7 +19,7 @@ from runtime.storage.offload_engine import OffloadedGroupedExperts, install_offl
 from runtime.train.build import build_model, build_optimizer
 from runtime.train.parts import OffloadedExperts as OffloadedExpertsPart
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from runtime.train.data import TokenDataset
+from runtime.data.dataset import TokenDataset
 
 CPU = torch.device("cpu")
 

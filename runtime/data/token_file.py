@@ -14,8 +14,8 @@ from typing import Iterable
 import numpy as np
 
 from runtime.io import atomic_file
-from runtime.train.text import TOKEN_SUFFIXES, DataError
-from runtime.train.tokenizer import token_dtype
+from runtime.data.text import TOKEN_SUFFIXES, DataError
+from runtime.data.tokenizer import token_dtype
 
 DTYPES = ("uint16", "uint32")
 NPY_HEADER = 128

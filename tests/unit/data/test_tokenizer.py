@@ -7,10 +7,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from runtime.train.text import CORPUS_DIR
-from runtime.train.tokenizer import (ByteTokenizer, JsonTokenizer, TokenizerError, byte_tokenizer_json,
+from runtime.data.text import CORPUS_DIR
+from runtime.data.tokenizer import (ByteTokenizer, JsonTokenizer, TokenizerError, byte_tokenizer_json,
                                      hf_tokenizer_config, load_tokenizer, token_dtype)
-from runtime.train.tokenizer_train import train_bpe
+from runtime.data.tokenizer_train import train_bpe
 
 
 def test_round_trip_ascii_and_non_ascii():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from runtime.train.data import CORPUS_DIR, DataError, TokenDataset, build_task_datasets, read_text_bytes
-from runtime.train.tokenizer import ByteTokenizer
+from runtime.data.dataset import CORPUS_DIR, DataError, TokenDataset, build_task_datasets, read_text_bytes
+from runtime.data.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")

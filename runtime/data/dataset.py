@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from runtime.config import MoesysConfig
-from runtime.train.text import CORPUS_DIR, DOC_SEPARATOR, DataError, check_token_count, read_text_bytes  # noqa: F401
-from runtime.train.text import source_name
-from runtime.train.tokenize import read_tokens, run_cache_dir
-from runtime.train.tokenizer import ByteTokenizer, Tokenizer
+from runtime.data.text import CORPUS_DIR, DOC_SEPARATOR, DataError, check_token_count, read_text_bytes  # noqa: F401
+from runtime.data.text import source_name
+from runtime.data.tokenize import read_tokens, run_cache_dir
+from runtime.data.tokenizer import ByteTokenizer, Tokenizer
 
 
 class TokenDataset:

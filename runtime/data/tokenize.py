@@ -1,4 +1,4 @@
-"""Text to token ids: a text source encoded segment batch by segment batch (runtime/train/text.py), written as a
+"""Text to token ids: a text source encoded segment batch by segment batch (runtime/data/text.py), written as a
 token file (`moesys tokenize`), or cached in the run directory by `moesys train` before launch, so that every rank
 maps the ids instead of tokenizing the whole corpus itself and reads only the windows of its own share.
 """
@@ -15,9 +15,9 @@ import numpy as np
 
 from runtime.config import MoesysConfig
 from runtime.io import atomic_write_text
-from runtime.train.text import DataError, Progress, is_token_file, segments, source_name, text_files
-from runtime.train.token_file import open_token_file, write_token_file
-from runtime.train.tokenizer import (TOKENIZER_FILE, ByteTokenizer, Tokenizer, load_tokenizer, token_dtype,
+from runtime.data.text import DataError, Progress, is_token_file, segments, source_name, text_files
+from runtime.data.token_file import open_token_file, write_token_file
+from runtime.data.tokenizer import (TOKENIZER_FILE, ByteTokenizer, Tokenizer, load_tokenizer, token_dtype,
                                      tokenizer_digest)
 
 BATCH_BYTES = 4 << 20

@@ -1,7 +1,7 @@
 """`moesys tokenizer train`: a byte-level BPE (GPT-2's scheme: the 256 bytes, then learned merges) trained on the
 user's text with the Hugging Face `tokenizers` library, written as the tokenizer.json `train.tokenizer` takes.
 
-It learns from the same segments training encodes (runtime/train/text.py), so its merges never span a blank line
+It learns from the same segments training encodes (runtime/data/text.py), so its merges never span a blank line
 or a segment cut, and a text it was trained on encodes as training reads it.
 """
 
@@ -14,8 +14,8 @@ from typing import Optional
 from runtime.config import BYTE_VOCAB
 from runtime.errors import UserError
 from runtime.io import atomic_write_text
-from runtime.train.text import Progress, is_token_file, segments, source_name, text_files
-from runtime.train.tokenizer import JsonTokenizer
+from runtime.data.text import Progress, is_token_file, segments, source_name, text_files
+from runtime.data.tokenizer import JsonTokenizer
 
 MAX_VOCAB = 1 << 32
 """Ids a token file's uint32 can hold."""

@@ -5,8 +5,8 @@ write leaves nothing."""
 import numpy as np
 import pytest
 
-from runtime.train.text import DataError
-from runtime.train.token_file import check_ids, open_token_file, write_token_file
+from runtime.data.text import DataError
+from runtime.data.token_file import check_ids, open_token_file, write_token_file
 
 
 @pytest.mark.parametrize("suffix", [".bin", ".npy"])

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from runtime.train import text
-from runtime.train.text import CORPUS_DIR, DataError, read_text_bytes, segments
+from runtime.data import text
+from runtime.data.text import CORPUS_DIR, DataError, read_text_bytes, segments
 
 
 def joined_files(folder) -> bytes:
