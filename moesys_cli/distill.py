@@ -88,7 +88,8 @@ def distill(args: DistillArgs = None, json_out: Json = False) -> None:
     say(f"distill: teacher {cfg.distill.teacher} ({teacher.num_experts} experts per MoE layer) -> student "
         f"{run_dir} ({experts})")
     from runtime.train.distill import compare_on_heldout  # torch: loaded only once the input is known good
-    from runtime.train.student_init import SELECTION, start_student
+    from runtime.files.paths import SELECTION
+    from runtime.train.student_init import start_student
 
     def prepare(directory: Path) -> None:
         record = start_student(cfg, directory)

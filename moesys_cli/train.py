@@ -21,15 +21,16 @@ from runtime.launch import build_launch, check_launchable, rendezvous_connect_s,
 from runtime.node_watch import LostNodeWatch
 from runtime.oom import OUT_OF_MEMORY_EXIT, OomWatch, oom_message, smallest_fix
 from runtime.process import Job, TorchrunLogs, exception_line, resume_point, worker_pids
-from runtime.files.run_dir import (RunLock, check_run_dir, clear_fatal, default_run_dir, last_step_metrics, node_logs,
-                             prepare_run_dir, read_fatal, record_fatal, run_summary)
+from runtime.files.run_dir import (RunLock, check_run_dir, clear_fatal, clear_rank_memory, last_step_metrics,
+                                   read_fatal, read_rank_memory, record_fatal, run_summary)
+from runtime.files.paths import default_run_dir, node_logs
+from runtime.train.run_setup import prepare_run_dir
 from runtime.topology import host_memory_bytes
 from runtime.plan.compare import recorded_plan
 from runtime.train.preflight import check_before_launch, check_disk, check_plan
 from runtime.plan.placement import record as record_placement
 from runtime.files.resume import apply_resume_from
 from runtime.data.tokenize import prepare_run_data
-from runtime.train.rank_memory import clear_rank_memory, read_rank_memory
 
 TOKENIZE_BAR_BYTES = 16 << 20
 """Text sources smaller than this are tokenized before launch without a progress bar."""

@@ -26,7 +26,7 @@ from runtime.plan.budget import GB
 from runtime.plan.planner import LAUNCHER_BYTES, plan_placement
 from runtime.topology import host_memory_bytes
 from runtime.io import atomic_write_text
-from runtime.files.run_dir import node_logs
+from runtime.files.paths import LOGS, SLURM_LOG, SLURM_SCRIPT, node_logs
 
 WORKER_MODULE = "runtime.train.worker"
 SAFE_RUN = ('import runpy, sys; sys.path[:1] == [""] and sys.path.pop(0); '
@@ -38,8 +38,6 @@ FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """torchrun's workers then get a new TCP store from rank 0 every rendezvous round (see multinode_env)."""
 JOIN_TIMEOUT_MIN_S = 60
 """The least time a multinode node waits for the others to join (the commands are started by hand)."""
-SLURM_SCRIPT = "job.sbatch"
-SLURM_LOG = "slurm-%j.out"
 _NO_SBATCH = ("launcher=slurm submits with {command}, which is not on PATH; run moesys train on a SLURM login node, "
               "or add --dry-run to print the sbatch script")
 
@@ -231,7 +229,7 @@ def slurm_script(cfg: MoesysConfig, run_dir: Path, nproc: int) -> str:
         f"#SBATCH --nodes={cfg.topology.nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --time={launcher.time}",
-        f"#SBATCH --output={run_dir / 'logs' / SLURM_LOG}",
+        f"#SBATCH --output={run_dir / LOGS / SLURM_LOG}",
     ]
     if cfg.topology.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={cfg.topology.gpus_per_node}")
@@ -277,5 +275,5 @@ def submit_slurm(spec: LaunchSpec, run_dir: Path) -> SlurmJob:
         raise UserError(f"{spec.argv[0]} failed with exit code {done.returncode}: {last} (script {script})")
     found = re.search(r"Submitted batch job (\d+)", answer) or re.match(r"(\d+)", answer)
     job_id = found.group(1) if found else None
-    log = run_dir / "logs" / SLURM_LOG.replace("%j", job_id) if job_id else None
+    log = run_dir / LOGS / SLURM_LOG.replace("%j", job_id) if job_id else None
     return SlurmJob(job_id=job_id, script=script, log=log, answer=answer)

@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 from runtime.config import MoesysConfig
-from runtime.data.text import CORPUS_DIR, DOC_SEPARATOR, DataError, check_token_count, read_text_bytes  # noqa: F401
-from runtime.data.text import source_name
+from runtime.data.text import DataError, check_token_count, source_name
 from runtime.data.tokenize import read_tokens, run_cache_dir
 from runtime.data.tokenizer import ByteTokenizer, Tokenizer
 

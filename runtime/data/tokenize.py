@@ -17,14 +17,12 @@ from runtime.config import MoesysConfig
 from runtime.io import atomic_write_text
 from runtime.data.text import DataError, Progress, is_token_file, segments, source_name, text_files
 from runtime.data.token_file import open_token_file, write_token_file
-from runtime.data.tokenizer import (TOKENIZER_FILE, ByteTokenizer, Tokenizer, load_tokenizer, token_dtype,
-                                     tokenizer_digest)
+from runtime.files.paths import TOKENIZER_FILE
+from runtime.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype, tokenizer_digest
+from runtime.files.paths import TOKENS
 
 BATCH_BYTES = 4 << 20
 """Text handed to the tokenizer at once (its threads encode the segments of a batch in parallel)."""
-TOKENS = "tokens"
-"""RUN_DIR/tokens/: the run's text sources as token files, named after the key and a digest of their inputs."""
-
 
 def _encode(tokenizer: Tokenizer, batch: list[bytes]) -> np.ndarray:
     if isinstance(tokenizer, ByteTokenizer):  # the bytes are the ids: no decoding, no copy per byte

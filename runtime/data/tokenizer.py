@@ -14,15 +14,11 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 from runtime.config import BYTE_VOCAB, MoesysConfig
 from runtime.errors import UserError
-from runtime.files.run_dir import CHECKPOINTS
+from runtime.files.paths import CHECKPOINTS, TOKENIZER_FILE
 
 if TYPE_CHECKING:
     import torch
 
-TOKENIZER_FILE = "tokenizer.json"
-"""The tokenizer's file in a run directory, a checkpoint and an export."""
-HF_TOKENIZER_CONFIG = "tokenizer_config.json"
-"""Beside tokenizer.json in a Hugging Face export: how transformers loads it."""
 BYTES = "bytes"
 
 

@@ -9,24 +9,23 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from safetensors import safe_open
-
+from runtime.config import MoesysConfig
 from runtime.errors import UserError
-from runtime.files.run_dir import CHECKPOINTS
+from runtime.files.paths import (CHECKPOINTS, LATEST, META, PARTIAL, RNG_PREFIX, STEP_PREFIX, experts_file,
+                                  experts_file_stem)
+from runtime.io import atomic_write_json, atomic_write_text, fsync_dir
 
 if TYPE_CHECKING:
     import torch
 
 MODEL = "model"
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
-META = "meta.json"
 FILES = "files"
 """meta.json's list of the checkpoint's tensor files (RNG states aside), so that a reader names one that is gone."""
-PARTIAL = ".tmp-"
-"""The prefix of a checkpoint's directory while it is written (CHECKPOINTS/.tmp-step_N), renamed when complete."""
 
 
 class CheckpointError(UserError):
@@ -39,15 +38,15 @@ def tensor_key(kind: str, param: str, expert: int | None = None) -> str:
 
 def tensor_files(directory: Path) -> list[str]:
     """The names of the safetensors files in `directory` that hold model or optimizer tensors (not RNG states)."""
-    return sorted(p.name for p in Path(directory).glob("*.safetensors") if not p.name.startswith("rng-"))
+    return sorted(p.name for p in Path(directory).glob("*.safetensors") if not p.name.startswith(RNG_PREFIX))
 
 
 def check_complete(path: Path) -> None:
     """Raise CheckpointError naming the tensor files the checkpoint's meta.json lists that are not there (a deleted
     expert file would otherwise be reported as a missing tensor). Checkpoints without the list pass."""
     try:
-        listed = json.loads((Path(path) / META).read_text()).get(FILES) or []
-    except (OSError, ValueError, AttributeError):
+        listed = read_meta(path).get(FILES) or []
+    except (ValueError, AttributeError):  # CheckpointError is a ValueError
         return
     missing = [name for name in listed if not (Path(path) / name).is_file()]
     if missing:
@@ -60,15 +59,15 @@ def missing_tensor(path: Path, key: str) -> CheckpointError:
     file is gone (a checkpoint written without a file list in meta.json), else the files it has."""
     path = Path(path)
     try:
-        meta = json.loads((path / META).read_text())
+        meta = read_meta(path)
         experts, ranks = int(meta["num_experts"]), int(meta["expert_parallel"])
         expert = int(key.rpartition(".")[2]) if key.count(".") >= 2 else None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):  # CheckpointError is a ValueError
         expert = None
     if expert is not None and ranks > 0 and experts % ranks == 0 and expert < experts:
         rank = expert // (experts // ranks)
-        name = f"experts-ep{rank}"  # experts-epP.safetensors, or experts-epP-L*.safetensors for offloaded layers
-        if not any(f == f"{name}.safetensors" or f.startswith(f"{name}-") for f in tensor_files(path)):
+        name = experts_file_stem(rank)  # experts-epP.safetensors, or experts-epP-L*.safetensors for offloaded layers
+        if not any(f == experts_file(rank) or f.startswith(f"{name}-") for f in tensor_files(path)):
             return CheckpointError(f"{path} is missing {name}.safetensors, which holds expert {expert} "
                                    f"({key}); restore it, or use an older checkpoint")
     return CheckpointError(f"{path} has no tensor {key} in {', '.join(tensor_files(path)) or 'any file'}; was it "
@@ -87,16 +86,16 @@ class CheckpointReader:
     checksum is verified when the reader opens it, so a damaged file is named before anything loads from it."""
 
     def __init__(self, path: Path):
-        from runtime.files.tensorfile import verify  # torch: only readers of tensors load it
+        from runtime.files.tensorfile import open_tensors, verify  # torch: only readers of tensors load it
 
         self.path = Path(path)
         self.where = {}
         check_complete(self.path)
         for file in sorted(self.path.glob("*.safetensors")):
-            if not file.name.startswith("rng-"):
+            if not file.name.startswith(RNG_PREFIX):
                 verify(file)
                 try:
-                    handle = safe_open(str(file), framework="pt")
+                    handle = open_tensors(file)
                 except Exception as exc:  # safetensors' own error types, for a torn file written without checksum
                     raise CheckpointError(f"{file}: corrupt safetensors file ({str(exc).strip().splitlines()[0]})"
                                           ) from None
@@ -111,14 +110,35 @@ class CheckpointReader:
         return self.where[key].get_tensor(key)
 
 
+def checkpoint_meta(step: int, world_size: int, expert_parallel: int, cfg: MoesysConfig) -> dict:
+    """meta.json: the step, the layout that wrote the checkpoint, and the full config."""
+    return {"step": step, "world_size": world_size, "expert_parallel": expert_parallel,
+            "num_experts": cfg.model.num_experts, "config": asdict(cfg)}
+
+
+def commit_checkpoint(tmp: Path, meta: dict) -> Path:
+    """Make the written directory `tmp` (CHECKPOINTS/.tmp-NAME) the checkpoint NAME: meta.json last (with the list
+    of its tensor files), fsync, rename over any earlier one of that name, then `latest`. A crash before the rename
+    leaves only a .tmp- directory."""
+    root, name = tmp.parent, tmp.name.removeprefix(PARTIAL)
+    final = root / name
+    atomic_write_json(tmp / META, {**meta, FILES: tensor_files(tmp)})
+    fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    fsync_dir(root)
+    atomic_write_text(root / LATEST, name + "\n")
+    return final
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint, or None. Temporary directories of killed writes are ignored."""
     root = Path(run_dir) / CHECKPOINTS
-    pointer = root / "latest"
+    pointer = root / LATEST
     if not pointer.exists():
         return None
     path = root / pointer.read_text().strip()
-    return path if (path / "meta.json").exists() else None
+    return path if (path / META).exists() else None
 
 
 def remove_partial_checkpoints(run_dir: Path) -> None:
@@ -126,3 +146,9 @@ def remove_partial_checkpoints(run_dir: Path) -> None:
     full disk they hold the space that the error report needs."""
     for partial in (Path(run_dir) / CHECKPOINTS).glob(f"{PARTIAL}*"):
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def remove_old_checkpoints(root: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints under `root` (CHECKPOINTS); remove the older ones."""
+    for old in sorted(p for p in Path(root).glob(f"{STEP_PREFIX}*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

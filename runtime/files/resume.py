@@ -8,24 +8,21 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from runtime.files.checkpoint_format import META, latest_checkpoint
+from runtime.files.paths import CHECKPOINTS, LATEST, META, STEP_PREFIX, SUPERSEDED, step_of
+from runtime.files.checkpoint_format import latest_checkpoint
 from runtime.config import MoesysConfig, resume_step
 from runtime.errors import UserError
 from runtime.io import atomic_write_text, fsync_dir
-from runtime.files.run_dir import CHECKPOINTS
-
-SUPERSEDED = "superseded-"
-"""CHECKPOINTS/superseded-TIME/: the checkpoints a launch with train.resume_from=none|step_N started before."""
 
 
 def checkpoint_steps(run_dir: Path) -> dict[int, Path]:
     """The run's complete checkpoints by step, oldest first."""
     root = Path(run_dir) / CHECKPOINTS
     found = {}
-    for path in sorted(root.glob("step_*")) if root.is_dir() else []:
-        digits = path.name.removeprefix("step_")
-        if digits.isdigit() and (path / META).is_file():
-            found[int(digits)] = path
+    for path in sorted(root.glob(f"{STEP_PREFIX}*")) if root.is_dir() else []:
+        step = step_of(path.name)
+        if step is not None and (path / META).is_file():
+            found[step] = path
     return found
 
 
@@ -54,8 +51,8 @@ def skip_hint(checkpoint: Path) -> str:
     """How to start a run without `checkpoint` (a damaged one): the key and the older checkpoints to give it."""
     checkpoint = Path(checkpoint)
     run_dir = checkpoint.parent.parent
-    digits = checkpoint.name.removeprefix("step_")
-    older = [s for s in checkpoint_steps(run_dir) if digits.isdigit() and s < int(digits)]
+    step = step_of(checkpoint.name)
+    older = [s for s in checkpoint_steps(run_dir) if step is not None and s < step]
     back = f"train.resume_from=step_{older[-1]} (the newest older checkpoint) or " if older else ""
     return f"to skip it, launch again with {back}train.resume_from=none (from scratch)"
 
@@ -67,7 +64,7 @@ def apply_resume_from(cfg: MoesysConfig) -> str | None:
     if cfg.train.resume_from == "latest":
         return None
     chosen = chosen_checkpoint(cfg)
-    start = -1 if chosen is None else int(chosen.name.removeprefix("step_"))
+    start = -1 if chosen is None else step_of(chosen.name)
     root = run_dir / CHECKPOINTS
     later = [path for step, path in checkpoint_steps(run_dir).items() if step > start]
     if later:
@@ -76,7 +73,7 @@ def apply_resume_from(cfg: MoesysConfig) -> str | None:
         for path in later:
             path.rename(aside / path.name)
         fsync_dir(root)
-    pointer = root / "latest"
+    pointer = root / LATEST
     if chosen is None:
         pointer.unlink(missing_ok=True)
     elif root.is_dir():

@@ -1,4 +1,5 @@
-"""The run directory: resolved config, metrics.jsonl, checkpoints/, logs/ (one place for every path name)."""
+"""The run directory's files: the resolved config, metrics.jsonl and the ranks' memory records, the summary, the
+lock of the job running there and a worker's fatal verdict (their names: runtime/files/paths.py)."""
 
 from __future__ import annotations
 
@@ -8,45 +9,15 @@ import hashlib
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
+from typing import Iterable
 
 import yaml
 
 from runtime.config import MoesysConfig, config_from_dict
 from runtime.errors import UserError
+from runtime.files.paths import CONFIG, FATAL, LOCK, LOGS, MEMORY_DIR, METRICS, MODEL_FILES, RUN_MARKS, SUMMARY
 from runtime.io import atomic_write_text
-
-CONFIG = "config.yaml"
-METRICS = "metrics.jsonl"
-SUMMARY = "summary.json"
-CHECKPOINTS = "checkpoints"
-LOGS = "logs"
-EXPERT_STORE = "expert_store"
-FATAL = "fatal_error.txt"
-RUN_MARKS = (LOGS, CHECKPOINTS, METRICS)
-"""What `moesys train` writes beside its config.yaml; a directory with the config and one of these is a run."""
-MODEL_FILES = ("config.json", "meta.json")
-"""Files at the top of a model directory (a moesys export, a Hugging Face model), never at the top of a run."""
-
-
-def default_run_dir(cfg: MoesysConfig) -> Path:
-    return Path("outputs") / f"{cfg.recipe or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def node_logs(run_dir: Path, cfg: MoesysConfig) -> Path:
-    """This node's logs: RUN_DIR/logs, or RUN_DIR/logs/node<N> in a multinode job, whose nodes share the run
-    directory (each node's torchrun writes the same local-rank tree, and each launcher follows its own)."""
-    if cfg.launcher.name == "multinode":
-        return Path(run_dir) / LOGS / f"node{cfg.launcher.node_rank}"
-    return Path(run_dir) / LOGS
-
-
-def expert_store_root(cfg: MoesysConfig) -> Path:
-    """Where this run's SSD expert store lives: storage.ssd_path, or expert_store/ inside the run directory."""
-    if cfg.storage.ssd_path:
-        return Path(cfg.storage.ssd_path).expanduser().resolve()
-    return Path(cfg.train.run_dir or default_run_dir(cfg)).resolve() / EXPERT_STORE
 
 
 def model_files(path: Path) -> list[str]:
@@ -79,33 +50,8 @@ def check_run_dir(path: str | Path) -> None:
                         "moesys run directory; training there would overwrite it: choose a new train.run_dir")
 
 
-def prepare_run_dir(cfg: MoesysConfig) -> Path:
-    """Create the run directory (absolute) and write the resolved config the workers will read. A directory that
-    holds a model or config of something other than a run is refused (check_run_dir); one that holds a checkpoint
-    is left untouched unless `cfg`'s model fits the checkpoint train.resume_from starts from (a resume). A directory
-    that cannot be made or written is a UserError naming train.run_dir."""
-    from runtime.train.checkpoint import check_fits  # it names its files after this module's
-    from runtime.files.resume import chosen_checkpoint
-
-    run_dir = Path(cfg.train.run_dir or default_run_dir(cfg)).resolve()
-    cfg.train.run_dir = str(run_dir)
-    check_run_dir(run_dir)
-    ckpt = chosen_checkpoint(cfg)  # the one train.resume_from starts from
-    if ckpt is not None:
-        try:
-            check_fits(ckpt, cfg)
-        except UserError as exc:
-            raise UserError(f"cannot resume {run_dir}: {exc}; resume with the model settings it was trained with "
-                            "or choose a new train.run_dir") from None
-    try:
-        (run_dir / LOGS).mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / CONFIG)
-    except OSError as exc:
-        raise _unwritable(run_dir, exc) from None
-    return run_dir
-
-
-def _unwritable(run_dir: Path, exc: OSError) -> UserError:
+def run_dir_unwritable(run_dir: Path, exc: OSError) -> UserError:
+    """A run directory that cannot be made or written, as the one line naming train.run_dir."""
     return UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; set train.run_dir to a "
                      "directory you can write")
 
@@ -116,6 +62,16 @@ def save_config(cfg: MoesysConfig, path: Path) -> None:
 
 def load_config(run_dir: str | Path) -> MoesysConfig:
     return config_from_dict(yaml.safe_load((Path(run_dir) / CONFIG).read_text()))
+
+
+def create_run_dir(cfg: MoesysConfig, run_dir: Path) -> None:
+    """Make `run_dir` (and its logs/) and write the resolved config the workers read; a directory that cannot be
+    made or written is a UserError naming train.run_dir."""
+    try:
+        (run_dir / LOGS).mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / CONFIG)
+    except OSError as exc:
+        raise run_dir_unwritable(run_dir, exc) from None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -176,9 +132,6 @@ def run_summary(run_dir: str | Path) -> dict:
     }
 
 
-LOCK = ".lock"
-
-
 class RunLock:
     """An exclusive lock on RUN_DIR/.lock (flock) while a job runs there; the OS drops it when its holder exits or
     is killed, so a stale lock never blocks a resume. The nodes of a multi-node job (one `moesys train` per node,
@@ -190,7 +143,7 @@ class RunLock:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a+")
         except OSError as exc:
-            raise _unwritable(run_dir, exc) from None
+            raise run_dir_unwritable(run_dir, exc) from None
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -251,3 +204,33 @@ def clear_fatal(run_dir: Path) -> None:
             path.unlink()
         except (FileNotFoundError, NotADirectoryError):
             pass
+
+
+def task_samples_per_s(rank_lines: Iterable[dict]) -> dict[str, float]:
+    """Each task's samples per second in one step of a multi-task run: the sum over its ranks of the rank's samples
+    of the task over the rank's compute time (metrics.jsonl's per-rank lines of that step)."""
+    speeds: dict[str, float] = {}
+    for line in rank_lines:
+        if "task" in line and line.get("compute_s"):
+            speeds[line["task"]] = speeds.get(line["task"], 0.0) + line["samples"] / line["compute_s"]
+    return speeds
+
+
+def read_rank_memory(run_dir: Path) -> list[dict]:
+    """Every rank's last written memory record (RUN_DIR/memory/rank<R>.json, any order); unreadable files are
+    skipped."""
+    out = []
+    for path in sorted((Path(run_dir) / MEMORY_DIR).glob("rank*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def clear_rank_memory(run_dir: Path) -> None:
+    """A new launch starts without the records of an earlier one (a rank that dies early leaves none)."""
+    for path in (Path(run_dir) / MEMORY_DIR).glob("rank*.json"):
+        path.unlink(missing_ok=True)

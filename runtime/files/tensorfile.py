@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterable
 
 import torch
+from safetensors import safe_open
 
 from runtime.errors import UserError
 from runtime.io import atomic_file
@@ -25,9 +26,11 @@ from runtime.io import atomic_file
 CHECKSUM_KEY = "moesys.crc32"
 _CHUNK = 1 << 20
 _CRC_PLACEHOLDER = "00000000"  # fixed width: the real checksum overwrites it in place once the data is written
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+"""The safetensors dtype names moesys reads and writes, and their torch dtypes."""
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 TensorSpec = tuple[torch.dtype, tuple[int, ...]]
 """What the header records of a tensor before its bytes exist: dtype and shape."""
@@ -52,7 +55,7 @@ def _header(specs: dict[str, TensorSpec], metadata: dict[str, str] | None) -> tu
     offset = 0
     for key, (dtype, shape) in specs.items():
         nbytes = math.prod(shape) * dtype.itemsize
-        header[key] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data section stays 8-byte aligned, as safetensors writes it
@@ -61,12 +64,23 @@ def _header(specs: dict[str, TensorSpec], metadata: dict[str, str] | None) -> tu
     return struct.pack("<Q", len(encoded)) + encoded, 8 + len(prefix)
 
 
-def _raw(t: torch.Tensor):
+def raw_bytes(t: torch.Tensor):
     """The tensor's bytes as a buffer: a view of a contiguous CPU tensor, one copy of any other."""
     t = t.detach()
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.contiguous().cpu()
     return t.reshape(-1).view(torch.uint8).numpy()  # via uint8: numpy has no bfloat16
+
+
+def encode(tensors: dict[str, torch.Tensor]) -> list:
+    """The file of `tensors` as buffers, for a gather write: the header with the checksum of the data section
+    filled in, then every tensor's own memory in dict order (no copy of a contiguous CPU tensor)."""
+    raws = [raw_bytes(t) for t in tensors.values()]
+    crc = 0
+    for raw in raws:
+        crc = zlib.crc32(raw, crc)
+    head, crc_at = _header({k: spec_of(t) for k, t in tensors.items()}, None)
+    return [head[:crc_at] + f"{crc:08x}".encode() + head[crc_at + 8:], *raws]
 
 
 def write_tensors(path: str | Path, specs: dict[str, TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]],
@@ -87,7 +101,7 @@ def write_tensors(path: str | Path, specs: dict[str, TensorSpec], tensors: Itera
             if key != want_key or spec_of(t) != want:
                 raise ValueError(f"write_tensors({path}): got {key} {spec_of(t)}, the header expects "
                                  f"{want_key} {want}")
-            data = _raw(t)
+            data = raw_bytes(t)
             f.write(data)
             crc = zlib.crc32(data, crc)
             del t, data
@@ -118,6 +132,25 @@ def read_header(f: BinaryIO) -> tuple[dict, int]:
     if not isinstance(header, dict):
         raise ValueError("its header is not an object")
     return header, 8 + header_len
+
+
+def read_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of every tensor of the file at `path`, from its header alone; ChecksumError when the header is
+    unreadable."""
+    with open(path, "rb") as f:
+        try:
+            header, _ = read_header(f)
+        except (struct.error, ValueError) as exc:
+            raise ChecksumError(f"{path} is not a readable safetensors file ({unreadable_reason(exc)}); it is "
+                                "damaged") from None
+    header.pop("__metadata__", None)
+    return {name: tuple(entry["shape"]) for name, entry in header.items()}
+
+
+def open_tensors(path: str | Path):
+    """The file's tensors, memory-mapped and read lazily (safetensors' safe_open: `.keys()`, `.get_tensor(name)`;
+    a context manager)."""
+    return safe_open(str(path), framework="pt")
 
 
 def unreadable_reason(exc: BaseException) -> str:

@@ -38,8 +38,8 @@ from runtime.model.transformer import Transformer
 from runtime.plan.disk import check_free
 from runtime.moe.layer import is_expert_param
 from runtime.files.tensorfile import write_tensors
-from runtime.data.tokenizer import (HF_TOKENIZER_CONFIG, TOKENIZER_FILE, checkpoint_tokenizer,
-                                     hf_tokenizer_config)
+from runtime.files.paths import HF_TOKENIZER_CONFIG, TOKENIZER_FILE
+from runtime.data.tokenizer import checkpoint_tokenizer, hf_tokenizer_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("moesys", "hf")

@@ -26,7 +26,7 @@ from runtime.inference.mapped import MappedFileError, TensorFiles, copy_to, read
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
 from runtime.moe.layer import is_expert_param
-from runtime.files.run_dir import CHECKPOINTS, CONFIG
+from runtime.files.paths import CHECKPOINTS, CONFIG
 from runtime.files.checkpoint_format import MODEL, check_complete, latest_checkpoint, missing_tensor, tensor_key
 from runtime.page_cache import evict
 from runtime.files.tensorfile import verify

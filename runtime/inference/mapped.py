@@ -17,11 +17,7 @@ from torch import Tensor
 
 from runtime.files import tensorfile
 from runtime.errors import UserError
-from runtime.files.tensorfile import unreadable_reason
-
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+from runtime.files.tensorfile import DTYPES, unreadable_reason
 
 
 class MappedFileError(UserError):

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import UserError
-from runtime.files.run_dir import CONFIG, load_config, read_metrics
+from runtime.files.paths import CONFIG, PLAN
+from runtime.files.run_dir import load_config, read_metrics, read_rank_memory
 from runtime.plan.planner import plan_placement, plan_to_dict
-from runtime.plan.placement import PLAN
-from runtime.train.rank_memory import read_rank_memory
 
 TOLERANCE = 0.2
 """Measured within 20% of predicted: the target of issue 15."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.plan.params import ParamCounts
-from runtime.plan.budget import GB, STORED_SPARSE_BYTES
+from runtime.plan.budget import GB
 
 CHECKPOINT_BYTES = 12
 """A parameter in a checkpoint: fp32 weight, exp_avg and exp_avg_sq (step counts and RNG states are negligible)."""

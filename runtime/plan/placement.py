@@ -14,8 +14,7 @@ from runtime.config import MoesysConfig
 from runtime.io import atomic_write_json
 from runtime.plan.budget import GB
 from runtime.plan.planner import plan_placement, plan_to_dict
-
-PLAN = "plan.json"
+from runtime.files.paths import PLAN
 
 
 @dataclass(frozen=True)

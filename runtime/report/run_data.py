@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import UserError
-from runtime.files.run_dir import CONFIG, LOCK, METRICS, is_run_dir, model_files, read_metrics
-from runtime.plan.placement import PLAN
+from runtime.files.paths import CONFIG, LOCK, METRICS, PLAN
+from runtime.files.run_dir import is_run_dir, model_files, read_metrics
 
 
 @dataclass(frozen=True)

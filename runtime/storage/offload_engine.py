@@ -36,6 +36,7 @@ from runtime.storage.ssd_home import SSDHome
 from runtime.storage.step_timeline import StepTimeline, by_kind, host_cost
 from runtime.storage.tiers import Tiers
 from runtime.storage.transfers import DeviceCopy, TransferEngine
+from runtime.files.paths import experts_file
 from runtime.files.tensorfile import spec_of, write_tensors
 
 STALLS = ("wait_update", "wait_prefetch", "acquire", "h2d")
@@ -373,7 +374,7 @@ class OffloadEngine:
                      for k, t in self._checkpoint_items(spec, g, first[1])}
             stream = (item for g, slot in chain([first], slots) for item in self._checkpoint_items(spec, g, slot))
             del first
-            files.append(write_tensors(directory / f"experts-ep{ep_rank}-L{spec.index:04d}.safetensors", specs,
+            files.append(write_tensors(directory / experts_file(ep_rank, spec.index), specs,
                                        stream))
         return files
 
@@ -501,7 +502,7 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, pla
     With offload=ssd each rank keeps its own store under STORE/ep{r}-of-{n}-edp{k} (STORE: storage.ssd_path, or
     the run directory's expert_store/), owned by this run; with offload=cpu the states stay in host memory."""
     from runtime.optim import lr_at
-    from runtime.files.run_dir import expert_store_root
+    from runtime.files.paths import expert_store_dir, expert_store_root
 
     st = cfg.storage
     if placement.offload not in ("cpu", "ssd"):
@@ -510,7 +511,7 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, pla
     ep_rank, ep_size, edp_rank = (groups.ep_rank, groups.ep_size, groups.edp_rank) if groups is not None else (0, 1, 0)
     store = None
     if placement.offload == "ssd":
-        store = ExpertStore(expert_store_root(cfg) / f"ep{ep_rank}-of-{ep_size}-edp{edp_rank}",
+        store = ExpertStore(expert_store_root(cfg) / expert_store_dir(ep_rank, ep_size, edp_rank),
                             owner=str(Path(cfg.train.run_dir).resolve()))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
     return install_offload(model, store, device, seed=cfg.train.seed, cache_experts=placement.cpu_cache_experts,

@@ -22,7 +22,8 @@ from runtime.data.dataset import TokenDataset, open_dataset
 from runtime.data.text import DataError, is_token_file
 from runtime.data.token_file import open_token_file
 from runtime.data.tokenize import read_tokens
-from runtime.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, run_tokenizer
+from runtime.files.paths import TOKENIZER_FILE
+from runtime.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
 
 Evaluate = Callable[[int, nn.Module, ContextManager], dict]
 """evaluate(step, model, autocast): the step line's eval_* fields at an evaluation step, {} at any other."""

@@ -22,6 +22,7 @@ from runtime.optim import square_sum
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
 from runtime.storage.offload_engine import OffloadEngine
+from runtime.files.paths import DENSE_SHARDED
 from runtime.files.tensorfile import save_tensors
 
 GradSq = tuple[torch.Tensor, object]
@@ -149,7 +150,7 @@ class ShardedDense(Part):
         if self.groups.rank != 0:
             return []
         tensors = {tensor_key(kind, n): t.contiguous() for n, kinds in full.items() for kind, t in kinds.items()}
-        return [save_tensors(Path(directory) / "dense-sharded.safetensors", tensors)]
+        return [save_tensors(Path(directory) / DENSE_SHARDED, tensors)]
 
     def load(self, reader: CheckpointReader, step: int) -> None:
         held = self.held_params()

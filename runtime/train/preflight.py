@@ -10,7 +10,7 @@ from pathlib import Path
 
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
-from runtime.files.run_dir import CHECKPOINTS, expert_store_root
+from runtime.files.paths import CHECKPOINTS, STEP_PREFIX, expert_store_root, step_of
 from runtime.plan.budget import GB
 from runtime.plan.disk import bytes_under, check_free, checkpoints_on_disk, kept_checkpoints
 from runtime.plan.planner import plan_placement
@@ -80,8 +80,8 @@ def check_disk(cfg: MoesysConfig) -> None:
     plan = plan_placement(cfg)
     disk = plan.disk
     checkpoints = Path(cfg.train.run_dir).resolve() / CHECKPOINTS
-    done = sorted(p.name for p in checkpoints.glob("step_*") if p.is_dir()) if checkpoints.is_dir() else []
-    first = int(done[-1].removeprefix("step_")) if done and done[-1].removeprefix("step_").isdigit() else 0
+    done = sorted(p.name for p in checkpoints.glob(f"{STEP_PREFIX}*") if p.is_dir()) if checkpoints.is_dir() else []
+    first = (step_of(done[-1]) or 0) if done else 0
     new = checkpoints_on_disk(cfg, existing=len(done), first_step=first) - len(done)
     store = expert_store_root(cfg)
     here = cfg.launcher.name != "slurm"

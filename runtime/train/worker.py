@@ -19,7 +19,8 @@ from runtime.oom import OUT_OF_MEMORY_EXIT, OutOfMemory, cuda_oom_message
 from runtime.io import atomic_write_json
 from runtime.parallel.groups import build_groups
 from runtime.process import die_with_parent
-from runtime.files.run_dir import SUMMARY, load_config, read_fatal, record_fatal
+from runtime.files.paths import SUMMARY
+from runtime.files.run_dir import load_config, read_fatal, record_fatal
 from runtime.topology import set_cpu_threads
 from runtime.plan.compare import recorded_plan
 from runtime.train.loop import train

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from runtime.data.dataset import CORPUS_DIR, DataError, TokenDataset, build_task_datasets, read_text_bytes
+from runtime.data.dataset import TokenDataset, build_task_datasets
+from runtime.data.text import CORPUS_DIR, DataError, read_text_bytes
 from runtime.data.tokenizer import ByteTokenizer
 
 

@@ -14,8 +14,9 @@ import torch
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.errors import UserError
 from runtime.parallel.groups import build_groups
-from runtime.files.run_dir import (CONFIG, RunLock, clear_fatal, is_run_dir, load_config, prepare_run_dir, read_fatal,
-                             record_fatal)
+from runtime.files.paths import CONFIG
+from runtime.files.run_dir import RunLock, clear_fatal, is_run_dir, load_config, read_fatal, record_fatal
+from runtime.train.run_setup import prepare_run_dir
 from runtime.train.loop import train
 
 

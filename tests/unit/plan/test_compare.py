@@ -13,10 +13,10 @@ import runtime.train.loop as loop
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TopologyConfig, TrainConfig
 from runtime.errors import UserError
 from runtime.parallel.groups import build_groups
-from runtime.files.run_dir import read_metrics, save_config
+from runtime.files.run_dir import read_metrics, read_rank_memory, save_config
 from runtime.plan.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
 from runtime.plan.placement import record
-from runtime.train.rank_memory import PER_RANK_KEYS, read_rank_memory
+from runtime.train.rank_memory import PER_RANK_KEYS
 
 MB = 2**20
 

@@ -10,7 +10,8 @@ import torch
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TaskConfig, TrainConfig
 from runtime.parallel.groups import build_groups
 from runtime.train.build import build_components
-from runtime.plan.placement import PLAN, decide, read, record
+from runtime.files.paths import PLAN
+from runtime.plan.placement import decide, read, record
 
 
 def config(tmp_path, **storage) -> MoesysConfig:

@@ -13,11 +13,13 @@ import torch
 
 from runtime.config import MoesysConfig, TrainConfig
 from runtime.parallel.groups import build_groups
-from runtime.files.run_dir import prepare_run_dir, read_metrics
+from runtime.train.run_setup import prepare_run_dir
+from runtime.files.run_dir import read_metrics
 from runtime.data.dataset import TokenDataset
 from runtime.train.loop import train
 from runtime.data.text import CORPUS_DIR
-from runtime.data.tokenize import TOKENS, prepare_tokens, read_tokens, tokenize_to_file
+from runtime.files.paths import TOKENS
+from runtime.data.tokenize import prepare_tokens, read_tokens, tokenize_to_file
 from runtime.data.tokenizer import load_tokenizer
 from runtime.data.tokenizer_train import train_bpe
 from tests.trained_run import SMALL_MOE

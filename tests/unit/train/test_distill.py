@@ -19,7 +19,8 @@ from runtime.files.run_dir import read_metrics
 from runtime.train.distill import Distillation, heldout_windows, kd_loss, split_heldout
 from runtime.train.loop import train
 from runtime.train.student_config import find_teacher, recorded_teacher, student_recipe
-from runtime.train.student_init import SELECTION, expert_usage, most_used, start_student
+from runtime.files.paths import SELECTION
+from runtime.train.student_init import expert_usage, most_used, start_student
 
 CPU = torch.device("cpu")
 ONE = build_groups(1, 0, 1, 1)

@@ -13,7 +13,7 @@ from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.inference.export import export_checkpoint
 from runtime.inference.load import load_model
 from runtime.parallel.groups import build_groups
-from runtime.files.run_dir import prepare_run_dir
+from runtime.train.run_setup import prepare_run_dir
 from runtime.train.checkpoint import latest_checkpoint
 from runtime.train.loop import train
 from runtime.train.student_config import find_teacher, student_recipe
