@@ -23,7 +23,7 @@ import psutil
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.plan.budget import GB
-from runtime.plan.planner import LAUNCHER_BYTES, plan_placement
+from runtime.plan.planner import LAUNCHER_BYTES, Plan, plan_placement
 from runtime.topology import host_memory_bytes
 from runtime.io import atomic_write_text
 from runtime.files.paths import LOGS, SLURM_LOG, SLURM_SCRIPT, node_logs
@@ -68,9 +68,10 @@ def torchrun_prefix() -> list[str]:
     return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def check_launchable(cfg: MoesysConfig, ram_bytes: float | None = None) -> None:
+def check_launchable(cfg: MoesysConfig, ram_bytes: float | None = None, plan: Plan | None = None) -> None:
     """A job launched on this machine (local, multinode) needs the GPUs its topology declares and, on CPU, RAM
-    (`ram_bytes`, default this machine's or its cgroup limit) for all its processes; a SLURM job needs sbatch."""
+    (`ram_bytes`, default this machine's or its cgroup limit) for all its processes, by `plan` (the launch's plan of
+    `cfg`; made here when not given); a SLURM job needs sbatch."""
     if cfg.launcher.name == "slurm" and shutil.which("sbatch") is None:
         raise UserError(_NO_SBATCH.format(command="sbatch"))
     gpus = cuda_device_count() if cfg.launcher.name != "slurm" and cfg.topology.gpus_per_node else 0
@@ -78,7 +79,7 @@ def check_launchable(cfg: MoesysConfig, ram_bytes: float | None = None) -> None:
         raise UserError(f"topology.gpus_per_node={cfg.topology.gpus_per_node} but this machine has {gpus} GPU(s); "
                         "use topology=local (this machine), topology=single (CPU processes) or launcher=slurm")
     if cfg.launcher.name != "slurm" and not cfg.topology.gpus_per_node:
-        check_host_memory(cfg, host_memory_bytes() if ram_bytes is None else ram_bytes)
+        check_host_memory(cfg, host_memory_bytes() if ram_bytes is None else ram_bytes, plan)
     if cfg.launcher.name == "multinode" and cfg.topology.nodes > 1:
         check_node_address(cfg.launcher.local_addr)
 
@@ -143,9 +144,9 @@ def multinode_env(cfg: MoesysConfig) -> dict[str, str]:
     return env
 
 
-def check_host_memory(cfg: MoesysConfig, ram_bytes: float) -> None:
+def check_host_memory(cfg: MoesysConfig, ram_bytes: float, plan: Plan | None = None) -> None:
     """CPU processes of one node share its RAM: the plan's host bytes per process times nproc_per_node must fit."""
-    problem = host_memory_problem(cfg, ram_bytes)
+    problem = host_memory_problem(cfg, ram_bytes, plan.process_host_bytes if plan else None)
     if problem:
         raise UserError(problem)
 

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from runtime.config import MoesysConfig
+from runtime.plan.modes import TierName
 from runtime.plan.params import ParamCounts
 
 GB = 1e9
@@ -25,7 +26,9 @@ STORED_SPARSE_BYTES = 12
 
 
 @dataclass(frozen=True)
-class Tier:
+class TierRequirement:
+    """One inequality of Eq. 1: the bytes a tier must hold against what the nodes give it."""
+
     required_bytes: int
     capacity_bytes: int
     formula: str
@@ -49,22 +52,22 @@ class Eq1Budget:
     alpha: float
     layers: int
     nodes: int
-    gpu: Tier
-    cpu: Tier
-    ssd: Tier
+    gpu: TierRequirement
+    cpu: TierRequirement
+    ssd: TierRequirement
 
     @property
-    def tiers(self) -> dict[str, Tier]:
-        return {"gpu": self.gpu, "cpu": self.cpu, "ssd": self.ssd}
+    def tiers(self) -> dict[TierName, TierRequirement]:
+        return {TierName.GPU: self.gpu, TierName.CPU: self.cpu, TierName.SSD: self.ssd}
 
     @property
     def ok(self) -> bool:
         return all(t.ok for t in self.tiers.values())
 
-    def failing(self) -> list[str]:
+    def failing(self) -> list[TierName]:
         return [name for name, t in self.tiers.items() if not t.ok]
 
-    def unsatisfiable(self) -> list[str]:
+    def unsatisfiable(self) -> list[TierName]:
         """Tiers that hold at no node count: zero capacity per node for a positive requirement."""
         return [name for name, t in self.tiers.items() if t.nodes_needed(self.nodes) is None]
 
@@ -87,8 +90,8 @@ def eq1_budget(cfg: MoesysConfig, params: ParamCounts) -> Eq1Budget:
     d, s = params.dense, params.sparse
     return Eq1Budget(
         params=params, alpha=a, layers=params.moe_layers, nodes=n,
-        gpu=Tier(int(DENSE_STATE_BYTES * d + ACTIVE_SPARSE_BYTES * a * s / layers),
+        gpu=TierRequirement(int(DENSE_STATE_BYTES * d + ACTIVE_SPARSE_BYTES * a * s / layers),
                  int(device_memory_per_node(cfg) * n), "16D + 4aS/L <= M_GPU*N"),
-        cpu=Tier(int(CACHED_SPARSE_BYTES * a * s), int(cfg.topology.cpu_memory_gb * GB * n), "16aS <= M_CPU*N"),
-        ssd=Tier(int(STORED_SPARSE_BYTES * s), int(cfg.topology.ssd_gb * GB * n), "12S <= M_SSD*N"),
+        cpu=TierRequirement(int(CACHED_SPARSE_BYTES * a * s), int(cfg.topology.cpu_memory_gb * GB * n), "16aS <= M_CPU*N"),
+        ssd=TierRequirement(int(STORED_SPARSE_BYTES * s), int(cfg.topology.ssd_gb * GB * n), "12S <= M_SSD*N"),
     )

@@ -18,6 +18,7 @@ from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.plan.params import ParamCounts
 from runtime.plan.budget import GB
+from runtime.plan.modes import OffloadMode
 
 CHECKPOINT_BYTES = 12
 """A parameter in a checkpoint: fp32 weight, exp_avg and exp_avg_sq (step counts and RNG states are negligible)."""
@@ -76,10 +77,10 @@ class DiskPlan:
         return " + ".join(parts) or "nothing"
 
 
-def disk_plan(cfg: MoesysConfig, p: ParamCounts, mode: str, store_bytes_per_rank: int) -> DiskPlan:
+def disk_plan(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode, store_bytes_per_rank: int) -> DiskPlan:
     """What a fresh run of `cfg` writes with expert states placed by `mode` (storage.offload=cpu keeps them in host
     RAM and writes no store; ssd writes `store_bytes_per_rank` for each rank of a node)."""
-    store = store_bytes_per_rank * cfg.topology.processes_per_node if mode == "ssd" else 0
+    store = store_bytes_per_rank * cfg.topology.processes_per_node if mode is OffloadMode.SSD else 0
     return DiskPlan(store_bytes=store, checkpoint_bytes=CHECKPOINT_BYTES * p.total,
                     checkpoints=checkpoints_on_disk(cfg))
 

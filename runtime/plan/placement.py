@@ -1,6 +1,7 @@
-"""The placement training runs with, decided once: `moesys train` plans (Eq. 1, `plan_placement`), writes the result
-to RUN_DIR/plan.json beside config.yaml, and every worker reads it, so no rank plans again and what
-`storage.offload=auto` chose is on record. A resume keeps the recorded placement unless the config changed."""
+"""The placement training runs with, decided once: `moesys train` plans (Eq. 1, `plan_placement`, once per launch),
+writes the result to RUN_DIR/plan.json beside config.yaml, and every worker reads it, so no rank plans again and what
+`storage.offload=auto` chose is on record. A resume keeps the recorded placement unless the config changed. The
+Placement is what the workers build from: its `offload` (an OffloadMode) decides where expert states live."""
 
 from __future__ import annotations
 
@@ -11,17 +12,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.config import MoesysConfig
+from runtime.files.paths import PLAN
 from runtime.io import atomic_write_json
 from runtime.plan.budget import GB
-from runtime.plan.planner import plan_placement, plan_to_dict
-from runtime.files.paths import PLAN
+from runtime.plan.modes import OffloadMode
+from runtime.plan.planner import Plan, plan_placement, plan_to_dict
+from runtime.plan.rebalance import task_gpu_counts
 
 
 @dataclass(frozen=True)
 class Placement:
     """Where this run's expert states live and the budgets of each tier, per rank."""
 
-    offload: str
+    offload: OffloadMode
     """none, cpu or ssd (auto resolved)."""
     cpu_cache_experts: int
     """Experts the CPU cache holds (storage.cpu_cache_experts, or the plan's number; every local expert for cpu)."""
@@ -35,19 +38,23 @@ class Placement:
     """Offloaded modes: MoE layers whose active experts the device holds at once (0: the layer computing and
     storage.prefetch_depth ahead)."""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offload", OffloadMode(self.offload))  # plan.json holds its name
 
-def decide(cfg: MoesysConfig) -> tuple[Placement, dict]:
-    """(the placement, the full plan as `moesys plan --json` prints it) for this config."""
-    plan = plan_placement(cfg)
-    st, r = cfg.storage, plan.per_rank
-    mode = plan.mode if st.offload == "auto" else st.offload
-    cache = r.local_experts if mode == "cpu" else min(st.cpu_cache_experts or r.cache_experts, r.local_experts)
-    task_gpus = {}
-    if cfg.tasks:
-        from runtime.train.tasks import task_gpu_counts  # torch; only multi-task recipes need it
+    def to_dict(self) -> dict:
+        """As plan.json records it (plain data)."""
+        return {**dataclasses.asdict(self), "offload": str(self.offload)}
 
-        task_gpus = task_gpu_counts(cfg, cfg.topology.world_size, plan)
-    placement = Placement(mode, cache if mode != "none" else 0, r.local_experts, r.device_capacity, r.host_capacity,
+
+def decide(cfg: MoesysConfig, plan: Plan | None = None) -> tuple[Placement, dict]:
+    """(the placement, the full plan as `moesys plan --json` prints it) for this config; `plan`: its plan, when the
+    caller has it (made here otherwise)."""
+    plan = plan or plan_placement(cfg)
+    st, r, mode = cfg.storage, plan.per_rank, plan.mode
+    cache = r.local_experts if mode is OffloadMode.CPU else min(st.cpu_cache_experts or r.cache_experts,
+                                                                 r.local_experts)
+    task_gpus = task_gpu_counts(cfg, cfg.topology.world_size, plan) if cfg.tasks else {}
+    placement = Placement(mode, cache if mode.offloaded else 0, r.local_experts, r.device_capacity, r.host_capacity,
                           int(cfg.topology.ssd_gb * GB / cfg.topology.processes_per_node), task_gpus,
                           r.expert_window)
     return placement, plan_to_dict(plan)
@@ -61,16 +68,15 @@ def _digest(cfg: MoesysConfig) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def record(run_dir: Path, cfg: MoesysConfig) -> tuple[Placement, str | None]:
-    """Write RUN_DIR/plan.json for this launch. Returns (placement, a note when a resume re-planned because the
-    config changed since the recorded plan, else None)."""
+def record(run_dir: Path, cfg: MoesysConfig, plan: Plan | None = None) -> tuple[Placement, str | None]:
+    """Write RUN_DIR/plan.json for this launch (`plan`: the launch's plan of `cfg`, made here when not given). Returns
+    (placement, a note when a resume re-planned because the config changed since the recorded plan, else None)."""
     path = Path(run_dir) / PLAN
     old = read(run_dir, with_digest=True)
     if old is not None and old[1] == _digest(cfg):
         return old[0], None
-    placement, plan = decide(cfg)
-    atomic_write_json(path, {"placement": dataclasses.asdict(placement), "config_digest": _digest(cfg),
-                             "plan": plan})
+    placement, planned = decide(cfg, plan)
+    atomic_write_json(path, {"placement": placement.to_dict(), "config_digest": _digest(cfg), "plan": planned})
     note = None
     if old is not None:
         changes = [f"{k} {getattr(old[0], k)} -> {getattr(placement, k)}" for k in ("offload", "cpu_cache_experts",

@@ -16,6 +16,7 @@ from typing import Any
 from runtime.config import MoesysConfig
 from runtime.plan.params import ParamCounts, count_parameters
 from runtime.plan.embedding_bytes import embedding_bytes_per_rank
+from runtime.plan.modes import MODES, OffloadMode, TierName, requested_modes
 from runtime.plan.budget import (CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
                                     STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
 from runtime.plan.disk import DiskPlan, disk_plan, disk_problem, fewer_checkpoints, kept_checkpoints
@@ -23,8 +24,6 @@ from runtime.plan.step_memory import (CUDA_CONTEXT_BYTES, CUDA_HOST_BYTES, CUDA_
                                          optimizer_step_bytes, step_peak, weight_cast_params)
 from runtime.plan.suggest import serving_suggestions, training_suggestions
 
-MODES = ("none", "cpu", "ssd")
-SPARSE_HOME = {"none": "gpu", "cpu": "cpu", "ssd": "ssd"}
 PROCESS_RUNTIME_BYTES = int(0.30 * GB)
 """Host memory a worker process takes beyond the states and activations the estimate counts, as anonymous RSS (what
 the OOM killer weighs; shared library text is file-backed and left out). Measured 2026-11-23 on tiny-recipe
@@ -71,7 +70,8 @@ class RankEstimate:
 class Plan:
     params: ParamCounts
     budget: Eq1Budget
-    mode: str
+    mode: OffloadMode
+    """Where the expert states live: storage.offload, or for auto the first of MODES that fits."""
     per_rank: RankEstimate
     world_size: int
     feasible: bool
@@ -115,7 +115,7 @@ def teacher_parameters(checkpoint: str) -> int:
         return 0
 
 
-def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate:
+def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> RankEstimate:
     t, st = cfg.topology, cfg.storage
     world = world_size(cfg)
     ep = t.expert_parallel
@@ -141,28 +141,28 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: str) -> RankEstimate
     runtime = PROCESS_RUNTIME_BYTES + (CUDA_HOST_BYTES if t.gpus_per_node else 0)
     ram_per_rank = max(0, int((t.cpu_memory_gb * GB - LAUNCHER_BYTES) / ranks_per_node) - runtime)
     window, layer_active = 0, int(active_expert_bytes(cfg) * st.alpha * layer_sparse)
-    if mode == "none":
+    if not mode.offloaded:
         device["expert_states"] = int(DENSE_STATE_BYTES * local_sparse)
     else:
         window = min(p.moe_layers, 1 + st.prefetch_depth) or 1
         device["expert_buffers"] = layer_active * window
     # Parameters with their states and torch's AdamW on this rank (dense share, resident experts), and what a step
     # adds around them (runtime/plan/step_memory.py).
-    resident_experts = local_sparse if mode == "none" else 0
+    resident_experts = 0 if mode.offloaded else local_sparse
     resident = device["dense_states"] // DENSE_STATE_BYTES + resident_experts
     partitioned = cfg.model.vocab_size * cfg.model.hidden_size // world if cfg.model.embedding_partition else 0
     bucketed = (0 if st.dense_shard else resident - resident_experts - partitioned) + resident_experts
     device["weight_casts"] = 2 * weight_cast_params(cfg, p, resident_experts)
     device["grad_buckets"] = 4 * max(0, bucketed)  # Replicated's flat buffers, allocated for every world size
-    device["optimizer_step"] = optimizer_step_bytes(cfg, resident, layer_experts if mode == "none" else 0)
+    device["optimizer_step"] = optimizer_step_bytes(cfg, resident, 0 if mode.offloaded else layer_experts)
     if t.gpus_per_node:
         device["cuda_workspace"] = CUDA_WORKSPACE_BYTES
     device = {k: v for k, v in device.items() if v or k == "activations"}
     peak, moment = step_peak(device, 4 * resident)
     # Without a GPU the device tier is a pool in the same RAM as the host tier: the host gets what it leaves.
     host_capacity = ram_per_rank if t.gpus_per_node else max(0, ram_per_rank - peak)
-    if mode != "none":
-        if mode == "cpu":
+    if mode.offloaded:
+        if mode is OffloadMode.CPU:
             host = int(CACHED_SPARSE_BYTES * local_sparse)
             cache_experts = local_experts
         else:
@@ -204,7 +204,7 @@ def active_expert_bytes(cfg: MoesysConfig) -> int:
 
 
 
-def _fits(cfg: MoesysConfig, budget: Eq1Budget, est: RankEstimate, mode: str) -> list[str]:
+def _fits(cfg: MoesysConfig, budget: Eq1Budget, est: RankEstimate, mode: OffloadMode) -> list[str]:
     """Every reason the mode does not fit; empty when it fits."""
     problems = []
     if not cfg.topology.gpus_per_node and not est.ok:  # one RAM holds both: one line, not two derived ones
@@ -215,13 +215,13 @@ def _fits(cfg: MoesysConfig, budget: Eq1Budget, est: RankEstimate, mode: str) ->
         problems.append(f"per-rank device memory {est.device_total / GB:.2f} GB > {est.device_capacity / GB:.2f} GB")
     if cfg.topology.gpus_per_node and not est.host <= est.host_capacity:
         problems.append(f"per-rank host memory {est.host / GB:.2f} GB > {est.host_capacity / GB:.2f} GB")
-    if mode == "ssd" and est.ssd * cfg.topology.processes_per_node > cfg.topology.ssd_gb * GB:
+    if mode is OffloadMode.SSD and est.ssd * cfg.topology.processes_per_node > cfg.topology.ssd_gb * GB:
         # every rank of a node writes its experts' store there, replicas included (Eq. 1 assumes them split)
         problems.append(f"per-node expert store {est.ssd * cfg.topology.processes_per_node / GB:.2f} GB "
                         f"({cfg.topology.processes_per_node} ranks x {est.ssd / GB:.2f} GB) > topology.ssd_gb="
                         f"{cfg.topology.ssd_gb:g} GB")
     # Eq. 1's GPU inequality is a floor for every mode; its CPU and SSD ones describe the SSD placement.
-    tiers = budget.tiers.items() if mode == "ssd" else [("gpu", budget.gpu)]
+    tiers = budget.tiers.items() if mode is OffloadMode.SSD else [(TierName.GPU, budget.gpu)]
     problems += [f"Eq. 1 {name.upper()} tier fails: {tier.formula} "
                  f"({tier.required_bytes / GB:.2f} GB > {tier.capacity_bytes / GB:.2f} GB)"
                  for name, tier in tiers if not tier.ok]
@@ -258,8 +258,7 @@ def _serving_problems(cfg: MoesysConfig, p: ParamCounts, inference: dict[str, An
 def plan_placement(cfg: MoesysConfig) -> Plan:
     p = count_parameters(cfg.model)
     budget = eq1_budget(cfg, p)
-    requested = cfg.storage.offload
-    candidates = MODES if requested == "auto" else (requested,)
+    candidates = requested_modes(cfg.storage.offload)
     chosen, est, problems = candidates[-1], None, []
     for mode in candidates:
         est = _rank_estimate(cfg, p, mode)
@@ -287,14 +286,14 @@ def plan_placement(cfg: MoesysConfig) -> Plan:
 
 def _problems_of(p: ParamCounts):
     """Every reason a changed config (same model, so same counts p) does not fit in a mode, its disk included."""
-    def problems(trial: MoesysConfig, mode: str) -> list[str]:
+    def problems(trial: MoesysConfig, mode: OffloadMode) -> list[str]:
         est = _rank_estimate(trial, p, mode)
         no_room = disk_problem(trial, disk_plan(trial, p, mode, est.ssd))
         return [*_fits(trial, eq1_budget(trial, p), est, mode), *([no_room] if no_room else [])]
     return problems
 
 
-def _training_suggestions(cfg: MoesysConfig, p: ParamCounts, budget, mode: str, memory: list[str],
+def _training_suggestions(cfg: MoesysConfig, p: ParamCounts, budget, mode: OffloadMode, memory: list[str],
                           disk: DiskPlan) -> list[str]:
     """`try:` lines under which the whole plan fits. When the checkpoints do not fit the disk, no other knob makes
     room for them: the lines start with the checkpoint settings that do (fewer_checkpoints)."""
@@ -353,12 +352,13 @@ def plan_to_dict(plan: Plan) -> dict:
                    "embedding": p.embedding, "per_expert": p.per_expert, "moe_layers": p.moe_layers},
         "budget": {
             "alpha": b.alpha, "layers": b.layers, "nodes": b.nodes, "ok": b.ok,
-            "tiers": {name: {"required_bytes": t.required_bytes, "capacity_bytes": t.capacity_bytes,
-                             "ok": t.ok, "formula": t.formula} for name, t in b.tiers.items()},
+            "tiers": {str(name): {"required_bytes": t.required_bytes, "capacity_bytes": t.capacity_bytes,
+                                  "ok": t.ok, "formula": t.formula} for name, t in b.tiers.items()},
             "min_nodes": b.min_nodes(),
-            "unsatisfiable": b.unsatisfiable(),
+            "unsatisfiable": [str(name) for name in b.unsatisfiable()],
         },
-        "placement": {"offload": plan.mode, "dense": "gpu", "sparse": SPARSE_HOME[plan.mode], "device": plan.device,
+        "placement": {"offload": str(plan.mode), "dense": str(TierName.GPU), "sparse": str(plan.mode.home),
+                      "device": plan.device,
                       "cpu_cache_experts": r.cache_experts, "local_experts": r.local_experts,
                       "device_expert_layers": r.expert_window},
         "per_rank": {"world_size": plan.world_size, "device": r.device, "device_total": r.device_total,

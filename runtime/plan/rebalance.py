@@ -18,7 +18,7 @@ from runtime.elastic.allocation import Allocation, AllocationError, allocate
 from runtime.elastic.workload import Workload, workload_from_config, workload_from_metrics
 from runtime.io import atomic_write_text
 from runtime.plan.budget import GB
-from runtime.plan.planner import plan_placement, world_size
+from runtime.plan.planner import Plan, plan_placement, world_size
 
 
 @dataclass(frozen=True)
@@ -32,13 +32,13 @@ class Rebalance:
     """"config" or the run directory the workload was measured in."""
 
 
-def tasks_per_gpu(cfg: MoesysConfig, plan=None) -> int:
+def tasks_per_gpu(cfg: MoesysConfig, plan: Plan | None = None) -> int:
     """How many task replicas fit in one rank's device memory, by the plan's per-rank estimate (of `plan`, when
     the caller has it)."""
     return _tasks_per_gpu(cfg, plan)[0]
 
 
-def _tasks_per_gpu(cfg: MoesysConfig, plan=None) -> tuple[int, str]:
+def _tasks_per_gpu(cfg: MoesysConfig, plan: Plan | None = None) -> tuple[int, str]:
     """tasks_per_gpu, and why no more fit (empty when every task fits on one)."""
     est = (plan or plan_placement(cfg)).per_rank
     if est.device_total <= 0:
@@ -56,6 +56,14 @@ def _tasks_per_gpu(cfg: MoesysConfig, plan=None) -> tuple[int, str]:
         why = (f"by the plan a task needs {est.device_total / GB:.2f} GB of device memory and a {where} has "
                f"{est.device_capacity / GB:.2f} GB")
     return max(1, fit), why
+
+
+def task_gpu_counts(cfg: MoesysConfig, world: int, plan: Plan | None = None) -> dict[str, int]:
+    """Ranks per task: tasks.*.gpus when every task has it (a recipe written by `moesys rebalance --write`), else
+    the elastic allocation of the configured workload on `world` ranks within the plan's memory estimate."""
+    if all(t.gpus > 0 for t in cfg.tasks.values()):
+        return {n: t.gpus for n, t in cfg.tasks.items()}
+    return allocate(workload_from_config(cfg.tasks), world, tasks_per_gpu(cfg, plan)).gpus
 
 
 def rebalance(cfg: MoesysConfig, from_run: Optional[str] = None) -> Rebalance:

@@ -13,11 +13,12 @@ from typing import Callable, Optional, Sequence
 
 from runtime.config import ConfigError, MoesysConfig, validate
 from runtime.plan.budget import GB, Eq1Budget
+from runtime.plan.modes import AUTO, OffloadMode, TierName
 
 MAX_NODES = 1 << 20
 """The node-count search stops here (a million nodes: far past any cluster, so 'no node count fits')."""
 
-Problems = Callable[[MoesysConfig, str], list]
+Problems = Callable[[MoesysConfig, OffloadMode], list]
 """Every reason a config does not fit with an offload mode (empty: it fits)."""
 
 
@@ -67,7 +68,7 @@ def _with(cfg: MoesysConfig, section: str, **changes) -> MoesysConfig:
     return replace(cfg, **{section: replace(getattr(cfg, section), **changes)})
 
 
-def training_suggestions(cfg: MoesysConfig, budget: Eq1Budget, mode: str, modes: Sequence[str],
+def training_suggestions(cfg: MoesysConfig, budget: Eq1Budget, mode: OffloadMode, modes: Sequence[OffloadMode],
                          problems: Problems) -> list[str]:
     """Another of `modes` (offload modes), dense sharding, or the fewest nodes; failing those, a smaller
     micro-batch or sequence; failing that, why nothing fits (naming every Eq. 1 tier that holds at no node count).
@@ -77,9 +78,9 @@ def training_suggestions(cfg: MoesysConfig, budget: Eq1Budget, mode: str, modes:
     def usable(trial: MoesysConfig) -> bool:
         return not strict or _valid(trial)
 
-    order = tuple(m for m in dict.fromkeys((mode, *modes)) if usable(_with(cfg, "storage", offload=m)))
+    order = tuple(m for m in dict.fromkeys((mode, *modes)) if usable(_with(cfg, "storage", offload=m.value)))
 
-    def fitting(trial: MoesysConfig) -> Optional[str]:
+    def fitting(trial: MoesysConfig) -> Optional[OffloadMode]:
         return next((m for m in order if not problems(trial, m)), None)
 
     out = [f"storage.offload={m} fits" for m in order if m != mode and not problems(cfg, m)][:1]
@@ -114,7 +115,7 @@ def _wider_expert_parallel(cfg: MoesysConfig) -> list[int]:
     return out
 
 
-def _more_nodes(cfg: MoesysConfig, mode: str, order: Sequence[str], problems: Problems,
+def _more_nodes(cfg: MoesysConfig, mode: OffloadMode, order: Sequence[OffloadMode], problems: Problems,
                 usable: Callable[[MoesysConfig], bool]) -> Optional[str]:
     """The fewest nodes that fit, with expert_parallel kept or widened to split the experts over more ranks.
 
@@ -136,13 +137,13 @@ def _more_nodes(cfg: MoesysConfig, mode: str, order: Sequence[str], problems: Pr
         return None
     nodes, ep, trial = best
     found = next(m for m in order if not problems(trial, m))
-    if not (usable(trial) and usable(_with(trial, "storage", offload=found))):
+    if not (usable(trial) and usable(_with(trial, "storage", offload=found.value))):
         return None
     widen = f" topology.expert_parallel={ep}" if ep != cfg.topology.expert_parallel else ""
     return f"topology.nodes={nodes}{widen} with storage.offload={found} fits"
 
 
-def _smaller_run(cfg: MoesysConfig, fitting: Callable[[MoesysConfig], Optional[str]],
+def _smaller_run(cfg: MoesysConfig, fitting: Callable[[MoesysConfig], Optional[OffloadMode]],
                  usable: Callable[[MoesysConfig], bool]) -> Optional[str]:
     """The largest micro-batch below the current one that fits; else micro-batch 1 and the longest sequence that
     fits. Activations grow with both, so the search is monotone; values already at 1 are never suggested."""
@@ -150,7 +151,7 @@ def _smaller_run(cfg: MoesysConfig, fitting: Callable[[MoesysConfig], Optional[s
 
     def note(trial: MoesysConfig) -> str:
         m = fitting(trial)
-        return "" if cfg.storage.offload in ("auto", m) else f" with storage.offload={m}"
+        return "" if cfg.storage.offload in (AUTO, m) else f" with storage.offload={m}"
 
     batch = first_passing(range(tr.micro_batch_size - 1, 0, -1),
                           lambda b: fitting(_with(cfg, "train", micro_batch_size=b)) is not None)
@@ -164,12 +165,12 @@ def _smaller_run(cfg: MoesysConfig, fitting: Callable[[MoesysConfig], Optional[s
     return f"{prefix}train.seq_len={seq}{note(_with(one, 'train', seq_len=seq))} fits"
 
 
-TIER_KEYS = {"cpu": "topology.cpu_memory_gb", "ssd": "topology.ssd_gb"}
+TIER_KEYS = {TierName.CPU: "topology.cpu_memory_gb", TierName.SSD: "topology.ssd_gb"}
 
 
 def _nothing_fits(cfg: MoesysConfig, budget: Eq1Budget) -> str:
     t = cfg.topology
-    keys = dict(TIER_KEYS, gpu="topology.gpu_memory_gb" if t.gpus_per_node else "topology.cpu_memory_gb")
+    keys = {**TIER_KEYS, TierName.GPU: "topology.gpu_memory_gb" if t.gpus_per_node else "topology.cpu_memory_gb"}
     dead = [f"Eq. 1 {name.upper()} tier holds at no node count ({keys[name]} is 0)" for name in budget.unsatisfiable()]
     why = f" ({'; '.join(dead)})" if dead else ""
     return (f"no node count, offload mode, micro-batch or sequence length makes this fit{why}: "

@@ -28,6 +28,7 @@ from runtime.moe.experts import GroupedExperts, expert_ffn, output_dtype
 from runtime.moe.layer import EXPERT_PARAM_NAMES
 from runtime.optim import AdamWHyper, catch_up
 from runtime.plan.budget import STORED_SPARSE_BYTES
+from runtime.plan.modes import OffloadMode
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, needs_separate_stage
 from runtime.storage.expert_store import ExpertKey, ExpertStore
 from runtime.storage.host_adamw import HostOptimizer, LayerGrads, squares
@@ -505,12 +506,12 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, pla
     from runtime.files.paths import expert_store_dir, expert_store_root
 
     st = cfg.storage
-    if placement.offload not in ("cpu", "ssd"):
+    if not placement.offload.offloaded:
         return None
     tiers = Tiers.with_budgets(placement.device_capacity, placement.host_capacity, placement.ssd_capacity)
     ep_rank, ep_size, edp_rank = (groups.ep_rank, groups.ep_size, groups.edp_rank) if groups is not None else (0, 1, 0)
     store = None
-    if placement.offload == "ssd":
+    if placement.offload is OffloadMode.SSD:
         store = ExpertStore(expert_store_root(cfg) / expert_store_dir(ep_rank, ep_size, edp_rank),
                             owner=str(Path(cfg.train.run_dir).resolve()))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]

@@ -116,7 +116,7 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
     placement = placement or decide(cfg)[0]
     model = model_skeleton(cfg, groups)
     offload = None
-    if cfg.storage.offload in ("cpu", "ssd", "auto"):  # experts created in the store, before anything is allocated
+    if placement.offload.offloaded:  # experts created in their home, before anything is allocated
         offload = offload_from_config(model, cfg, groups, device, placement, write_initial=not resuming)
     materialize(model, cfg, groups, device)
     tasks = None

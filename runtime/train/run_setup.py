@@ -10,7 +10,6 @@ from runtime.errors import UserError
 from runtime.files.paths import default_run_dir
 from runtime.files.resume import chosen_checkpoint
 from runtime.files.run_dir import check_run_dir, create_run_dir
-from runtime.train.checkpoint import check_fits
 
 
 def prepare_run_dir(cfg: MoesysConfig) -> Path:
@@ -23,6 +22,8 @@ def prepare_run_dir(cfg: MoesysConfig) -> Path:
     check_run_dir(run_dir)
     ckpt = chosen_checkpoint(cfg)  # the one train.resume_from starts from
     if ckpt is not None:
+        from runtime.train.checkpoint import check_fits  # torch: only a resume loads it, not the CLI's start
+
         try:
             check_fits(ckpt, cfg)
         except UserError as exc:

@@ -21,11 +21,12 @@ from torch import nn
 
 from runtime.files.checkpoint_format import STATE_KEYS, CheckpointError
 from runtime.config import MoesysConfig
-from runtime.elastic.allocation import AllocationError, Workload, allocate
+from runtime.elastic.allocation import AllocationError, Workload
 from runtime.elastic.workload import workload_from_config
 from runtime.io import atomic_write_json
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
+from runtime.plan.rebalance import task_gpu_counts
 from runtime.files.paths import TASKS, heads_file
 from runtime.files.tensorfile import open_tensors, save_tensors, verify
 from runtime.data.dataset import TokenDataset, build_task_datasets, task_seed
@@ -110,15 +111,6 @@ def layout_from_counts(workload: Mapping[str, Workload], counts: Mapping[str, in
             batch[n] = _split(workload[n][0], k)
         nxt += k
     return TaskLayout(world, {n: ranks[n] for n in names}, {n: batch[n] for n in names})
-
-
-def task_gpu_counts(cfg: MoesysConfig, world: int, plan=None) -> dict[str, int]:
-    """Ranks per task: tasks.*.gpus when every task has it (a recipe written by `moesys rebalance --write`), else
-    the elastic allocation of the configured workload on `world` ranks within the plan's memory estimate."""
-    if all(t.gpus > 0 for t in cfg.tasks.values()):
-        return {n: t.gpus for n, t in cfg.tasks.items()}
-    from runtime.plan.rebalance import tasks_per_gpu  # the plan's memory estimate, as `moesys rebalance`
-    return allocate(workload_from_config(cfg.tasks), world, tasks_per_gpu(cfg, plan)).gpus
 
 
 def task_layout(cfg: MoesysConfig, world: int, counts: Mapping[str, int] | None = None) -> TaskLayout:

@@ -12,7 +12,8 @@ import pytest
 
 from moesys_cli.resolve import resolve_config
 from runtime.errors import UserError
-from runtime.train.preflight import check_before_launch, check_disk
+from runtime.plan.checks import check_disk
+from runtime.train.preflight import check_before_launch
 from runtime.data.text import CORPUS_DIR
 from runtime.data.tokenizer_train import train_bpe
 
