@@ -17,7 +17,7 @@ from moesys_cli.resolve import resolve_config
 from moesys_cli.train import resume_command, run_job
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
-from runtime.run_dir import last_step_metrics
+from runtime.files.run_dir import last_step_metrics
 from runtime.train.preflight import check_before_launch
 from runtime.train.student_config import (Teacher, check_student, default_student_dir, find_teacher, recorded_teacher,
                                           student_recipe)
@@ -88,7 +88,8 @@ def distill(args: DistillArgs = None, json_out: Json = False) -> None:
     say(f"distill: teacher {cfg.distill.teacher} ({teacher.num_experts} experts per MoE layer) -> student "
         f"{run_dir} ({experts})")
     from runtime.train.distill import compare_on_heldout  # torch: loaded only once the input is known good
-    from runtime.train.student_init import SELECTION, start_student
+    from runtime.files.paths import SELECTION
+    from runtime.train.student_init import start_student
 
     def prepare(directory: Path) -> None:
         record = start_student(cfg, directory)

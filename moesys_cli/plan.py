@@ -13,8 +13,8 @@ from moesys_cli.render import console, human_bytes, human_count, literal, print_
 from moesys_cli.resolve import lr_warning, resolve_config
 from runtime.errors import UserError
 from runtime.launch import launch_ram_problem
-from runtime.storage.placement import plan_placement, plan_to_dict
-from runtime.train.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
+from runtime.plan.planner import plan_placement, plan_to_dict
+from runtime.plan.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
 
 Compare = Annotated[Optional[Path], typer.Option(
     "--compare", metavar="RUN_DIR", help="Set the run's recorded plan beside the peak memory each of its ranks "

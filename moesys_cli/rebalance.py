@@ -11,8 +11,8 @@ from rich.table import Table
 from moesys_cli.options import Json
 from moesys_cli.render import console, literal, print_json
 from moesys_cli.resolve import recipe_text, resolve_config
-from runtime.elastic.rebalance import rebalance as compute_rebalance
-from runtime.elastic.rebalance import rebalance_to_dict, write_rebalanced_recipe
+from runtime.plan.rebalance import rebalance as compute_rebalance
+from runtime.plan.rebalance import rebalance_to_dict, write_rebalanced_recipe
 from runtime.errors import UserError
 
 TaskOverrides = Annotated[

@@ -11,7 +11,7 @@ import typer
 
 from moesys_cli.render import print_json
 from runtime.launch import LaunchSpec, submit_slurm
-from runtime.run_dir import METRICS
+from runtime.files.paths import METRICS
 
 
 def submit(spec: LaunchSpec, run_dir: Path, json_out: bool) -> NoReturn:

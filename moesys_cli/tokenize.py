@@ -33,8 +33,8 @@ def parse_tokenize_args(args: list[str]) -> tuple[str, str, str, str]:
 def tokenize(args: TokenizeArgs = None, json_out: Json = False) -> None:
     """Tokenize text once into a memory-mapped token file for train.data or train.eval_data."""
     data, out, spec, text_key = parse_tokenize_args(args or [])
-    from runtime.train.tokenize import tokenize_to_file
-    from runtime.train.tokenizer import load_tokenizer
+    from runtime.data.pretokenize import tokenize_to_file
+    from runtime.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(spec)
     with ByteProgress(json_out) as progress:

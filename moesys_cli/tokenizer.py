@@ -42,7 +42,7 @@ def parse_train_args(args: list[str]) -> tuple[str, int, str, str]:
 def train(args: TrainArgs = None, json_out: Json = False) -> None:
     """Train a byte-level BPE tokenizer on your text and write it as a Hugging Face tokenizer.json."""
     data, vocab_size, out, text_key = parse_train_args(args or [])
-    from runtime.train.tokenizer_train import train_bpe
+    from runtime.data.tokenizer_train import train_bpe
 
     with ByteProgress(json_out) as progress:
         result = train_bpe(data, vocab_size, out, "data", text_key, lambda done, total: progress("data", done, total))

@@ -21,15 +21,18 @@ from runtime.launch import build_launch, check_launchable, rendezvous_connect_s,
 from runtime.node_watch import LostNodeWatch
 from runtime.oom import OUT_OF_MEMORY_EXIT, OomWatch, oom_message, smallest_fix
 from runtime.process import Job, TorchrunLogs, exception_line, resume_point, worker_pids
-from runtime.run_dir import (RunLock, check_run_dir, clear_fatal, default_run_dir, last_step_metrics, node_logs,
-                             prepare_run_dir, read_fatal, record_fatal, run_summary)
+from runtime.files.run_dir import (RunLock, check_run_dir, clear_fatal, clear_rank_memory, last_step_metrics,
+                                   read_fatal, read_rank_memory, record_fatal, run_summary)
+from runtime.files.paths import default_run_dir, node_logs
+from runtime.train.run_setup import prepare_run_dir
 from runtime.topology import host_memory_bytes
-from runtime.train.compare import recorded_plan
-from runtime.train.preflight import check_before_launch, check_disk, check_plan
-from runtime.train.decided import record as record_placement
-from runtime.train.resume import apply_resume_from
-from runtime.train.tokenize import prepare_run_data
-from runtime.train.rank_memory import clear_rank_memory, read_rank_memory
+from runtime.plan.compare import recorded_plan
+from runtime.plan.checks import check_disk, check_plan
+from runtime.plan.planner import plan_placement
+from runtime.train.preflight import check_before_launch
+from runtime.plan.placement import record as record_placement
+from runtime.files.resume import apply_resume_from
+from runtime.data.pretokenize import prepare_run_data
 
 TOKENIZE_BAR_BYTES = 16 << 20
 """Text sources smaller than this are tokenized before launch without a progress bar."""
@@ -67,10 +70,11 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
     summary; a failed or stopped job says why in one line (with `resume_command` when it can continue) and raises
     typer.Exit with its status. `prepare(run_dir)` runs under the run directory's lock before the workers start
     (`moesys distill` writes the student's first checkpoint there)."""
-    check_launchable(cfg)
-    check_plan(cfg)  # a run the plan says does not fit fails later on a tier's budget or by the OOM killer
+    plan = plan_placement(cfg)  # the launch's one plan: every check below and plan.json read it
+    check_launchable(cfg, plan=plan)
+    check_plan(cfg, plan)  # a run the plan says does not fit fails later on a tier's budget or by the OOM killer
     check_run_dir(cfg.train.run_dir)  # before the lock file is written into it
-    check_disk(cfg)  # the store and checkpoints must fit the free space where they go, or the disk fills minutes in
+    check_disk(cfg, plan)  # the store and checkpoints must fit where they go, or the disk fills minutes in
     lock = RunLock(Path(cfg.train.run_dir), cfg.launcher.node_rank)  # held until exit: one job per run directory
     run_dir = prepare_run_dir(cfg)
     # the checkpoint train.resume_from names becomes the newest; node 0 moves the later ones, before any worker starts
@@ -83,7 +87,7 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
         prepare(run_dir)
     clear_fatal(run_dir)
     clear_rank_memory(run_dir)
-    _, replanned = record_placement(run_dir, cfg)  # plan.json: the workers read it; none of them plans again
+    _, replanned = record_placement(run_dir, cfg, plan)  # plan.json: the workers read it; none of them plans again
     if replanned and not quiet:
         console.print(replanned, markup=False, highlight=False)
     spec = build_launch(cfg, run_dir)

@@ -422,7 +422,7 @@ def resolve_auto(cfg: MoesysConfig) -> None:
 
 
 BYTE_VOCAB = 256
-"""Tokens of moesys's byte-level tokenizer (runtime/train/tokenizer.py): the smallest vocabulary it can train."""
+"""Tokens of moesys's byte-level tokenizer (runtime/data/tokenizer.py): the smallest vocabulary it can train."""
 
 
 def resume_step(value: str) -> int | None | bool:

@@ -22,11 +22,11 @@ import psutil
 
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
-from runtime.storage.budget import GB
-from runtime.storage.placement import LAUNCHER_BYTES, plan_placement
+from runtime.plan.budget import GB
+from runtime.plan.planner import LAUNCHER_BYTES, Plan, plan_placement
 from runtime.topology import host_memory_bytes
 from runtime.io import atomic_write_text
-from runtime.run_dir import node_logs
+from runtime.files.paths import LOGS, SLURM_LOG, SLURM_SCRIPT, node_logs
 
 WORKER_MODULE = "runtime.train.worker"
 SAFE_RUN = ('import runpy, sys; sys.path[:1] == [""] and sys.path.pop(0); '
@@ -38,8 +38,6 @@ FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """torchrun's workers then get a new TCP store from rank 0 every rendezvous round (see multinode_env)."""
 JOIN_TIMEOUT_MIN_S = 60
 """The least time a multinode node waits for the others to join (the commands are started by hand)."""
-SLURM_SCRIPT = "job.sbatch"
-SLURM_LOG = "slurm-%j.out"
 _NO_SBATCH = ("launcher=slurm submits with {command}, which is not on PATH; run moesys train on a SLURM login node, "
               "or add --dry-run to print the sbatch script")
 
@@ -70,9 +68,10 @@ def torchrun_prefix() -> list[str]:
     return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def check_launchable(cfg: MoesysConfig, ram_bytes: float | None = None) -> None:
+def check_launchable(cfg: MoesysConfig, ram_bytes: float | None = None, plan: Plan | None = None) -> None:
     """A job launched on this machine (local, multinode) needs the GPUs its topology declares and, on CPU, RAM
-    (`ram_bytes`, default this machine's or its cgroup limit) for all its processes; a SLURM job needs sbatch."""
+    (`ram_bytes`, default this machine's or its cgroup limit) for all its processes, by `plan` (the launch's plan of
+    `cfg`; made here when not given); a SLURM job needs sbatch."""
     if cfg.launcher.name == "slurm" and shutil.which("sbatch") is None:
         raise UserError(_NO_SBATCH.format(command="sbatch"))
     gpus = cuda_device_count() if cfg.launcher.name != "slurm" and cfg.topology.gpus_per_node else 0
@@ -80,7 +79,7 @@ def check_launchable(cfg: MoesysConfig, ram_bytes: float | None = None) -> None:
         raise UserError(f"topology.gpus_per_node={cfg.topology.gpus_per_node} but this machine has {gpus} GPU(s); "
                         "use topology=local (this machine), topology=single (CPU processes) or launcher=slurm")
     if cfg.launcher.name != "slurm" and not cfg.topology.gpus_per_node:
-        check_host_memory(cfg, host_memory_bytes() if ram_bytes is None else ram_bytes)
+        check_host_memory(cfg, host_memory_bytes() if ram_bytes is None else ram_bytes, plan)
     if cfg.launcher.name == "multinode" and cfg.topology.nodes > 1:
         check_node_address(cfg.launcher.local_addr)
 
@@ -145,9 +144,9 @@ def multinode_env(cfg: MoesysConfig) -> dict[str, str]:
     return env
 
 
-def check_host_memory(cfg: MoesysConfig, ram_bytes: float) -> None:
+def check_host_memory(cfg: MoesysConfig, ram_bytes: float, plan: Plan | None = None) -> None:
     """CPU processes of one node share its RAM: the plan's host bytes per process times nproc_per_node must fit."""
-    problem = host_memory_problem(cfg, ram_bytes)
+    problem = host_memory_problem(cfg, ram_bytes, plan.process_host_bytes if plan else None)
     if problem:
         raise UserError(problem)
 
@@ -231,7 +230,7 @@ def slurm_script(cfg: MoesysConfig, run_dir: Path, nproc: int) -> str:
         f"#SBATCH --nodes={cfg.topology.nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --time={launcher.time}",
-        f"#SBATCH --output={run_dir / 'logs' / SLURM_LOG}",
+        f"#SBATCH --output={run_dir / LOGS / SLURM_LOG}",
     ]
     if cfg.topology.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={cfg.topology.gpus_per_node}")
@@ -277,5 +276,5 @@ def submit_slurm(spec: LaunchSpec, run_dir: Path) -> SlurmJob:
         raise UserError(f"{spec.argv[0]} failed with exit code {done.returncode}: {last} (script {script})")
     found = re.search(r"Submitted batch job (\d+)", answer) or re.match(r"(\d+)", answer)
     job_id = found.group(1) if found else None
-    log = run_dir / "logs" / SLURM_LOG.replace("%j", job_id) if job_id else None
+    log = run_dir / LOGS / SLURM_LOG.replace("%j", job_id) if job_id else None
     return SlurmJob(job_id=job_id, script=script, log=log, answer=answer)

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from runtime.config import MoesysConfig
 from runtime.errors import JobError
-from runtime.storage.budget import GB
-from runtime.storage.placement import plan_placement
+from runtime.plan.budget import GB
+from runtime.plan.planner import plan_placement
 from runtime.topology import memory_cgroup, oom_kill_count
 
 if TYPE_CHECKING:

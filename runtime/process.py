@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.checkpoint_format import latest_checkpoint
+from runtime.files.checkpoint_format import latest_checkpoint, read_meta
 
 PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -209,7 +209,7 @@ def resume_point(run_dir: Path) -> tuple[Path, int] | None:
     if ckpt is None:
         return None
     try:
-        return ckpt, int(json.loads((ckpt / "meta.json").read_text())["step"])
+        return ckpt, int(read_meta(ckpt)["step"])
     except (OSError, ValueError, KeyError):
         return None
 

@@ -8,7 +8,7 @@ import torch
 
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import prepare_run_dir
+from runtime.train.run_setup import prepare_run_dir
 from runtime.train.loop import train
 
 SMALL_MOE = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, vocab_size=256, ffn_hidden_size=64,

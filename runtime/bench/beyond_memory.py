@@ -33,8 +33,9 @@ import psutil
 from runtime import memcap
 from runtime.errors import UserError
 from runtime.bench.disk import measure_disk
-from runtime.model.params import count_parameters
-from runtime.run_dir import read_metrics
+from runtime.plan.params import count_parameters
+from runtime.files.paths import EXPERT_STORE
+from runtime.files.run_dir import read_metrics
 
 HIDDEN, FFN, LAYERS, HEADS = 1024, 512, 6, 8
 GB = 1e9
@@ -96,7 +97,7 @@ def run_beyond_memory_bench(ratio: float = 1.5, cap_fraction: float = 0.75, step
                             f"{tail}")
         plan = json.loads((run_dir / "plan.json").read_text())["plan"]
         records = read_metrics(run_dir)
-        states = sum(f.stat().st_size for f in (run_dir / "expert_store").rglob("*.safetensors"))
+        states = sum(f.stat().st_size for f in (run_dir / EXPERT_STORE).rglob("*.safetensors"))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     last = records[-1]

@@ -19,7 +19,8 @@ from runtime.config import MoesysConfig, TaskConfig
 from runtime.elastic.allocation import allocate
 from runtime.elastic.workload import workload_from_config, workload_from_metrics
 from runtime.launch import build_launch
-from runtime.run_dir import prepare_run_dir, read_metrics
+from runtime.train.run_setup import prepare_run_dir
+from runtime.files.run_dir import read_metrics
 
 NPROC = 4
 

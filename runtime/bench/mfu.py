@@ -9,7 +9,7 @@ import time
 import torch
 
 from runtime.config import ModelConfig
-from runtime.model.params import count_parameters
+from runtime.plan.params import count_parameters
 
 
 def matmul_flops_per_token(m: ModelConfig) -> float:

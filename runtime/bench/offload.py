@@ -28,10 +28,10 @@ import torch
 from runtime.bench.disk import DiskBandwidth, measure_disk
 from runtime.optim import AdamWHyper, fused_adamw
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
-from runtime.model.params import count_parameters
+from runtime.plan.params import count_parameters
 from runtime.parallel.groups import build_groups
 from runtime.train.build import build_components
-from runtime.train.data import TokenDataset
+from runtime.data.dataset import TokenDataset
 from runtime.train.loop import forward_backward, optimizer_step
 
 CPU = torch.device("cpu")

@@ -17,7 +17,8 @@ import torch
 from runtime.bench.mfu import peak_flops, training_flops_per_token
 from runtime.config import MoesysConfig
 from runtime.launch import build_launch
-from runtime.run_dir import prepare_run_dir, read_metrics
+from runtime.train.run_setup import prepare_run_dir
+from runtime.files.run_dir import read_metrics
 
 VARIANTS = {"none": ("none", False), "cpu": ("cpu", False), "cpu_delayed": ("cpu", True), "ssd": ("ssd", False)}
 """Name -> (storage.offload, storage.delayed_update)."""

@@ -19,7 +19,8 @@ import torch
 from runtime.bench.mfu import peak_flops, training_flops_per_token
 from runtime.config import MoesysConfig
 from runtime.launch import build_launch
-from runtime.run_dir import prepare_run_dir, read_metrics
+from runtime.train.run_setup import prepare_run_dir
+from runtime.files.run_dir import read_metrics
 
 
 def _variant(base: MoesysConfig, root: Path, name: str, nproc: int, ep: int, alltoall: str,

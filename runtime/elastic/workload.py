@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from runtime.elastic.allocation import AllocationError, Workload
+from runtime.files.paths import METRICS
 
 
 def workload_from_config(tasks: Mapping[str, Any]) -> dict[str, Workload]:
@@ -28,7 +29,7 @@ def workload_from_metrics(run_dir: str | Path, batch_sizes: Mapping[str, int]) -
     its lines), normalised so that the cheapest task costs 1.0. `batch_sizes` holds the configured tasks;
     a task measured but not configured, or configured but never measured, raises AllocationError.
     """
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS
     if not path.is_file():
         raise AllocationError(f"no metrics to measure workloads from: {path} does not exist")
     rates: dict[str, list[float]] = {}

@@ -28,18 +28,18 @@ from typing import Iterator, Optional
 import torch
 import yaml
 
-from runtime.checkpoint_format import FILES, MODEL, STATE_KEYS, missing_tensor, tensor_key
+from runtime.files.checkpoint_format import FILES, MODEL, STATE_KEYS, missing_tensor, tensor_key
 from runtime.config import MoesysConfig, config_to_dict
 from runtime.errors import UserError
 from runtime.inference.hf_mixtral import INDEX, config_to_hf, hf_tensor_names
 from runtime.inference.load import MoesysCheckpoint, read_moesys
 from runtime.io import atomic_write_json, atomic_write_text, fsync_dir, new_dir_mode
 from runtime.model.transformer import Transformer
-from runtime.storage.disk import check_free
+from runtime.plan.disk import check_free
 from runtime.moe.layer import is_expert_param
-from runtime.tensorfile import write_tensors
-from runtime.train.tokenizer import (HF_TOKENIZER_CONFIG, TOKENIZER_FILE, checkpoint_tokenizer,
-                                     hf_tokenizer_config)
+from runtime.files.tensorfile import write_tensors
+from runtime.files.paths import HF_TOKENIZER_CONFIG, TOKENIZER_FILE
+from runtime.data.tokenizer import checkpoint_tokenizer, hf_tokenizer_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("moesys", "hf")

@@ -26,11 +26,11 @@ from runtime.inference.mapped import MappedFileError, TensorFiles, copy_to, read
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
 from runtime.moe.layer import is_expert_param
-from runtime.run_dir import CHECKPOINTS, CONFIG
-from runtime.checkpoint_format import MODEL, check_complete, latest_checkpoint, missing_tensor, tensor_key
+from runtime.files.paths import CHECKPOINTS, CONFIG
+from runtime.files.checkpoint_format import MODEL, check_complete, latest_checkpoint, missing_tensor, tensor_key
 from runtime.page_cache import evict
-from runtime.tensorfile import verify
-from runtime.train.tokenizer import checkpoint_tokenizer
+from runtime.files.tensorfile import verify
+from runtime.data.tokenizer import checkpoint_tokenizer
 
 
 class InferError(UserError):

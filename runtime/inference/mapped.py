@@ -15,13 +15,9 @@ from typing import Iterable, Optional
 import torch
 from torch import Tensor
 
-from runtime import tensorfile
+from runtime.files import tensorfile
 from runtime.errors import UserError
-from runtime.tensorfile import unreadable_reason
-
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+from runtime.files.tensorfile import DTYPES, unreadable_reason
 
 
 class MappedFileError(UserError):
@@ -29,7 +25,7 @@ class MappedFileError(UserError):
 
 
 def read_header(path: Path) -> tuple[dict, int]:
-    """(header, byte offset where the data section starts) of the file at `path` (runtime/tensorfile.read_header);
+    """(header, byte offset where the data section starts) of the file at `path` (runtime/files/tensorfile.read_header);
     MappedFileError when it is unreadable."""
     try:
         with open(path, "rb") as f:

@@ -18,10 +18,11 @@ from torch import Tensor, nn
 
 from runtime.inference.expert_source import ExpertSource
 from runtime.inference.load import InferError
-from runtime.inference.mapped import DTYPES, MappedFileError, read_header
+from runtime.files.tensorfile import DTYPES
+from runtime.inference.mapped import MappedFileError, read_header
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import expert_ffn, routed_ffn
-from runtime.tensorfile import save_tensors
+from runtime.files.tensorfile import save_tensors
 
 MODES = ("auto", "ring", "ondemand", "none")
 

@@ -10,7 +10,7 @@ import torch
 
 from runtime.inference.hf_mixtral import INDEX
 from runtime.io import atomic_write_json
-from runtime.tensorfile import save_tensors
+from runtime.files.tensorfile import save_tensors
 
 
 def write_random_mixtral(path: Path, hidden: int, ffn: int, layers: int, experts: int, vocab: int, heads: int = 8,

@@ -15,7 +15,7 @@ from torch import nn
 from runtime.optim import square_sum
 from runtime.parallel.alltoall import all_to_all_rows, exchange_counts
 from runtime.parallel.groups import ProcessGroup, group_rank, group_size
-from runtime.parallel.embedding_bytes import EmbeddingBytes, check_divisible, embedding_bytes_per_rank  # noqa: F401
+from runtime.plan.embedding_bytes import check_divisible
 
 
 def shard_of(full_VH: torch.Tensor, rank: int, n: int) -> torch.Tensor:

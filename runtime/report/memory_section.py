@@ -1,5 +1,5 @@
 """The report's memory section: each rank's measured peak over steps beside the plan's estimate for it, and the
-per-rank, per-tier comparison `moesys plan --compare` prints (runtime/train/compare.py)."""
+per-rank, per-tier comparison `moesys plan --compare` prints (runtime/plan/compare.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from runtime.errors import UserError
 from runtime.report.charts import Line, VMark, grouped_bars, human_bytes, line_chart
 from runtime.report.page import Page
 from runtime.report.run_data import RunData
-from runtime.train.compare import MEASURED_KEY, TOLERANCE, compare_run
+from runtime.plan.compare import MEASURED_KEY, TOLERANCE, compare_run
 
 TIER_NAMES = {"ram": "RAM (anonymous RSS)", "host": "host (anonymous RSS)", "device": "device (CUDA max allocated)",
               "ssd": "SSD (expert store)"}

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import UserError
-from runtime.run_dir import CONFIG, LOCK, METRICS, is_run_dir, model_files, read_metrics
-from runtime.train.decided import PLAN
+from runtime.files.paths import CONFIG, LOCK, METRICS, PLAN
+from runtime.files.run_dir import is_run_dir, model_files, read_metrics
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class RunData:
 
 
 def _lock_held(run_dir: Path) -> bool:
-    """Whether a process holds the flock of RUN_DIR/.lock (runtime.run_dir.RunLock), read from /proc/locks so that
+    """Whether a process holds the flock of RUN_DIR/.lock (runtime.files.run_dir.RunLock), read from /proc/locks so that
     looking never takes the lock a starting `moesys train` wants. False where /proc/locks cannot be read."""
     try:
         st = (run_dir / LOCK).stat()

@@ -24,12 +24,11 @@ from runtime.errors import UserError
 from runtime.io import atomic_write_text
 from runtime.storage.expert_slots import ExpertSlot
 from runtime.storage.live_files import read_file, write_file
+from runtime.files.paths import LIVE, OWNER, live_expert_file
 
 ExpertKey = tuple[int, int]
 """(MoE layer index, global expert index)."""
 
-LIVE = "live"
-OWNER = "OWNER"
 
 
 class StoreError(UserError):
@@ -52,7 +51,7 @@ class ExpertStore:
 
     def path(self, key: ExpertKey) -> Path:
         layer, expert = key
-        return self.live / f"L{layer:04d}-E{expert:06d}.safetensors"
+        return self.live / live_expert_file(layer, expert)
 
     def __contains__(self, key: ExpertKey) -> bool:
         return self.path(key).exists()

@@ -2,39 +2,25 @@
 tensors' memory, and one scatter read (os.preadv) straight into fresh tensors (seed 004 section 3.2.2: SSD traffic
 overlapped with compute needs large requests, not a serialised copy or page faults on a memory map).
 
-The files are the checksummed safetensors files of runtime/tensorfile.py (same header, same `moesys.crc32`), so
+The files are the checksummed safetensors files of runtime/files/tensorfile.py (same header, same `moesys.crc32`), so
 `verify` and any safetensors reader read them. A file is replaced by rename (a reader sees the old or the new file,
 never a torn one); fsync only when `durable`: live files are working memory, rebuilt from a checkpoint on resume.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import tempfile
 import threading
-import zlib
 from pathlib import Path
 
 import torch
 
 from runtime.io import fsync_dir
-from runtime.tensorfile import _DTYPES, ChecksumError, _header, _raw, spec_of
+from runtime.files.tensorfile import DTYPES, ChecksumError, encode, raw_bytes, read_header
 
-_TORCH = {name: dtype for dtype, name in _DTYPES.items()}
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-
-
-def encode(tensors: dict[str, torch.Tensor]) -> list:
-    """The file as buffers: tensorfile's header with the checksum of the data section filled in, then every
-    tensor's own memory in dict order (no copy of a contiguous CPU tensor)."""
-    raws = [_raw(t) for t in tensors.values()]
-    crc = 0
-    for raw in raws:
-        crc = zlib.crc32(raw, crc)
-    head, crc_at = _header({k: spec_of(t) for k, t in tensors.items()}, None)
-    return [head[:crc_at] + f"{crc:08x}".encode() + head[crc_at + 8:], *raws]
 
 
 def write_file(path: Path, tensors: dict[str, torch.Tensor], durable: bool) -> int:
@@ -68,20 +54,19 @@ def read_file(path: Path, into: dict[str, torch.Tensor] | None = None) -> dict[s
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
         try:
-            header_len = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
-            header = json.loads(os.pread(fd, header_len, 8))
+            header, data_start = read_header(f)
             header.pop("__metadata__", None)
             tensors, end = {}, 0
             for key, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
                 begin, stop = entry["data_offsets"]
-                t = torch.empty(entry["shape"], dtype=_TORCH[entry["dtype"]]) if into is None else into[key]
+                t = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]]) if into is None else into[key]
                 if (begin != end or stop - begin != t.numel() * t.element_size() or not t.is_contiguous()
-                        or t.dtype != _TORCH[entry["dtype"]]):
+                        or t.dtype != DTYPES[entry["dtype"]]):
                     raise ValueError(f"{key} at bytes {begin}..{stop}")
                 tensors[key], end = t, stop
         except (struct.error, ValueError, KeyError, TypeError) as exc:  # KeyError: a name `into` lacks
             raise ChecksumError(f"{path} is not a readable safetensors file ({exc}); it is damaged") from None
-        got = _transfer(fd, [_raw(t) for t in tensors.values()], read_at=8 + header_len)
+        got = _transfer(fd, [raw_bytes(t) for t in tensors.values()], read_at=data_start)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the tensors hold the bytes now; free the page cache
     if got != end:
         raise ChecksumError(f"{path} is damaged: it holds {got} of its {end} tensor bytes")

@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from runtime.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, tensor_key
+from runtime.files.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, tensor_key
 from runtime.model.init import init_expert
 from runtime.moe.experts import GroupedExperts, expert_ffn, output_dtype
 from runtime.moe.layer import EXPERT_PARAM_NAMES
 from runtime.optim import AdamWHyper, catch_up
-from runtime.storage.budget import STORED_SPARSE_BYTES
+from runtime.plan.budget import STORED_SPARSE_BYTES
+from runtime.plan.modes import OffloadMode
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, needs_separate_stage
 from runtime.storage.expert_store import ExpertKey, ExpertStore
 from runtime.storage.host_adamw import HostOptimizer, LayerGrads, squares
@@ -36,7 +37,8 @@ from runtime.storage.ssd_home import SSDHome
 from runtime.storage.step_timeline import StepTimeline, by_kind, host_cost
 from runtime.storage.tiers import Tiers
 from runtime.storage.transfers import DeviceCopy, TransferEngine
-from runtime.tensorfile import spec_of, write_tensors
+from runtime.files.paths import experts_file
+from runtime.files.tensorfile import spec_of, write_tensors
 
 STALLS = ("wait_update", "wait_prefetch", "acquire", "h2d")
 """Critical spans that count as the forward or backward waiting for experts (offload/fetch_stall_s)."""
@@ -373,7 +375,7 @@ class OffloadEngine:
                      for k, t in self._checkpoint_items(spec, g, first[1])}
             stream = (item for g, slot in chain([first], slots) for item in self._checkpoint_items(spec, g, slot))
             del first
-            files.append(write_tensors(directory / f"experts-ep{ep_rank}-L{spec.index:04d}.safetensors", specs,
+            files.append(write_tensors(directory / experts_file(ep_rank, spec.index), specs,
                                        stream))
         return files
 
@@ -388,7 +390,7 @@ class OffloadEngine:
 
     @staticmethod
     def _checkpoint_items(spec: LayerSpec, g: int, slot: ExpertSlot) -> list[tuple[str, Tensor]]:
-        """One expert's states under the checkpoint keys of a resident model (runtime/checkpoint_format.py)."""
+        """One expert's states under the checkpoint keys of a resident model (runtime/files/checkpoint_format.py)."""
         views = {attr: slot.views(attr, spec.layout) for attr in ("master", "exp_avg", "exp_avg_sq")}
         out = []
         for name in spec.names:
@@ -495,22 +497,22 @@ def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.d
 
 def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, placement,
                         write_initial: bool = True) -> OffloadEngine | None:
-    """The offload runtime of `placement` (runtime/train/decided.py: RUN_DIR/plan.json, decided once by
+    """The offload runtime of `placement` (runtime/plan/placement.py: RUN_DIR/plan.json, decided once by
     `moesys train`), or None when expert states stay on the device.
 
     With offload=ssd each rank keeps its own store under STORE/ep{r}-of-{n}-edp{k} (STORE: storage.ssd_path, or
     the run directory's expert_store/), owned by this run; with offload=cpu the states stay in host memory."""
     from runtime.optim import lr_at
-    from runtime.run_dir import expert_store_root
+    from runtime.files.paths import expert_store_dir, expert_store_root
 
     st = cfg.storage
-    if placement.offload not in ("cpu", "ssd"):
+    if not placement.offload.offloaded:
         return None
     tiers = Tiers.with_budgets(placement.device_capacity, placement.host_capacity, placement.ssd_capacity)
     ep_rank, ep_size, edp_rank = (groups.ep_rank, groups.ep_size, groups.edp_rank) if groups is not None else (0, 1, 0)
     store = None
-    if placement.offload == "ssd":
-        store = ExpertStore(expert_store_root(cfg) / f"ep{ep_rank}-of-{ep_size}-edp{edp_rank}",
+    if placement.offload is OffloadMode.SSD:
+        store = ExpertStore(expert_store_root(cfg) / expert_store_dir(ep_rank, ep_size, edp_rank),
                             owner=str(Path(cfg.train.run_dir).resolve()))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
     return install_offload(model, store, device, seed=cfg.train.seed, cache_experts=placement.cpu_cache_experts,

@@ -24,14 +24,14 @@ from runtime.parallel.embedding_partition import partition_embedding, partitione
 from runtime.parallel.expert_parallel import shard_experts
 from runtime.parallel.groups import ParallelGroups
 from runtime.storage.offload_engine import OffloadEngine, offload_from_config
-from runtime.train.data import open_dataset
-from runtime.train.decided import Placement, decide
+from runtime.data.dataset import open_dataset
+from runtime.plan.placement import Placement, decide
 from runtime.train.distill import Distillation
 from runtime.train.objective import LanguageModel
 from runtime.train.parts import (OffloadedExperts, Part, PartitionedEmbedding, Replicated, ShardedDense,
                                  TaskHeads)
 from runtime.train.tasks import MultiTask, add_heads_to_optimizer, build_multitask
-from runtime.train.tokenizer import run_tokenizer
+from runtime.data.tokenizer import run_tokenizer
 
 MB = 2**20
 
@@ -116,7 +116,7 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
     placement = placement or decide(cfg)[0]
     model = model_skeleton(cfg, groups)
     offload = None
-    if cfg.storage.offload in ("cpu", "ssd", "auto"):  # experts created in the store, before anything is allocated
+    if placement.offload.offloaded:  # experts created in their home, before anything is allocated
         offload = offload_from_config(model, cfg, groups, device, placement, write_initial=not resuming)
     materialize(model, cfg, groups, device)
     tasks = None

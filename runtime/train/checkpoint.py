@@ -15,28 +15,27 @@ tensor beyond the model and its optimizer state, not a second copy of them.
 from __future__ import annotations
 
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 
-from runtime.checkpoint_format import (FILES, MODEL, PARTIAL, STATE_KEYS, CheckpointError, CheckpointReader,
-                                       latest_checkpoint, read_meta, tensor_files, tensor_key)
 from runtime.config import MoesysConfig
+from runtime.data.tokenizer import run_tokenizer
 from runtime.errors import UserError
-from runtime.io import atomic_write_json, atomic_write_text, fsync_dir
+from runtime.files.checkpoint_format import (MODEL, STATE_KEYS, CheckpointError, CheckpointReader, checkpoint_meta,
+                                             commit_checkpoint, latest_checkpoint, read_meta, remove_old_checkpoints,
+                                             tensor_key, tensor_files)
+from runtime.files.paths import CHECKPOINTS, DENSE, PARTIAL, TOKENIZER_FILE, experts_file, rng_file, step_name
+from runtime.files.resume import skip_hint
+from runtime.files.tensorfile import TensorSpec, open_tensors, read_shapes, save_tensors, verify, write_tensors
+from runtime.io import atomic_write_text
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.embedding_partition import gather_columns, partitioned_parameters, shard_of
 from runtime.parallel.groups import ParallelGroups, group_size
-from runtime.run_dir import CHECKPOINTS
-from runtime.storage.disk import kept_checkpoints
-from runtime.tensorfile import TensorSpec, save_tensors, verify, write_tensors
-from runtime.train.resume import skip_hint
-from runtime.train.tokenizer import TOKENIZER_FILE, run_tokenizer
+from runtime.plan.disk import kept_checkpoints
 
 __all__ = ["CheckpointError", "check_fits", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -110,12 +109,12 @@ def _local_to_global(groups: ParallelGroups, local_experts: int) -> list[int]:
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     groups: ParallelGroups, cfg: MoesysConfig, keep: int | None = None, parts: Sequence = ()) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory. The newest `keep` complete
-    checkpoints stay (default: runtime/storage/disk.kept_checkpoints, the count the plan's disk bytes assume).
+    checkpoints stay (default: runtime/plan/disk.kept_checkpoints, the count the plan's disk bytes assume).
 
     Each of `parts` (runtime/train/parts.py) writes its own files into the checkpoint before it is renamed, and
     the model parameters it holds (part.held_params) are left to it."""
     root = Path(run_dir) / CHECKPOINTS
-    name = f"step_{step:08d}"
+    name = step_name(step)
     tmp = root / f"{PARTIAL}{name}"
     if groups.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -125,13 +124,13 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     dense, experts = _dense_entries(model, optimizer, groups, held), _expert_entries(model, optimizer, groups, held)
     files = []
     if groups.rank == 0:
-        files.append(_write(tmp / "dense.safetensors", dense))
+        files.append(_write(tmp / DENSE, dense))
     else:  # gathering a partitioned table is collective: every rank produces the dense tensors in the same order
         for _, _, make in dense:
             make()
     if groups.edp_rank == 0 and experts:
-        files.append(_write(tmp / f"experts-ep{groups.ep_rank}.safetensors", experts))
-    files.append(save_tensors(tmp / f"rng-rank{groups.rank}.safetensors", _rng_state()))
+        files.append(_write(tmp / experts_file(groups.ep_rank), experts))
+    files.append(save_tensors(tmp / rng_file(groups.rank), _rng_state()))
     if groups.rank == 0:  # the checkpoint carries its tokenizer: its exports and inference read it from here
         atomic_write_text(tmp / TOKENIZER_FILE, run_tokenizer(cfg).to_str())
     for part in parts:  # may be collective: every rank, every part, in order
@@ -140,31 +139,8 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     final = root / name
     if groups.rank == 0:
         commit_checkpoint(tmp, checkpoint_meta(step, groups.world_size, groups.ep_size, cfg))
-        keep = kept_checkpoints(cfg) if keep is None else keep
-        for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        remove_old_checkpoints(root, kept_checkpoints(cfg) if keep is None else keep)
     _barrier(groups)
-    return final
-
-
-def checkpoint_meta(step: int, world_size: int, expert_parallel: int, cfg: MoesysConfig) -> dict:
-    """meta.json: the step, the layout that wrote the checkpoint, and the full config."""
-    return {"step": step, "world_size": world_size, "expert_parallel": expert_parallel,
-            "num_experts": cfg.model.num_experts, "config": asdict(cfg)}
-
-
-def commit_checkpoint(tmp: Path, meta: dict) -> Path:
-    """Make the written directory `tmp` (CHECKPOINTS/.tmp-NAME) the checkpoint NAME: meta.json last (with the list
-    of its tensor files), fsync, rename over any earlier one of that name, then `latest`. A crash before the rename
-    leaves only a .tmp- directory."""
-    root, name = tmp.parent, tmp.name.removeprefix(PARTIAL)
-    final = root / name
-    atomic_write_json(tmp / "meta.json", {**meta, FILES: tensor_files(tmp)})
-    fsync_dir(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    fsync_dir(root)
-    atomic_write_text(root / "latest", name + "\n")
     return final
 
 
@@ -200,13 +176,13 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             moments = _load_dense(reader, path, pname, param, groups, pname in shards, keep)
         if keep:
             optimizer.state[param] = {"step": step.reshape(()).to(param.device, copy=True), **moments}
-    rng_file = path / f"rng-rank{groups.rank}.safetensors"
-    if restore_rng and meta["world_size"] == groups.world_size and rng_file.exists():
+    rng_path = path / rng_file(groups.rank)
+    if restore_rng and meta["world_size"] == groups.world_size and rng_path.exists():
         try:
-            verify(rng_file)
+            verify(rng_path)
         except UserError as exc:
             raise CheckpointError(f"{exc}; {skip_hint(path)}") from None
-        with safe_open(str(rng_file), framework="pt") as f:
+        with open_tensors(rng_path) as f:
             torch.set_rng_state(f.get_tensor("cpu"))
             if torch.cuda.is_available() and "cuda" in f.keys():
                 torch.cuda.set_rng_state(f.get_tensor("cuda"))
@@ -257,10 +233,8 @@ def check_fits(path: Path, cfg: MoesysConfig) -> None:
     from runtime.model.transformer import Transformer
 
     shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        if not file.name.startswith("rng-"):
-            with safe_open(str(file), framework="pt") as f:
-                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith("model.")})
+    for name in tensor_files(path):
+        shapes.update({k: s for k, s in read_shapes(Path(path) / name).items() if k.startswith(f"{MODEL}.")})
     with torch.device("meta"):
         model = Transformer(cfg.model)
     for pname, param in model.named_parameters():

@@ -18,11 +18,11 @@ from torch import nn
 
 from runtime.config import MoesysConfig
 from runtime.parallel.groups import ParallelGroups
-from runtime.train.data import TokenDataset
+from runtime.data.dataset import TokenDataset
 from runtime.train.objective import LanguageModel
-from runtime.train.text import check_token_count, source_name
-from runtime.train.tokenize import read_tokens, run_cache_dir
-from runtime.train.tokenizer import run_tokenizer
+from runtime.data.text import check_token_count, source_name
+from runtime.data.pretokenize import read_tokens, run_cache_dir
+from runtime.data.tokenizer import run_tokenizer
 
 
 # ---- held-out text ----

@@ -18,11 +18,12 @@ from torch import nn
 
 from runtime.config import MoesysConfig, config_from_dict
 from runtime.parallel.groups import ParallelGroups, build_groups
-from runtime.train.data import TokenDataset, open_dataset
-from runtime.train.text import DataError, is_token_file
-from runtime.train.token_file import open_token_file
-from runtime.train.tokenize import read_tokens
-from runtime.train.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, run_tokenizer
+from runtime.data.dataset import TokenDataset, open_dataset
+from runtime.data.text import DataError, is_token_file
+from runtime.data.token_file import open_token_file
+from runtime.data.pretokenize import read_tokens
+from runtime.files.paths import TOKENIZER_FILE
+from runtime.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
 
 Evaluate = Callable[[int, nn.Module, ContextManager], dict]
 """evaluate(step, model, autocast): the step line's eval_* fields at an evaluation step, {} at any other."""

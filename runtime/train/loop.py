@@ -20,7 +20,7 @@ from runtime.errors import JobError
 from runtime.optim import lr_at
 from runtime.parallel.groups import ParallelGroups
 from runtime.parallel.timeouts import is_timeout, timeout_error
-from runtime.train.decided import read as read_placement
+from runtime.plan.placement import read as read_placement
 from runtime.train.evaluate import evaluation
 from runtime.train.build import Components, build_components
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint

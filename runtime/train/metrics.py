@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from runtime.io import atomic_write_text
 from runtime.parallel.groups import ParallelGroups
-from runtime.run_dir import METRICS, read_metrics
+from runtime.files.paths import METRICS
+from runtime.files.run_dir import read_metrics
 
 
 def memory_bytes(device: torch.device) -> int:

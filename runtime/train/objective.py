@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.parallel.groups import ParallelGroups
-from runtime.train.data import TokenDataset
+from runtime.data.dataset import TokenDataset
 
 
 class LanguageModel:

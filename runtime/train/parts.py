@@ -15,14 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.checkpoint_format import STATE_KEYS, CheckpointError, CheckpointReader, tensor_key
+from runtime.files.checkpoint_format import STATE_KEYS, CheckpointError, CheckpointReader, tensor_key
 from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.embedding_partition import partitioned_grad_sq, partitioned_parameters
 from runtime.optim import square_sum
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
 from runtime.storage.offload_engine import OffloadEngine
-from runtime.tensorfile import save_tensors
+from runtime.files.paths import DENSE_SHARDED
+from runtime.files.tensorfile import save_tensors
 
 GradSq = tuple[torch.Tensor, object]
 """(a local sum of squared gradients, the process group whose ranks hold disjoint shares of it; None: global)."""
@@ -149,7 +150,7 @@ class ShardedDense(Part):
         if self.groups.rank != 0:
             return []
         tensors = {tensor_key(kind, n): t.contiguous() for n, kinds in full.items() for kind, t in kinds.items()}
-        return [save_tensors(Path(directory) / "dense-sharded.safetensors", tensors)]
+        return [save_tensors(Path(directory) / DENSE_SHARDED, tensors)]
 
     def load(self, reader: CheckpointReader, step: int) -> None:
         held = self.held_params()

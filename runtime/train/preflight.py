@@ -1,7 +1,8 @@
 """What `moesys train` checks before it launches anything: the errors each worker would otherwise meet at start,
 after torchrun had retried it (a tokenizer that does not load or fit the model, data that cannot be read or is shorter
-than a window, a resume point that does not exist, a plan that does not fit, an expert store that cannot be written or
-that another run owns, a disk without room for the store and the checkpoints). Each raises a UserError of one line."""
+than a window, a resume point that does not exist, an expert store that cannot be written or that another run owns).
+Each raises a UserError of one line. The checks of the plan itself (it fits, the disk has room) are
+runtime/plan/checks.py."""
 
 from __future__ import annotations
 
@@ -9,17 +10,15 @@ import tempfile
 from pathlib import Path
 
 from runtime.config import MoesysConfig
+from runtime.data.text import check_token_count, is_token_file, source_name
+from runtime.data.token_file import check_ids, open_token_file
+from runtime.data.pretokenize import data_sources, encode_source
+from runtime.data.tokenizer import (BYTES, ByteTokenizer, Tokenizer, checkpoint_tokenizer_file, load_tokenizer,
+                                    tokenizer_digest)
 from runtime.errors import UserError
-from runtime.run_dir import CHECKPOINTS, expert_store_root
-from runtime.storage.budget import GB
-from runtime.storage.disk import bytes_under, check_free, checkpoints_on_disk, kept_checkpoints
-from runtime.storage.placement import plan_placement
-from runtime.train.resume import chosen_checkpoint
-from runtime.train.text import check_token_count, is_token_file, source_name
-from runtime.train.token_file import check_ids, open_token_file
-from runtime.train.tokenize import data_sources, encode_source
-from runtime.train.tokenizer import (BYTES, ByteTokenizer, Tokenizer, checkpoint_tokenizer_file, load_tokenizer,
-                                     tokenizer_digest)
+from runtime.files.paths import expert_store_root
+from runtime.files.resume import chosen_checkpoint
+from runtime.plan.modes import OffloadMode, requested_modes
 
 
 def check_before_launch(cfg: MoesysConfig) -> None:
@@ -31,7 +30,7 @@ def check_before_launch(cfg: MoesysConfig) -> None:
     tokenizer = check_tokenizer(cfg)
     for key, path in data_sources(cfg).items():
         check_source(path, key, cfg, tokenizer)  # DataError: missing, empty, too short, unreadable
-    if cfg.storage.offload in ("ssd", "auto"):
+    if OffloadMode.SSD in requested_modes(cfg.storage.offload):
         _check_store(expert_store_root(cfg), str(Path(cfg.train.run_dir).resolve()))
 
 
@@ -70,42 +69,6 @@ def check_source(path: str | None, key: str, cfg: MoesysConfig, tokenizer: Token
         if count > seq_len:
             return
     check_token_count(count, seq_len, name)
-
-
-def check_disk(cfg: MoesysConfig) -> None:
-    """The expert store and the checkpoints the run will write must fit the free space of the filesystems they go to
-    (storage.ssd_path or RUN_DIR/expert_store; RUN_DIR/checkpoints): a full disk otherwise stops the run minutes in.
-    What a resumed run's directory already holds is counted as written. A SLURM job's nodes keep their stores
-    where this machine cannot see them: only its checkpoints are checked."""
-    plan = plan_placement(cfg)
-    disk = plan.disk
-    checkpoints = Path(cfg.train.run_dir).resolve() / CHECKPOINTS
-    done = sorted(p.name for p in checkpoints.glob("step_*") if p.is_dir()) if checkpoints.is_dir() else []
-    first = int(done[-1].removeprefix("step_")) if done and done[-1].removeprefix("step_").isdigit() else 0
-    new = checkpoints_on_disk(cfg, existing=len(done), first_step=first) - len(done)
-    store = expert_store_root(cfg)
-    here = cfg.launcher.name != "slurm"
-    store_new = max(0, disk.store_bytes - bytes_under(store)) if plan.mode == "ssd" and here else 0
-    held = f"{new} checkpoint{'s' if new > 1 else ''} of {disk.checkpoint_bytes / GB:.2f} GB at once"
-    if new > kept_checkpoints(cfg):
-        held += f", {kept_checkpoints(cfg)} kept and the next being written"
-    writes = [(store, store_new, f"expert store {store_new / GB:.2f} GB"),
-              (checkpoints, new * disk.checkpoint_bytes, held)]
-    check_free(writes, "free space there, set train.run_dir or storage.ssd_path to a larger disk, or write fewer "
-                       "checkpoints (train.checkpoint_every=0 writes only the final one, train.final_checkpoint=false "
-                       "none)")
-
-
-def check_plan(cfg: MoesysConfig) -> None:
-    """The run must fit by the plan: otherwise a worker fails on a tier's budget, or the OOM killer takes it, after
-    minutes of building and restarts. Checked after the launch check, whose RAM message names the process count."""
-    plan = plan_placement(cfg)
-    if plan.feasible:
-        return
-    first = plan.suggestions[0] if plan.suggestions else ""
-    fix = "" if not first else f"; {first}" if first.startswith("no ") else f"; try: {first}"
-    raise UserError(f"the plan says this run does not fit ({'; '.join(plan.problems)}){fix} "
-                    "(`moesys plan` with the same overrides shows the budget)")
 
 
 def _check_store(root: Path, run_dir: str) -> None:

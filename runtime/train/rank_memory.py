@@ -8,7 +8,6 @@ kernel's OOM killer takes mid-step never writes a metrics line, and this file is
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import socket
 import threading
@@ -18,12 +17,12 @@ from typing import TYPE_CHECKING
 
 from runtime.io import atomic_write_json
 from runtime.memory_probe import PeakMemory, cuda_peak_bytes
+from runtime.files.paths import MEMORY_DIR, rank_memory_file
 
 if TYPE_CHECKING:
     import torch
 
 
-MEMORY_DIR = "memory"
 GROWTH = 1.02
 """The file is rewritten when the peak RSS has grown by this factor since the last write (a few dozen writes from
 start to steady state, none after)."""
@@ -39,7 +38,7 @@ class RankMemory(PeakMemory):
 
     def __init__(self, run_dir: Path, rank: int, device: torch.device, interval_s: float = 0.02):
         super().__init__(interval_s)
-        self.path = Path(run_dir) / MEMORY_DIR / f"rank{rank}.json"
+        self.path = Path(run_dir) / MEMORY_DIR / rank_memory_file(rank)
         self.rank, self.device = rank, device
         self.ssd_bytes = 0
         self._written = 0
@@ -78,25 +77,6 @@ class RankMemory(PeakMemory):
             except OSError:
                 return  # a full or read-only disk must not stop training over a diagnostic file
             self._written = peak
-
-
-def read_rank_memory(run_dir: Path) -> list[dict]:
-    """Every rank's last written record (any order); unreadable files are skipped."""
-    out = []
-    for path in sorted((Path(run_dir) / MEMORY_DIR).glob("rank*.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
-
-
-def clear_rank_memory(run_dir: Path) -> None:
-    """A new launch starts without the records of an earlier one (a rank that dies early leaves none)."""
-    for path in (Path(run_dir) / MEMORY_DIR).glob("rank*.json"):
-        path.unlink(missing_ok=True)
 
 
 def trim_heap() -> bool:

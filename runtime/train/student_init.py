@@ -13,19 +13,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, latest_checkpoint, tensor_key
+from runtime.files.checkpoint_format import (CheckpointReader, MODEL, STATE_KEYS, checkpoint_meta, commit_checkpoint,
+                                             latest_checkpoint, tensor_key)
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.io import atomic_write_json
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import MoELayer, is_expert_param
-from runtime.run_dir import CHECKPOINTS
-from runtime.tensorfile import save_tensors, write_tensors
-from runtime.train.checkpoint import checkpoint_meta, commit_checkpoint
+from runtime.files.paths import CHECKPOINTS, DENSE, SELECTION, experts_file, rng_file, step_name
+from runtime.files.tensorfile import save_tensors, write_tensors
 from runtime.train.distill import heldout_windows, load_frozen, split_heldout
-
-SELECTION = "distill.json"
-"""RUN_DIR/distill.json: the teacher, the held-out text, each MoE layer's expert usage and the experts kept."""
 
 
 @torch.no_grad()
@@ -143,15 +140,15 @@ def _add_param(entries: dict, pname: str, expert: int | None, like: torch.Tensor
 
 def _write_checkpoint(run_dir: Path, cfg: MoesysConfig, dense: dict, experts: dict) -> Path:
     root = run_dir / CHECKPOINTS
-    name = "step_00000000"
+    name = step_name(0)
     tmp = root / f".tmp-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for file, entries in (("dense.safetensors", dense), ("experts-ep0.safetensors", experts)):
+    for file, entries in ((DENSE, dense), (experts_file(0), experts)):
         write_tensors(tmp / file, {k: spec for k, (spec, _) in entries.items()},
                       ((k, make()) for k, (_, make) in entries.items()))
     world = cfg.topology.world_size
     for rank in range(world):  # as loop.train seeds a fresh run: router noise differs per rank
         state = torch.Generator().manual_seed(cfg.train.seed + 1 + rank).get_state()
-        save_tensors(tmp / f"rng-rank{rank}.safetensors", {"cpu": state})
+        save_tensors(tmp / rng_file(rank), {"cpu": state})
     return commit_checkpoint(tmp, checkpoint_meta(0, world, cfg.topology.expert_parallel, cfg))

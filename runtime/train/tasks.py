@@ -17,19 +17,20 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
-from runtime.checkpoint_format import STATE_KEYS, CheckpointError
+from runtime.files.checkpoint_format import STATE_KEYS, CheckpointError
 from runtime.config import MoesysConfig
-from runtime.elastic.allocation import AllocationError, Workload, allocate
+from runtime.elastic.allocation import AllocationError, Workload
 from runtime.elastic.workload import workload_from_config
 from runtime.io import atomic_write_json
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
-from runtime.tensorfile import save_tensors, verify
-from runtime.train.data import TokenDataset, build_task_datasets, task_seed
-from runtime.train.tokenizer import run_tokenizer
+from runtime.plan.rebalance import task_gpu_counts
+from runtime.files.paths import TASKS, heads_file
+from runtime.files.tensorfile import open_tensors, save_tensors, verify
+from runtime.data.dataset import TokenDataset, build_task_datasets, task_seed
+from runtime.data.tokenizer import run_tokenizer
 HEAD_INIT_STD = 0.02
 
 
@@ -110,15 +111,6 @@ def layout_from_counts(workload: Mapping[str, Workload], counts: Mapping[str, in
             batch[n] = _split(workload[n][0], k)
         nxt += k
     return TaskLayout(world, {n: ranks[n] for n in names}, {n: batch[n] for n in names})
-
-
-def task_gpu_counts(cfg: MoesysConfig, world: int, plan=None) -> dict[str, int]:
-    """Ranks per task: tasks.*.gpus when every task has it (a recipe written by `moesys rebalance --write`), else
-    the elastic allocation of the configured workload on `world` ranks within the plan's memory estimate."""
-    if all(t.gpus > 0 for t in cfg.tasks.values()):
-        return {n: t.gpus for n, t in cfg.tasks.items()}
-    from runtime.elastic.rebalance import tasks_per_gpu  # the plan's memory estimate, as `moesys rebalance`
-    return allocate(workload_from_config(cfg.tasks), world, tasks_per_gpu(cfg, plan)).gpus
 
 
 def task_layout(cfg: MoesysConfig, world: int, counts: Mapping[str, int] | None = None) -> TaskLayout:
@@ -267,20 +259,20 @@ class MultiTask:
                                                                torch.zeros_like(p)).detach().cpu().contiguous()
                 tensors[f"step.task_heads.{t}.{name}"] = torch.as_tensor(
                     state.get("step", torch.tensor(0.0)), dtype=torch.float32).reshape(1)
-            files.append(save_tensors(Path(ckpt_dir) / f"heads-{t}.safetensors", tensors))
+            files.append(save_tensors(Path(ckpt_dir) / heads_file(t), tensors))
         if self.rank == 0:
-            atomic_write_json(Path(ckpt_dir) / "tasks.json", {"ranks": self.layout.ranks, "batch": self.layout.batch})
+            atomic_write_json(Path(ckpt_dir) / TASKS, {"ranks": self.layout.ranks, "batch": self.layout.batch})
         return files
 
     def load(self, ckpt_dir: Path, optimizer: torch.optim.Optimizer | None) -> None:
         """Load this rank's heads (and their AdamW states) from a checkpoint written by any allocation."""
         for t in self.local:
-            path = Path(ckpt_dir) / f"heads-{t}.safetensors"
+            path = Path(ckpt_dir) / heads_file(t)
             if not path.exists():
                 raise CheckpointError(f"{ckpt_dir} has no head for task {t!r} (was it written by a run without "
                                       f"that task?)")
             verify(path)
-            with safe_open(str(path), framework="pt") as f:
+            with open_tensors(path) as f:
                 for name, p in self.heads[t].named_parameters():
                     value = f.get_tensor(f"model.task_heads.{t}.{name}")
                     if value.shape != p.shape:

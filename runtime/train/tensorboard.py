@@ -12,9 +12,9 @@ from typing import Any, Iterable
 
 from runtime.config import MoesysConfig
 from runtime.train.rank_memory import PER_RANK_KEYS
+from runtime.files.paths import TENSORBOARD
+from runtime.files.run_dir import task_samples_per_s
 
-TENSORBOARD = "tensorboard"
-"""RUN_DIR/tensorboard/: `tensorboard --logdir RUN_DIR` finds it."""
 
 NOT_SCALARS = {"step", "max_steps", "resumed_from", "restart"}
 """Step-line fields that are no measurement: the step axis itself and the marks of a worker start."""
@@ -57,16 +57,6 @@ def histograms(record: dict) -> dict[str, list[float]]:
             if isinstance(shares, list) and shares and all(_is_number(v) for v in shares):
                 out[f"{key}/layer{layer}"] = [float(v) for v in shares]
     return out
-
-
-def task_samples_per_s(rank_lines: Iterable[dict]) -> dict[str, float]:
-    """Each task's samples per second in one step of a multi-task run: the sum over its ranks of the rank's samples
-    of the task over the rank's compute time (metrics.jsonl's per-rank lines of that step)."""
-    speeds: dict[str, float] = {}
-    for line in rank_lines:
-        if "task" in line and line.get("compute_s"):
-            speeds[line["task"]] = speeds.get(line["task"], 0.0) + line["samples"] / line["compute_s"]
-    return speeds
 
 
 class TensorBoardLog:

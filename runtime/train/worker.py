@@ -13,15 +13,16 @@ AGENT_PID = os.getppid()  # read before the imports below (seconds), so an agent
 import torch  # noqa: E402
 import torch.distributed as dist
 
-from runtime.checkpoint_format import remove_partial_checkpoints
+from runtime.files.checkpoint_format import remove_partial_checkpoints
 from runtime.errors import JobError, UserError, os_reason, unwritable
 from runtime.oom import OUT_OF_MEMORY_EXIT, OutOfMemory, cuda_oom_message
 from runtime.io import atomic_write_json
 from runtime.parallel.groups import build_groups
 from runtime.process import die_with_parent
-from runtime.run_dir import SUMMARY, load_config, read_fatal, record_fatal
+from runtime.files.paths import SUMMARY
+from runtime.files.run_dir import load_config, read_fatal, record_fatal
 from runtime.topology import set_cpu_threads
-from runtime.train.compare import recorded_plan
+from runtime.plan.compare import recorded_plan
 from runtime.train.loop import train
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.train.text import CORPUS_DIR
-from runtime.train.tokenizer import load_tokenizer
+from runtime.data.text import CORPUS_DIR
+from runtime.data.tokenizer import load_tokenizer
 from tests.cli.conftest import FAST_TINY, run_moesys
 
 MIXTRAL_STYLE = ["model.expert_type=swiglu", "model.norm=rmsnorm", "model.position=rope", "model.bias=false",

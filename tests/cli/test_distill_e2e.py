@@ -17,7 +17,7 @@ from runtime.inference.load import load_model
 from runtime.parallel.groups import build_groups
 from runtime.train.distill import heldout_loss, heldout_windows, split_heldout
 from runtime.train.loop import train
-from runtime.train.text import CORPUS_DIR
+from runtime.data.text import CORPUS_DIR
 from tests.cli.conftest import FAST_TINY, run_moesys
 
 TEACHER_STEPS, STEPS = 60, 40

@@ -105,7 +105,7 @@ def test_export_streams_tensor_by_tensor_and_a_gpt_style_model_refuses_hf(tmp_pa
         from runtime.memory_probe import PeakMemory, rss_anon_bytes
         from runtime.model.transformer import Transformer
         from runtime.moe.layer import is_expert_param
-        from runtime.tensorfile import write_tensors
+        from runtime.files.tensorfile import write_tensors
         from runtime.inference.export import export_checkpoint
         import yaml
         step = Path({str(tmp_path)!r}) / "step"

@@ -16,7 +16,7 @@ from runtime.config import ConfigError
 from runtime.errors import UserError
 from runtime.launch import build_launch, check_node_address, rendezvous_join_s
 from runtime.node_watch import LostNodeWatch, reachable
-from runtime.run_dir import node_logs
+from runtime.files.paths import node_logs
 
 NODE = ["recipe=tiny", "launcher=multinode", "topology.nodes=2", "topology.expert_parallel=4",
         "launcher.rdzv_endpoint=10.1.2.3:29400"]

@@ -134,7 +134,7 @@ def test_the_papers_fp16_recipe_offloads_when_the_model_outgrows_the_gpu():
     """gpt-moe-13b trains in fp16 as the paper does: offloading it is advised, and it fits, without a precision
     change (fp16 works with every offload mode: the loss scale's overflow check covers the CPU optimizer)."""
     from moesys_cli.resolve import resolve_config
-    from runtime.storage.placement import plan_placement
+    from runtime.plan.planner import plan_placement
 
     args = ["recipe=gpt-moe-13b", "topology.gpus_per_node=1", "topology.gpu_memory_gb=40"]
     plan = plan_placement(resolve_config(args))

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import load_config
+from runtime.files.run_dir import load_config
 from runtime.train.build import build_components
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint
 from tests.cli.conftest import FAST_TINY, losses, moesys_bin, run_moesys

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from runtime.tensorfile import save_tensors
+from runtime.files.tensorfile import save_tensors
 from runtime.train.checkpoint import latest_checkpoint
 from tests.cli.conftest import FAST_TINY, losses, moesys_bin, run_moesys
 from tests.cli.test_train_e2e import wait_for_step, workers

@@ -7,7 +7,7 @@ import pytest
 
 from moesys_cli.resolve import resolve_config
 from runtime.config import ConfigError, MoesysConfig, TopologyConfig, config_from_dict, config_to_dict, validate
-from runtime.storage.placement import plan_placement
+from runtime.plan.planner import plan_placement
 
 
 @pytest.mark.parametrize("overrides,expected", [

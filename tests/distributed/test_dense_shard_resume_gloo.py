@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TopologyConfig, TrainConfig
-from runtime.run_dir import CHECKPOINTS, CONFIG, METRICS, read_metrics, save_config
+from runtime.files.paths import CHECKPOINTS, CONFIG, METRICS
+from runtime.files.run_dir import read_metrics, save_config
 from tests.distributed.torchrun import REPO, torchrun
 
 WORKER = REPO / "runtime" / "train" / "worker.py"

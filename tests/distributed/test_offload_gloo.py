@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TopologyConfig, TrainConfig
-from runtime.run_dir import read_metrics, save_config, CONFIG
+from runtime.files.run_dir import read_metrics, save_config
+from runtime.files.paths import CONFIG
 from tests.distributed.torchrun import REPO, torchrun
 
 WORKER = REPO / "runtime" / "train" / "worker.py"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from moesys_cli.resolve import resolve_config
 from runtime.bench.beyond_memory import PLANNED_SHARE, TOKENS_PER_RANK, _experts_for, _overrides
-from runtime.model.params import count_parameters
-from runtime.storage.placement import plan_placement
+from runtime.plan.params import count_parameters
+from runtime.plan.planner import plan_placement
 
 
 def test_the_model_outgrows_the_memory_and_its_plan_fits_the_cap():

@@ -6,7 +6,7 @@ import sys
 
 
 def test_the_cli_and_the_planner_import_without_torch():
-    code = ("import sys, moesys_cli.app, runtime.storage.placement, runtime.elastic.rebalance, "
+    code = ("import sys, moesys_cli.app, runtime.plan.planner, runtime.plan.rebalance, "
             "runtime.train.preflight; print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -8,8 +8,8 @@ import pytest
 from runtime.config import MoesysConfig, TopologyConfig, TrainConfig
 from runtime.errors import UserError
 from runtime.launch import check_host_memory, check_launchable
-from runtime.storage.budget import GB
-from runtime.storage.placement import PROCESS_RUNTIME_BYTES, plan_placement
+from runtime.plan.budget import GB
+from runtime.plan.planner import PROCESS_RUNTIME_BYTES, plan_placement
 
 RAM_24_GIB = 24 * 2**30
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from runtime.config import MoesysConfig, TopologyConfig
 from runtime.oom import OomWatch, oom_kills, oom_message, smallest_fix
-from runtime.storage.budget import GB
-from runtime.storage.placement import plan_placement
+from runtime.plan.budget import GB
+from runtime.plan.planner import plan_placement
 
 KILLED = ("E1123 21:58:01.000000 123 torch/distributed/elastic/multiprocessing/api.py:1003] failed (exitcode: -9) "
           "local_rank: 1 (pid: 4242) of binary: /usr/bin/python\n")

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from runtime import tensorfile
+from runtime.files import tensorfile
 from runtime.inference.auto import AutoOffloader
 from runtime.inference.generate import generate
 from runtime.inference.load import open_checkpoint
@@ -94,7 +94,7 @@ def test_a_failed_store_export_leaves_no_temporary_file(mixtral, tmp_path, monke
     def fail(t):
         raise OSError("disk full")
 
-    monkeypatch.setattr(tensorfile, "_raw", fail)
+    monkeypatch.setattr(tensorfile, "raw_bytes", fail)
     with pytest.raises(OSError, match="disk full"):
         ExpertStore.export(open_checkpoint(mixtral).experts, tmp_path / "store")
     assert list((tmp_path / "store").iterdir()) == []

@@ -19,8 +19,8 @@ from runtime.inference.load import InferError, load_model, read_moesys
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import load_config
-from runtime.tensorfile import save_tensors
+from runtime.files.run_dir import load_config
+from runtime.files.tensorfile import save_tensors
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint
 from tests.trained_run import train_run_dir
 
@@ -143,7 +143,7 @@ def test_an_export_its_disk_cannot_hold_is_refused_before_anything_is_written(tm
     import shutil
     from collections import namedtuple
 
-    from runtime.storage import disk
+    from runtime.plan import disk
 
     step = tmp_path / "step"
     write_step(step)

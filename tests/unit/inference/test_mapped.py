@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runtime.inference.mapped import MappedFile, MappedFileError, TensorFiles, read_header
-from runtime.tensorfile import save_tensors
+from runtime.files.tensorfile import save_tensors
 
 
 def raw_file(path, header: dict, data: bytes = b""):

@@ -5,7 +5,7 @@ import statistics
 import pytest
 
 from runtime.bench.ring import bench_model_config, run_ring_bench
-from runtime.model.params import count_parameters
+from runtime.plan.params import count_parameters
 
 
 def test_default_bench_model_is_expert_heavy():

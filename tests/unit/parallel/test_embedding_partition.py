@@ -15,9 +15,10 @@ from torch import nn
 from runtime.config import ModelConfig, MoesysConfig
 from runtime.model.transformer import Transformer
 from runtime.parallel.embedding_partition import (
-    PartitionedEmbedding, PartitionedTiedHead, check_divisible, embedding_bytes_per_rank, full_table_from_shards,
-    partition_embedding, partitioned_grad_sq, partitioned_parameters, reshard, shard_of)
-from runtime.storage.budget import DENSE_STATE_BYTES
+    PartitionedEmbedding, PartitionedTiedHead, full_table_from_shards, partition_embedding, partitioned_grad_sq,
+    partitioned_parameters, reshard, shard_of)
+from runtime.plan.embedding_bytes import check_divisible, embedding_bytes_per_rank
+from runtime.plan.budget import DENSE_STATE_BYTES
 
 
 def _table(v: int = 11, h: int = 12) -> torch.Tensor:

@@ -15,7 +15,7 @@ from runtime.errors import UserError
 from runtime.report.task_section import allocations
 from runtime.report.training import write_training_report
 from runtime.report.write import write_report
-from runtime.run_dir import RunLock, save_config
+from runtime.files.run_dir import RunLock, save_config
 
 LAYERS, EXPERTS = 2, 4
 

@@ -15,7 +15,7 @@ from runtime.model.transformer import Transformer
 from runtime.serving.protocol import (CompletionRequest, Defaults, RequestError, TextStream, parse_completion,
                                       parse_json)
 from runtime.serving.worker import Cancelled, GenerationWorker, Job, Stopped, WorkerDied
-from runtime.train.tokenizer import ByteTokenizer
+from runtime.data.tokenizer import ByteTokenizer
 
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, vocab_size=256, ffn_hidden_size=64, num_experts=4,
                    top_k=2, max_seq_len=48)

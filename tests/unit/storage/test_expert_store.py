@@ -8,7 +8,7 @@ import torch
 from runtime.storage.expert_slots import SlotLayout, new_slots
 from runtime.storage.expert_store import ExpertStore, StoreError
 from runtime.storage.host_home import initial_slot
-from runtime.tensorfile import ChecksumError, verify
+from runtime.files.tensorfile import ChecksumError, verify
 
 
 def expert(seed: int) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from runtime.storage.expert_store import ExpertStore
 from runtime.storage.host_home import initial_slot
 from runtime.storage.live_files import read_file, write_file
 from runtime.storage.offload_engine import install_offload
-from runtime.tensorfile import ChecksumError, verify
+from runtime.files.tensorfile import ChecksumError, verify
 from runtime.train.build import build_model
 
 CPU = torch.device("cpu")

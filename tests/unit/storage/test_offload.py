@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.checkpoint_format import CheckpointReader
+from runtime.files.checkpoint_format import CheckpointReader
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
-from runtime.model.params import count_parameters
+from runtime.plan.params import count_parameters
 from runtime.parallel.groups import build_groups
 from runtime.storage.expert_store import ExpertStore
 from runtime.optim import AdamWHyper, lr_at
@@ -19,7 +19,7 @@ from runtime.storage.offload_engine import OffloadedGroupedExperts, install_offl
 from runtime.train.build import build_model, build_optimizer
 from runtime.train.parts import OffloadedExperts as OffloadedExpertsPart
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from runtime.train.data import TokenDataset
+from runtime.data.dataset import TokenDataset
 
 CPU = torch.device("cpu")
 

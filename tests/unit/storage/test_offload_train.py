@@ -11,7 +11,7 @@ import torch
 import runtime.train.loop as loop
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TrainConfig
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import read_metrics
+from runtime.files.run_dir import read_metrics
 
 CPU = torch.device("cpu")
 

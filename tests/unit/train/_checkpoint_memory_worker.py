@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.checkpoint_format import CheckpointReader
+from runtime.files.checkpoint_format import CheckpointReader
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TrainConfig
 from runtime.memory_probe import PeakMemory, rss_anon_bytes
 from runtime.moe.layer import is_expert_param

@@ -13,13 +13,15 @@ import torch
 
 from runtime.config import MoesysConfig, TrainConfig
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import prepare_run_dir, read_metrics
-from runtime.train.data import TokenDataset
+from runtime.train.run_setup import prepare_run_dir
+from runtime.files.run_dir import read_metrics
+from runtime.data.dataset import TokenDataset
 from runtime.train.loop import train
-from runtime.train.text import CORPUS_DIR
-from runtime.train.tokenize import TOKENS, prepare_tokens, read_tokens, tokenize_to_file
-from runtime.train.tokenizer import load_tokenizer
-from runtime.train.tokenizer_train import train_bpe
+from runtime.data.text import CORPUS_DIR
+from runtime.files.paths import TOKENS
+from runtime.data.pretokenize import prepare_tokens, read_tokens, tokenize_to_file
+from runtime.data.tokenizer import load_tokenizer
+from runtime.data.tokenizer_train import train_bpe
 from tests.trained_run import SMALL_MOE
 
 DOCS = [(CORPUS_DIR / name).read_text().strip() for name in ("weather.txt", "machines.txt")]

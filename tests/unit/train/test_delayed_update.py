@@ -10,7 +10,7 @@ import torch
 import runtime.train.loop as loop
 from runtime.config import ConfigError, ModelConfig, MoesysConfig, StorageConfig, TrainConfig, validate
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import read_metrics
+from runtime.files.run_dir import read_metrics
 
 CPU = torch.device("cpu")
 STEPS = 30

@@ -10,16 +10,17 @@ import math
 import pytest
 import torch
 
-from runtime.checkpoint_format import CheckpointReader, latest_checkpoint
+from runtime.files.checkpoint_format import CheckpointReader, latest_checkpoint
 from runtime.config import ModelConfig, MoesysConfig, TopologyConfig, TrainConfig, config_from_dict
 from runtime.inference.load import load_model
 from runtime.moe.layer import MoELayer
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import read_metrics
+from runtime.files.run_dir import read_metrics
 from runtime.train.distill import Distillation, heldout_windows, kd_loss, split_heldout
 from runtime.train.loop import train
 from runtime.train.student_config import find_teacher, recorded_teacher, student_recipe
-from runtime.train.student_init import SELECTION, expert_usage, most_used, start_student
+from runtime.files.paths import SELECTION
+from runtime.train.student_init import expert_usage, most_used, start_student
 
 CPU = torch.device("cpu")
 ONE = build_groups(1, 0, 1, 1)
@@ -143,8 +144,8 @@ def test_the_plan_counts_the_whole_teacher_on_every_rank(tmp_path):
     from runtime.config import config_to_dict
     from runtime.errors import UserError
     from runtime.launch import check_host_memory
-    from runtime.model.params import count_parameters
-    from runtime.storage.placement import plan_placement
+    from runtime.plan.params import count_parameters
+    from runtime.plan.planner import plan_placement
 
     teacher_cfg = MoesysConfig(model=ModelConfig(hidden_size=256, num_layers=4, num_heads=4, vocab_size=256,
                                                  ffn_hidden_size=1024, num_experts=32, max_seq_len=128))

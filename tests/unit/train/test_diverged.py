@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TrainConfig
 from runtime.errors import JobError
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import read_metrics
-from runtime.tensorfile import save_tensors
+from runtime.files.run_dir import read_metrics
+from runtime.files.tensorfile import save_tensors
 from runtime.train.checkpoint import latest_checkpoint
 from runtime.train.loop import train
 

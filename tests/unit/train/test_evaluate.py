@@ -16,11 +16,12 @@ from runtime.config import ConfigError, MoesysConfig, TrainConfig, config_from_d
 from runtime.model.transformer import Transformer
 from runtime.parallel.groups import build_groups
 from runtime.report.training import write_training_report
-from runtime.run_dir import prepare_run_dir, read_metrics
-from runtime.train.data import TokenDataset
+from runtime.train.run_setup import prepare_run_dir
+from runtime.files.run_dir import read_metrics
+from runtime.data.dataset import TokenDataset
 from runtime.train.evaluate import evaluate_checkpoint, heldout_sums, summary
 from runtime.train.loop import train
-from runtime.train.text import CORPUS_DIR
+from runtime.data.text import CORPUS_DIR
 from tests.trained_run import SMALL_MOE
 
 HELDOUT = CORPUS_DIR / "weather.txt"

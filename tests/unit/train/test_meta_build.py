@@ -11,7 +11,7 @@ import torch
 
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TrainConfig
 from runtime.memory_probe import PeakMemory
-from runtime.model.params import count_parameters
+from runtime.plan.params import count_parameters
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.groups import build_groups

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from runtime.run_dir import read_metrics
+from runtime.files.run_dir import read_metrics
 from runtime.train.metrics import MetricsWriter
 
 

@@ -12,9 +12,10 @@ import pytest
 
 from moesys_cli.resolve import resolve_config
 from runtime.errors import UserError
-from runtime.train.preflight import check_before_launch, check_disk
-from runtime.train.text import CORPUS_DIR
-from runtime.train.tokenizer_train import train_bpe
+from runtime.plan.checks import check_disk
+from runtime.train.preflight import check_before_launch
+from runtime.data.text import CORPUS_DIR
+from runtime.data.tokenizer_train import train_bpe
 
 HUGE = ["recipe=tiny", "model.num_experts=512", "model.hidden_size=8192", "model.ffn_hidden_size=32768",
         "model.num_layers=12", "model.num_heads=64", "train.lr=1e-4"]  # 3.3T parameters: 40 TB a checkpoint

@@ -12,11 +12,13 @@ import torch
 from runtime.config import ConfigError, MoesysConfig, TrainConfig, config_from_dict
 from runtime.errors import UserError
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import prepare_run_dir, read_metrics
-from runtime.storage.disk import KEEP_CHECKPOINTS, kept_checkpoints
+from runtime.train.run_setup import prepare_run_dir
+from runtime.files.run_dir import read_metrics
+from runtime.plan.disk import KEEP_CHECKPOINTS, kept_checkpoints
 from runtime.train.checkpoint import latest_checkpoint
 from runtime.train.loop import train
-from runtime.train.resume import SUPERSEDED, apply_resume_from, checkpoint_steps, chosen_checkpoint
+from runtime.files.paths import SUPERSEDED
+from runtime.files.resume import apply_resume_from, checkpoint_steps, chosen_checkpoint
 from tests.trained_run import SMALL_MOE
 
 

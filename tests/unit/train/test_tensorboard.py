@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from runtime.config import ConfigError, MoesysConfig, config_from_dict, config_to_dict, validate
-from runtime.train.tensorboard import TensorBoardLog, histograms, scalars, task_samples_per_s
+from runtime.train.tensorboard import TensorBoardLog, histograms, scalars
+from runtime.files.run_dir import task_samples_per_s
 
 RECORD = {"step": 7, "max_steps": 9, "resumed_from": 6, "loss": 4.5, "z_loss": 4.4, "gate_entropy": [2.0, 1.9],
           "expert_load": [[0.5, 0.25, 0.25, 0.0], [0.0, 0.5, 0.5, 0.0]], "memory/peak_rss_anon": [300, 310],

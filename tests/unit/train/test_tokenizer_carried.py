@@ -13,13 +13,13 @@ from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.inference.export import export_checkpoint
 from runtime.inference.load import load_model
 from runtime.parallel.groups import build_groups
-from runtime.run_dir import prepare_run_dir
+from runtime.train.run_setup import prepare_run_dir
 from runtime.train.checkpoint import latest_checkpoint
 from runtime.train.loop import train
 from runtime.train.student_config import find_teacher, student_recipe
-from runtime.train.text import CORPUS_DIR
-from runtime.train.tokenizer import ByteTokenizer, byte_tokenizer_json, load_tokenizer
-from runtime.train.tokenizer_train import train_bpe
+from runtime.data.text import CORPUS_DIR
+from runtime.data.tokenizer import ByteTokenizer, byte_tokenizer_json, load_tokenizer
+from runtime.data.tokenizer_train import train_bpe
 from tests.trained_run import train_run_dir
 
 PROMPT = "The wind over the hills, naïve café"

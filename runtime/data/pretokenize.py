@@ -1,0 +1,127 @@
+"""Text to token ids: a text source encoded segment batch by segment batch (runtime/data/text.py), written as a
+token file (`moesys tokenize`), or cached in the run directory by `moesys train` before launch, so that every rank
+maps the ids instead of tokenizing the whole corpus itself and reads only the windows of its own share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from itertools import chain
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Optional
+
+import numpy as np
+
+from runtime.config import MoesysConfig
+from runtime.io import atomic_write_text
+from runtime.data.text import DataError, Progress, is_token_file, segments, source_name, text_files
+from runtime.data.token_file import open_token_file, write_token_file
+from runtime.files.paths import TOKENIZER_FILE
+from runtime.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype, tokenizer_digest
+from runtime.files.paths import TOKENS
+
+BATCH_BYTES = 4 << 20
+"""Text handed to the tokenizer at once (its threads encode the segments of a batch in parallel)."""
+
+def _encode(tokenizer: Tokenizer, batch: list[bytes]) -> np.ndarray:
+    if isinstance(tokenizer, ByteTokenizer):  # the bytes are the ids: no decoding, no copy per byte
+        return np.frombuffer(b"".join(batch), dtype=np.uint8)
+    ids = tokenizer.encode_pieces(batch)
+    return np.fromiter(chain.from_iterable(ids), dtype=token_dtype(tokenizer.vocab_size),
+                       count=sum(len(i) for i in ids))
+
+
+def encode_source(path: Optional[str | Path], tokenizer: Tokenizer, key: str = "train.data", text_key: str = "text",
+                  progress: Optional[Progress] = None) -> Iterator[np.ndarray]:
+    """The ids of a text source in order, one array per batch of segments."""
+    batch, size = [], 0
+    for segment in segments(path, key, text_key, progress):
+        batch.append(segment)
+        size += len(segment)
+        if size >= BATCH_BYTES:
+            yield _encode(tokenizer, batch)
+            batch, size = [], 0
+    if batch:
+        yield _encode(tokenizer, batch)
+
+
+def tokenize_to_file(path: Optional[str | Path], out: str | Path, tokenizer: Tokenizer, key: str = "data",
+                     text_key: str = "text", progress: Optional[Progress] = None) -> dict:
+    """Write a text source's ids as a token file; the `moesys tokenize --json` summary."""
+    if is_token_file(path):
+        raise DataError(f"{key}={path} is a token file already; give text (a file, a directory of *.txt, a .jsonl)")
+    began = time.perf_counter()
+    files = text_files(path, key)
+    count = write_token_file(out, encode_source(path, tokenizer, key, text_key, progress), tokenizer.vocab_size)
+    return {"data": str(path) if path else "shipped corpus", "out": str(Path(out).expanduser().resolve()),
+            "tokens": count, "dtype": token_dtype(tokenizer.vocab_size), "tokenizer": tokenizer.name,
+            "text_bytes": sum(f.stat().st_size for f in files), "seconds": round(time.perf_counter() - began, 3)}
+
+
+def cache_file(cache_dir: Path, key: str, path: Optional[str | Path], tokenizer: Tokenizer, text_key: str) -> Path:
+    """Where a text source's ids are cached: named after the key and a digest of the tokenizer, the text key and
+    each file's path, size and modification time (a changed file is tokenized again)."""
+    digest = hashlib.sha256(f"{tokenizer_digest(tokenizer)}\0{text_key}".encode())
+    for file in text_files(path, key):
+        stat = file.stat()
+        digest.update(f"\0{file.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    return Path(cache_dir) / f"{key}-{digest.hexdigest()[:16]}.bin"
+
+
+def prepare_tokens(cache_dir: Path, sources: Mapping[str, Optional[str]], tokenizer: Tokenizer, text_key: str,
+                   progress: Optional[Callable[[str, int, int], None]] = None) -> dict[str, Path]:
+    """Tokenize each text source of `sources` ({key: path}) into the cache once; earlier caches of a key go.
+    progress(key, bytes done, bytes in all). Returns {key: cache file}."""
+    made = {}
+    for key, path in sources.items():
+        if is_token_file(path):
+            continue
+        target = cache_file(cache_dir, key, path, tokenizer, text_key)
+        if not target.exists():
+            report = (lambda done, total, key=key: progress(key, done, total)) if progress else None
+            write_token_file(target, encode_source(path, tokenizer, key, text_key, report), tokenizer.vocab_size)
+        for stale in Path(cache_dir).glob(f"{key}-*.bin"):
+            if stale != target:
+                stale.unlink(missing_ok=True)
+        made[key] = target
+    return made
+
+
+def read_tokens(path: Optional[str | Path], tokenizer: Tokenizer, key: str = "train.data", text_key: str = "text",
+                cache_dir: Optional[Path] = None) -> np.ndarray:
+    """A source's ids: a token file or the run's cache of a text source as a memory map, else the text encoded
+    here (a process that trains without `moesys train`, as tests do)."""
+    if is_token_file(path):
+        return open_token_file(path, tokenizer.vocab_size, key)
+    if cache_dir is not None:
+        cached = cache_file(cache_dir, key, path, tokenizer, text_key)
+        if cached.exists():
+            return open_token_file(cached, tokenizer.vocab_size, source_name(path, key))
+    return np.concatenate(list(encode_source(path, tokenizer, key, text_key)))
+
+
+def run_cache_dir(cfg: MoesysConfig) -> Optional[Path]:
+    """RUN_DIR/tokens, where `moesys train` tokenized the run's text sources before launch."""
+    return Path(cfg.train.run_dir) / TOKENS if cfg.train.run_dir else None
+
+
+def data_sources(cfg: MoesysConfig) -> dict[str, Optional[str]]:
+    """Every source a run reads, by the key that names it: train.data (or each task's data), train.eval_data,
+    distill.heldout_data."""
+    sources = {f"tasks.{name}.data": task.data for name, task in cfg.tasks.items()} if cfg.tasks else \
+        {"train.data": cfg.train.data}
+    if cfg.train.eval_data:
+        sources["train.eval_data"] = cfg.train.eval_data
+    if cfg.distill.teacher and cfg.distill.heldout_data:
+        sources["distill.heldout_data"] = cfg.distill.heldout_data
+    return sources
+
+
+def prepare_run_data(cfg: MoesysConfig, progress: Optional[Callable[[str, int, int], None]] = None) -> None:
+    """What `moesys train` writes into the run directory before launch: its tokenizer (tokenizer.json, read by the
+    workers, checkpoints and exports) and its text sources as token files (TOKENS/)."""
+    tokenizer = load_tokenizer(cfg.train.tokenizer)
+    run_dir = Path(cfg.train.run_dir)
+    atomic_write_text(run_dir / TOKENIZER_FILE, tokenizer.to_str())
+    prepare_tokens(run_dir / TOKENS, data_sources(cfg), tokenizer, cfg.train.data_text_key, progress)

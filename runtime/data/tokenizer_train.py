@@ -1,0 +1,52 @@
+"""`moesys tokenizer train`: a byte-level BPE (GPT-2's scheme: the 256 bytes, then learned merges) trained on the
+user's text with the Hugging Face `tokenizers` library, written as the tokenizer.json `train.tokenizer` takes.
+
+It learns from the same segments training encodes (runtime/data/text.py), so its merges never span a blank line
+or a segment cut, and a text it was trained on encodes as training reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+from runtime.config import BYTE_VOCAB
+from runtime.errors import UserError
+from runtime.io import atomic_write_text
+from runtime.data.text import Progress, is_token_file, segments, source_name, text_files
+from runtime.data.tokenizer import JsonTokenizer
+
+MAX_VOCAB = 1 << 32
+"""Ids a token file's uint32 can hold."""
+
+
+def train_bpe(path: Optional[str | Path], vocab_size: int, out: str | Path, key: str = "data",
+              text_key: str = "text", progress: Optional[Progress] = None) -> dict:
+    """Train a byte-level BPE of at most `vocab_size` tokens on a text source and write it to `out` (atomically);
+    the `moesys tokenizer train --json` summary. A corpus with fewer distinct merges gives a smaller vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if not BYTE_VOCAB <= vocab_size <= MAX_VOCAB:
+        raise UserError(f"vocab_size={vocab_size} must be between {BYTE_VOCAB} (the bytes a byte-level BPE starts "
+                        f"from) and {MAX_VOCAB}")
+    if is_token_file(path):
+        raise UserError(f"{key}={path} is a token file; a tokenizer learns from text (a file, a directory of *.txt, "
+                        "a .jsonl)")
+    out = Path(out).expanduser()
+    if out.is_dir():
+        raise UserError(f"out={out} is a directory; give the tokenizer.json file to write")
+    files = text_files(path, key)
+    began = time.perf_counter()
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=[], show_progress=False)
+    texts = (segment.decode("utf-8", errors="replace") for segment in segments(path, key, text_key, progress))
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    trained = JsonTokenizer(tokenizer, str(out))
+    atomic_write_text(out, trained.to_str())
+    return {"data": source_name(path, key).removeprefix(f"{key}="), "out": str(out.resolve()),
+            "vocab_size": trained.vocab_size, "requested_vocab_size": vocab_size,
+            "text_bytes": sum(f.stat().st_size for f in files), "seconds": round(time.perf_counter() - began, 3)}

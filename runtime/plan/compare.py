@@ -1,0 +1,127 @@
+"""The plan against the run (issue 15 item 4): per rank and tier, the bytes the recorded plan predicted beside the
+peak each rank measured (runtime/train/rank_memory.py), and their ratio. What `moesys plan --compare RUN_DIR` prints.
+
+Tiers: without a GPU the device pool and the host cache are one RAM pool, compared as "ram" (the plan's
+process_host_bytes: states, activations, cache and the worker's runtime); with GPUs, "device" (CUDA max allocated)
+and "host" (anonymous RSS); "ssd" is the rank's expert store files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.errors import UserError
+from runtime.files.paths import CONFIG, PLAN
+from runtime.files.run_dir import load_config, read_metrics, read_rank_memory
+from runtime.plan.planner import plan_placement, plan_to_dict
+
+TOLERANCE = 0.2
+"""Measured within 20% of predicted: the target of issue 15."""
+
+MEASURED_KEY = {"ram": "memory/peak_rss_anon", "host": "memory/peak_rss_anon",
+                "device": "memory/cuda_max_allocated", "ssd": "memory/ssd_bytes"}
+
+
+@dataclass(frozen=True)
+class TierComparison:
+    rank: int
+    tier: str
+    predicted_bytes: int
+    measured_bytes: int | None
+    """The run's peak on this rank; None when the rank recorded nothing."""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.measured_bytes is None or self.predicted_bytes <= 0:
+            return None
+        return self.measured_bytes / self.predicted_bytes
+
+    @property
+    def within(self) -> bool | None:
+        """Within TOLERANCE of the prediction; None when there is nothing to compare (both zero counts as within)."""
+        if self.measured_bytes is None:
+            return None
+        if self.predicted_bytes <= 0:
+            return self.measured_bytes == 0
+        return abs(self.ratio - 1) <= TOLERANCE
+
+    @property
+    def ratio_text(self) -> str:
+        """The ratio with as many digits as it takes for the printed figure to agree with `within` (decided on the
+        unrounded ratio): 0.798 is off the plan, and "0.80" would read as within 20%; "-" without a ratio."""
+        if self.ratio is None:
+            return "-"
+        return ratio_text(self.ratio, bool(self.within))
+
+
+def ratio_text(ratio: float, within: bool) -> str:
+    """`ratio` rounded to the fewest digits (two or more) whose value is on the same side of TOLERANCE as the
+    unrounded ratio."""
+    for digits in range(2, 10):
+        text = f"{ratio:.{digits}f}"
+        if (abs(float(text) - 1) <= TOLERANCE) == within:
+            return text
+    return repr(ratio)
+
+
+def predicted_per_rank(plan: dict, gpus_per_node: int) -> dict[str, int]:
+    """The plan's bytes per rank for each compared tier (`plan` as `moesys plan --json` prints it)."""
+    r = plan["per_rank"]
+    if gpus_per_node:
+        return {"device": int(r["device_total"]), "host": int(r["process_host_bytes"]), "ssd": int(r["ssd"])}
+    return {"ram": int(r["process_host_bytes"]), "ssd": int(r["ssd"])}
+
+
+def measured_peaks(run_dir: Path) -> dict[str, dict[int, int]]:
+    """{metrics key: {rank: peak}} over every step line of metrics.jsonl and the ranks' memory files."""
+    peaks: dict[str, dict[int, int]] = {}
+    for record in read_metrics(run_dir):
+        for key in set(MEASURED_KEY.values()):
+            for rank, value in enumerate(record.get(key) or []):
+                per_key = peaks.setdefault(key, {})
+                per_key[rank] = max(per_key.get(rank, 0), int(value))
+    for record in read_rank_memory(run_dir):  # a rank's last word, written after its last step line
+        for key in set(MEASURED_KEY.values()):
+            if key in record and isinstance(record.get("rank"), int):
+                per_key = peaks.setdefault(key, {})
+                per_key[record["rank"]] = max(per_key.get(record["rank"], 0), int(record[key]))
+    return peaks
+
+
+def recorded_plan(run_dir: Path) -> dict:
+    """The plan the run was launched with (RUN_DIR/plan.json), else the plan of its config.yaml."""
+    path = Path(run_dir) / PLAN
+    if path.exists():
+        return json.loads(path.read_text())["plan"]
+    return plan_to_dict(plan_placement(load_config(run_dir)))
+
+
+def compare_run(run_dir: Path) -> list[TierComparison]:
+    """Every rank's tiers, predicted against measured. UserError when `run_dir` is no run or measured nothing."""
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG).exists():
+        raise UserError(f"{run_dir} is not a run directory (no {CONFIG}); pass the train.run_dir of a moesys train run")
+    cfg = load_config(run_dir)
+    plan = recorded_plan(run_dir)
+    peaks = measured_peaks(run_dir)
+    if MEASURED_KEY["ram"] not in peaks:
+        raise UserError(f"{run_dir} holds no measured memory (memory/peak_rss_anon in metrics.jsonl): let moesys train "
+                        "run at least one step there")
+    predicted = predicted_per_rank(plan, cfg.topology.gpus_per_node)
+    world = int(plan["per_rank"]["world_size"])
+    return [TierComparison(rank, tier, nbytes, peaks.get(MEASURED_KEY[tier], {}).get(rank))
+            for rank in range(world) for tier, nbytes in predicted.items()]
+
+
+def comparison_to_dict(run_dir: Path, rows: list[TierComparison]) -> dict:
+    """The `moesys plan --compare --json` contract."""
+    ranks: dict[int, dict] = {}
+    for row in rows:
+        ranks.setdefault(row.rank, {})[row.tier] = {
+            "predicted_bytes": row.predicted_bytes, "measured_bytes": row.measured_bytes,
+            "ratio": row.ratio, "within_tolerance": row.within}
+    return {"run_dir": str(run_dir), "tolerance": TOLERANCE,
+            "ranks": [{"rank": rank, "tiers": tiers} for rank, tiers in sorted(ranks.items())],
+            "within_tolerance": all(row.within is not False for row in rows)}

@@ -1,0 +1,45 @@
+"""Parameter counts from the config equal sum(p.numel()) of the instantiated model; GPT-MoE matches Table 1."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from runtime.config import ModelConfig
+from runtime.plan.params import count_parameters
+from runtime.model.transformer import Transformer
+from runtime.moe.layer import is_expert_param
+
+BASE = ModelConfig(hidden_size=32, num_layers=3, num_heads=4, vocab_size=97, num_experts=4, top_k=2, max_seq_len=16)
+CASES = {
+    "gpt": {},
+    "gqa_swiglu_rmsnorm_nobias_untied": dict(num_kv_heads=2, expert_type="swiglu", norm="rmsnorm", bias=False,
+                                             position="rope", tie_embeddings=False),
+    "every_other_moe": dict(moe_layer_freq=2, ffn_hidden_size=40),
+    "swiglu_with_bias": dict(expert_type="swiglu", num_kv_heads=1),
+    "layernorm_no_bias": dict(bias=False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_counts_equal_instantiated_model(case):
+    cfg = dataclasses.replace(BASE, **CASES[case])
+    model = Transformer(cfg)
+    counts = count_parameters(cfg)
+    named = dict(model.named_parameters())
+    assert counts.total == sum(p.numel() for p in named.values())
+    assert counts.sparse == sum(p.numel() for n, p in named.items() if is_expert_param(n))
+    assert counts.dense == counts.total - counts.sparse
+    tok = model.tok_embeddings.weight.numel()
+    pos = model.pos_embeddings.weight.numel() if model.pos_embeddings is not None else 0
+    head = model.output.weight.numel() if model.output is not None else 0
+    assert counts.embedding == tok + pos + head
+    assert counts.active == counts.dense + counts.moe_layers * cfg.top_k * counts.per_expert
+
+
+@pytest.mark.parametrize("experts,billions", [(8, 13.9), (16, 26.8), (32, 52.6), (64, 104.1), (128, 207.2)])
+def test_gpt_moe_family_reproduces_table_1(experts, billions):
+    cfg = ModelConfig(hidden_size=4096, num_layers=12, num_heads=64, vocab_size=50304, num_experts=experts, top_k=1,
+                      max_seq_len=1024)
+    assert round(count_parameters(cfg).total / 1e9, 1) == billions
