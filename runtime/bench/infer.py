@@ -106,14 +106,15 @@ def _hf_worker(checkpoint: str, slots: int, offload_dir: Optional[str], new_toke
 
 
 def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repeats: int,
-                   compile: Optional[bool] = None) -> dict:
+                   compile: Optional[bool] = None, forward_step: bool = False) -> dict:
     """moesys in this process: the checkpoint opened and placed once (on the GPU when there is one), one decode
-    step (compiled or not, as infer.compile says) reused by timed generations, then its counts under the
-    profiler and the bytes its token reads."""
+    step (compiled or not, as infer.compile says; the model's forward per token with forward_step, the static
+    step's baseline) reused by timed generations, then its counts under the profiler and the bytes its token
+    reads."""
     import torch
 
     from runtime.bench.decode_bound import token_bytes
-    from runtime.inference.decode import DecodeStep, compile_default
+    from runtime.inference.decode import DecodeStep, ForwardStep, compile_default
     from runtime.inference.generate import generate
     from runtime.inference.load import open_checkpoint
     from runtime.inference.modes import make_offloader
@@ -125,7 +126,10 @@ def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repe
     loaded = open_checkpoint(checkpoint, device=device)
     model = loaded.model
     offloader = make_offloader(model, mode, device, slots, source=loaded.experts)
-    step = DecodeStep(model, compile=compile_default(device) if compile is None else compile)
+    if forward_step:
+        step = ForwardStep(model)
+    else:
+        step = DecodeStep(model, compile=compile_default(device) if compile is None else compile)
     run = lambda n: generate(model, [PROMPT], n, offloader=offloader, step=step)  # noqa: E731
     tokens, rate = _decode_rate(lambda n: run(n).tokens[0], new_tokens, repeats)
     offloader.reset_stats()
@@ -225,15 +229,17 @@ def _bandwidths() -> dict[str, float]:
 
 
 def _bounds(systems: dict[str, dict], bandwidth: dict[str, float]) -> None:
-    """Each system's bandwidth bound, from the bytes its token reads: a moesys mode's own; transformers reads what
-    none reads (the same weights), accelerate what auto reads (the same budget, routed experts only)."""
+    """Each system's bandwidth bound, from the bytes its token reads: a moesys mode's own; transformers and none's
+    forward-per-token baseline read what none reads (the same weights), accelerate what auto reads (the same
+    budget, routed experts only)."""
     from runtime.bench.decode_bound import decode_bound
 
     copy_bw = bandwidth["host_to_device_bytes_per_s"] or bandwidth["host_read_bytes_per_s"]
     host_bw = {"moesys_ring": copy_bw,  # whole layers copied into slots
                "moesys_auto": max(bandwidth["host_to_device_bytes_per_s"], bandwidth["host_read_bytes_per_s"])}
     for name, like in (("moesys_none", None), ("moesys_auto", None), ("moesys_ring", None),
-                       ("transformers", "moesys_none"), ("accelerate_disk", "moesys_auto")):
+                       ("transformers", "moesys_none"), ("moesys_none_forward", "moesys_none"),
+                       ("accelerate_disk", "moesys_auto")):
         source = systems[like or name]
         if "device_read_bytes_per_token" not in source:
             continue
@@ -271,6 +277,8 @@ def run_infer_bench(ring_slots: int, shape: Optional[dict] = None, new_tokens: i
         for mode in MOESYS_MODES:
             systems[f"moesys_{mode}"] = _subprocess("_moesys_worker", {**common, "mode": mode, "compile": compile},
                                                     isolate)
+        systems["moesys_none_forward"] = _subprocess("_moesys_worker", {**common, "mode": "none",
+                                                                         "forward_step": True}, isolate)
         reference = systems["moesys_none"].get("tokens")
         for result in systems.values():
             result["same_tokens_as_none"] = result.get("tokens") == reference
@@ -285,7 +293,8 @@ def run_infer_bench(ring_slots: int, shape: Optional[dict] = None, new_tokens: i
             "auto_vs_accelerate": _ratio(systems["moesys_auto"], systems["accelerate_disk"]),
             "ring_vs_none": _ratio(systems["moesys_ring"], systems["moesys_none"]),
             "none_vs_transformers": _ratio(systems["moesys_none"], systems["transformers"]),
-            "targets": {"auto_vs_none": 0.9, "auto_vs_accelerate": 1.6},
+            "none_vs_none_forward": _ratio(systems["moesys_none"], systems["moesys_none_forward"]),
+            "targets": {"auto_vs_none": 0.9, "auto_vs_accelerate": 1.6, "none_vs_none_forward": 1.0},
         }
         if capped:
             out["capped"] = _capped_runs(checkpoint, size_bytes, new_tokens, reference,

@@ -73,3 +73,22 @@ class DecodeStep:
         except torch._dynamo.exc.TorchDynamoException as exc:  # only a compiled step raises these
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise InferError(f"infer.compile=true: torch.compile failed ({reason}); set infer.compile=false") from exc
+
+
+class ForwardStep(DecodeStep):
+    """Each decode token through the model's forward, as a prompt runs: sort-based expert dispatch (row counts read
+    on the host), the position a host int. The baseline `moesys bench infer` measures the static step against, on
+    the same cache and weights."""
+
+    def __init__(self, model: Transformer):
+        super().__init__(model)
+        self.position = 0
+
+    def prefill(self, tokens_BS: Tensor, cache: StaticKVCache) -> Tensor:
+        self.position = tokens_BS.shape[1]
+        return super().prefill(tokens_BS, cache)
+
+    def __call__(self, tokens_B1: Tensor, pos_1: Tensor, cache: StaticKVCache) -> Tensor:
+        logits_BV = self.model(tokens_B1, cache, self.position).logits[:, -1]
+        self.position += 1
+        return logits_BV

@@ -1,5 +1,5 @@
 """`moesys bench infer` at a tiny shape: every system (transformers, transformers + accelerate's disk offload,
-moesys none/auto/ring) decodes the same greedy tokens, accelerate really offloaded the streamed layers' experts to
+moesys none/auto/ring and none through the forward per token) decodes the same greedy tokens, accelerate really offloaded the streamed layers' experts to
 its folder, the ratios the issue targets are reported, and so are each moesys mode's profiler counts and every
 system's bandwidth bound. No timing is asserted."""
 
@@ -16,7 +16,8 @@ TINY = {"hidden": 128, "ffn": 256, "layers": 4, "experts": 4, "vocab": 512, "hea
 def test_every_system_decodes_the_same_tokens_and_accelerate_offloads_to_disk():
     r = run_infer_bench(ring_slots=2, shape=TINY, new_tokens=6, repeats=1, capped=False, isolate=False)
     systems = r["systems"]
-    assert set(systems) == {"transformers", "accelerate_disk", "moesys_none", "moesys_auto", "moesys_ring"}
+    assert set(systems) == {"transformers", "accelerate_disk", "moesys_none", "moesys_auto", "moesys_ring",
+                            "moesys_none_forward"}
     for name, result in systems.items():
         assert "error" not in result, (name, result)
         assert result["same_tokens_as_none"] and len(result["tokens"]) == 6, name
@@ -24,12 +25,14 @@ def test_every_system_decodes_the_same_tokens_and_accelerate_offloads_to_disk():
     expert_layer_bytes = 3 * 128 * 256 * 2 * 4  # bf16 w1, w2, w3 of 4 experts
     assert systems["accelerate_disk"]["offload_folder_bytes"] >= 2 * expert_layer_bytes  # layers 2 and 3
     assert systems["moesys_auto"]["placement"] == ["resident", "resident", "inplace", "inplace"]
-    for key in ("auto_vs_none", "auto_vs_accelerate", "ring_vs_none"):
+    for key in ("auto_vs_none", "auto_vs_accelerate", "ring_vs_none", "none_vs_none_forward"):
         assert r[key] > 0
     # the resident step and the ring's slots need nothing on the host; auto reads each streamed layer's routing once
     syncs = {mode: systems[f"moesys_{mode}"]["host_syncs_per_token"] for mode in ("none", "ring", "auto")}
     assert syncs == {"none": 0, "ring": 0, "auto": 2}
     assert 20 <= systems["moesys_none"]["ops_per_layer_token"] <= 40
+    forward = systems["moesys_none_forward"]  # the baseline: a token through the prompt's forward reads the host
+    assert forward["host_syncs_per_token"] >= 4 and forward["ops_per_layer_token"] > 2 * 40
     routed = 2 * 3 * 128 * 256 * 2  # top-2 experts of a layer, bf16
     none, auto = systems["moesys_none"], systems["moesys_auto"]
     assert none["device_read_bytes_per_token"] - auto["device_read_bytes_per_token"] == 2 * routed
