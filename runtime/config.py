@@ -1,7 +1,8 @@
-"""The one typed configuration of moesys: dataclass schemas and their cross-field validation.
+"""The one typed configuration of moesys: dataclass schemas, each checking its own fields, and the cross-section rules.
 
-The CLI composes these with Hydra; torchrun workers rebuild them from the run directory's
-config.yaml with `config_from_dict`, so workers never import Hydra or OmegaConf.
+The CLI composes these with Hydra; torchrun workers rebuild them from the run directory's config.yaml with
+`config_from_dict`, so workers never import Hydra or OmegaConf. A key with a fixed set of values is typed
+`Annotated[str, Literal[...]]`: OmegaConf 2.3 rejects a bare Literal, and reads the Annotated one as str.
 """
 
 from __future__ import annotations
@@ -14,13 +15,59 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Annotated, Any, Callable, Dict, List, Literal, Optional
 
 from runtime.errors import UserError
 
 
 class ConfigError(UserError):
     """A configuration problem, phrased for the user: names the dotted key and what is allowed."""
+
+
+def choices(tp: Any) -> tuple[str, ...] | None:
+    """The values an `Annotated[str, Literal[...]]` field type allows (Optional or not); None for any other type."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is Annotated:
+        return next((typing.get_args(m) for m in tp.__metadata__ if typing.get_origin(m) is Literal), None)
+    return None
+
+
+BOUNDS: dict[str, Callable[[Any], bool]] = {
+    "positive": lambda v: v > 0,
+    "positive or null": lambda v: v is None or v > 0,
+    ">= 0": lambda v: v >= 0,
+    ">= 1": lambda v: v >= 1,
+    "in (0, 1]": lambda v: 0 < v <= 1,
+    "in (0, 1)": lambda v: 0 < v < 1,
+    "between 0 and 1": lambda v: 0 <= v <= 1,
+    "between 0 and 65535": lambda v: 0 <= v <= 65535,
+}
+"""The bounds a numeric key may need, by the words its message uses."""
+
+
+class Problems(list):
+    """The messages of the rules a config breaks, each naming its dotted key."""
+
+    def need(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.append(message)
+
+    def bounded(self, section: Any, at: str, bound: str, names: str) -> None:
+        """`at.NAME must be BOUND (got VALUE)` for each of the space-separated names out of BOUNDS[bound]."""
+        for name in names.split():
+            value = getattr(section, name)
+            self.need(BOUNDS[bound](value), f"{at}.{name} must be {bound} (got {value})")
+
+    def chosen(self, section: Any, at: str) -> None:
+        """`at.NAME=VALUE is not one of ...` for each field typed with a Literal whose value is not in it."""
+        hints = typing.get_type_hints(type(section), include_extras=True)
+        for f in dataclasses.fields(section):
+            allowed, value = choices(hints[f.name]), getattr(section, f.name)
+            if allowed is not None:
+                null = ("null",) if type(None) in typing.get_args(hints[f.name]) else ()
+                self.need(value in allowed or (value is None and bool(null)),
+                          f"{at + '.' if at else ''}{f.name}={value!r} is not one of {', '.join(allowed + null)}")
 
 
 @dataclass
@@ -43,19 +90,19 @@ class ModelConfig:
     """Experts per MoE layer E."""
     top_k: int = 2
     """Experts each token is routed to (1 = Switch, 2 = GShard)."""
-    expert_type: str = "gelu"
+    expert_type: Annotated[str, Literal["gelu", "swiglu"]] = "gelu"
     """FFN kind: gelu (GPT) or swiglu (Mixtral)."""
     moe_layer_freq: int = 1
     """Every k-th block is an MoE block (1 = all)."""
     max_seq_len: int = 256
     """Longest sequence; sizes learned positions and the RoPE table."""
-    norm: str = "layernorm"
+    norm: Annotated[str, Literal["layernorm", "rmsnorm"]] = "layernorm"
     """layernorm or rmsnorm."""
     norm_eps: float = 1e-5
     """Epsilon of the norms."""
     bias: bool = True
     """Biases in linear layers and LayerNorm."""
-    position: str = "learned"
+    position: Annotated[str, Literal["learned", "rope"]] = "learned"
     """learned positions or rope."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
@@ -63,7 +110,7 @@ class ModelConfig:
     """Share the input embedding with the output head."""
     capacity_factor: float = 0.0
     """Expert capacity = factor x tokens x top_k / experts; 0 means dropless."""
-    drop_policy: str = "cut"
+    drop_policy: Annotated[str, Literal["cut", "random", "routing_weight"]] = "cut"
     """Which tokens an over-full expert drops: cut (latest), random, routing_weight (lowest weight)."""
     router_jitter: float = 0.0
     """Multiplicative jitter epsilon on router inputs while training."""
@@ -105,6 +152,29 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
+    def problems(self, at: str) -> Problems:
+        """What is wrong with this section alone."""
+        p = Problems()
+        p.chosen(self, at)
+        p.bounded(self, at, "positive", "hidden_size num_layers num_heads vocab_size max_seq_len moe_layer_freq")
+        p.bounded(self, at, "positive or null", "num_kv_heads ffn_hidden_size")
+        p.bounded(self, at, ">= 0", "num_experts")
+        p.bounded(self, at, "positive", "top_k")
+        if self.num_experts > 0:
+            p.need(self.top_k <= self.num_experts,
+                   f"{at}.top_k={self.top_k} exceeds {at}.num_experts={self.num_experts}")
+        if self.num_heads > 0:
+            p.need(self.hidden_size % self.num_heads == 0,
+                   f"{at}.num_heads={self.num_heads} must divide {at}.hidden_size={self.hidden_size}")
+            if self.kv_heads > 0:
+                p.need(self.num_heads % self.kv_heads == 0,
+                       f"{at}.num_kv_heads={self.kv_heads} must divide {at}.num_heads={self.num_heads}")
+            if self.position == "rope":
+                p.need(self.head_dim % 2 == 0, f"{at}.position=rope needs an even head dim (got {self.head_dim})")
+        p.bounded(self, at, ">= 0", "capacity_factor router_jitter router_input_dropout aux_loss_weight z_loss_weight "
+                  "sparsity_loss_weight importance_loss_weight")
+        return p
+
 
 @dataclass
 class TopologyConfig:
@@ -137,6 +207,17 @@ class TopologyConfig:
     def world_size(self) -> int:
         return self.nodes * self.processes_per_node
 
+    def problems(self, at: str) -> Problems:
+        """What is wrong with this section alone (expert_parallel is resolved from auto before this runs)."""
+        p = Problems()
+        p.bounded(self, at, "positive", "nodes expert_parallel nproc_per_node")
+        p.bounded(self, at, ">= 0", "gpus_per_node gpu_memory_gb cpu_memory_gb ssd_gb")
+        if self.expert_parallel > 0 and self.nodes > 0 and self.nproc_per_node > 0:
+            p.need(self.world_size % self.expert_parallel == 0,
+                   f"{at}.expert_parallel={self.expert_parallel} must divide the world size ({at}.nodes x "
+                   f"{'gpus_per_node' if self.gpus_per_node else 'nproc_per_node'} = {self.world_size})")
+        return p
+
 
 @dataclass
 class StorageConfig:
@@ -144,7 +225,7 @@ class StorageConfig:
 
     alpha: float = 1.0
     """Probability that a sparse parameter is activated."""
-    offload: str = "none"
+    offload: Annotated[str, Literal["none", "cpu", "ssd", "auto"]] = "none"
     """none, cpu, ssd, or auto (placement from Eq. 1)."""
     ssd_path: str = ""
     """Directory of the on-disk expert state store; empty: `expert_store/` in the run directory. One run per store."""
@@ -165,18 +246,40 @@ class StorageConfig:
     t+1's forward and backward, which see the weights of step t-1. Hides the CPU optimizer when it is slower than
     the device's step; not bit-equal to training without it."""
 
+    def problems(self, at: str) -> Problems:
+        """What is wrong with this section alone."""
+        p = Problems()
+        p.chosen(self, at)
+        p.bounded(self, at, "in (0, 1]", "alpha")
+        p.bounded(self, at, ">= 0", "cpu_cache_experts hit_threshold")
+        p.bounded(self, at, "in (0, 1]", "decay_beta")
+        p.bounded(self, at, "positive", "decay_every")
+        p.bounded(self, at, ">= 0", "prefetch_depth")
+        p.need(not self.delayed_update or self.offload == "cpu",
+               f"{at}.delayed_update=true needs {at}.offload=cpu (got {self.offload}): the update runs beside the next "
+               f"step on expert states held in host memory; set {at}.offload=cpu or {at}.delayed_update=false")
+        return p
+
 
 @dataclass
 class ParallelConfig:
     """How ranks communicate."""
 
-    alltoall: str = "flat"
+    alltoall: Annotated[str, Literal["flat", "hierarchical"]] = "flat"
     """flat or hierarchical (intra-node, then inter-node)."""
     bucket_mb: float = 25.0
     """Size of a dense gradient bucket in MB."""
     ranks_per_node: int = 0
     """Ranks that share a node for hierarchical AlltoAll; 0 means the launcher's processes per node. Set it
     smaller to treat one machine as several nodes (tests, benchmarks)."""
+
+    def problems(self, at: str) -> Problems:
+        """What is wrong with this section alone."""
+        p = Problems()
+        p.chosen(self, at)
+        p.bounded(self, at, ">= 0", "ranks_per_node")
+        p.bounded(self, at, "positive", "bucket_mb")
+        return p
 
 
 @dataclass
@@ -232,7 +335,7 @@ class TrainConfig:
     resume_from: str = "latest"
     """Where a launch starts: latest (the newest checkpoint of train.run_dir, if any), none (from scratch), or step_N
     (that checkpoint). Checkpoints newer than the start are moved to checkpoints/superseded-TIME/."""
-    precision: str = "fp32"
+    precision: Annotated[str, Literal["fp32", "bf16", "fp16"]] = "fp32"
     """fp32, bf16 or fp16 compute (fp32 master weights)."""
     log_every: int = 1
     """Steps between metrics lines."""
@@ -241,6 +344,23 @@ class TrainConfig:
     tensorboard: bool = False
     """Also write TensorBoard event files (RUN_DIR/tensorboard/, rank 0) with the metrics.jsonl values: scalars per
     step, each MoE layer's expert load as a histogram. Needs the extra: pip install 'moesys[tensorboard]'."""
+
+    def problems(self, at: str) -> Problems:
+        """What is wrong with this section alone."""
+        p = Problems()
+        p.chosen(self, at)
+        p.bounded(self, at, "positive", "max_steps micro_batch_size seq_len log_every")
+        p.bounded(self, at, ">= 0", "checkpoint_every max_restarts warmup_steps grad_clip weight_decay")
+        p.bounded(self, at, "positive", "lr")
+        p.need(bool(self.tokenizer), f"{at}.tokenizer is empty; set it to bytes or the path of a tokenizer.json")
+        p.need(bool(self.data_text_key), f"{at}.data_text_key is empty; set it to the key of a .jsonl record's text")
+        p.need(self.keep_checkpoints >= 1, f"{at}.keep_checkpoints must be >= 1 (got {self.keep_checkpoints}): the "
+               "newest checkpoint is what a restart resumes from")
+        p.bounded(self, at, ">= 0", "eval_every eval_windows")
+        p.need(resume_step(self.resume_from) is not False, f"{at}.resume_from={self.resume_from!r} is not latest, "
+               f"none or step_N (e.g. {at}.resume_from=step_100)")
+        p.bounded(self, at, "positive", "collective_timeout_s")
+        return p
 
 
 @dataclass
@@ -262,7 +382,7 @@ class InferConfig:
     ring_slots: int = 2
     """The device budget for experts: K slots of one MoE layer's experts each (ring memory's slots; auto's
     resident layers and expert cache)."""
-    offload: str = "auto"
+    offload: Annotated[str, Literal["auto", "ring", "ondemand", "none"]] = "auto"
     """auto (per-layer placement within the budget, experts fetched or computed where they lie only when routed),
     ring, ondemand or none."""
     prefetch: bool = False
@@ -272,18 +392,34 @@ class InferConfig:
     compile: Optional[bool] = None
     """Wrap the decode step in torch.compile (CUDA graphs on a GPU); null: where it pays, on CUDA, not on the CPU."""
 
+    def problems(self, at: str) -> Problems:
+        """What is wrong with this section alone."""
+        p = Problems()
+        p.chosen(self, at)
+        p.bounded(self, at, "positive", "max_new_tokens")
+        p.bounded(self, at, ">= 0", "temperature top_k")
+        p.bounded(self, at, ">= 1", "ring_slots")
+        return p
+
 
 @dataclass
 class ExportConfig:
     """`moesys export`: one servable model from a training checkpoint."""
 
-    format: str = "moesys"
+    format: Annotated[str, Literal["moesys", "hf"]] = "moesys"
     """moesys (a checkpoint `moesys infer` and `moesys serve` read, without optimizer state) or hf (the Hugging
     Face Mixtral layout; Mixtral-style models only)."""
-    dtype: Optional[str] = None
+    dtype: Optional[Annotated[str, Literal["fp32", "bf16", "fp16"]]] = None
     """fp32, bf16 or fp16; null keeps the checkpoint's."""
     max_shard_gb: float = 5.0
     """Largest safetensors file written; larger models are split into shards with an index."""
+
+    def problems(self, at: str) -> Problems:
+        """What is wrong with this section alone."""
+        p = Problems()
+        p.chosen(self, at)
+        p.bounded(self, at, "positive", "max_shard_gb")
+        return p
 
 
 @dataclass
@@ -292,6 +428,12 @@ class StudentConfig:
 
     num_experts: int = 0
     """Experts per MoE layer of the student (fewer than the teacher's); 0 means not set."""
+
+    def problems(self, at: str) -> Problems:
+        """What is wrong with this section alone."""
+        p = Problems()
+        p.bounded(self, at, ">= 0", "num_experts")
+        return p
 
 
 @dataclass
@@ -312,6 +454,15 @@ class DistillConfig:
     """Share of train.data's tokens held out when distill.heldout_data is null."""
     heldout_windows: int = 64
     """Most train.seq_len windows of held-out text used (the first ones, not overlapping)."""
+
+    def problems(self, at: str) -> Problems:
+        """What is wrong with this section alone."""
+        p = Problems()
+        p.bounded(self, at, "positive", "temperature")
+        p.bounded(self, at, "between 0 and 1", "kd_weight")
+        p.bounded(self, at, "in (0, 1)", "heldout_fraction")
+        p.bounded(self, at, "positive", "heldout_windows")
+        return p
 
 
 @dataclass
@@ -335,12 +486,20 @@ class ServeConfig:
     """A request with no answer after this many seconds (a stream: no new token for this long) gets HTTP 504 and
     its generation is cancelled; /health says 'stuck' (503) while one generation has run longer than this."""
 
+    def problems(self, at: str) -> Problems:
+        """What is wrong with this section alone."""
+        p = Problems()
+        p.bounded(self, at, "between 0 and 65535", "port")
+        p.bounded(self, at, ">= 1", "max_batch_size max_queue")
+        p.bounded(self, at, "positive", "drain_timeout_s request_timeout_s")
+        return p
+
 
 @dataclass
 class LauncherConfig:
     """How `moesys train` starts its processes."""
 
-    name: str = "local"
+    name: Annotated[str, Literal["local", "multinode", "slurm"]] = "local"
     """local, multinode or slurm; the number of nodes is topology.nodes."""
     node_rank: int = 0
     """This node's rank (multinode)."""
@@ -359,6 +518,12 @@ class LauncherConfig:
     master_port: int = 29500
     """Rendezvous port on the SLURM head node."""
 
+    def problems(self, at: str) -> Problems:
+        """What is wrong with this section alone."""
+        p = Problems()
+        p.chosen(self, at)
+        return p
+
 
 @dataclass
 class TaskConfig:
@@ -372,6 +537,13 @@ class TaskConfig:
     """Relative compute cost of one sample."""
     gpus: int = 0
     """GPUs allocated to the task; 0 means decided by `moesys rebalance`."""
+
+    def problems(self, at: str) -> Problems:
+        """What is wrong with this task alone."""
+        p = Problems()
+        p.bounded(self, at, "positive", "batch_size cost_per_sample")
+        p.bounded(self, at, ">= 0", "gpus")
+        return p
 
 
 @dataclass
@@ -392,26 +564,21 @@ class MoesysConfig:
     tasks: Dict[str, TaskConfig] = field(default_factory=dict)
     recipe: Optional[str] = None
     """Name of the recipe this config came from."""
-    purpose: str = "train"
+    purpose: Annotated[str, Literal["train", "serve"]] = "train"
     """What `moesys plan` judges: train (Eq. 1 and the per-rank training estimate) or serve (ring-memory
     inference: dense weights plus the expert layers infer.offload keeps on the device)."""
 
-
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.expert_type": ("gelu", "swiglu"),
-    "model.norm": ("layernorm", "rmsnorm"),
-    "model.position": ("learned", "rope"),
-    "model.drop_policy": ("cut", "random", "routing_weight"),
-    "storage.offload": ("none", "cpu", "ssd", "auto"),
-    "parallel.alltoall": ("flat", "hierarchical"),
-    "train.precision": ("fp32", "bf16", "fp16"),
-    "infer.offload": ("auto", "ring", "ondemand", "none"),
-    "launcher.name": ("local", "multinode", "slurm"),
-    "export.format": ("moesys", "hf"),
-}
-
-
-PURPOSES = ("train", "serve")
+    def problems(self) -> Problems:
+        """What is wrong with each section alone and with the top-level keys; the cross-section rules are apart."""
+        p = Problems()
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if dataclasses.is_dataclass(section):
+                p += section.problems(f.name)
+        for name, task in self.tasks.items():
+            p += task.problems(f"tasks.{name}")
+        p.chosen(self, "")
+        return p
 
 
 def resolve_auto(cfg: MoesysConfig) -> None:
@@ -433,9 +600,30 @@ def resume_step(value: str) -> int | None | bool:
     return int(digits) if head == "step" and digits.isdigit() else False
 
 
-def _endpoint_problems(endpoint: str, nodes: int) -> list[str]:
+# ---- cross-section rules: each reads more than one section and returns its messages ----
+
+def experts_split_over_ranks(cfg: MoesysConfig) -> list[str]:
+    """Each expert-parallel rank holds the same number of whole experts."""
+    experts, ep = cfg.model.num_experts, cfg.topology.expert_parallel
+    if ep > 0 and experts > 0 and experts % ep:
+        return [f"model.num_experts={experts} is not divisible by topology.expert_parallel={ep}"]
+    return []
+
+
+def node_rank_in_range(cfg: MoesysConfig) -> list[str]:
+    """A multinode launch's node rank names one of topology.nodes."""
+    rank, nodes = cfg.launcher.node_rank, cfg.topology.nodes
+    if cfg.launcher.name == "multinode" and nodes > 0 and not 0 <= rank < nodes:
+        return [f"launcher.node_rank={rank} must be in 0..{nodes - 1} (topology.nodes={nodes})"]
+    return []
+
+
+def endpoint_reachable(cfg: MoesysConfig) -> list[str]:
     """launcher.rdzv_endpoint is host:port (an IPv6 host in brackets), and, for several nodes, not a loopback
     address: the other nodes would connect to themselves."""
+    if cfg.launcher.name != "multinode":
+        return []
+    endpoint, nodes = cfg.launcher.rdzv_endpoint, cfg.topology.nodes
     host, _, port = str(endpoint).rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
@@ -452,148 +640,88 @@ def _endpoint_problems(endpoint: str, nodes: int) -> list[str]:
     return []
 
 
-def validate(cfg: MoesysConfig, packages: bool = True) -> None:
-    """Check every cross-field rule and raise one ConfigError that lists all problems. packages: also check that the
-    optional packages the config asks for are installed (train.tensorboard); off for a config read back from a run or
-    a checkpoint, which may be served or reported on a machine without them."""
-    problems: list[str] = []
-
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            problems.append(message)
-
-    for key, allowed in CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        need(value in allowed, f"{key}={value!r} is not one of {', '.join(allowed)}")
-
-    m, t, s = cfg.model, cfg.topology, cfg.storage
-    for key in ("hidden_size", "num_layers", "num_heads", "vocab_size", "max_seq_len", "moe_layer_freq"):
-        need(getattr(m, key) > 0, f"model.{key} must be positive (got {getattr(m, key)})")
-    for key in ("num_kv_heads", "ffn_hidden_size"):
-        value = getattr(m, key)
-        need(value is None or value > 0, f"model.{key} must be positive or null (got {value})")
-    need(m.num_experts >= 0, f"model.num_experts must be >= 0 (got {m.num_experts})")
-    need(m.top_k > 0, f"model.top_k must be positive (got {m.top_k})")
-    if m.num_experts > 0:
-        need(m.top_k <= m.num_experts, f"model.top_k={m.top_k} exceeds model.num_experts={m.num_experts}")
-    if m.num_heads > 0:
-        need(m.hidden_size % m.num_heads == 0,
-             f"model.num_heads={m.num_heads} must divide model.hidden_size={m.hidden_size}")
-        if m.kv_heads > 0:
-            need(m.num_heads % m.kv_heads == 0,
-                 f"model.num_kv_heads={m.kv_heads} must divide model.num_heads={m.num_heads}")
-        if m.position == "rope":
-            need(m.head_dim % 2 == 0, f"model.position=rope needs an even head dim (got {m.head_dim})")
-    need(m.capacity_factor >= 0, f"model.capacity_factor must be >= 0 (got {m.capacity_factor})")
-    for key in ("router_jitter", "router_input_dropout", "aux_loss_weight", "z_loss_weight",
-                "sparsity_loss_weight", "importance_loss_weight"):
-        need(getattr(m, key) >= 0, f"model.{key} must be >= 0 (got {getattr(m, key)})")
-
-    for key in ("nodes", "expert_parallel", "nproc_per_node"):
-        need(getattr(t, key) > 0, f"topology.{key} must be positive (got {getattr(t, key)})")
-    for key in ("gpus_per_node", "gpu_memory_gb", "cpu_memory_gb", "ssd_gb"):
-        need(getattr(t, key) >= 0, f"topology.{key} must be >= 0 (got {getattr(t, key)})")
-    if t.expert_parallel > 0 and m.num_experts > 0:
-        need(m.num_experts % t.expert_parallel == 0,
-             f"model.num_experts={m.num_experts} is not divisible by topology.expert_parallel={t.expert_parallel}")
-    if t.expert_parallel > 0 and t.nodes > 0 and t.nproc_per_node > 0:
-        need(t.world_size % t.expert_parallel == 0,
-             f"topology.expert_parallel={t.expert_parallel} must divide the world size (topology.nodes x "
-             f"{'gpus_per_node' if t.gpus_per_node else 'nproc_per_node'} = {t.world_size})")
-
-    if cfg.launcher.name == "multinode" and t.nodes > 0:
-        need(0 <= cfg.launcher.node_rank < t.nodes,
-             f"launcher.node_rank={cfg.launcher.node_rank} must be in 0..{t.nodes - 1} (topology.nodes={t.nodes})")
-    if cfg.launcher.name == "multinode":
-        problems.extend(_endpoint_problems(cfg.launcher.rdzv_endpoint, t.nodes))
+def hierarchical_spans_nodes(cfg: MoesysConfig) -> list[str]:
+    """Hierarchical AlltoAll over more ranks than a node needs expert groups made of whole nodes."""
+    t = cfg.topology
     per_node = cfg.parallel.ranks_per_node or t.processes_per_node
-    if cfg.parallel.alltoall == "hierarchical" and per_node > 0 and t.expert_parallel > per_node:
-        need(t.expert_parallel % per_node == 0,
-             f"parallel.alltoall=hierarchical needs topology.expert_parallel={t.expert_parallel} to span whole "
-             f"nodes (a multiple of the {per_node} ranks per node); use parallel.alltoall=flat")
-    if m.embedding_partition and t.nodes > 0 and t.nproc_per_node > 0:
-        need(m.hidden_size % t.world_size == 0,
-             f"model.embedding_partition needs model.hidden_size={m.hidden_size} divisible by the "
-             f"{t.world_size} data-parallel ranks")
-    need(cfg.purpose in PURPOSES, f"purpose={cfg.purpose!r} is not one of {', '.join(PURPOSES)}")
-    need(0 < s.alpha <= 1, f"storage.alpha must be in (0, 1] (got {s.alpha})")
-    need(s.cpu_cache_experts >= 0, f"storage.cpu_cache_experts must be >= 0 (got {s.cpu_cache_experts})")
-    need(s.hit_threshold >= 0, f"storage.hit_threshold must be >= 0 (got {s.hit_threshold})")
-    need(0 < s.decay_beta <= 1, f"storage.decay_beta must be in (0, 1] (got {s.decay_beta})")
-    need(s.decay_every > 0, f"storage.decay_every must be positive (got {s.decay_every})")
-    need(s.prefetch_depth >= 0, f"storage.prefetch_depth must be >= 0 (got {s.prefetch_depth})")
-    need(cfg.parallel.ranks_per_node >= 0,
-         f"parallel.ranks_per_node must be >= 0 (got {cfg.parallel.ranks_per_node})")
-    need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb must be positive (got {cfg.parallel.bucket_mb})")
+    if cfg.parallel.alltoall == "hierarchical" and 0 < per_node < t.expert_parallel and t.expert_parallel % per_node:
+        return [f"parallel.alltoall=hierarchical needs topology.expert_parallel={t.expert_parallel} to span whole "
+                f"nodes (a multiple of the {per_node} ranks per node); use parallel.alltoall=flat"]
+    return []
 
-    tr = cfg.train
-    for key in ("max_steps", "micro_batch_size", "seq_len", "log_every"):
-        need(getattr(tr, key) > 0, f"train.{key} must be positive (got {getattr(tr, key)})")
-    for key in ("checkpoint_every", "max_restarts", "warmup_steps", "grad_clip", "weight_decay"):
-        need(getattr(tr, key) >= 0, f"train.{key} must be >= 0 (got {getattr(tr, key)})")
-    need(tr.lr > 0, f"train.lr must be positive (got {tr.lr})")
-    need(cfg.purpose != "train" or tr.tokenizer != "bytes" or m.vocab_size >= BYTE_VOCAB,
-         f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens it trains on; "
-         f"set model.vocab_size>={BYTE_VOCAB}")
-    need(bool(tr.tokenizer), "train.tokenizer is empty; set it to bytes or the path of a tokenizer.json")
-    need(bool(tr.data_text_key), "train.data_text_key is empty; set it to the key of a .jsonl record's text")
-    need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1 (got {tr.keep_checkpoints}): the newest "
-         "checkpoint is what a restart resumes from")
-    for key in ("eval_every", "eval_windows"):
-        need(getattr(tr, key) >= 0, f"train.{key} must be >= 0 (got {getattr(tr, key)})")
-    need(resume_step(tr.resume_from) is not False,
-         f"train.resume_from={tr.resume_from!r} is not latest, none or step_N (e.g. train.resume_from=step_100)")
-    need(not (tr.eval_data and cfg.tasks), "train.eval_data measures a language model, and this config has tasks "
-         "(multi-task heads); set train.eval_data=null")
-    need(tr.collective_timeout_s > 0, f"train.collective_timeout_s must be positive (got {tr.collective_timeout_s})")
-    need(not s.delayed_update or s.offload == "cpu",
-         f"storage.delayed_update=true needs storage.offload=cpu (got {s.offload}): the update runs beside the next "
-         "step on expert states held in host memory; set storage.offload=cpu or storage.delayed_update=false")
-    need(tr.seq_len <= m.max_seq_len,
-         f"train.seq_len={tr.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    need(not (packages and tr.tensorboard) or importlib.util.find_spec("tensorboard") is not None,
-         "train.tensorboard=true needs the tensorboard package, which is not installed: pip install "
-         "'moesys[tensorboard]' (or set train.tensorboard=false)")
 
-    inf = cfg.infer
-    need(inf.max_new_tokens > 0, f"infer.max_new_tokens must be positive (got {inf.max_new_tokens})")
-    need(inf.temperature >= 0, f"infer.temperature must be >= 0 (got {inf.temperature})")
-    need(inf.top_k >= 0, f"infer.top_k must be >= 0 (got {inf.top_k})")
-    need(inf.ring_slots >= 1, f"infer.ring_slots must be >= 1 (got {inf.ring_slots})")
-    ex = cfg.export
-    need(ex.dtype in (None, "fp32", "bf16", "fp16"), f"export.dtype={ex.dtype!r} is not one of fp32, bf16, fp16, null")
-    need(ex.max_shard_gb > 0, f"export.max_shard_gb must be positive (got {ex.max_shard_gb})")
-    need(cfg.student.num_experts >= 0, f"student.num_experts must be >= 0 (got {cfg.student.num_experts})")
-    need(cfg.distill.temperature > 0, f"distill.temperature must be positive (got {cfg.distill.temperature})")
-    need(0 <= cfg.distill.kd_weight <= 1, f"distill.kd_weight must be between 0 and 1 (got {cfg.distill.kd_weight})")
-    d, student = cfg.distill, cfg.student.num_experts
-    need(0 < d.heldout_fraction < 1, f"distill.heldout_fraction must be in (0, 1) (got {d.heldout_fraction})")
-    need(d.heldout_windows > 0, f"distill.heldout_windows must be positive (got {d.heldout_windows})")
-    if d.teacher:  # a student run; that it has fewer experts than its teacher is checked where the teacher is read
-        need(student > 0, "student.num_experts must be set (e.g. student.num_experts=4) for a distillation")
-        need(student <= 0 or student == m.num_experts, f"student.num_experts={student} and model.num_experts="
-             f"{m.num_experts} differ: set the student's experts with student.num_experts only")
-        need(student <= 0 or student >= m.top_k,
-             f"student.num_experts={student} is below model.top_k={m.top_k}: each token needs top_k experts")
-        need(not cfg.tasks, "moesys distill trains a language model, and this config has tasks (multi-task heads)")
+def embedding_columns_split(cfg: MoesysConfig) -> list[str]:
+    """The partitioned embedding gives every data-parallel rank the same number of columns."""
+    m, t = cfg.model, cfg.topology
+    if m.embedding_partition and t.nodes > 0 and t.nproc_per_node > 0 and m.hidden_size % t.world_size:
+        return [f"model.embedding_partition needs model.hidden_size={m.hidden_size} divisible by the "
+                f"{t.world_size} data-parallel ranks"]
+    return []
+
+
+def vocab_holds_bytes(cfg: MoesysConfig) -> list[str]:
+    """Training on the byte tokenizer needs a vocabulary of at least its 256 ids."""
+    vocab = cfg.model.vocab_size
+    if cfg.purpose == "train" and cfg.train.tokenizer == "bytes" and vocab < BYTE_VOCAB:
+        return [f"model.vocab_size={vocab} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens it trains on; "
+                f"set model.vocab_size>={BYTE_VOCAB}"]
+    return []
+
+
+def eval_needs_language_model(cfg: MoesysConfig) -> list[str]:
+    """train.eval_data measures a language model, which a multi-task config is not."""
+    if cfg.train.eval_data and cfg.tasks:
+        return ["train.eval_data measures a language model, and this config has tasks (multi-task heads); set "
+                "train.eval_data=null"]
+    return []
+
+
+def sequence_fits_model(cfg: MoesysConfig) -> list[str]:
+    """Training windows fit the model's positions."""
+    seq, longest = cfg.train.seq_len, cfg.model.max_seq_len
+    return [f"train.seq_len={seq} exceeds model.max_seq_len={longest}"] if seq > longest else []
+
+
+def distillation_student(cfg: MoesysConfig) -> list[str]:
+    """A distillation sets the student's experts with student.num_experts only; without a teacher it is unset."""
+    p, student, m = Problems(), cfg.student.num_experts, cfg.model
+    if cfg.distill.teacher:  # that the student has fewer experts than its teacher is checked where the teacher is read
+        p.need(student > 0, "student.num_experts must be set (e.g. student.num_experts=4) for a distillation")
+        p.need(student <= 0 or student == m.num_experts, f"student.num_experts={student} and model.num_experts="
+               f"{m.num_experts} differ: set the student's experts with student.num_experts only")
+        p.need(student <= 0 or student >= m.top_k,
+               f"student.num_experts={student} is below model.top_k={m.top_k}: each token needs top_k experts")
+        p.need(not cfg.tasks, "moesys distill trains a language model, and this config has tasks (multi-task heads)")
     else:  # set by `moesys distill` together with distill.teacher; alone it would be ignored
-        need(student <= 0, f"student.num_experts={student} applies to a distillation only: run moesys distill "
-             f"checkpoint=TEACHER_RUN_DIR student.num_experts={student} (or set model.num_experts to train a model "
-             "of that size from scratch)")
-    need(0 <= cfg.serve.port <= 65535, f"serve.port must be between 0 and 65535 (got {cfg.serve.port})")
-    need(cfg.serve.max_batch_size >= 1, f"serve.max_batch_size must be >= 1 (got {cfg.serve.max_batch_size})")
-    need(cfg.serve.max_queue >= 1, f"serve.max_queue must be >= 1 (got {cfg.serve.max_queue})")
-    need(cfg.serve.drain_timeout_s > 0, f"serve.drain_timeout_s must be positive (got {cfg.serve.drain_timeout_s})")
-    need(cfg.serve.request_timeout_s > 0,
-         f"serve.request_timeout_s must be positive (got {cfg.serve.request_timeout_s})")
+        p.need(student <= 0, f"student.num_experts={student} applies to a distillation only: run moesys distill "
+               f"checkpoint=TEACHER_RUN_DIR student.num_experts={student} (or set model.num_experts to train a "
+               "model of that size from scratch)")
+    return p
 
-    for name, task in cfg.tasks.items():
-        need(task.batch_size > 0, f"tasks.{name}.batch_size must be positive (got {task.batch_size})")
-        need(task.cost_per_sample > 0,
-             f"tasks.{name}.cost_per_sample must be positive (got {task.cost_per_sample})")
-        need(task.gpus >= 0, f"tasks.{name}.gpus must be >= 0 (got {task.gpus})")
 
+CROSS_SECTION_RULES: tuple[Callable[[MoesysConfig], list[str]], ...] = (
+    experts_split_over_ranks, node_rank_in_range, endpoint_reachable, hierarchical_spans_nodes,
+    embedding_columns_split, vocab_holds_bytes, eval_needs_language_model, sequence_fits_model,
+    distillation_student,
+)
+"""The rules that read more than one section, in the order their messages are listed."""
+
+
+def packages_installed(cfg: MoesysConfig) -> list[str]:
+    """The optional packages the config asks for are importable."""
+    if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        return ["train.tensorboard=true needs the tensorboard package, which is not installed: pip install "
+                "'moesys[tensorboard]' (or set train.tensorboard=false)"]
+    return []
+
+
+def validate(cfg: MoesysConfig, packages: bool = True) -> None:
+    """Check each section's own fields, then the cross-section rules, and raise one ConfigError that lists every
+    problem. packages: also check that the optional packages the config asks for are installed; off for a config
+    read back from a run or a checkpoint, which may be served or reported on a machine without them."""
+    problems = cfg.problems()
+    for rule in CROSS_SECTION_RULES + ((packages_installed,) if packages else ()):
+        problems += rule(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
 
