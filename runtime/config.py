@@ -15,7 +15,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Callable, Dict, List, Literal, Optional
+from typing import Annotated, Any, Callable, ClassVar, Dict, List, Literal, Optional
 
 from runtime.errors import UserError
 
@@ -33,7 +33,7 @@ def choices(tp: Any) -> tuple[str, ...] | None:
     return None
 
 
-BOUNDS: dict[str, Callable[[Any], bool]] = {
+BOUND_TESTS: dict[str, Callable[[Any], bool]] = {
     "positive": lambda v: v > 0,
     "positive or null": lambda v: v is None or v > 0,
     ">= 0": lambda v: v >= 0,
@@ -54,10 +54,10 @@ class Problems(list):
             self.append(message)
 
     def bounded(self, section: Any, at: str, bound: str, names: str) -> None:
-        """`at.NAME must be BOUND (got VALUE)` for each of the space-separated names out of BOUNDS[bound]."""
+        """`at.NAME must be BOUND (got VALUE)` for each of the space-separated names out of BOUND_TESTS[bound]."""
         for name in names.split():
             value = getattr(section, name)
-            self.need(BOUNDS[bound](value), f"{at}.{name} must be {bound} (got {value})")
+            self.need(BOUND_TESTS[bound](value), f"{at}.{name} must be {bound} (got {value})")
 
     def chosen(self, section: Any, at: str) -> None:
         """`at.NAME=VALUE is not one of ...` for each field typed with a Literal whose value is not in it."""
@@ -70,9 +70,28 @@ class Problems(list):
                           f"{at + '.' if at else ''}{f.name}={value!r} is not one of {', '.join(allowed + null)}")
 
 
+class Section:
+    """A config section that checks its own fields: its choices (Literal types), the BOUNDS it declares, its rules."""
+
+    BOUNDS: ClassVar[tuple[tuple[str, str], ...]] = ()
+    """(bound, space-separated field names): each name's value must pass BOUND_TESTS[bound]."""
+
+    def problems(self, at: str) -> Problems:
+        """What is wrong with this section alone; `at` is its dotted key (model, tasks.NAME ...)."""
+        p = Problems()
+        p.chosen(self, at)
+        for bound, names in self.BOUNDS:
+            p.bounded(self, at, bound, names)
+        self.rules(p, at)
+        return p
+
+    def rules(self, p: Problems, at: str) -> None:
+        """The checks that relate this section's fields to each other."""
+
+
 @dataclass
-class ModelConfig:
-    """The transformer and its MoE layers (seed 004 section 5; Mixtral for the SwiGLU/RoPE family)."""
+class ModelConfig(Section):
+    """The transformer and its MoE layers (the paper's "Experiment"; Mixtral for the SwiGLU/RoPE family)."""
 
     hidden_size: int = 128
     """Model width D."""
@@ -152,14 +171,12 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
-    def problems(self, at: str) -> Problems:
-        """What is wrong with this section alone."""
-        p = Problems()
-        p.chosen(self, at)
-        p.bounded(self, at, "positive", "hidden_size num_layers num_heads vocab_size max_seq_len moe_layer_freq")
-        p.bounded(self, at, "positive or null", "num_kv_heads ffn_hidden_size")
-        p.bounded(self, at, ">= 0", "num_experts")
-        p.bounded(self, at, "positive", "top_k")
+    BOUNDS = (("positive", "hidden_size num_layers num_heads vocab_size max_seq_len moe_layer_freq"),
+              ("positive or null", "num_kv_heads ffn_hidden_size"), (">= 0", "num_experts"), ("positive", "top_k"),
+              (">= 0", "capacity_factor router_jitter router_input_dropout aux_loss_weight z_loss_weight "
+                       "sparsity_loss_weight importance_loss_weight"))
+
+    def rules(self, p: Problems, at: str) -> None:
         if self.num_experts > 0:
             p.need(self.top_k <= self.num_experts,
                    f"{at}.top_k={self.top_k} exceeds {at}.num_experts={self.num_experts}")
@@ -171,13 +188,10 @@ class ModelConfig:
                        f"{at}.num_kv_heads={self.kv_heads} must divide {at}.num_heads={self.num_heads}")
             if self.position == "rope":
                 p.need(self.head_dim % 2 == 0, f"{at}.position=rope needs an even head dim (got {self.head_dim})")
-        p.bounded(self, at, ">= 0", "capacity_factor router_jitter router_input_dropout aux_loss_weight z_loss_weight "
-                  "sparsity_loss_weight importance_loss_weight")
-        return p
 
 
 @dataclass
-class TopologyConfig:
+class TopologyConfig(Section):
     """The machines: nodes, GPUs and memory per node (a node is the paper's 'device')."""
 
     nodes: int = 1
@@ -207,21 +221,20 @@ class TopologyConfig:
     def world_size(self) -> int:
         return self.nodes * self.processes_per_node
 
-    def problems(self, at: str) -> Problems:
-        """What is wrong with this section alone (expert_parallel is resolved from auto before this runs)."""
-        p = Problems()
-        p.bounded(self, at, "positive", "nodes expert_parallel nproc_per_node")
-        p.bounded(self, at, ">= 0", "gpus_per_node gpu_memory_gb cpu_memory_gb ssd_gb")
+    BOUNDS = (("positive", "nodes expert_parallel nproc_per_node"),
+              (">= 0", "gpus_per_node gpu_memory_gb cpu_memory_gb ssd_gb"))
+
+    def rules(self, p: Problems, at: str) -> None:
+        """expert_parallel is resolved from auto (0) before this runs."""
         if self.expert_parallel > 0 and self.nodes > 0 and self.nproc_per_node > 0:
             p.need(self.world_size % self.expert_parallel == 0,
                    f"{at}.expert_parallel={self.expert_parallel} must divide the world size ({at}.nodes x "
                    f"{'gpus_per_node' if self.gpus_per_node else 'nproc_per_node'} = {self.world_size})")
-        return p
 
 
 @dataclass
-class StorageConfig:
-    """Where expert states live (seed 004 section 3.2, Eq. 1 and Algorithm 2)."""
+class StorageConfig(Section):
+    """Where expert states live (the paper's "Training Phase", Eq. 1 and Algorithm 2)."""
 
     alpha: float = 1.0
     """Probability that a sparse parameter is activated."""
@@ -246,23 +259,17 @@ class StorageConfig:
     t+1's forward and backward, which see the weights of step t-1. Hides the CPU optimizer when it is slower than
     the device's step; not bit-equal to training without it."""
 
-    def problems(self, at: str) -> Problems:
-        """What is wrong with this section alone."""
-        p = Problems()
-        p.chosen(self, at)
-        p.bounded(self, at, "in (0, 1]", "alpha")
-        p.bounded(self, at, ">= 0", "cpu_cache_experts hit_threshold")
-        p.bounded(self, at, "in (0, 1]", "decay_beta")
-        p.bounded(self, at, "positive", "decay_every")
-        p.bounded(self, at, ">= 0", "prefetch_depth")
+    BOUNDS = (("in (0, 1]", "alpha"), (">= 0", "cpu_cache_experts hit_threshold"), ("in (0, 1]", "decay_beta"),
+              ("positive", "decay_every"), (">= 0", "prefetch_depth"))
+
+    def rules(self, p: Problems, at: str) -> None:
         p.need(not self.delayed_update or self.offload == "cpu",
                f"{at}.delayed_update=true needs {at}.offload=cpu (got {self.offload}): the update runs beside the next "
                f"step on expert states held in host memory; set {at}.offload=cpu or {at}.delayed_update=false")
-        return p
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Section):
     """How ranks communicate."""
 
     alltoall: Annotated[str, Literal["flat", "hierarchical"]] = "flat"
@@ -273,17 +280,11 @@ class ParallelConfig:
     """Ranks that share a node for hierarchical AlltoAll; 0 means the launcher's processes per node. Set it
     smaller to treat one machine as several nodes (tests, benchmarks)."""
 
-    def problems(self, at: str) -> Problems:
-        """What is wrong with this section alone."""
-        p = Problems()
-        p.chosen(self, at)
-        p.bounded(self, at, ">= 0", "ranks_per_node")
-        p.bounded(self, at, "positive", "bucket_mb")
-        return p
+    BOUNDS = ((">= 0", "ranks_per_node"), ("positive", "bucket_mb"))
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     """The training loop and its run directory."""
 
     max_steps: int = 100
@@ -345,26 +346,20 @@ class TrainConfig:
     """Also write TensorBoard event files (RUN_DIR/tensorboard/, rank 0) with the metrics.jsonl values: scalars per
     step, each MoE layer's expert load as a histogram. Needs the extra: pip install 'moesys[tensorboard]'."""
 
-    def problems(self, at: str) -> Problems:
-        """What is wrong with this section alone."""
-        p = Problems()
-        p.chosen(self, at)
-        p.bounded(self, at, "positive", "max_steps micro_batch_size seq_len log_every")
-        p.bounded(self, at, ">= 0", "checkpoint_every max_restarts warmup_steps grad_clip weight_decay")
-        p.bounded(self, at, "positive", "lr")
+    BOUNDS = (("positive", "max_steps micro_batch_size seq_len log_every lr collective_timeout_s"),
+              (">= 0", "checkpoint_every max_restarts warmup_steps grad_clip weight_decay eval_every eval_windows"))
+
+    def rules(self, p: Problems, at: str) -> None:
         p.need(bool(self.tokenizer), f"{at}.tokenizer is empty; set it to bytes or the path of a tokenizer.json")
         p.need(bool(self.data_text_key), f"{at}.data_text_key is empty; set it to the key of a .jsonl record's text")
         p.need(self.keep_checkpoints >= 1, f"{at}.keep_checkpoints must be >= 1 (got {self.keep_checkpoints}): the "
                "newest checkpoint is what a restart resumes from")
-        p.bounded(self, at, ">= 0", "eval_every eval_windows")
         p.need(resume_step(self.resume_from) is not False, f"{at}.resume_from={self.resume_from!r} is not latest, "
                f"none or step_N (e.g. {at}.resume_from=step_100)")
-        p.bounded(self, at, "positive", "collective_timeout_s")
-        return p
 
 
 @dataclass
-class InferConfig:
+class InferConfig(Section):
     """Generation."""
 
     max_new_tokens: int = 32
@@ -392,18 +387,11 @@ class InferConfig:
     compile: Optional[bool] = None
     """Wrap the decode step in torch.compile (CUDA graphs on a GPU); null: where it pays, on CUDA, not on the CPU."""
 
-    def problems(self, at: str) -> Problems:
-        """What is wrong with this section alone."""
-        p = Problems()
-        p.chosen(self, at)
-        p.bounded(self, at, "positive", "max_new_tokens")
-        p.bounded(self, at, ">= 0", "temperature top_k")
-        p.bounded(self, at, ">= 1", "ring_slots")
-        return p
+    BOUNDS = (("positive", "max_new_tokens"), (">= 0", "temperature top_k"), (">= 1", "ring_slots"))
 
 
 @dataclass
-class ExportConfig:
+class ExportConfig(Section):
     """`moesys export`: one servable model from a training checkpoint."""
 
     format: Annotated[str, Literal["moesys", "hf"]] = "moesys"
@@ -414,30 +402,21 @@ class ExportConfig:
     max_shard_gb: float = 5.0
     """Largest safetensors file written; larger models are split into shards with an index."""
 
-    def problems(self, at: str) -> Problems:
-        """What is wrong with this section alone."""
-        p = Problems()
-        p.chosen(self, at)
-        p.bounded(self, at, "positive", "max_shard_gb")
-        return p
+    BOUNDS = (("positive", "max_shard_gb"),)
 
 
 @dataclass
-class StudentConfig:
+class StudentConfig(Section):
     """`moesys distill`: the smaller model trained from a teacher."""
 
     num_experts: int = 0
     """Experts per MoE layer of the student (fewer than the teacher's); 0 means not set."""
 
-    def problems(self, at: str) -> Problems:
-        """What is wrong with this section alone."""
-        p = Problems()
-        p.bounded(self, at, ">= 0", "num_experts")
-        return p
+    BOUNDS = ((">= 0", "num_experts"),)
 
 
 @dataclass
-class DistillConfig:
+class DistillConfig(Section):
     """`moesys distill`: how the student learns from the teacher."""
 
     temperature: float = 2.0
@@ -455,18 +434,12 @@ class DistillConfig:
     heldout_windows: int = 64
     """Most train.seq_len windows of held-out text used (the first ones, not overlapping)."""
 
-    def problems(self, at: str) -> Problems:
-        """What is wrong with this section alone."""
-        p = Problems()
-        p.bounded(self, at, "positive", "temperature")
-        p.bounded(self, at, "between 0 and 1", "kd_weight")
-        p.bounded(self, at, "in (0, 1)", "heldout_fraction")
-        p.bounded(self, at, "positive", "heldout_windows")
-        return p
+    BOUNDS = (("positive", "temperature"), ("between 0 and 1", "kd_weight"), ("in (0, 1)", "heldout_fraction"),
+              ("positive", "heldout_windows"))
 
 
 @dataclass
-class ServeConfig:
+class ServeConfig(Section):
     """`moesys serve`: the HTTP service."""
 
     host: str = "127.0.0.1"
@@ -486,17 +459,12 @@ class ServeConfig:
     """A request with no answer after this many seconds (a stream: no new token for this long) gets HTTP 504 and
     its generation is cancelled; /health says 'stuck' (503) while one generation has run longer than this."""
 
-    def problems(self, at: str) -> Problems:
-        """What is wrong with this section alone."""
-        p = Problems()
-        p.bounded(self, at, "between 0 and 65535", "port")
-        p.bounded(self, at, ">= 1", "max_batch_size max_queue")
-        p.bounded(self, at, "positive", "drain_timeout_s request_timeout_s")
-        return p
+    BOUNDS = (("between 0 and 65535", "port"), (">= 1", "max_batch_size max_queue"),
+              ("positive", "drain_timeout_s request_timeout_s"))
 
 
 @dataclass
-class LauncherConfig:
+class LauncherConfig(Section):
     """How `moesys train` starts its processes."""
 
     name: Annotated[str, Literal["local", "multinode", "slurm"]] = "local"
@@ -518,16 +486,11 @@ class LauncherConfig:
     master_port: int = 29500
     """Rendezvous port on the SLURM head node."""
 
-    def problems(self, at: str) -> Problems:
-        """What is wrong with this section alone."""
-        p = Problems()
-        p.chosen(self, at)
-        return p
 
 
 @dataclass
-class TaskConfig:
-    """One task of a multi-task load (seed 004 section 4.1)."""
+class TaskConfig(Section):
+    """One task of a multi-task load (the paper's "Elastic MoE Training")."""
 
     batch_size: int = 1
     """Samples per step."""
@@ -538,12 +501,7 @@ class TaskConfig:
     gpus: int = 0
     """GPUs allocated to the task; 0 means decided by `moesys rebalance`."""
 
-    def problems(self, at: str) -> Problems:
-        """What is wrong with this task alone."""
-        p = Problems()
-        p.bounded(self, at, "positive", "batch_size cost_per_sample")
-        p.bounded(self, at, ">= 0", "gpus")
-        return p
+    BOUNDS = (("positive", "batch_size cost_per_sample"), (">= 0", "gpus"))
 
 
 @dataclass
