@@ -1,4 +1,4 @@
-"""Every config key of the schema (runtime/config.py) as a dotted name with its type, default and docstring.
+"""Every config key of the schema (runtime/config/schema.py) as a dotted name with its type, default and docstring.
 
 The docstrings are the attribute docstrings under each dataclass field, read from the source with ast.
 """

@@ -1,4 +1,4 @@
-"""Validation by section (runtime/config.py): each section checks its own fields, choices come from Literal types,
+"""Validation by section (runtime/config/): each section checks its own fields, choices come from Literal types,
 and the rules across sections are named."""
 
 from __future__ import annotations
