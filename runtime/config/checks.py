@@ -60,7 +60,7 @@ class Problems(list):
                           f"{at + '.' if at else ''}{f.name}={value!r} is not one of {', '.join(allowed + null)}")
 
 
-class Section:
+class ConfigSection:
     """A config section that checks its own fields: its choices (Literal types), the BOUNDS it declares, its rules."""
 
     BOUNDS: ClassVar[tuple[tuple[str, str], ...]] = ()

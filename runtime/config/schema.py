@@ -6,11 +6,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, Dict, List, Literal, Optional
 
-from runtime.config.checks import Problems, Section
+from runtime.config.checks import ConfigSection, Problems
 
 
 @dataclass
-class ModelConfig(Section):
+class ModelConfig(ConfigSection):
     """The transformer and its MoE layers (the paper's "Experiment"; Mixtral for the SwiGLU/RoPE family)."""
 
     hidden_size: int = 128
@@ -111,7 +111,7 @@ class ModelConfig(Section):
 
 
 @dataclass
-class TopologyConfig(Section):
+class TopologyConfig(ConfigSection):
     """The machines: nodes, GPUs and memory per node (a node is the paper's 'device')."""
 
     nodes: int = 1
@@ -153,7 +153,7 @@ class TopologyConfig(Section):
 
 
 @dataclass
-class StorageConfig(Section):
+class StorageConfig(ConfigSection):
     """Where expert states live (the paper's "Training Phase", Eq. 1 and Algorithm 2)."""
 
     alpha: float = 1.0
@@ -189,7 +189,7 @@ class StorageConfig(Section):
 
 
 @dataclass
-class ParallelConfig(Section):
+class ParallelConfig(ConfigSection):
     """How ranks communicate."""
 
     alltoall: Annotated[str, Literal["flat", "hierarchical"]] = "flat"
@@ -204,7 +204,7 @@ class ParallelConfig(Section):
 
 
 @dataclass
-class TrainConfig(Section):
+class TrainConfig(ConfigSection):
     """The training loop and its run directory."""
 
     max_steps: int = 100
@@ -279,7 +279,7 @@ class TrainConfig(Section):
 
 
 @dataclass
-class InferConfig(Section):
+class InferConfig(ConfigSection):
     """Generation."""
 
     max_new_tokens: int = 32
@@ -311,7 +311,7 @@ class InferConfig(Section):
 
 
 @dataclass
-class ExportConfig(Section):
+class ExportConfig(ConfigSection):
     """`moesys export`: one servable model from a training checkpoint."""
 
     format: Annotated[str, Literal["moesys", "hf"]] = "moesys"
@@ -326,7 +326,7 @@ class ExportConfig(Section):
 
 
 @dataclass
-class StudentConfig(Section):
+class StudentConfig(ConfigSection):
     """`moesys distill`: the smaller model trained from a teacher."""
 
     num_experts: int = 0
@@ -336,7 +336,7 @@ class StudentConfig(Section):
 
 
 @dataclass
-class DistillConfig(Section):
+class DistillConfig(ConfigSection):
     """`moesys distill`: how the student learns from the teacher."""
 
     temperature: float = 2.0
@@ -359,7 +359,7 @@ class DistillConfig(Section):
 
 
 @dataclass
-class ServeConfig(Section):
+class ServeConfig(ConfigSection):
     """`moesys serve`: the HTTP service."""
 
     host: str = "127.0.0.1"
@@ -384,7 +384,7 @@ class ServeConfig(Section):
 
 
 @dataclass
-class LauncherConfig(Section):
+class LauncherConfig(ConfigSection):
     """How `moesys train` starts its processes."""
 
     name: Annotated[str, Literal["local", "multinode", "slurm"]] = "local"
@@ -409,7 +409,7 @@ class LauncherConfig(Section):
 
 
 @dataclass
-class TaskConfig(Section):
+class TaskConfig(ConfigSection):
     """One task of a multi-task load (the paper's "Elastic MoE Training")."""
 
     batch_size: int = 1

@@ -8,7 +8,7 @@ import typing
 
 import pytest
 
-from runtime.config import (CROSS_SECTION_RULES, ConfigError, ExportConfig, ModelConfig, MoesysConfig, Section,
+from runtime.config import (CROSS_SECTION_RULES, ConfigError, ConfigSection, ExportConfig, ModelConfig, MoesysConfig,
                             TaskConfig, choices, validate)
 
 
@@ -16,7 +16,7 @@ def test_every_section_is_a_section_and_the_default_config_has_no_problem():
     for f in dataclasses.fields(MoesysConfig):
         tp = typing.get_type_hints(MoesysConfig)[f.name]
         if dataclasses.is_dataclass(tp):
-            assert issubclass(tp, Section), f.name
+            assert issubclass(tp, ConfigSection), f.name
     assert MoesysConfig().problems() == []
     validate(MoesysConfig())
 
