@@ -1,5 +1,5 @@
-"""`moesys distill`: train a student with fewer experts from a teacher run (seed 004 section 3.3.1): the teacher's
-most used experts seed it, it learns from soft targets plus the language-model loss in `moesys train`'s job
+"""`moesys distill`: train a student with fewer experts from a teacher run (the paper's "Graph Optimization"): the
+teacher's most used experts seed it, it learns from soft targets plus the language-model loss in `moesys train`'s job
 (torchrun, checkpoints, resume), and both models are measured on the same held-out text."""
 
 from __future__ import annotations

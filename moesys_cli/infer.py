@@ -1,5 +1,6 @@
 """`moesys infer`: generate from a moesys run directory or a Hugging Face Mixtral directory, streaming the checkpoint
-and placing experts per layer within a device budget (auto), or with ring-memory offloading (seed 004 section 3.3.2)."""
+and placing experts per layer within a device budget (auto), or with ring-memory offloading (the paper's "Ring Memory
+Offloading")."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from runtime.config import MoesysConfig
 from runtime.launch import build_launch, check_launchable, rendezvous_connect_s, rendezvous_join_s
 from runtime.node_watch import LostNodeWatch
 from runtime.oom import OUT_OF_MEMORY_EXIT, OomWatch, oom_message, smallest_fix
-from runtime.process import Job, TorchrunLogs, exception_line, resume_point, worker_pids
+from runtime.process import LauncherJob, TorchrunLogs, exception_line, resume_point, worker_pids
 from runtime.files.run_dir import (RunLock, check_run_dir, clear_fatal, clear_rank_memory, last_step_metrics,
                                    read_fatal, read_rank_memory, record_fatal, run_summary)
 from runtime.files.paths import default_run_dir, node_logs
@@ -99,7 +99,7 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
     logs = TorchrunLogs(logs_dir)
     oom = OomWatch(logs_dir / "launcher.log")
     launched_at = oom.offset  # the launcher log's size before this launch (a resume appends to it)
-    with Job(spec.argv, logs_dir / "launcher.log", env=spec.env) as job:
+    with LauncherJob(spec.argv, logs_dir / "launcher.log", env=spec.env) as job:
         lost = _lost_node_watch(cfg, job)
         code = _follow(job, logs, run_dir, cfg, oom, lost, quiet=quiet)
     summary = run_summary(run_dir)
@@ -125,7 +125,7 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
     return summary
 
 
-def _lost_node_watch(cfg: MoesysConfig, job: Job) -> LostNodeWatch | None:
+def _lost_node_watch(cfg: MoesysConfig, job: LauncherJob) -> LostNodeWatch | None:
     if cfg.launcher.name != "multinode" or cfg.topology.nodes < 2:
         return None
     # Once workers ran, a node whose workers ended and that cannot reach node 0 is lost soon; before, node 0 may
@@ -135,7 +135,7 @@ def _lost_node_watch(cfg: MoesysConfig, job: Job) -> LostNodeWatch | None:
                          join_grace_s=rendezvous_connect_s(cfg) + grace_s)
 
 
-def _follow(job: Job, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom: OomWatch,
+def _follow(job: LauncherJob, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConfig, oom: OomWatch,
             lost: LostNodeWatch | None, quiet: bool) -> int:
     """Show step, loss, tokens/s and expert load balance until the job ends, and say when it resumed from a
     checkpoint or torchrun restarted its workers. Returns the job's exit code, or OUT_OF_MEMORY_EXIT at once when

@@ -1,4 +1,4 @@
-"""Every config key of the schema (runtime/config.py) as a dotted name with its type, default and docstring.
+"""Every config key of the schema (runtime/config/schema.py) as a dotted name with its type, default and docstring.
 
 The docstrings are the attribute docstrings under each dataclass field, read from the source with ast.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from runtime.config import CHOICES, MoesysConfig
+from runtime.config import MoesysConfig, choices
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,11 @@ def attribute_docs(cls: type) -> dict[str, str]:
 
 
 def type_name(tp: Any) -> str:
-    """int, str | null, list[int] | null ..."""
+    """int, str | null, list[int] | null, a|b|c for a field typed with a Literal ..."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        allowed = choices(tp)
+        return "|".join(allowed) if allowed else type_name(args[0])
     if origin in (typing.Union, types.UnionType):
         inner = [type_name(a) for a in args if a is not type(None)]
         return " | ".join(inner + (["null"] if type(None) in args else []))
@@ -68,7 +71,7 @@ def _default(f: dataclasses.Field) -> Any:
 
 def config_keys(cls: type = MoesysConfig, prefix: str = "") -> list[ConfigKey]:
     """The leaf keys of a schema dataclass, in declaration order; a dict of dataclasses (tasks) as NAME."""
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     docs = attribute_docs(cls)
     keys: list[ConfigKey] = []
     for f in dataclasses.fields(cls):
@@ -78,9 +81,7 @@ def config_keys(cls: type = MoesysConfig, prefix: str = "") -> list[ConfigKey]:
         elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
             keys += config_keys(typing.get_args(tp)[1], f"{dotted}.NAME.")
         else:
-            choices = CHOICES.get(dotted)
-            keys.append(ConfigKey(dotted, "|".join(choices) if choices else type_name(tp), _default(f),
-                                  docs.get(f.name, "")))
+            keys.append(ConfigKey(dotted, type_name(tp), _default(f), docs.get(f.name, "")))
     return keys
 
 

@@ -1,4 +1,4 @@
-"""Out of memory, named (issue 15 item 5): a worker that the kernel's OOM killer took (torchrun saw it die by
+"""Out of memory, named: a worker that the kernel's OOM killer took (torchrun saw it die by
 SIGKILL while the OOM-kill counter of its memory cgroup went up) or that hit CUDA's out-of-memory error stops the
 job, since a restart would meet the same limit, with one line: the rank, its last measured memory, the plan's
 estimate and the smallest change that fits by the plan re-run with the memory really there.

@@ -59,7 +59,7 @@ def _tie_to(parent: int, sig: int) -> Callable[[], None] | None:
     return preexec
 
 
-class Job:
+class LauncherJob:
     """A command (torchrun) run while this process follows it, as a context manager.
 
     It runs in its own session, so a terminal's Ctrl-C reaches it only through this process, and Linux sends it
@@ -79,7 +79,7 @@ class Job:
         self.proc: subprocess.Popen | None = None
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> Job:
+    def __enter__(self) -> LauncherJob:
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         with open(self.log_path, "ab") as log:

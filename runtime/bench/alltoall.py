@@ -1,7 +1,7 @@
-"""Flat against hierarchical AlltoAll (seed 004 section 4.2, Fig. 8) on 2 simulated hosts x 2 processes
-(runtime/bench/netns.py), in two topologies: one rate-limited link per host, the processes of a host on its loopback
-(the hosts of the issue); and the rail-optimized network the paper built it for, where each rank has its own NIC on
-the rail of its local rank and traffic between different rails crosses a slower spine. The payload is one MoE
+"""Flat against hierarchical AlltoAll (the paper's "Resource-Aware Communication", Fig. 8) on 2 simulated hosts x 2
+processes (runtime/bench/netns.py), in two topologies: one rate-limited link per host, the processes of a host on its
+loopback (hosts joined by one slow link); and the rail-optimized network the paper built it for, where each rank has its
+own NIC on the rail of its local rank and traffic between different rails crosses a slower spine. The payload is one MoE
 layer's dispatch of the resolved config (micro_batch_size x seq_len tokens a rank, top_k rows each, hidden_size fp32
 values a row, routed by a real router), sent with the AlltoAll the layer calls.
 

@@ -1,11 +1,11 @@
-"""Training a model whose expert states outgrow the machine's memory (issue 15's demonstration, seed 004 section 3.2).
+"""Training a model whose expert states outgrow the machine's memory (the paper's "Training Phase").
 
-`moesys train` runs as a user types it (2 processes, EP 2, storage.offload=ssd, topology=local) inside a memory
-cgroup smaller than the model (the plan is told 85% of the cap), on a GPT-style MoE sized so that its expert states (fp32 weights and AdamW moments,
-12 bytes per parameter) are `ratio` times the machine's RAM. Reported side by side: the states against the RAM and
-the cap, each rank's peak anonymous memory against the plan's estimate, seconds per step, and the store's
-read and write bytes/s (rank 0's, doubled for the two ranks sharing the disk) against the disk's own sequential
-bandwidth measured in the same run.
+`moesys train` runs as a user types it (2 processes, EP 2, storage.offload=ssd, topology=local) inside a memory cgroup
+smaller than the model (the plan is told 85% of the cap), on a GPT-style MoE sized so that its expert states (fp32
+weights and AdamW moments, 12 bytes per parameter) are `ratio` times the machine's RAM. Reported side by side: the
+states against the RAM and the cap, each rank's peak anonymous memory against the plan's estimate, seconds per step, and
+the store's read and write bytes/s (rank 0's, doubled for the two ranks sharing the disk) against the disk's own
+sequential bandwidth measured in the same run.
 
 What must fit in memory is Eq. 1's CPU tier, 16aS: a step holds the experts it touches (a share `alpha` of them)
 with their gradients until the CPU AdamW step. The model has many experts and top-1 routing over a few tokens per

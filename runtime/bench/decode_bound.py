@@ -1,4 +1,4 @@
-"""The bandwidth bound of a decode token (issue 28's limits): a token is no faster than the bytes it reads can be
+"""The bandwidth bound of a decode token: a token is no faster than the bytes it reads can be
 read, so bound = the tiers' read times summed, each tier's bytes over its measured bandwidth."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Elastic multi-task training measured (seed 004 section 4.1 and 5.3.1, figure 6): a 2-task load with a 3:1
-imbalance on 4 processes, trained with the naive 2/2 allocation and with the rebalanced one, side by side.
+"""Elastic multi-task training measured (the paper's "Elastic MoE Training", design and ablation, figure 6): a 2-task
+load with a 3:1 imbalance on 4 processes, trained with the naive 2/2 allocation and with the rebalanced one, side by
+side.
 
 Each variant is a real `torchrun` multi-task job on its own run directory; throughput per process is all samples
 of a step over the median step time (steps after the first) over the 4 processes. The rebalanced allocation is

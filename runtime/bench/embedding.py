@@ -1,5 +1,6 @@
-"""Benchmark of the embedding partition in data parallelism (seed 004 section 4.3, Table 4): per-rank memory and
-step tokens/s of a small GPT-MoE with a replicated vs a column-partitioned (tied) embedding, on torchrun + gloo.
+"""Benchmark of the embedding partition in data parallelism (the paper's "Embedding Partition in Data Parallelism",
+Table 4): per-rank memory and step tokens/s of a small GPT-MoE with a replicated vs a column-partitioned (tied)
+embedding, on torchrun + gloo.
 
 Each (hidden, mode) runs as its own torchrun job, so every job's peak RSS is its own.
 """

@@ -1,4 +1,4 @@
-"""Offloaded inference against the peer a user would pick (seed 004 section 3.3.2; issue 16's targets).
+"""Offloaded inference against the peer a user would pick (the paper's "Ring Memory Offloading"), with its targets.
 
 One random bf16 Hugging Face Mixtral checkpoint, written as shards with an index (8 layers of 8 experts, experts
 89% of the parameters at the default shape), decoded greedily by, each in a fresh process:
@@ -42,7 +42,7 @@ SIZES = {
     "small": {"hidden": 1024, "ffn": 3584, "layers": 8, "experts": 8, "vocab": 32000, "heads": 8, "kv_heads": 8},
     "large": {"hidden": 2048, "ffn": 7168, "layers": 16, "experts": 8, "vocab": 32000, "heads": 16, "kv_heads": 4},
 }
-"""`--size`: small (1.6 GB, runs on the 2-core development machine) and large (issue 28's 16-layer Mixtral, 11.9 GB,
+"""`--size`: small (1.6 GB, runs on the 2-core development machine) and large (a 16-layer Mixtral, 11.9 GB,
 for a GPU machine)."""
 PROMPT = list(range(100, 116))
 NEW_TOKENS = 32
@@ -255,7 +255,7 @@ def run_infer_bench(ring_slots: int, shape: Optional[dict] = None, new_tokens: i
                     isolate: bool = True, size: str = "small", compile: Optional[bool] = None) -> dict:
     """Every system on one checkpoint with an expert budget of `ring_slots` layers (`moesys bench infer` passes
     infer.ring_slots and infer.compile, and --size picks the shape from SIZES; `shape` overrides its keys); the
-    ratios the issue targets, each system's bandwidth bound and the capped cold/warm runs. isolate=False runs the
+    ratios against their targets, each system's bandwidth bound and the capped cold/warm runs. isolate=False runs the
     systems in this process (tests: the same code without a fresh interpreter for each)."""
     from runtime.inference.random_checkpoint import write_random_mixtral
 

@@ -1,5 +1,5 @@
 """Benchmark of one MoE layer, forward + backward, side by side with its ceiling and a plain loop MoE
-(seed 003 "merged experts"): (1) the dropless MoELayer, (2) the same expert kernel on equal row counts with no
+(ORT MoE "merged experts"): (1) the dropless MoELayer, (2) the same expert kernel on equal row counts with no
 routing at all, (3) routing + per-expert Python loop + index_add. Interleaved, medians.
 """
 

@@ -1,10 +1,10 @@
 """Simulated clusters on one Linux machine, for tests and `moesys bench alltoall` (root and iproute2 needed).
 
-`SimulatedCluster`: each host a network namespace with its own address, the hosts joined by a bridge, each host's
-link optionally rate-limited with `tc tbf`; the processes of a host share its namespace and talk on its loopback.
-`RailCluster`: the rail-optimized topology of seed 004 section 4.2 (Fig. 7): each rank a namespace with its own NIC
-on the rail of its local rank, the ranks of a host joined by a fast intra-host bridge (the NVSwitch), same-rail
-traffic between hosts crossing one switch, cross-rail traffic routed through a spine with its own rate limit.
+`SimulatedCluster`: each host a network namespace with its own address, the hosts joined by a bridge, each host's link
+optionally rate-limited with `tc tbf`; the processes of a host share its namespace and talk on its loopback.
+`RailCluster`: the rail-optimized topology of the paper's "Resource-Aware Communication" (Fig. 7): each rank a namespace
+with its own NIC on the rail of its local rank, the ranks of a host joined by a fast intra-host bridge (the NVSwitch),
+same-rail traffic between hosts crossing one switch, cross-rail traffic routed through a spine with its own rate limit.
 
 Nothing is created in the caller's namespace: bridges, veth pairs and addresses live inside namespaces named
 `moesys-netns-<pid>-...`, so deleting those removes every interface, and the addresses cannot clash with the

@@ -1,5 +1,5 @@
-"""Ring-memory offloading benchmark (seed 004 section 3.3.2 / 5.4.2): none vs ondemand vs ring decoding on one model
-whose experts are most of its parameters, in one process, at several batch sizes.
+"""Ring-memory offloading benchmark (the paper's "Ring Memory Offloading", design and experiment): none vs ondemand vs
+ring decoding on one model whose experts are most of its parameters, in one process, at several batch sizes.
 
 Ratios are paired: each round runs the three modes back to back (in rotating order) and the ratio of that round is
 taken; the reported ratio is the median over rounds, with every round's ratio alongside. On a shared 2-core machine

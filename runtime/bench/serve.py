@@ -1,4 +1,4 @@
-"""A bounded load test of `moesys serve` on loopback (issue 17's reliability target): the real command serves a
+"""A bounded load test of `moesys serve` on loopback (its target: no valid request fails): the real command serves a
 random Hugging Face Mixtral checkpoint it writes itself, CLIENTS concurrent clients send requests for DURATION_S
 seconds each with keep-alive connections, then the server gets SIGTERM and must drain and exit 0.
 

@@ -1,5 +1,5 @@
-"""Training-step throughput of a recipe, measured side by side in one run: 1 process vs 2 expert-parallel
-processes, and flat vs hierarchical AlltoAll on 4 processes arranged as 2 nodes x 2 ranks (seed 004 section 4.2),
+"""Training-step throughput of a recipe, measured side by side in one run: 1 process vs 2 expert-parallel processes, and
+flat vs hierarchical AlltoAll on 4 processes arranged as 2 nodes x 2 ranks (the paper's "Resource-Aware Communication"),
 each with its MFU against this machine's measured matmul peak.
 
 Each variant is a real `torchrun` job on its own run directory; tokens/s is the median over its steps after the

@@ -1,4 +1,5 @@
-"""Elastic task-to-GPU allocation minimising the slowest GPU's load (seed 004 section 4.1, Table 3 of seed 000).
+"""Elastic task-to-GPU allocation minimising the slowest GPU's load (the paper's "Elastic MoE Training";
+SE-MoE Table 3).
 
 Heavy tasks scale up (their batch split over several dedicated GPUs, data-parallel sync among them); light
 tasks scale down (up to max_tasks_per_gpu whole tasks packed on one shared GPU). The search is exact.
@@ -62,7 +63,7 @@ class Allocation:
 
     @property
     def speedup_per_gpu(self) -> float:
-        """Throughput per GPU relative to the baseline (seed Table 3 reports speed per GPU)."""
+        """Throughput per GPU relative to the baseline (SE-MoE Table 3 reports speed per GPU)."""
         if self.baseline is None:
             return 1.0
         return self.efficiency / self.baseline.efficiency

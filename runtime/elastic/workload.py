@@ -1,4 +1,5 @@
-"""Per-task workload for elastic allocation: configured, or measured from a finished run (seed 004 section 4.1).
+"""Per-task workload for elastic allocation: configured, or measured from a finished run (the paper's "Elastic MoE
+Training").
 
 The paper allocates by "the workload of the task that is statistically estimated in advance"; here that is
 batch_size x cost_per_sample, with the cost either configured or measured as seconds per sample.

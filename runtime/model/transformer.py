@@ -1,5 +1,5 @@
 """Decoder-only transformer for both families (GPT: learned positions, LayerNorm, gelu, tied head; Mixtral: RoPE,
-RMSNorm, SwiGLU, GQA), with MoE blocks every cfg.moe_layer_freq (seed 004 section 5; Mixtral of Experts)."""
+RMSNorm, SwiGLU, GQA), with MoE blocks every cfg.moe_layer_freq (the paper's "Experiment"; Mixtral of Experts)."""
 
 from __future__ import annotations
 

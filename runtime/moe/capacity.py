@@ -1,6 +1,6 @@
 """Expert capacity and token dropping: GShard (Lepikhin et al. 2020, section 2.2, Algorithm 1) capacity
 ceil(factor * T * K / E), Switch Transformers section 2.2 overflow, and ORT MoE's cut / random / routing_weight
-drop policies (seed 003). Factor 0 is dropless.
+drop policies (ORT MoE). Factor 0 is dropless.
 
 Legend: T tokens, E experts, K top-k.
 """

@@ -89,7 +89,7 @@ class LocalDispatcher:
       `(x_Re, tokens_per_expert_e, YourMeta(local=meta, ...))`; `combine` does the reverse AlltoAll and then
       `super().combine(y_RD, meta.local)`.
     - offloading: the layer calls `experts(x_RD, tokens_per_expert_e)` between dispatch and combine; experts
-      with zero rows need not be fetched (seed 002), and `expert_ffn` runs on weights handed in.
+      with zero rows need not be fetched (the ZeRO-3 offloading thesis), and `expert_ffn` runs on weights handed in.
     """
 
     def __init__(self, num_experts: int):

@@ -1,5 +1,5 @@
 """Merged experts: all local experts' FFNs computed together on rows grouped by expert (ORT MoE "merged
-experts", seed 003; MegaBlocks-style grouped GEMM), plus the plain per-expert loop used as the reference.
+experts", ORT MoE; MegaBlocks-style grouped GEMM), plus the plain per-expert loop used as the reference.
 
 For a few tokens (a decode step) `routed_ffn` instead gathers each token's routed experts' weights by index
 (gpt-fast's `w1[expert_ids]`): no sort, no row counts, nothing read on the host.

@@ -1,5 +1,5 @@
 """The MoE layer: router -> capacity -> dispatch -> experts -> combine, plus aux losses and gate metrics
-(GShard section 2.2; Switch Transformers section 2; the production feature list of seed 003).
+(GShard section 2.2; Switch Transformers section 2; the production feature list of ORT MoE).
 
 Legend: T tokens, D model dim, E experts, e local experts, K top-k, R routed rows.
 """

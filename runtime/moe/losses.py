@@ -1,4 +1,4 @@
-"""Router auxiliary losses (seed 003 "Loss Functions"): Switch load balancing (Switch Transformers eq. 4),
+"""Router auxiliary losses (ORT MoE "Loss Functions"): Switch load balancing (Switch Transformers eq. 4),
 router z-loss (ST-MoE eq. 5), SpeechMoE's sparsity L1 and mean-importance losses (importance as Shazeer 2017
 section 4), and the top-2 second-place ratio metric.
 

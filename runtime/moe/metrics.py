@@ -1,4 +1,4 @@
-"""Per-layer gate metrics for logging (seed 003 "Gate Metrics", after ORT MoE): entropy, chosen-expert
+"""Per-layer gate metrics for logging (ORT MoE "Gate Metrics"): entropy, chosen-expert
 probability, routed fraction, per-expert assignment shares before and after capacity. All detached.
 
 Legend: T tokens, E experts, K top-k.

@@ -1,5 +1,5 @@
 """Top-k gating in fp32 (Switch k=1, GShard k=2) with the ORT MoE gating utilities: multiplicative jitter,
-input dropout and Gumbel-max sampling (seed 003 "Gating Utilities"; Switch Transformers section 2.2).
+input dropout and Gumbel-max sampling (ORT MoE "Gating Utilities"; Switch Transformers section 2.2).
 
 Legend: T tokens, D model dim, E experts, K top-k.
 """

@@ -1,4 +1,5 @@
-"""Variable-length AlltoAll of token rows, flat and hierarchical (seed 004 section 4.2, Fig. 8), with autograd.
+"""Variable-length AlltoAll of token rows, flat and hierarchical (the paper's "Resource-Aware Communication", Fig. 8),
+with autograd.
 
 Rows of x_RD are ordered by destination rank; the result is ordered by source rank. Every rank of the group
 must call, also with zero rows to send or receive: the collectives run even when empty, so nothing hangs.

@@ -1,5 +1,5 @@
-"""Dense parameter sharding (seed 004 section 3.2.2, Algorithm 1): each data-parallel rank keeps 1/N of every
-layer's dense parameters and AdamW states; a layer is all-gathered into one fused flat buffer before it computes,
+"""Dense parameter sharding (the paper's "2D Prefetch Scheduling", Algorithm 1): each data-parallel rank keeps 1/N of
+every layer's dense parameters and AdamW states; a layer is all-gathered into one fused flat buffer before it computes,
 prefetched `depth` layers ahead (the horizontal half of 2D prefetch), and its gradient is reduce-scattered.
 
 Memory trade-off: a gathered layer stays materialised from its forward until its own gradients are reduced in

@@ -1,5 +1,6 @@
-"""Embedding partition in data parallelism (seed 004 section 4.3, Fig. 9): the [V, H] table split column-wise
-into [V, H/N] shards over the N data-parallel ranks; AlltoAll of ids and of lookups forward, of gradients backward.
+"""Embedding partition in data parallelism (the paper's "Embedding Partition in Data Parallelism", Fig. 9): the [V, H]
+table split column-wise into [V, H/N] shards over the N data-parallel ranks; AlltoAll of ids and of lookups forward, of
+gradients backward.
 
 Legend: T tokens of this rank, A tokens of all ranks together, V vocabulary, H hidden, C = H/N columns per shard.
 """

@@ -1,5 +1,6 @@
-"""Expert parallelism: the local dispatcher plus an AlltoAll of token rows to the ranks that own the experts
-(seed 004 section 2; GShard section 3.2). Experts of a layer are split into contiguous blocks of e = E / ep.
+"""Expert parallelism: the local dispatcher plus an AlltoAll of token rows to the ranks that own the experts (the
+paper's "MoE Training and Inference Systems"; GShard section 3.2). Experts of a layer are split into contiguous blocks
+of e = E / ep.
 
 Legend: T tokens, D model dim, E global experts, e local experts, P ranks of the expert-parallel group,
 R rows grouped by global expert (sent), Q rows grouped by local expert (received).

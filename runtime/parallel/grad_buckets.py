@@ -1,4 +1,5 @@
-"""Gradient buckets: average gradients in fixed-size flat buckets, launched in a fixed order (seed 000 section 2.3).
+"""Gradient buckets: average gradients in fixed-size flat buckets, launched in a fixed order (SE-MoE "Fusion
+Communication").
 
 Buckets fill in reverse registration order (as backward produces gradients, like DDP); a bucket's all-reduce
 starts as soon as its last gradient arrives and every earlier bucket has started, so all ranks issue the

@@ -1,4 +1,5 @@
-"""Process groups of moesys: data, expert, expert-data, intra-node and inter-node (seed 004 sections 3 and 4.2).
+"""Process groups of moesys: data, expert, expert-data, intra-node and inter-node (the paper's "MoESys Design" and
+"Resource-Aware Communication").
 
 Layout: expert-parallel groups are consecutive ranks, expert-data-parallel groups are ranks with equal
 rank % ep, the data-parallel group is every rank; nodes hold nproc_per_node consecutive ranks.

@@ -1,4 +1,5 @@
-"""Eq. 1 of MoESys (seed 004 section 3.2.1): the memory each storage tier needs for D dense and S sparse parameters.
+"""Eq. 1 of MoESys (the paper's "Hierarchical Storage"): the memory each storage tier needs for D dense and S sparse
+parameters.
 
 Per node (the paper's "device", N of them; M_GPU is all GPU memory of one node), with AdamW and fp16 compute:
     GPU: 16 D + 4 a S / L <= M_GPU N      CPU: 16 a S <= M_CPU N      SSD: 12 S <= M_SSD N

@@ -1,4 +1,4 @@
-"""The plan against the run (issue 15 item 4): per rank and tier, the bytes the recorded plan predicted beside the
+"""The plan against the run: per rank and tier, the bytes the recorded plan predicted beside the
 peak each rank measured (runtime/train/rank_memory.py), and their ratio. What `moesys plan --compare RUN_DIR` prints.
 
 Tiers: without a GPU the device pool and the host cache are one RAM pool, compared as "ram" (the plan's
@@ -18,7 +18,7 @@ from runtime.files.run_dir import load_config, read_metrics, read_rank_memory
 from runtime.plan.planner import plan_placement, plan_to_dict
 
 TOLERANCE = 0.2
-"""Measured within 20% of predicted: the target of issue 15."""
+"""Measured within 20% of predicted is the plan's accuracy target."""
 
 MEASURED_KEY = {"ram": "memory/peak_rss_anon", "host": "memory/peak_rss_anon",
                 "device": "memory/cuda_max_allocated", "ssd": "memory/ssd_bytes"}

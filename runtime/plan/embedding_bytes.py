@@ -1,4 +1,5 @@
-"""Sizes of the token embedding under partitioning (seed 004 section 4.3), without torch: the planner uses them."""
+"""Sizes of the token embedding under partitioning (the paper's "Embedding Partition in Data Parallelism"), without
+torch: the planner uses them."""
 
 from __future__ import annotations
 

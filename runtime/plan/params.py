@@ -1,4 +1,4 @@
-"""Parameter counts from the config alone: total, dense D, sparse S, active per token, embedding (seed 004 Eq. 2).
+"""Parameter counts from the config alone: total, dense D, sparse S, active per token, embedding (the paper's Eq. 2).
 
 Mirrors the parameter set of runtime/model/transformer.py exactly; a test checks it against sum(p.numel()).
 """

@@ -33,7 +33,8 @@ class Placement:
     host_capacity: int
     ssd_capacity: int
     task_gpus: dict[str, int] = field(default_factory=dict)
-    """Ranks per task of a multi-task load (the elastic allocation, seed 004 section 4.1); empty otherwise."""
+    """Ranks per task of a multi-task load (the elastic allocation, the paper's "Elastic MoE Training"); empty
+    otherwise."""
     device_expert_layers: int = 0
     """Offloaded modes: MoE layers whose active experts the device holds at once (0: the layer computing and
     storage.prefetch_depth ahead)."""

@@ -2,7 +2,7 @@
 
 `plan_placement(cfg) -> Plan` is pure: it reads the config, counts parameters, evaluates Eq. 1 (budget.py),
 picks where expert states live (storage.offload, or the first mode that fits for auto) and says why. With
-`purpose=serve` the verdict is the ring-memory inference budget instead (seed 004 section 3.3.2).
+`purpose=serve` the verdict is the ring-memory inference budget instead (the paper's "Ring Memory Offloading").
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ from runtime.plan.suggest import serving_suggestions, training_suggestions
 
 PROCESS_RUNTIME_BYTES = int(0.30 * GB)
 """Host memory a worker process takes beyond the states and activations the estimate counts, as anonymous RSS (what
-the OOM killer weighs; shared library text is file-backed and left out). Measured 2026-11-23 on tiny-recipe
-workers (torch 2.13 CPU, gloo, heap trimmed after each step by runtime/train/rank_memory.py): 148 MiB after importing
-torch and joining the gloo group, +68 MiB building the model on the meta device (torch imports sympy), +4 MiB data
-and gradient buckets, then allocator and autograd growth that levels off: RSS after a step is 248 MiB at step 1,
-271 at step 50, 303 at 200 and 309 at 400, of which 21 MiB are the states. 0.30 GB (288 MiB) is that plateau; the old
-0.4 GB was unique memory (USS), which counts private file pages too. With the heap trimmed instead of a fixed mmap
-threshold, the tiny recipe's 300-step peak is 1.03-1.04x the plan's 381 MB (moesys plan --compare)."""
+the OOM killer weighs; shared library text is file-backed and left out). On tiny-recipe workers (torch 2.13 CPU,
+gloo, heap trimmed after each step by runtime/train/rank_memory.py): 148 MiB after importing torch and joining the
+gloo group, +68 MiB building the model on the meta device (torch imports sympy), +4 MiB data and gradient buckets,
+then allocator and autograd growth that levels off: RSS after a step is 248 MiB at step 1, 271 at step 50, 303 at
+200 and 309 at 400, of which 21 MiB are the states. 0.30 GB (288 MiB) is that plateau. Not unique memory (USS),
+which counts private file pages too. The tiny recipe's 300-step peak is then 1.03-1.04x the plan's 381 MB
+(moesys plan --compare)."""
 
 LAUNCHER_BYTES = int(0.32 * GB)
-"""Host memory of a node's launchers: the `moesys` command and torchrun (anonymous RSS 0.17 + 0.15 GB, measured
-2026-11-23, torch 2.13 CPU)."""
+"""Host memory of a node's launchers: the `moesys` command and torchrun (anonymous RSS 0.17 + 0.15 GB with
+torch 2.13 CPU)."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,8 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> Rank
     device = {"dense_states": int(DENSE_STATE_BYTES * dense_share), "activations": activation_bytes(cfg)}
     if cfg.distill.teacher:  # every rank holds the whole frozen teacher, fp32 as its checkpoint stores it
         device["teacher_weights"] = 4 * teacher_parameters(cfg.distill.teacher)
-    if cfg.model.embedding_partition and not st.dense_shard:  # seed 004 section 4.3: [V, H/N] per rank
+    # the paper's "Embedding Partition in Data Parallelism": [V, H/N] per rank
+    if cfg.model.embedding_partition and not st.dense_shard:
         device["dense_states"] -= embedding_bytes_per_rank(cfg, world).saving
     if st.dense_shard:
         # runtime/parallel/dense_shard.py keeps a gathered layer (fp32) from its forward until its backward,
@@ -229,8 +230,8 @@ def _fits(cfg: MoesysConfig, budget: Eq1Budget, est: RankEstimate, mode: Offload
 
 
 def _inference(cfg: MoesysConfig, p: ParamCounts) -> dict[str, Any]:
-    """Ring memory (seed 004 section 3.3.2): fp16 dense weights resident, K slots of one MoE layer's experts
-    (infer.offload: ring keeps infer.ring_slots layers on the device, ondemand one, none all of them)."""
+    """Ring memory (the paper's "Ring Memory Offloading"): fp16 dense weights resident, K slots of one MoE layer's
+    experts (infer.offload: ring keeps infer.ring_slots layers on the device, ondemand one, none all of them)."""
     t, inf = cfg.topology, cfg.infer
     device = int(t.gpu_memory_gb * GB if t.gpus_per_node else t.cpu_memory_gb * GB / t.nproc_per_node)
     dense = 2 * p.dense

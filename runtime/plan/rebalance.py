@@ -1,4 +1,5 @@
-"""`moesys rebalance`: allocate the GPUs of the topology to the tasks of a multi-task load (seed 004 section 4.1).
+"""`moesys rebalance`: allocate the GPUs of the topology to the tasks of a multi-task load (the paper's "Elastic MoE
+Training").
 
 The workload comes from the config (batch_size x cost_per_sample) or from a finished run's measured samples/s;
 how many tasks one GPU may host comes from the plan's per-rank memory estimate.

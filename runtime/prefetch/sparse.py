@@ -1,5 +1,6 @@
 """The sparse (vertical) half of 2D prefetch: while layer i computes, the states of the experts that layer i+1..i+depth
-will route to move SSD -> CPU on a background thread (seed 004 section 3.2.2; seed 002 section 4.2).
+will route to move SSD -> CPU on a background thread (the paper's "2D Prefetch Scheduling"; the ZeRO-3 offloading
+thesis, "Dynamic Fetching and Offloading").
 
 The routing of layer i+1 is not known while layer i computes, so the request is the one the paper uses: the
 experts each layer activated in the previous step ("recorded expert selection results"), which needs no extra

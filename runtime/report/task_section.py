@@ -1,5 +1,5 @@
-"""The report's multi-task section (seed 004 section 4.1): each task's loss and samples/s over steps, and the
-allocation of ranks to tasks in force over each stretch of steps (a rebalanced restart changes it)."""
+"""The report's multi-task section (the paper's "Elastic MoE Training"): each task's loss and samples/s over steps, and
+the allocation of ranks to tasks in force over each stretch of steps (a rebalanced restart changes it)."""
 
 from __future__ import annotations
 

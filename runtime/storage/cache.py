@@ -1,4 +1,5 @@
-"""The CPU cache of expert states with hit counts, a hit threshold and decay (seed 004 section 3.2.2, Algorithm 2).
+"""The CPU cache of expert states with hit counts, a hit threshold and decay (the paper's "2D Prefetch Scheduling",
+Algorithm 2).
 
 Keys are (MoE layer, global expert). Reading of the pseudo-code that this module commits to:
 - hit (line 12): hits += 1; miss with room (line 15): hits = 1, load from SSD into the cache;

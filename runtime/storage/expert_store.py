@@ -1,4 +1,5 @@
-"""The SSD tier: every expert's fp32 master weights and AdamW moments on disk (seed 004 section 3.2.1, Eq. 1's 12S).
+"""The SSD tier: every expert's fp32 master weights and AdamW moments on disk (the paper's "Hierarchical Storage",
+Eq. 1's 12S).
 
 One safetensors file per (MoE layer, global expert) under `root/live/`, holding the expert's slot (flat master,
 moments and step; runtime/storage/expert_slots.py): an eviction writes back exactly one expert

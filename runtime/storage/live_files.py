@@ -1,6 +1,6 @@
 """The expert store's file I/O at disk speed: one gather write (os.writev) of a safetensors file straight from the
-tensors' memory, and one scatter read (os.preadv) straight into fresh tensors (seed 004 section 3.2.2: SSD traffic
-overlapped with compute needs large requests, not a serialised copy or page faults on a memory map).
+tensors' memory, and one scatter read (os.preadv) straight into fresh tensors (the paper's "2D Prefetch Scheduling": SSD
+traffic overlapped with compute needs large requests, not a serialised copy or page faults on a memory map).
 
 The files are the checksummed safetensors files of runtime/files/tensorfile.py (same header, same `moesys.crc32`), so
 `verify` and any safetensors reader read them. A file is replaced by rename (a reader sees the old or the new file,

@@ -1,4 +1,4 @@
-"""Byte budgets of the device, host and SSD tiers (seed 004 Eq. 1): counted, enforced, peaks reported.
+"""Byte budgets of the device, host and SSD tiers (the paper's Eq. 1): counted, enforced, peaks reported.
 
 The offload runtime calls `allocate`/`release` whenever it creates or drops expert tensors on a tier and `moved`
 for every transfer; a tier whose usage would pass its capacity raises TierBudgetError naming the tier.

@@ -1,7 +1,7 @@
 """Write-behind for the SSD tier: expert states leaving the CPU cache are written by one background thread, so an
-eviction in the middle of a forward pass costs a queue append instead of serialise + write on the training thread
-(the paper overlaps SSD traffic with compute; seed 004 section 3.2.2). A job may write several keys (one layer's
-updated experts after its optimizer step), so the disk gets one run of large writes per layer.
+eviction in the middle of a forward pass costs a queue append instead of serialise + write on the training thread (the
+paper overlaps SSD traffic with compute: "2D Prefetch Scheduling"). A job may write several keys (one
+layer's updated experts after its optimizer step), so the disk gets one run of large writes per layer.
 
 Order is what keeps it correct: jobs run first in, first out, and a reader of a key calls `wait_for(key)` before
 reading its file, so it never sees a version older than the last one handed in.

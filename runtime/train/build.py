@@ -1,9 +1,10 @@
 """Build what a training worker needs: the expert-parallel model, AdamW, gradient reducers and data.
 
-The model is first built on the meta device (shapes only) and cut to this rank's block of experts (seed 004
-section 2: expert + data parallelism); offloaded experts are then created straight into their store, and only what
-stays resident is allocated. Initial values are a function of (train.seed, name, global expert), so expert g starts
-the same for any expert-parallel size and any tier (runtime/model/init.py), and no rank ever holds the whole model.
+The model is first built on the meta device (shapes only) and cut to this rank's block of experts (the paper's "MoE
+Training and Inference Systems": expert + data parallelism); offloaded experts are then created straight into their
+store, and only what stays resident is allocated. Initial values are a function of (train.seed, name, global expert), so
+expert g starts the same for any expert-parallel size and any tier (runtime/model/init.py), and no rank ever holds the
+whole model.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from runtime.data.dataset import open_dataset
 from runtime.plan.placement import Placement, decide
 from runtime.train.distill import Distillation
 from runtime.train.objective import LanguageModel
-from runtime.train.parts import (OffloadedExperts, Part, PartitionedEmbedding, Replicated, ShardedDense,
+from runtime.train.parts import (OffloadedExperts, Part, PartitionedEmbeddingPart, Replicated, ShardedDense,
                                  TaskHeads)
 from runtime.train.tasks import MultiTask, add_heads_to_optimizer, build_multitask
 from runtime.data.tokenizer import run_tokenizer
@@ -63,7 +64,7 @@ def model_skeleton(cfg: MoesysConfig, groups: ParallelGroups) -> Transformer:
 
 def materialize(model: Transformer, cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Transformer:
     """Allocate the skeleton's parameters on `device` and initialize them from train.seed; then cut the embedding
-    into this rank's columns when asked (seed 004 section 4.3)."""
+    into this rank's columns when asked (the paper's "Embedding Partition in Data Parallelism")."""
     model.to_empty(device=device)
     init_parameters(model, cfg.train.seed)
     if cfg.model.embedding_partition:  # [V, H/N] column shard per data-parallel rank
@@ -133,7 +134,7 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
         add_heads_to_optimizer(optimizer, tasks, cfg)
     parts: list[Part] = [Replicated([] if dense_shard else dense, experts, groups, int(cfg.parallel.bucket_mb * MB))]
     if cfg.model.embedding_partition:
-        parts.append(PartitionedEmbedding(model))
+        parts.append(PartitionedEmbeddingPart(model))
     if dense_shard:
         parts.append(ShardedDense(dense_shard, optimizer, groups))
     if offload:

@@ -1,5 +1,5 @@
-"""Distillation into a student with fewer experts (seed 004 section 3.3.1, figure 3): the student trains on the
-language-model loss mixed with the teacher's soft targets at a temperature (Hinton et al., 2015), the teacher frozen
+"""Distillation into a student with fewer experts (the paper's "Graph Optimization", figure 3): the student trains on
+the language-model loss mixed with the teacher's soft targets at a temperature (Hinton et al., 2015), the teacher frozen
 in every worker. Held-out text, kept out of the student's training, measures both models.
 
 Legend: N windows, S sequence length, V vocabulary.

@@ -108,9 +108,9 @@ class Replicated(Part):
         _scale(self.experts, coef)
 
 
-class PartitionedEmbedding(Part):
+class PartitionedEmbeddingPart(Part):
     """model.embedding_partition: [V, H/N] column shards whose gradients are complete after the AlltoAll backward
-    (seed 004 section 4.3); they are in neither reducer."""
+    (the paper's "Embedding Partition in Data Parallelism"); they are in neither reducer."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -217,7 +217,8 @@ def global_grad_norm(parts: list[Part]) -> float:
 
 
 class TaskHeads(Part):
-    """Multi-task heads (seed 004 section 4.1): synchronised only among their task's ranks, each saved once."""
+    """Multi-task heads (the paper's "Elastic MoE Training"): synchronised only among their task's ranks, each saved
+    once."""
 
     def __init__(self, tasks, optimizer: torch.optim.Optimizer):
         self.tasks, self.optimizer = tasks, optimizer

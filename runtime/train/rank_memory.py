@@ -1,4 +1,4 @@
-"""What each rank measures of its own memory (issue 15 item 4), to set beside the plan's per-rank estimate: peak
+"""What each rank measures of its own memory, to set beside the plan's per-rank estimate: peak
 anonymous RSS since the worker started, CUDA's max allocated, the bytes of its SSD expert store.
 
 The record is also kept in RUN_DIR/memory/rank<R>.json, rewritten whenever the peak grows by 2%: a rank that the
@@ -81,10 +81,10 @@ class RankMemory(PeakMemory):
 
 def trim_heap() -> bool:
     """Give the heap's free memory back to the OS (glibc malloc_trim). glibc raises its mmap threshold to the
-    largest block freed so far, after which activations come from heap arenas that keep freed memory: measured
-    2026-11-23 on the tiny recipe (torch 2.13 CPU), a worker's anonymous RSS grew ~2 MB per step without bound (278 MB
-    at step 1, 813 MB at step 200). Trimmed after each step it holds 250-300 MB; a fixed 128 KiB mmap threshold holds
-    the same floor but made every tensor allocation a fresh mapping, 10-25% slower steps. False where glibc's
+    largest block freed so far, after which activations come from heap arenas that keep freed memory: on the tiny
+    recipe (torch 2.13 CPU) a worker's anonymous RSS grows ~2 MB per step without bound (278 MB at step 1, 813 MB at
+    step 200). Trimmed after each step it holds 250-300 MB; a fixed 128 KiB mmap threshold holds the same floor but
+    makes every tensor allocation a fresh mapping, 10-25% slower steps. False where glibc's
     malloc_trim is not there (other C libraries)."""
     try:
         malloc_trim = ctypes.CDLL(None).malloc_trim

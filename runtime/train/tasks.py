@@ -1,5 +1,5 @@
-"""Multi-task training (seed 004 section 4.1, UFO): ranks run tasks by the elastic allocation, each task has its
-own output head kept in sync only among its ranks, shared weights and experts stay synchronised over all ranks.
+"""Multi-task training (the paper's "Elastic MoE Training", UFO): ranks run tasks by the elastic allocation, each task
+has its own output head kept in sync only among its ranks, shared weights and experts stay synchronised over all ranks.
 
 Objective: the mean loss over every sample of every task in the step, whatever the allocation. Rank r scales its
 tasks' mean losses L_tr by W * n_tr / N (n_tr its samples of task t, N all samples, W ranks): the world average of

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from runtime.process import Job, TorchrunLogs, exception_line, first_failure
+from runtime.process import LauncherJob, TorchrunLogs, exception_line, first_failure
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
@@ -143,9 +143,9 @@ time.sleep(60)
 """
 
 
-def start_job(tmp_path: Path, ignore: str = "", **kwargs) -> Job:
+def start_job(tmp_path: Path, ignore: str = "", **kwargs) -> LauncherJob:
     log = tmp_path / f"job-{len(list(tmp_path.iterdir()))}.log"
-    job = Job([sys.executable, "-c", SIGTERM_EXITS_7.format(ignore=ignore)], log, **kwargs)
+    job = LauncherJob([sys.executable, "-c", SIGTERM_EXITS_7.format(ignore=ignore)], log, **kwargs)
     job.__enter__()
     deadline = time.time() + 30
     while "ready" not in log.read_text():

@@ -1,0 +1,148 @@
+"""The rules that read more than one section, each named, and `validate`, which runs them after the sections."""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import math
+from typing import Callable
+
+from runtime.config.checks import ConfigError, Problems
+from runtime.config.schema import MoesysConfig
+
+
+def resolve_auto(cfg: MoesysConfig) -> None:
+    """Replace values left to moesys (stored as 0) by what they mean for this config; runs before validate()."""
+    t, experts = cfg.topology, cfg.model.num_experts
+    if t.expert_parallel == 0:
+        t.expert_parallel = math.gcd(t.world_size, experts) if experts > 0 and t.world_size > 0 else 1
+
+
+BYTE_VOCAB = 256
+"""Tokens of moesys's byte-level tokenizer (runtime/data/tokenizer.py): the smallest vocabulary it can train."""
+
+
+# ---- cross-section rules: each reads more than one section and returns its messages ----
+
+def experts_split_over_ranks(cfg: MoesysConfig) -> list[str]:
+    """Each expert-parallel rank holds the same number of whole experts."""
+    experts, ep = cfg.model.num_experts, cfg.topology.expert_parallel
+    if ep > 0 and experts > 0 and experts % ep:
+        return [f"model.num_experts={experts} is not divisible by topology.expert_parallel={ep}"]
+    return []
+
+
+def node_rank_in_range(cfg: MoesysConfig) -> list[str]:
+    """A multinode launch's node rank names one of topology.nodes."""
+    rank, nodes = cfg.launcher.node_rank, cfg.topology.nodes
+    if cfg.launcher.name == "multinode" and nodes > 0 and not 0 <= rank < nodes:
+        return [f"launcher.node_rank={rank} must be in 0..{nodes - 1} (topology.nodes={nodes})"]
+    return []
+
+
+def endpoint_reachable(cfg: MoesysConfig) -> list[str]:
+    """launcher.rdzv_endpoint is host:port (an IPv6 host in brackets), and, for several nodes, not a loopback
+    address: the other nodes would connect to themselves."""
+    if cfg.launcher.name != "multinode":
+        return []
+    endpoint, nodes = cfg.launcher.rdzv_endpoint, cfg.topology.nodes
+    host, _, port = str(endpoint).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return [f"launcher.rdzv_endpoint={endpoint!r} is not host:port with a port in 1..65535; set it to node 0's "
+                "address and a free port, e.g. launcher.rdzv_endpoint=10.0.0.1:29500"]
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: only localhost is known without a lookup
+        loopback = host.lower() == "localhost" or host.lower().endswith(".localhost")
+    if loopback and nodes > 1:
+        return [f"launcher.rdzv_endpoint={endpoint} is a loopback address, which the other nodes of topology.nodes="
+                f"{nodes} cannot reach; set launcher.rdzv_endpoint=<node 0's address on the network the nodes "
+                f"share>:{port}"]
+    return []
+
+
+def hierarchical_spans_nodes(cfg: MoesysConfig) -> list[str]:
+    """Hierarchical AlltoAll over more ranks than a node needs expert groups made of whole nodes."""
+    t = cfg.topology
+    per_node = cfg.parallel.ranks_per_node or t.processes_per_node
+    if cfg.parallel.alltoall == "hierarchical" and 0 < per_node < t.expert_parallel and t.expert_parallel % per_node:
+        return [f"parallel.alltoall=hierarchical needs topology.expert_parallel={t.expert_parallel} to span whole "
+                f"nodes (a multiple of the {per_node} ranks per node); use parallel.alltoall=flat"]
+    return []
+
+
+def embedding_columns_split(cfg: MoesysConfig) -> list[str]:
+    """The partitioned embedding gives every data-parallel rank the same number of columns."""
+    m, t = cfg.model, cfg.topology
+    if m.embedding_partition and t.nodes > 0 and t.nproc_per_node > 0 and m.hidden_size % t.world_size:
+        return [f"model.embedding_partition needs model.hidden_size={m.hidden_size} divisible by the "
+                f"{t.world_size} data-parallel ranks"]
+    return []
+
+
+def vocab_holds_bytes(cfg: MoesysConfig) -> list[str]:
+    """Training on the byte tokenizer needs a vocabulary of at least its 256 ids."""
+    vocab = cfg.model.vocab_size
+    if cfg.purpose == "train" and cfg.train.tokenizer == "bytes" and vocab < BYTE_VOCAB:
+        return [f"model.vocab_size={vocab} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens it trains on; "
+                f"set model.vocab_size>={BYTE_VOCAB}"]
+    return []
+
+
+def eval_needs_language_model(cfg: MoesysConfig) -> list[str]:
+    """train.eval_data measures a language model, which a multi-task config is not."""
+    if cfg.train.eval_data and cfg.tasks:
+        return ["train.eval_data measures a language model, and this config has tasks (multi-task heads); set "
+                "train.eval_data=null"]
+    return []
+
+
+def sequence_fits_model(cfg: MoesysConfig) -> list[str]:
+    """Training windows fit the model's positions."""
+    seq, longest = cfg.train.seq_len, cfg.model.max_seq_len
+    return [f"train.seq_len={seq} exceeds model.max_seq_len={longest}"] if seq > longest else []
+
+
+def distillation_student(cfg: MoesysConfig) -> list[str]:
+    """A distillation sets the student's experts with student.num_experts only; without a teacher it is unset."""
+    p, student, m = Problems(), cfg.student.num_experts, cfg.model
+    if cfg.distill.teacher:  # that the student has fewer experts than its teacher is checked where the teacher is read
+        p.need(student > 0, "student.num_experts must be set (e.g. student.num_experts=4) for a distillation")
+        p.need(student <= 0 or student == m.num_experts, f"student.num_experts={student} and model.num_experts="
+               f"{m.num_experts} differ: set the student's experts with student.num_experts only")
+        p.need(student <= 0 or student >= m.top_k,
+               f"student.num_experts={student} is below model.top_k={m.top_k}: each token needs top_k experts")
+        p.need(not cfg.tasks, "moesys distill trains a language model, and this config has tasks (multi-task heads)")
+    else:  # set by `moesys distill` together with distill.teacher; alone it would be ignored
+        p.need(student <= 0, f"student.num_experts={student} applies to a distillation only: run moesys distill "
+               f"checkpoint=TEACHER_RUN_DIR student.num_experts={student} (or set model.num_experts to train a "
+               "model of that size from scratch)")
+    return p
+
+
+CROSS_SECTION_RULES: tuple[Callable[[MoesysConfig], list[str]], ...] = (
+    experts_split_over_ranks, node_rank_in_range, endpoint_reachable, hierarchical_spans_nodes,
+    embedding_columns_split, vocab_holds_bytes, eval_needs_language_model, sequence_fits_model,
+    distillation_student,
+)
+"""The rules that read more than one section, in the order their messages are listed."""
+
+
+def packages_installed(cfg: MoesysConfig) -> list[str]:
+    """The optional packages the config asks for are importable."""
+    if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        return ["train.tensorboard=true needs the tensorboard package, which is not installed: pip install "
+                "'moesys[tensorboard]' (or set train.tensorboard=false)"]
+    return []
+
+
+def validate(cfg: MoesysConfig, packages: bool = True) -> None:
+    """Check each section's own fields, then the cross-section rules, and raise one ConfigError that lists every
+    problem. packages: also check that the optional packages the config asks for are installed; off for a config
+    read back from a run or a checkpoint, which may be served or reported on a machine without them."""
+    problems = cfg.problems()
+    for rule in CROSS_SECTION_RULES + ((packages_installed,) if packages else ()):
+        problems += rule(cfg)
+    if problems:
+        raise ConfigError("; ".join(problems))
