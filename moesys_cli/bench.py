@@ -92,6 +92,10 @@ SIZES: dict[str, tuple[str, ...]] = {"infer": ("small", "large")}
 """The benchmarks that take --size, and their presets (runtime/bench/infer.py SIZES)."""
 
 
+VALUE_HINT = {"infer.ring_slots": "N", "infer.compile": "true|false"}
+"""How --help writes the value of each key a fixed-shape benchmark honours."""
+
+
 def _overrides_help() -> str:
     """What each benchmark takes of key=value overrides, from HONOURED."""
     whole = [name for name, keys in HONOURED.items() if keys is None]
@@ -101,7 +105,8 @@ def _overrides_help() -> str:
             some.setdefault(keys, []).append(name)
     fixed = [name for name, keys in HONOURED.items() if keys == ()]
     parts = [f"{', '.join(whole)}: recipe=NAME and any key=value override"]
-    parts += [f"{', '.join(names)}: only {', '.join(f'{k}=N' for k in keys)}" for keys, names in some.items()]
+    parts += [f"{', '.join(names)}: only {', '.join(f'{k}={VALUE_HINT[k]}' for k in keys)}"
+              for keys, names in some.items()]
     parts.append(f"{', '.join(fixed)}: none (they measure a fixed shape; an override is refused)")
     return "Overrides, by benchmark. " + "; ".join(parts) + "."
 

@@ -31,7 +31,7 @@ def _flat(text: str) -> str:
 def test_bench_and_rebalance_help_show_the_overrides_they_take():
     bench = _flat(run_moesys("bench", "--help").stdout)
     assert "moe-layer, offload, embedding, beyond-memory, serve: none" in bench
-    assert "ring, infer: only infer.ring_slots=N" in bench and "model.num_experts=16" not in bench
+    assert "ring: only infer.ring_slots=N; infer: only infer.ring_slots=N, infer.compile=true|false" in bench and "model.num_experts=16" not in bench
     rebalance = _flat(run_moesys("rebalance", "--help").stdout)
     assert "recipe=ufo-multitask" in rebalance and "gpt-moe-13b model.num_experts" not in rebalance
 
