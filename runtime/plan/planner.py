@@ -115,6 +115,26 @@ def teacher_parameters(checkpoint: str) -> int:
         return 0
 
 
+def _ssd_host(cfg: MoesysConfig, p: ParamCounts, local_experts: int, layer_experts: int,
+              host_capacity: int) -> tuple[int, int]:
+    """storage=ssd: (host bytes, cached experts) of a rank."""
+    st = cfg.storage
+    # A step keeps every expert it fetched on the host, with its gradient, from its forward to the CPU
+    # AdamW step (Eq. 1's CPU tier, 16aS): the cache may be smaller than that, the host may not. Cached
+    # experts hold their states (12 bytes a parameter) and, when active, a gradient (4). Those the cache does
+    # not keep are still on their way to SSD (write-behind) while the next step fetches its own, and the
+    # prefetcher stages the next prefetch_depth layers' experts (runtime/storage/ssd_home.py).
+    step_active = math.ceil(st.alpha * local_experts)
+    staged = STORED_SPARSE_BYTES * math.ceil(st.alpha * layer_experts) * st.prefetch_depth
+    grads = (CACHED_SPARSE_BYTES - STORED_SPARSE_BYTES) * step_active
+    fit = max(0, host_capacity - (staged + grads) * p.per_expert) // max(STORED_SPARSE_BYTES * p.per_expert, 1)
+    cache_experts = st.cpu_cache_experts or int(min(local_experts, fit))
+    going_home = STORED_SPARSE_BYTES * max(0, step_active - cache_experts)
+    host = int((STORED_SPARSE_BYTES * max(cache_experts, step_active) + grads + going_home + staged)
+               * p.per_expert)
+    return host, cache_experts
+
+
 def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> RankEstimate:
     t, st = cfg.topology, cfg.storage
     world = world_size(cfg)
@@ -168,19 +188,7 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> Rank
             cache_experts = local_experts
         else:
             ssd = int(STORED_SPARSE_BYTES * local_sparse)
-            # A step keeps every expert it fetched on the host, with its gradient, from its forward to the CPU
-            # AdamW step (Eq. 1's CPU tier, 16aS): the cache may be smaller than that, the host may not. Cached
-            # experts hold their states (12 bytes a parameter) and, when active, a gradient (4). Those the cache does
-            # not keep are still on their way to SSD (write-behind) while the next step fetches its own, and the
-            # prefetcher stages the next prefetch_depth layers' experts (runtime/storage/offload.py).
-            step_active = math.ceil(st.alpha * local_experts)
-            staged = STORED_SPARSE_BYTES * math.ceil(st.alpha * layer_experts) * st.prefetch_depth
-            grads = (CACHED_SPARSE_BYTES - STORED_SPARSE_BYTES) * step_active
-            fit = max(0, host_capacity - (staged + grads) * p.per_expert) // max(STORED_SPARSE_BYTES * p.per_expert, 1)
-            cache_experts = st.cpu_cache_experts or int(min(local_experts, fit))
-            going_home = STORED_SPARSE_BYTES * max(0, step_active - cache_experts)
-            host = int((STORED_SPARSE_BYTES * max(cache_experts, step_active) + grads + going_home + staged)
-                       * p.per_expert)
+            host, cache_experts = _ssd_host(cfg, p, local_experts, layer_experts, host_capacity)
     # Without a GPU the device pool gets what the host cache leaves of the rank's RAM, never less than nothing.
     device_capacity = (max(0, int(t.gpu_memory_gb * GB) - CUDA_CONTEXT_BYTES) if t.gpus_per_node
                        else max(0, ram_per_rank - host))

@@ -16,13 +16,12 @@ import threading
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from runtime.files.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, tensor_key
 from runtime.model.init import init_expert
 from runtime.moe.experts import GroupedExperts, expert_ffn, output_dtype
 from runtime.moe.layer import EXPERT_PARAM_NAMES
@@ -32,13 +31,11 @@ from runtime.plan.modes import OffloadMode
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, needs_separate_stage
 from runtime.storage.expert_store import ExpertKey, ExpertStore
 from runtime.storage.host_adamw import HostOptimizer, LayerGrads, squares
-from runtime.storage.host_home import ExpertHome, HostHome, fill_slot, initial_slot
+from runtime.storage.host_home import ExpertHome, HostHome, initial_slot
 from runtime.storage.ssd_home import SSDHome
 from runtime.storage.step_timeline import StepTimeline, by_kind, host_cost
 from runtime.storage.tiers import Tiers
 from runtime.storage.transfers import DeviceCopy, TransferEngine
-from runtime.files.paths import experts_file
-from runtime.files.tensorfile import spec_of, write_tensors
 
 STALLS = ("wait_update", "wait_prefetch", "acquire", "h2d")
 """Critical spans that count as the forward or backward waiting for experts (offload/fetch_stall_s)."""
@@ -356,69 +353,6 @@ class OffloadEngine:
         self._copied0 = self.transfers.copied_bytes
         self.last_spans = spans
         return {f"offload/{k}": v for k, v in out.items()}
-
-    def save(self, directory: Path, step: int) -> list[Path]:
-        """Write this rank's experts into the checkpoint being assembled in `directory`: one file per MoE layer,
-        streamed one expert at a time, each caught up to `step`. Keys are those a resident checkpoint uses: the
-        checkpoint is a complete, immutable copy that inference and any EP size can load. Expert-data-parallel
-        replicas hold equal states, so only the first of them writes."""
-        self.drain()
-        assert step == self.steps_done, (step, self.steps_done)
-        if self.groups is not None and self.groups.edp_rank != 0:
-            return []
-        ep_rank = self.groups.ep_rank if self.groups is not None else 0
-        files = []
-        for spec in self.specs.values():
-            slots = self._caught_up_slots(spec, step)
-            first = next(slots)  # every expert of a layer has its shapes: the header is known from the first
-            specs = {k: spec_of(t) for g in range(spec.first_global, spec.first_global + spec.num_local)
-                     for k, t in self._checkpoint_items(spec, g, first[1])}
-            stream = (item for g, slot in chain([first], slots) for item in self._checkpoint_items(spec, g, slot))
-            del first
-            files.append(write_tensors(directory / experts_file(ep_rank, spec.index), specs,
-                                       stream))
-        return files
-
-    def _caught_up_slots(self, spec: LayerSpec, step: int) -> Iterator[tuple[int, ExpertSlot]]:
-        for j in range(spec.num_local):
-            key = spec.key(j)
-            slot = self.home.checkpoint_slot(key)
-            with torch.no_grad():
-                if catch_up(slot, step, self.lr_schedule, self.adamw):
-                    slot.refresh_stage()
-            yield key[1], slot
-
-    @staticmethod
-    def _checkpoint_items(spec: LayerSpec, g: int, slot: ExpertSlot) -> list[tuple[str, Tensor]]:
-        """One expert's states under the checkpoint keys of a resident model (runtime/files/checkpoint_format.py)."""
-        views = {attr: slot.views(attr, spec.layout) for attr in ("master", "exp_avg", "exp_avg_sq")}
-        out = []
-        for name in spec.names:
-            param = f"{spec.param_prefix}.{name}"
-            out.append((tensor_key(MODEL, param, g), views["master"][name]))
-            out += [(tensor_key(kind, param, g), views[kind][name]) for kind in STATE_KEYS]
-            out.append((tensor_key("step", param, g), slot.step.reshape(1)))
-        return out
-
-    def load(self, reader: CheckpointReader, step: int) -> None:
-        """Restore this rank's experts from a checkpoint (written with offload or without, by any EP size): the run
-        resumes with exactly the expert states of that checkpoint."""
-        self.drain()
-        if hasattr(self.home, "forget"):
-            self.home.forget()
-        for spec in self.specs.values():
-            for j in range(spec.num_local):
-                key = spec.key(j)
-                named = {}
-                for name in spec.names:
-                    param = f"{spec.param_prefix}.{name}"
-                    named[name] = {kind: reader.get(tensor_key(kind, param, key[1])).float()
-                                   for kind in (MODEL, *STATE_KEYS)}
-                count = float(reader.get(tensor_key("step", spec.param_prefix + "." + spec.names[0], key[1])))
-                self.home.restore(key, fill_slot(self.home.restore_target(key), spec.layout, named, count))
-        if isinstance(self.home, SSDHome):
-            self.home.store.bytes_written = 0
-        self.steps_done = step
 
     def drain(self) -> None:
         """Wait for all background work: the update (a delayed one is completed now, as no step runs beside it),

@@ -21,6 +21,7 @@ from runtime.parallel.embedding_partition import partitioned_grad_sq, partitione
 from runtime.optim import square_sum
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
+from runtime.storage.offload_checkpoint import load_offloaded, save_offloaded
 from runtime.storage.offload_engine import OffloadEngine
 from runtime.files.paths import DENSE_SHARDED
 from runtime.files.tensorfile import save_tensors
@@ -190,10 +191,10 @@ class OffloadedExperts(Part):
         return store.disk_bytes() if store is not None else 0
 
     def save(self, directory: Path, step: int) -> list[Path]:
-        return self.engine.save(directory, step)
+        return save_offloaded(self.engine, directory, step)
 
     def load(self, reader: CheckpointReader, step: int) -> None:
-        self.engine.load(reader, step)
+        load_offloaded(self.engine, reader, step)
 
     def close(self) -> None:
         self.engine.close()

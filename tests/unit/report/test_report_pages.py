@@ -45,7 +45,7 @@ def _figures(page: Path) -> list[str]:
 
 
 def test_an_offloaded_run_draws_bytes_per_tier_hit_rate_stall_and_memory_against_the_plan(tmp_path):
-    def offload(step: int) -> dict:  # the offload/* fields of runtime/storage/offload.py step_metrics
+    def offload(step: int) -> dict:  # the offload/* fields of OffloadEngine.step_metrics
         return {"offload/experts_active": 6, "offload/cache_hit_rate": 0.5 + step / 20,
                 "offload/fetch_stall_s": 0.002, "offload/ssd_read_bytes": 1 << 20, "offload/ssd_write_bytes": 1 << 19,
                 "offload/device_in_bytes": 7 << 20, "offload/host_in_bytes": 3 << 20, "offload/ssd_in_bytes": 0,

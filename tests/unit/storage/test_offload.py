@@ -15,6 +15,7 @@ from runtime.plan.params import count_parameters
 from runtime.parallel.groups import build_groups
 from runtime.storage.expert_store import ExpertStore
 from runtime.optim import AdamWHyper, lr_at
+from runtime.storage.offload_checkpoint import save_offloaded
 from runtime.storage.offload_engine import OffloadedGroupedExperts, install_offload
 from runtime.train.build import build_model, build_optimizer
 from runtime.train.parts import OffloadedExperts as OffloadedExpertsPart
@@ -202,7 +203,7 @@ def test_idle_experts_are_not_fetched_written_or_stepped(tmp_path):
         assert changed == (g in (0, 2)) and float(after["step"]) == (1.0 if g in (0, 2) else 0.0)
     # A checkpoint holds every expert as resident AdamW leaves it: the idle ones caught up (decayed) to step 1.
     (tmp_path / "ckpt").mkdir()
-    engine.save(tmp_path / "ckpt", 1)
+    save_offloaded(engine, tmp_path / "ckpt", 1)
     reader = CheckpointReader(tmp_path / "ckpt")
     w1_before = {g: engine.specs[0].layout.views(before[g]["master"])["w1"] for g in range(4)}
     for g in range(4):
