@@ -245,7 +245,7 @@ def test_a_dead_worker_is_a_503_and_health_says_so(run_dir, monkeypatch):
         def broken():
             raise RuntimeError("the loop broke")
 
-        monkeypatch.setattr(worker, "_take_batch", broken)
+        monkeypatch.setattr(worker, "_admit", broken)
         status, got = post(url, {"prompt": "hi"})
         assert status == 503 and "generation worker has died (RuntimeError: the loop broke)" in got["error"]["message"]
         status, got = post(url, {"prompt": "hi", "stream": True})
