@@ -55,7 +55,8 @@ class _Trace:
 
     def __init__(self, service: Service, route: str):
         self.service, self.route = service, route
-        self.id = f"{'chatcmpl' if 'chat' in route else 'cmpl'}-{uuid.uuid4().hex}"
+        prefix = "chatcmpl" if "chat" in route else "cmpl" if "completions" in route else "req"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.began = time.monotonic()
         self.prompt_tokens = self.completion_tokens = 0
         self.job: Optional[ServeJob] = None
@@ -101,9 +102,9 @@ def build_app(service: Service) -> Starlette:
     async def models(request: Request) -> Response:
         """The one served model, in OpenAI's list shape."""
         created = int(service.loaded.path.stat().st_mtime)
-        return JSONResponse({"object": "list", "data": [{"id": service.name, "object": "model", "created": created,
-                                                         "owned_by": "moesys",
-                                                         "context_length": model.max_seq_len}]})
+        return _traced(_Trace(service, "/v1/models"), JSONResponse({"object": "list", "data": [
+            {"id": service.name, "object": "model", "created": created, "owned_by": "moesys",
+             "context_length": model.max_seq_len}]}))
 
     async def metrics(request: Request) -> Response:
         return Response(service.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
