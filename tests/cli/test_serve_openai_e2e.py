@@ -17,7 +17,8 @@ from runtime.inference.random_checkpoint import write_random_mixtral
 from tests.cli.conftest import moesys_bin
 
 openai = pytest.importorskip("openai")
-TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 def _checkpoint(path):

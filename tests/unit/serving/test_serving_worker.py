@@ -145,7 +145,8 @@ def test_stop_cancels_a_batch_that_outlasts_its_timeout():
     worker = _worker()
     slow = Answer()
     # 45 tokens of 0.1 s each: far longer than the stop's timeout
-    worker.submit(ServeJob(_request([1, 2, 3], max_tokens=45), slow.finish, on_token=lambda i, out, piece: time.sleep(0.1)))
+    worker.submit(ServeJob(_request([1, 2, 3], max_tokens=45), slow.finish,
+                           on_token=lambda i, out, piece: time.sleep(0.1)))
     time.sleep(0.2)  # the generation is under way
     assert worker.stop(1.0)
     assert isinstance(slow.wait().error, Cancelled) and worker.cancelled == 1
@@ -219,7 +220,8 @@ def test_request_fields_default_to_infer_settings_and_max_tokens_fits_the_contex
     full = parse_completion({"prompt": "hi", "n": 2, "stop": ["x", "yz"], "logprobs": 3}, DEFAULTS, tok, 256, 48)
     assert (full.n, full.stop, full.logprobs) == (2, ("x", "yz"), 3)
     for body, param in (({"n": 0}, "n"), ({"n": 99}, "n"), ({"stop": [""]}, "stop"), ({"stop": 3}, "stop"),
-                        ({"stop": ["a"] * 5}, "stop"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs")):
+                        ({"stop": ["a"] * 5}, "stop"), ({"logprobs": 21}, "logprobs"),
+                        ({"logprobs": True}, "logprobs")):
         with pytest.raises(RequestError) as exc:
             parse_completion({"prompt": "hi", **body}, DEFAULTS, tok, 256, 48)
         assert exc.value.param == param and exc.value.status == 400
