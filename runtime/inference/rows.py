@@ -3,9 +3,10 @@ cache row, and is computed with the arithmetic of a lone decode step (`Transform
 logits, and hence its tokens, equal that request's lone run bit for bit.
 
 A matrix product over B rows is not, in general, B products of one row: a BLAS picks other kernels (and other
-summation orders) for other row counts. Here every product is a batched product of one-row matrices (`bmm` over
-[B, 1, D] with the weight broadcast), which computes each row as a lone step's one-row product does; everything
-else is elementwise or per row. Resident experts are grouped by expert (no per-token copy of their weights).
+summation orders) for other row counts. So the dense products and the attention run row by row with a lone step's
+very calls (cheap: they are small), norms and activations are per row anyway, and the experts, the bulk of the
+work, run grouped by expert as batched one-row products read in place (no per-token copy of their weights, as a
+lone step makes), whose rows equal the lone step's per-token products.
 
 Legend: B rows, D model dim, L cache slots, K top-k, E experts.
 """
@@ -27,15 +28,22 @@ from runtime.moe.router import routing_weights, select_top_k
 
 
 def row_linear(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """F.linear of each row alone: [B, 1, D] -> [B, 1, N], one one-row product per row."""
-    B = x_B1D.shape[0]
-    y = torch.bmm(x_B1D, weight.t().expand(B, *weight.t().shape))
+    """F.linear of each row alone, [B, 1, D] -> [B, 1, N]: the very call a lone step makes, once per row."""
+    return torch.cat([F.linear(x_B1D[b:b + 1], weight, bias) for b in range(x_B1D.shape[0])])
+
+
+def _expert_linear(x_R1D: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """One expert's product of R one-row matrices at once (bmm with the weight broadcast): each row as
+    `gathered_ffn`'s per-token product computes it (tests/unit/inference/test_rows.py checks it bit for bit)."""
+    y = torch.bmm(x_R1D, weight.t().expand(x_R1D.shape[0], *weight.t().shape))
     return y if bias is None else y + bias
 
 
 def _attention(att: Attention, x_B1D: Tensor, cache: StaticKVCache, pos_B: Tensor, rows_B: Tensor,
-               rope: Optional[tuple[Tensor, Tensor]], mask_B11L: Tensor) -> Tensor:
-    """Attention.decode with a position per row, against rows 0..B-1 of the cache."""
+               rope: Optional[tuple[Tensor, Tensor]], mask_BL: Tensor, spans: list[int]) -> Tensor:
+    """Attention.decode with a position per row, against rows 0..B-1 of the cache. The attention itself runs row
+    by row with a lone step's shapes (row b over its first spans[b] slots, the size of its lone run's cache): the
+    CPU kernel's arithmetic depends on the batch, the mask's shape and the number of slots."""
     B = x_B1D.shape[0]
     KV, hd = att.num_kv_heads, att.head_dim
     group = att.num_heads // KV
@@ -47,7 +55,8 @@ def _attention(att: Attention, x_B1D: Tensor, cache: StaticKVCache, pos_B: Tenso
     buf_k, buf_v = cache.keys[att.layer_index], cache.values[att.layer_index]
     buf_k[rows_B, :, pos_B] = k[:, :, 0]
     buf_v[rows_B, :, pos_B] = v[:, :, 0]
-    out = F.scaled_dot_product_attention(q, buf_k[:B], buf_v[:B], attn_mask=mask_B11L)
+    out = torch.cat([F.scaled_dot_product_attention(q[b:b + 1], buf_k[b:b + 1, :, :n], buf_v[b:b + 1, :, :n],
+                                                    attn_mask=mask_BL[b:b + 1, :n]) for b, n in enumerate(spans)])
     return row_linear(out.reshape(B, 1, att.num_heads * hd), att.wo.weight, att.wo.bias)
 
 
@@ -76,12 +85,12 @@ def _grouped_ffn(x_B1D: Tensor, ids_B1K: Tensor, weights_B1K: Tensor, experts: G
         idx = torch.tensor(rows, device=x_B1D.device)
         x_r = x_RD.index_select(0, idx)
         pick = lambda name: None if w[name] is None else w[name][e]  # noqa: E731
-        h = row_linear(x_r, w["w1"][e], pick("b1"))
+        h = _expert_linear(x_r, w["w1"][e], pick("b1"))
         if experts.expert_type == "gelu":
             h = F.gelu(h)
         else:
-            h = F.silu(h) * row_linear(x_r, w["w3"][e], pick("b3"))
-        y_R1D.index_copy_(0, idx, row_linear(h, w["w2"][e], pick("b2")))
+            h = F.silu(h) * _expert_linear(x_r, w["w3"][e], pick("b3"))
+        y_R1D.index_copy_(0, idx, _expert_linear(h, w["w2"][e], pick("b2")))
     y_B1KD = y_R1D.view(B, 1, K, D)
     return torch.einsum("...kd,...k->...d", y_B1KD, weights_B1K.to(y_B1KD.dtype))
 
@@ -102,18 +111,22 @@ def _moe(layer: MoELayer, x_B1D: Tensor) -> Tensor:
     return layer.experts.routed(x_B1D, ids_B1K, weights_B1K)  # an offloader's stand-in: per token already
 
 
-def _block(block: Block, x: Tensor, cache: StaticKVCache, pos_B: Tensor, rows_B: Tensor, rope, mask) -> Tensor:
-    h = x + _attention(block.attention, block.attention_norm(x), cache, pos_B, rows_B, rope, mask)
+def _block(block: Block, x: Tensor, cache: StaticKVCache, pos_B: Tensor, rows_B: Tensor, rope, mask,
+           spans: list[int]) -> Tensor:
+    h = x + _attention(block.attention, block.attention_norm(x), cache, pos_B, rows_B, rope, mask, spans)
     normed = block.ffn_norm(h)
     return h + (_moe(block.ffn, normed) if block.is_moe else _dense(block.ffn, normed))
 
 
 @torch.no_grad()
-def decode_rows(model: Transformer, tokens_B: Tensor, pos_B: Tensor, cache: StaticKVCache) -> Tensor:
+def decode_rows(model: Transformer, tokens_B: Tensor, pos_B: Tensor, cache: StaticKVCache,
+                spans: Optional[list[int]] = None) -> Tensor:
     """Next-token logits [B, V] for token tokens_B[b] at position pos_B[b] of cache row b (rows 0..B-1; each row's
-    earlier positions already in its cache row)."""
+    earlier positions already in its cache row). spans[b]: the slots row b attends over, the capacity of the cache
+    its lone run would use (default: the whole cache)."""
     B = tokens_B.shape[0]
     rows_B = torch.arange(B, device=tokens_B.device)
+    spans = [cache.capacity] * B if spans is None else spans
     h = model.tok_embeddings(tokens_B[:, None])
     rope = None
     if model.pos_embeddings is not None:
@@ -121,9 +134,9 @@ def decode_rows(model: Transformer, tokens_B: Tensor, pos_B: Tensor, cache: Stat
     else:
         cos, sin = cache.rope(pos_B)
         rope = (cos[:, None, None], sin[:, None, None])
-    mask = cache.mask(pos_B)[:, None, None]
+    mask = cache.mask(pos_B)
     for block in model.layers:
-        h = _block(block, h, cache, pos_B, rows_B, rope, mask)
+        h = _block(block, h, cache, pos_B, rows_B, rope, mask, spans)
     h = model.norm(h)
     out = model.output.weight if model.output is not None else model.tok_embeddings.weight
     return row_linear(h, out)[:, 0]

@@ -19,6 +19,10 @@ from runtime.model.attention import StaticKVCache
 from runtime.model.transformer import Transformer
 
 
+def _bucket(positions: int) -> int:
+    return -(-positions // CACHE_BUCKET) * CACHE_BUCKET
+
+
 @dataclass
 class TokenOut:
     """One new token, with its log-probability and the `top` most likely alternatives (when asked)."""
@@ -48,12 +52,13 @@ class Sequence:
         return len(self.prompt_ids) + len(self.tokens) - 1
 
     @property
+    def span(self) -> int:
+        """The cache size of this sequence's lone run (`DecodeStep.cache_for`): the slots its attention covers."""
+        return _bucket(len(self.prompt_ids) + self.max_tokens)
+
+    @property
     def full(self) -> bool:
         return len(self.tokens) >= self.max_tokens
-
-
-def _bucket(positions: int) -> int:
-    return -(-positions // CACHE_BUCKET) * CACHE_BUCKET
 
 
 class ContinuousBatch:
@@ -87,7 +92,7 @@ class ContinuousBatch:
             if not self.rows:  # its timeline would otherwise grow with every forward for the server's life
                 self.offloader.reset_stats()
             self.offloader.reset()
-        alone = self.model.new_static_cache(1, _bucket(length + seq.max_tokens))
+        alone = self.model.new_static_cache(1, seq.span)
         tokens = torch.tensor([seq.prompt_ids], dtype=torch.long, device=self.device)
         logits_1V = self.model(tokens, alone, 0).logits[:, -1]
         cache, row = self._batch_cache(), len(self.rows)
@@ -101,11 +106,12 @@ class ContinuousBatch:
         """One decode step of every row; the new token of each row, in row order."""
         tokens_B = torch.tensor([s.tokens[-1] for s in self.rows], dtype=torch.long, device=self.device)
         pos_B = torch.tensor([s.position for s in self.rows], dtype=torch.long, device=self.device)
+        spans = [s.span for s in self.rows]
         if self.offloader is not None:
             with self.offloader.computing():
-                logits_BV = decode_rows(self.model, tokens_B, pos_B, self._batch_cache())
+                logits_BV = decode_rows(self.model, tokens_B, pos_B, self._batch_cache(), spans)
         else:
-            logits_BV = decode_rows(self.model, tokens_B, pos_B, self._batch_cache())
+            logits_BV = decode_rows(self.model, tokens_B, pos_B, self._batch_cache(), spans)
         self.steps += 1
         return [self._take(seq, logits_BV[b:b + 1]) for b, seq in enumerate(list(self.rows))]
 
