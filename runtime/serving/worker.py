@@ -119,8 +119,8 @@ class GenerationWorker:
 
     @property
     def queued(self) -> int:
-        """Requests waiting for their first row."""
-        return len({s.job for s in self._pending if not s.tokens and s.choice.index == 0})
+        """Requests waiting for their first row (a snapshot: /metrics reads it from another thread)."""
+        return sum(1 for s in list(self._pending) if s.choice.index == 0)
 
     @property
     def running(self) -> int:

@@ -12,7 +12,9 @@ import torch
 
 from runtime.bench.serve import listening_url
 from runtime.data.tokenizer import byte_tokenizer_json, hf_tokenizer_config
-from runtime.inference.generate import run_inference
+from runtime.inference.generate import generate, run_inference
+from runtime.inference.load import open_checkpoint
+from runtime.inference.modes import make_offloader
 from runtime.inference.random_checkpoint import write_random_mixtral
 from tests.cli.conftest import moesys_bin
 
@@ -28,10 +30,17 @@ def _checkpoint(path):
     (path / "tokenizer_config.json").write_text(json.dumps({**hf_tokenizer_config(128), "chat_template": TEMPLATE}))
 
 
+_LOADED = {}
+
+
 def _infer(checkpoint, text, max_tokens, temperature=0.0, seed=0):
-    out = run_inference(checkpoint, {"max_new_tokens": max_tokens, "temperature": temperature, "seed": seed},
-                        prompts=[text], offload="none")
-    return out["text"][0]
+    """What `moesys infer` answers alone: its generate call on the checkpoint as it loads it (loaded once)."""
+    if checkpoint not in _LOADED:
+        loaded = _LOADED[checkpoint] = open_checkpoint(checkpoint)
+        make_offloader(loaded.model, "none", torch.device("cpu"), source=loaded.experts)  # experts: read them in
+    loaded = _LOADED[checkpoint]
+    tokens = generate(loaded.model, [loaded.tokenizer.encode(text)], max_tokens, temperature, 0, seed).tokens[0]
+    return loaded.tokenizer.decode(tokens)
 
 
 def test_the_openai_client_gets_moesys_infer_answers(tmp_path):
@@ -43,6 +52,8 @@ def test_the_openai_client_gets_moesys_infer_answers(tmp_path):
                                  "--offload", "none"], stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         url = listening_url(proc, log, timeout_s=120)
+        hello = run_inference(checkpoint, {"max_new_tokens": 8}, prompts=["Hello"], offload="none")["text"][0]
+        assert _infer(checkpoint, "Hello", 8) == hello  # the reference below is moesys infer's answer
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["tiny-mixtral"]
 
