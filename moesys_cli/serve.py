@@ -3,6 +3,8 @@ same offload modes as `moesys infer` (seed 004 section 3.3.1's request/response 
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Annotated, Any, List, Optional
 
 import typer
@@ -31,9 +33,20 @@ def parse_serve_args(args: list[str]) -> tuple[str, dict[str, Any], dict[str, An
     return required(values, "checkpoint", USAGE), overrides["infer"], overrides["serve"]
 
 
+def _log_requests() -> None:
+    """One line per request on stderr (runtime/serving/metrics.py writes them)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    logger = logging.getLogger("moesys.serve.requests")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def serve(args: ServeArgs = None, offload: Offload = None, host: Host = None, port: Port = None) -> None:
-    """Serve POST /v1/completions (prompt text or token ids, max_tokens, temperature, top_k, seed, stream) and
-    GET /health until SIGTERM or Ctrl-C, which let the requests in flight finish and exit 0."""
+    """Serve POST /v1/completions (prompt text or token ids, max_tokens, temperature, top_k, seed, stream, n, stop,
+    logprobs), POST /v1/chat/completions, GET /v1/models, /metrics and /health until SIGTERM or Ctrl-C, which let
+    the requests in flight finish and exit 0. Each request is one log line on stderr."""
     checkpoint, infer_overrides, serve_overrides = parse_serve_args(args or [])
     if host is not None:
         serve_overrides["host"] = host
@@ -44,13 +57,15 @@ def serve(args: ServeArgs = None, offload: Offload = None, host: Host = None, po
     from runtime.serving.service import open_service
 
     service = open_service(checkpoint, infer_overrides, serve_overrides, offload)
+    _log_requests()
     described = (f"model {literal(service.name)} ({service.loaded.kind}), --offload {service.config.infer.offload} on "
                  f"{service.device}, context {service.config.model.max_seq_len} tokens, "
                  f"max batch {service.worker.max_batch_size}")
 
     def listening(url: str) -> None:
         console.print(f"[bold]moesys serve[/] listening on {url} ({described}); POST {url}/v1/completions, "
-                      f"GET {url}/health", highlight=False, soft_wrap=True)
+                      f"{url}/v1/chat/completions; GET {url}/v1/models, {url}/metrics, {url}/health",
+                      highlight=False, soft_wrap=True)
 
     run_server(service, on_listen=listening)
     w = service.worker

@@ -2,12 +2,13 @@
 random Hugging Face Mixtral checkpoint it writes itself, CLIENTS concurrent clients send requests for DURATION_S
 seconds each with keep-alive connections, then the server gets SIGTERM and must drain and exit 0.
 
-Every answer is checked against `run_inference` (what `moesys infer` runs) for the same prompt and seed: a
-request that is not a 200 with exactly those tokens counts as failed (except that a batched greedy answer may
-leave that path where float rounding flipped a near-tie: every token's logit within NEAR_TIE of the best one), and
-any failure fails the benchmark. Per setting: requests/s, completion tokens/s and p50/p99 latency, for --offload
-none, auto and ring (the last two with RING_SLOTS of the model's layers on the device), and none with
-serve.max_batch_size=CLIENTS.
+The requests mix prompt lengths, max_tokens, greedy and sampled settings. Every answer is checked against
+`run_inference` (what `moesys infer` runs) for the same prompt and seed: a request that is not a 200 with exactly
+those tokens counts as failed, and any failure fails the benchmark. Per setting: requests/s, completion tokens/s,
+p50/p99 latency and time to first token (streamed requests), for one request at a time with --offload none, auto
+and ring (the last two with RING_SLOTS of the model's layers on the device), and continuous batching with
+--offload none and serve.max_batch_size=CLIENTS; `batched_vs_one_at_a_time_requests_per_s` compares the last with
+the first, measured side by side in the same run.
 """
 
 from __future__ import annotations
@@ -28,16 +29,17 @@ from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 SHAPE = {"hidden": 256, "ffn": 1024, "layers": 4, "experts": 8, "vocab": 4096, "heads": 4}
-CLIENTS = 8
-DURATION_S = 8.0
-PROMPT_TOKENS = 16
-MAX_TOKENS = 16
+CLIENTS = 16
+DURATION_S = 10.0
+PROMPT_LENGTHS = (4, 12, 24, 40)
+MAX_TOKENS_CHOICES = (8, 16, 24, 32)
+PROMPT_TOKENS = max(PROMPT_LENGTHS)
+MAX_TOKENS = max(MAX_TOKENS_CHOICES)
+"""The longest prompt and answer of the mix (the requests' lengths and max_tokens vary below these)."""
 RING_SLOTS = 1
 SETTINGS = {"none": ("none", 1), "auto": ("auto", 1), "ring": ("ring", 1), "none_batched": ("none", CLIENTS)}
-"""name: (--offload, serve.max_batch_size)."""
-NEAR_TIE = 1e-4
-"""How far below the best logit a batched greedy answer's token may be: batching moves this model's logits by about
-1e-6 (fp32 rounding), while its top two logits are about 0.06 apart (median) and other tokens far more."""
+"""name: (--offload, serve.max_batch_size). max_batch_size 1 is one request at a time; none_batched is continuous
+batching of up to CLIENTS sequences."""
 START_TIMEOUT_S = 300.0
 """How long the server may take to load and listen."""
 REQUEST_TIMEOUT_S = 120.0
@@ -47,12 +49,15 @@ STOP_TIMEOUT_S = 120.0
 
 
 def _bodies(vocab: int) -> list[dict[str, Any]]:
-    """Eight distinct requests of one prompt length: greedy and sampled, half of them streamed."""
+    """Sixteen distinct requests of mixed prompt lengths and max_tokens, greedy and sampled (with several top_k
+    and temperatures), half of them streamed."""
     bodies = []
-    for i in range(8):
-        prompt = [(97 + 31 * i + 7 * j) % vocab for j in range(PROMPT_TOKENS)]
-        sampled = {"temperature": 0.8, "top_k": 50} if i % 2 else {}
-        bodies.append({"prompt": prompt, "max_tokens": MAX_TOKENS, "seed": i, **sampled, "stream": i % 4 < 2})
+    for i in range(16):
+        length = PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]
+        prompt = [(97 + 31 * i + 7 * j) % vocab for j in range(length)]
+        sampled = {"temperature": 0.6 + 0.1 * (i % 4), "top_k": (0, 50)[i % 4 // 2]} if i % 2 else {}
+        bodies.append({"prompt": prompt, "max_tokens": MAX_TOKENS_CHOICES[i // 4], "seed": i, **sampled,
+                       "stream": i % 4 < 2})
     return bodies
 
 
@@ -67,51 +72,32 @@ def _expected(checkpoint: Path, bodies: list[dict]) -> list[list[int]]:
     return out
 
 
-def _checker(checkpoint: Path, bodies: list[dict], expected: list[list[int]],
-             batched: bool) -> Callable[[int, list[int]], Optional[str]]:
-    """check(body index, tokens): None when the answer is right, else why not. Unbatched: exactly `moesys infer`'s
-    tokens. Batched greedy: those, or tokens each within NEAR_TIE of the best logit given the ones before it."""
-    model: list = []
-    seen: dict[tuple, Optional[str]] = {}
-
-    def follows_greedy(prompt: list[int], tokens: list[int]) -> bool:
-        from runtime.inference.generate import generate
-        from runtime.inference.load import load_model
-
-        if not model:
-            model.append(load_model(checkpoint).model.eval())
-        for i, token in enumerate(tokens):
-            logits_V = generate(model[0], [prompt + tokens[:i]], 1, keep_logits=True).logits[0][0]
-            if logits_V[token] < logits_V.max() - NEAR_TIE:
-                return False
-        return True
-
+def _checker(bodies: list[dict], expected: list[list[int]]) -> Callable[[int, list[int]], Optional[str]]:
+    """check(body index, tokens): None when the answer is exactly `moesys infer`'s tokens, else why not (batched or
+    not: a row of the decode batch is computed as a lone step)."""
     def check(which: int, tokens: list[int]) -> Optional[str]:
-        key = (which, tuple(tokens))
-        if key not in seen:
-            body = bodies[which]
-            right = tokens == expected[which] or (
-                batched and not body.get("temperature") and len(tokens) == len(expected[which])
-                and follows_greedy(body["prompt"], tokens))
-            seen[key] = None if right else f"request {which}: tokens differ from moesys infer"
-        return seen[key]
+        return None if tokens == expected[which] else f"request {which}: tokens differ from moesys infer"
 
     return check
 
 
-def _ask(conn: http.client.HTTPConnection, body: dict) -> list[int]:
-    """One request's new token ids (streamed or not); raises on anything but a 200."""
+def _ask(conn: http.client.HTTPConnection, body: dict) -> tuple[list[int], Optional[float]]:
+    """One request's new token ids (streamed or not) and, streamed, the seconds to its first event; raises on
+    anything but a 200."""
+    start = time.perf_counter()
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     response = conn.getresponse()
-    data = response.read()
     if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}: {data[:200]!r}")
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
     if not body["stream"]:
-        return json.loads(data)["choices"][0]["token_ids"]
+        return json.loads(response.read())["choices"][0]["token_ids"], None
+    first = response.readline()
+    ttft = time.perf_counter() - start
+    data = first + response.read()
     events = [line[6:] for line in data.split(b"\n") if line.startswith(b"data: ")]
     if not events or events[-1] != b"[DONE]":
         raise RuntimeError("stream did not end with [DONE]")
-    return [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]]
+    return [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]], ttft
 
 
 def listening_url(proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
@@ -150,7 +136,7 @@ def _load(host: str, port: int, bodies: list[dict], check: Callable[[int, list[i
           clients: int, duration_s: float) -> dict[str, Any]:
     """`clients` threads, each asking in turn until the time is up; then each answer is checked (on this thread:
     the reference model is not shared between threads). Latency per request, failures with a reason."""
-    answers: list[tuple[int, list[int], float]] = []
+    answers: list[tuple[int, list[int], float, Optional[float]]] = []
     failures: list[str] = []
     lock = threading.Lock()
     stop_at = time.perf_counter() + duration_s
@@ -163,9 +149,9 @@ def _load(host: str, port: int, bodies: list[dict], check: Callable[[int, list[i
             turn += 1
             start = time.perf_counter()
             try:
-                tokens = _ask(conn, bodies[which])
+                tokens, ttft = _ask(conn, bodies[which])
                 with lock:
-                    answers.append((which, tokens, time.perf_counter() - start))
+                    answers.append((which, tokens, time.perf_counter() - start, ttft))
             except (OSError, RuntimeError, ValueError, http.client.HTTPException) as exc:
                 with lock:
                     failures.append(f"request {which}: {type(exc).__name__}: {exc}")
@@ -186,23 +172,33 @@ def _load(host: str, port: int, bodies: list[dict], check: Callable[[int, list[i
         answers, failures = list(answers), list(failures)
     if stuck:
         failures.append(f"{stuck} client(s) still waiting {2 * REQUEST_TIMEOUT_S:g} s after the load's end")
-    latencies = []
-    for which, tokens, seconds in answers:
-        problem = check(which, tokens)
+    good = []
+    for answer in answers:
+        problem = check(answer[0], answer[1])
         if problem:
             failures.append(problem)
         else:
-            latencies.append(seconds)
-    ms = sorted(1e3 * s for s in latencies)
-    return {"requests": len(latencies), "failed": len(failures), "failures": failures[:5],
-            "requests_per_s": len(latencies) / elapsed, "tokens_per_s": len(latencies) * MAX_TOKENS / elapsed,
-            "p50_latency_ms": statistics.median(ms) if ms else None,
-            "p99_latency_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None}
+            good.append(answer)
+    return {**_summary(good, elapsed), "failed": len(failures), "failures": failures[:5]}
+
+
+def _percentile(sorted_ms: list[float], q: float) -> Optional[float]:
+    return sorted_ms[min(len(sorted_ms) - 1, int(q * len(sorted_ms)))] if sorted_ms else None
+
+
+def _summary(answers: list[tuple[int, list[int], float, Optional[float]]], elapsed: float) -> dict[str, Any]:
+    """Requests and tokens per second, latency and (streamed requests) time-to-first-token percentiles."""
+    ms = sorted(1e3 * a[2] for a in answers)
+    ttft = sorted(1e3 * a[3] for a in answers if a[3] is not None)
+    return {"requests": len(answers), "requests_per_s": len(answers) / elapsed,
+            "tokens_per_s": sum(len(a[1]) for a in answers) / elapsed,
+            "p50_latency_ms": statistics.median(ms) if ms else None, "p99_latency_ms": _percentile(ms, 0.99),
+            "p50_ttft_ms": statistics.median(ttft) if ttft else None, "p99_ttft_ms": _percentile(ttft, 0.99)}
 
 
 def _setting(checkpoint: Path, offload: str, batch: int, bodies: list[dict], expected: list[list[int]],
              clients: int, duration_s: float, log: Path) -> dict[str, Any]:
-    check = _checker(checkpoint, bodies, expected, batched=batch > 1)
+    check = _checker(bodies, expected)
     proc, host, port = _start(checkpoint, offload, batch, log)
     try:
         conn = http.client.HTTPConnection(host, port, timeout=REQUEST_TIMEOUT_S)
@@ -255,4 +251,7 @@ def run_serve_bench(clients: int = CLIENTS, duration_s: float = DURATION_S, sett
     for name, r in results.items():
         if name != "none" and base:
             out[f"{name}_vs_none_requests_per_s"] = r["requests_per_s"] / base
+    if base and "none_batched" in results:
+        out["batched_vs_one_at_a_time_requests_per_s"] = results["none_batched"]["requests_per_s"] / base
+    out["prompt_lengths"], out["max_tokens_choices"] = list(PROMPT_LENGTHS), list(MAX_TOKENS_CHOICES)
     return out

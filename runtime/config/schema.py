@@ -366,11 +366,10 @@ class ServeConfig(ConfigSection):
     """Address to listen on."""
     port: int = 8000
     """TCP port to listen on; 0 picks a free one (printed when the server listens)."""
-    max_batch_size: int = 1
-    """Requests run together in one forward pass: greedy ones of equal prompt length and max_tokens, on a dropless
-    model (model.capacity_factor=0). 1 runs each alone, so its tokens are exactly `moesys infer`'s for the same
-    prompt and seed; a batched row's logits differ from a lone run's by float rounding (about 1e-7 in fp32),
-    which can flip a near-tie."""
+    max_batch_size: int = 16
+    """Sequences decoding together (continuous batching, on a dropless model: model.capacity_factor=0; else 1):
+    requests of any prompt length, max_tokens and sampling settings join and leave at token granularity, each
+    row computed as a lone decode step, so every request's tokens are exactly `moesys infer`'s for it alone."""
     max_queue: int = 64
     """Requests waiting for the generation worker; one more is refused with HTTP 503."""
     drain_timeout_s: float = 60.0

@@ -216,6 +216,14 @@ class _HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
 
+    @property
+    def chat_template(self) -> Optional[str]:
+        """tokenizer_config.json's chat template (None without one): `moesys serve` renders chat with it."""
+        return getattr(self.tok, "chat_template", None)
+
+    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> Any:
+        return self.tok.apply_chat_template(messages, **kwargs)
+
 
 def _hf_tokenizer(path: Path) -> Optional[Tokenizer]:
     """transformers' tokenizer when the directory has tokenizer files and transformers imports; else None."""

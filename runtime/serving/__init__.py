@@ -1,2 +1,3 @@
-"""`moesys serve`: one model behind an OpenAI-compatible completions endpoint (seed 004 section 3.3.1, figure 1's
-request/response deployment), placed with the same offload modes as `moesys infer`."""
+"""`moesys serve`: one model behind OpenAI-compatible completions and chat endpoints (seed 004 section 3.3.1,
+figure 1's request/response deployment), placed with the same offload modes as `moesys infer`, its requests run by
+continuous batching."""

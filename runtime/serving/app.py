@@ -1,6 +1,7 @@
-"""The HTTP surface of `moesys serve` (a Starlette ASGI app): POST /v1/completions in OpenAI's shape, plain or
-streamed as server-sent events, and GET /health. Requests are checked here and handed to the generation worker;
-every refusal is a 4xx/5xx with OpenAI's error object."""
+"""The HTTP surface of `moesys serve` (a Starlette ASGI app): POST /v1/completions and /v1/chat/completions in
+OpenAI's shapes, plain or streamed as server-sent events, GET /v1/models, /metrics (Prometheus) and /health.
+Requests are checked here and handed to the generation worker; every refusal is a 4xx/5xx with OpenAI's error
+object; every request ends in one log line."""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from runtime.errors import UserError
-from runtime.serving.protocol import (RequestError, TextStream, chunk_body, completion_body, error_body,
+from runtime.serving.batch import TokenOut
+from runtime.serving.chat import chat_body, chat_chunk, chat_logprobs, parse_chat
+from runtime.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from runtime.serving.protocol import (RequestError, chunk_body, completion_body, completion_logprobs, error_body,
                                       parse_completion, parse_json, sse)
 from runtime.serving.service import Service
-from runtime.serving.worker import Job, WorkerDied
+from runtime.serving.worker import Choice, ServeJob, WorkerDied
 
 log = logging.getLogger("moesys.serve")
 MAX_BODY_BYTES = 16 << 20
@@ -46,49 +50,64 @@ def _refusal(exc: BaseException) -> tuple[int, dict[str, Any]]:
     return 500, error_body(f"generation failed: {type(exc).__name__}: {text[0] if text else ''}", "server_error")
 
 
+class _Trace:
+    """One request's log line and metrics, recorded once when it ends."""
+
+    def __init__(self, service: Service, route: str):
+        self.service, self.route = service, route
+        prefix = "chatcmpl" if "chat" in route else "cmpl" if "completions" in route else "req"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.began = time.monotonic()
+        self.prompt_tokens = self.completion_tokens = 0
+        self.job: Optional[ServeJob] = None
+        self.done = False
+
+    def end(self, status: int) -> None:
+        if self.done:
+            return
+        self.done = True
+        first = self.job.first_token_at if self.job is not None else None
+        self.service.metrics.record(self.id, self.route, status, self.prompt_tokens, self.completion_tokens,
+                                    None if first is None else first - self.began, time.monotonic() - self.began)
+
+
 def build_app(service: Service) -> Starlette:
     """The ASGI app serving `service`."""
     model = service.config.model
 
-    async def completions(request: Request) -> Response:
-        try:
-            body = parse_json(await asyncio.wait_for(_read_body(request), BODY_TIMEOUT_S))
-            completion = parse_completion(body, service.defaults, service.tokenizer, model.vocab_size,
-                                          model.max_seq_len)
-        except RequestError as exc:
-            return _error(exc.status, str(exc), exc.kind, exc.param)
-        except ClientDisconnect:  # left while sending its request
-            return _error(499, "the client closed the connection")
-        except asyncio.TimeoutError:
-            return _error(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s")
-        name = body.get("model") or service.name
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        loop = asyncio.get_running_loop()
-        if completion.stream:
-            return _stream(service, loop, completion, request_id, name)
-        answer: asyncio.Future = loop.create_future()
-        job = Job(completion, finish=lambda tokens, error: loop.call_soon_threadsafe(_settle, answer, tokens, error))
-        try:
-            service.worker.submit(job)
-        except RequestError as exc:
-            return _error(exc.status, str(exc), exc.kind, exc.param)
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await _answer_or_leave(service, answer, gone, service.config.serve.request_timeout_s)
-        finally:
-            gone.cancel()
-            job.cancelled = True  # a no-op once finished; else the client left or the request timed out
-            if not answer.done():
-                answer.cancel()
-        if answer.cancelled():
-            return _error(499, "the client closed the connection")  # nobody reads it; uvicorn drops it
-        if answer.exception() is not None:
-            status, content = _refusal(answer.exception())
-            return JSONResponse(content, status_code=status)
-        tokens = answer.result()
-        tok = service.tokenizer
-        text = tok.decode(tokens) if tok is not None else None
-        return JSONResponse(completion_body(request_id, name, tokens, text, len(completion.prompt_ids)))
+    def handler(route: str, parse, render, chunks):
+        async def endpoint(request: Request) -> Response:
+            trace = _Trace(service, route)
+            try:
+                body = parse_json(await asyncio.wait_for(_read_body(request), BODY_TIMEOUT_S))
+                completion = parse(body, service.defaults, service.tokenizer, model.vocab_size, model.max_seq_len)
+            except RequestError as exc:
+                return _traced(trace, _error(exc.status, str(exc), exc.kind, exc.param))
+            except ClientDisconnect:  # left while sending its request
+                return _traced(trace, _error(499, "the client closed the connection"))
+            except asyncio.TimeoutError:
+                return _traced(trace, _error(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s"))
+            trace.prompt_tokens = len(completion.prompt_ids)
+            if completion.stream:
+                return _stream(service, completion, trace, chunks)
+            return await _whole(service, request, completion, trace, render)
+        return endpoint
+
+    def _render_completion(trace, completion, choices):
+        return completion_body(trace.id, service.name, choices, trace.prompt_tokens, service.tokenizer)
+
+    def _render_chat(trace, completion, choices):
+        return chat_body(trace.id, service.name, choices, trace.prompt_tokens, service.tokenizer)
+
+    async def models(request: Request) -> Response:
+        """The one served model, in OpenAI's list shape."""
+        created = int(service.loaded.path.stat().st_mtime)
+        return _traced(_Trace(service, "/v1/models"), JSONResponse({"object": "list", "data": [
+            {"id": service.name, "object": "model", "created": created, "owned_by": "moesys",
+             "context_length": model.max_seq_len}]}))
+
+    async def metrics(request: Request) -> Response:
+        return Response(service.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     async def health(request: Request) -> Response:
         """200 while the worker takes requests; 503 once it is stopping or dead, with the same body."""
@@ -103,8 +122,47 @@ def build_app(service: Service) -> Starlette:
         log.exception("request failed")
         return _error(500, f"internal error: {type(exc).__name__}", "server_error")
 
-    routes = [Route("/v1/completions", completions, methods=["POST"]), Route("/health", health, methods=["GET"])]
+    routes = [Route("/v1/completions", handler("/v1/completions", parse_completion, _render_completion,
+                                               _completion_chunks), methods=["POST"]),
+              Route("/v1/chat/completions", handler("/v1/chat/completions", parse_chat, _render_chat, _chat_chunks),
+                    methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
+              Route("/health", health, methods=["GET"])]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: internal_error})
+
+
+def _traced(trace: _Trace, response: Response) -> Response:
+    trace.end(response.status_code)
+    return response
+
+
+async def _whole(service: Service, request: Request, completion, trace: _Trace, render) -> Response:
+    """Queue the job, wait for its choices (or the client leaving, or a timeout), and answer them whole."""
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future = loop.create_future()
+    job = ServeJob(completion, tokenizer=service.tokenizer,
+                   finish=lambda choices, error: loop.call_soon_threadsafe(_settle, answer, choices, error))
+    trace.job = job
+    try:
+        service.worker.submit(job)
+    except RequestError as exc:
+        return _traced(trace, _error(exc.status, str(exc), exc.kind, exc.param))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await _answer_or_leave(service, answer, gone, service.config.serve.request_timeout_s)
+    finally:
+        gone.cancel()
+        job.cancelled = True  # a no-op once finished; else the client left or the request timed out
+        if not answer.done():
+            answer.cancel()
+    if answer.cancelled():
+        return _traced(trace, _error(499, "the client closed the connection"))  # nobody reads it
+    if answer.exception() is not None:
+        status, content = _refusal(answer.exception())
+        return _traced(trace, JSONResponse(content, status_code=status))
+    choices = answer.result()
+    trace.completion_tokens = sum(len(c.tokens) for c in choices)
+    return _traced(trace, JSONResponse(render(trace, completion, choices)))
 
 
 async def _read_body(request: Request) -> bytes:
@@ -163,50 +221,80 @@ async def _answer_or_leave(service: Service, answer: asyncio.Future, gone: async
             answer.set_exception(failure)
 
 
-def _settle(answer: asyncio.Future, tokens: Optional[list[int]], error: Optional[BaseException]) -> None:
+def _settle(answer: asyncio.Future, choices: Optional[list[Choice]], error: Optional[BaseException]) -> None:
     if answer.done():  # the request was cancelled meanwhile
         return
     if error is not None:
         answer.set_exception(error)
     else:
-        answer.set_result(tokens)
+        answer.set_result(choices)
 
 
-def _stream(service: Service, loop: asyncio.AbstractEventLoop, completion, request_id: str, name: str) -> Response:
-    """Queue the job first (a full queue is a 503, not a broken stream), then stream one chunk per token."""
+def _completion_chunks(trace: _Trace, service: Service, index: int, out: Optional[TokenOut], piece: Optional[str],
+                       finish: Optional[str]) -> dict[str, Any]:
+    """A completions chunk: choice `index`'s new token and text, or (out None) its end."""
+    tok = service.tokenizer
+    text = piece if tok is not None else None
+    if out is None:
+        return chunk_body(trace.id, service.name, [], text, finish_reason=finish, index=index)
+    lp = completion_logprobs(Choice(index, logprobs=[out]), tok) if out.logprob is not None else None
+    return chunk_body(trace.id, service.name, [out.token], text, index=index, logprobs=lp)
+
+
+def _chat_chunks(trace: _Trace, service: Service, index: int, out: Optional[TokenOut], piece: Optional[str],
+                 finish: Optional[str]) -> dict[str, Any]:
+    if out is None:
+        return chat_chunk(trace.id, service.name, index, {"content": piece} if piece else {}, finish)
+    lp = chat_logprobs([out], service.tokenizer) if out.logprob is not None else None
+    return chat_chunk(trace.id, service.name, index, {"content": piece}, logprobs=lp)
+
+
+def _stream(service: Service, completion, trace: _Trace, render) -> Response:
+    """Queue the job first (a full queue is a 503, not a broken stream), then stream one chunk per token per
+    choice, and each choice's end (its finish reason)."""
+    loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    job = Job(completion,
-              finish=lambda tokens, error: loop.call_soon_threadsafe(events.put_nowait, (None, error)),
-              on_tokens=lambda ids: loop.call_soon_threadsafe(events.put_nowait, (ids, None)))
+    job = ServeJob(completion, tokenizer=service.tokenizer,
+                   finish=lambda choices, error: loop.call_soon_threadsafe(events.put_nowait, (choices, error)),
+                   on_token=lambda i, out, piece: loop.call_soon_threadsafe(events.put_nowait, (i, out, piece)))
+    trace.job = job
     try:
         service.worker.submit(job)
     except RequestError as exc:
-        return _error(exc.status, str(exc), exc.kind, exc.param)
-    tok = service.tokenizer
-    text = TextStream(tok) if tok is not None else None
+        return _traced(trace, _error(exc.status, str(exc), exc.kind, exc.param))
+    chat = render is _chat_chunks
 
     async def chunks():
         waiting = _Waiting(service, service.config.serve.request_timeout_s)  # a stream's news: each token
+        status, told = 200, set()
         try:
             while True:
                 try:
-                    ids, error = await asyncio.wait_for(events.get(), POLL_S)
+                    event = await asyncio.wait_for(events.get(), POLL_S)
                     waiting.news()
                 except asyncio.TimeoutError:
-                    ids, error = None, waiting.failure()
-                    if error is None:
+                    event = (None, waiting.failure())
+                    if event[1] is None:
                         continue
-                if ids is not None:
-                    yield sse(chunk_body(request_id, name, ids, text.push(ids) if text else None))
+                if len(event) == 3:
+                    index, out, piece = event
+                    if chat and index not in told:  # a chat stream opens each choice with its role
+                        told.add(index)
+                        yield sse(chat_chunk(trace.id, service.name, index, {"role": "assistant", "content": ""}))
+                    trace.completion_tokens += 1
+                    yield sse(render(trace, service, index, out, piece, None))
                     continue
+                choices, error = event
                 if error is not None:
+                    status = _refusal(error)[0]
                     yield sse(_refusal(error)[1])
                 else:
-                    rest = text.push([], final=True) if text else None
-                    yield sse(chunk_body(request_id, name, [], rest, finish_reason="length"))
+                    for c in choices:
+                        yield sse(render(trace, service, c.index, None, "", c.finish_reason))
                 yield sse("[DONE]")
                 return
         finally:
             job.cancelled = True  # a no-op once finished; stops the generation when the client went away
+            trace.end(status if job.finished else 499)
 
     return StreamingResponse(chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -10,8 +10,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_k", "seed", "stream")
+FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_k", "seed", "stream", "n", "stop", "logprobs")
+SAMPLING = ("max_tokens", "temperature", "top_k", "seed", "stream", "n", "stop")
+"""The fields /v1/completions and /v1/chat/completions share."""
 MAX_SEED = 2**63 - 1
+MAX_N = 16
+"""Choices per request (`n`)."""
+MAX_STOPS, MAX_STOP_CHARS = 4, 256
+"""At most this many stop strings (as OpenAI), each at most this long."""
+MAX_LOGPROBS = 20
+"""Alternatives per token (`logprobs` of /v1/completions, `top_logprobs` of chat)."""
 
 
 class RequestError(ValueError):
@@ -43,6 +51,10 @@ class CompletionRequest:
     top_k: int
     seed: int
     stream: bool
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    logprobs: Optional[int] = None
+    """None: no log-probabilities; N: the chosen token's and the N most likely alternatives' per token."""
 
 
 def _is_int(value: Any) -> bool:
@@ -78,27 +90,45 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 def parse_completion(body: dict[str, Any], defaults: Defaults, tokenizer: Any, vocab_size: int,
                      context: int) -> CompletionRequest:
     """Check every field of a /v1/completions body; the prompt must leave room for max_tokens in the context."""
-    unknown = sorted(set(body) - set(FIELDS))
-    if unknown:
-        raise RequestError(f"unknown field {unknown[0]!r}; this server takes {', '.join(FIELDS)}", unknown[0])
-    if "model" in body and not isinstance(body["model"], str):
-        raise RequestError("model must be a string", "model")
+    check_fields(body, FIELDS)
     if "prompt" not in body:
         raise RequestError("prompt is required: text, or a list of token ids", "prompt")
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        if tokenizer is None:
-            raise RequestError("this model has no tokenizer: give the prompt as a list of token ids", "prompt")
-        try:
-            prompt.encode("utf-8")  # JSON allows a lone surrogate such as "\ud800", which is no character
-        except UnicodeEncodeError as exc:
-            raise RequestError(f"prompt is not valid Unicode text: a lone surrogate at character {exc.start}",
-                               "prompt") from None
-        ids = tokenizer.encode(prompt)
+        ids = encode_text(prompt, tokenizer, "prompt")
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         ids = list(prompt)
     else:
         raise RequestError("prompt must be text or a list of token ids (one prompt per request)", "prompt")
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        logprobs = _int(body, "logprobs", 0, 0, MAX_LOGPROBS)
+    return sampling(body, ids, defaults, tokenizer, vocab_size, context, logprobs)
+
+
+def check_fields(body: dict[str, Any], fields: tuple[str, ...]) -> None:
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        raise RequestError(f"unknown field {unknown[0]!r}; this route takes {', '.join(fields)}", unknown[0])
+    if "model" in body and not isinstance(body["model"], str):
+        raise RequestError("model must be a string", "model")
+
+
+def encode_text(text: str, tokenizer: Any, param: str) -> list[int]:
+    """Token ids of request text; a RequestError without a tokenizer or for text that is no valid Unicode."""
+    if tokenizer is None:
+        raise RequestError(f"this model has no tokenizer: {param} must be token ids", param)
+    try:
+        text.encode("utf-8")  # JSON allows a lone surrogate such as "\ud800", which is no character
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"{param} is not valid Unicode text: a lone surrogate at character {exc.start}",
+                           param) from None
+    return tokenizer.encode(text)
+
+
+def sampling(body: dict[str, Any], ids: list[int], defaults: Defaults, tokenizer: Any, vocab_size: int,
+             context: int, logprobs: Optional[int]) -> CompletionRequest:
+    """The prompt ids checked against the vocabulary and context, and the sampling fields both routes share."""
     if not ids:
         raise RequestError("prompt is empty: give at least one token", "prompt")
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -119,7 +149,26 @@ def parse_completion(body: dict[str, Any], defaults: Defaults, tokenizer: Any, v
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(f"stream must be true or false (got {_shown(stream)})", "stream")
-    return CompletionRequest(ids, max_tokens, temperature, top_k, seed, stream)
+    n = _int(body, "n", 1, 1, MAX_N)
+    if n > 1 and seed > MAX_SEED - n:
+        raise RequestError(f"seed={seed} leaves no room for n={n} seeds (choice i samples with seed + i)", "seed")
+    return CompletionRequest(ids, max_tokens, temperature, top_k, seed, stream, n, _stops(body, tokenizer), logprobs)
+
+
+def _stops(body: dict[str, Any], tokenizer: Any) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(f"stop must be a non-empty string or a list of them (got {_shown(stop)})", "stop")
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise RequestError(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
+    if tokenizer is None:
+        raise RequestError("stop needs text: this model has no tokenizer", "stop")
+    for s in stops:
+        encode_text(s, tokenizer, "stop")
+    return tuple(stops)
 
 
 def _temperature(value: Any) -> float:
@@ -140,19 +189,41 @@ def error_body(message: str, kind: str = "invalid_request_error", param: Optiona
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
-def completion_body(request_id: str, model: str, tokens: list[int], text: Optional[str],
-                    prompt_tokens: int) -> dict[str, Any]:
-    """The whole answer: one choice with its text (None without a tokenizer) and token ids, and the usage."""
-    choice = {"index": 0, "text": text, "token_ids": tokens, "logprobs": None, "finish_reason": "length"}
+def token_text(tokenizer: Any, token: int) -> str:
+    """A token's own text (its id in angle brackets without a tokenizer)."""
+    return tokenizer.decode([token]) if tokenizer is not None else f"<{token}>"
+
+
+def completion_logprobs(choice: Any, tokenizer: Any) -> Optional[dict[str, Any]]:
+    """OpenAI's completions `logprobs` object of a choice (None when not asked)."""
+    if not choice.logprobs:
+        return None
+    texts = [token_text(tokenizer, out.token) for out in choice.logprobs]
+    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [out.logprob for out in choice.logprobs],
+            "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in out.top} for out in choice.logprobs],
+            "text_offset": offsets}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(request_id: str, model: str, choices: list[Any], prompt_tokens: int,
+                    tokenizer: Any) -> dict[str, Any]:
+    """The whole answer: each choice's text (None without a tokenizer), token ids, logprobs and finish reason."""
+    out = [{"index": c.index, "text": c.text, "token_ids": c.tokens, "logprobs": completion_logprobs(c, tokenizer),
+            "finish_reason": c.finish_reason} for c in choices]
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
-                                           "total_tokens": prompt_tokens + len(tokens)}}
+            "choices": out, "usage": usage(prompt_tokens, sum(len(c.tokens) for c in choices))}
 
 
 def chunk_body(request_id: str, model: str, tokens: list[int], text: Optional[str],
-               finish_reason: Optional[str] = None) -> dict[str, Any]:
-    """One server-sent event's completion chunk: the new tokens since the last chunk."""
-    choice = {"index": 0, "text": text, "token_ids": tokens, "logprobs": None, "finish_reason": finish_reason}
+               finish_reason: Optional[str] = None, index: int = 0,
+               logprobs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """One server-sent event's completion chunk: the new tokens of choice `index` since its last chunk."""
+    choice = {"index": index, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [choice]}
 

@@ -14,9 +14,9 @@ import torch
 from runtime.config import MoesysConfig
 from runtime.inference.generate import _fingerprint
 from runtime.inference.load import LoadedModel, open_checkpoint, resolve_infer_config
-from runtime.inference.decode import DecodeStep, compile_default
 from runtime.inference.modes import make_offloader
 from runtime.inference.offload import Offloader
+from runtime.serving.metrics import ServeMetrics
 from runtime.serving.protocol import Defaults
 from runtime.serving.worker import GenerationWorker
 from runtime.topology import set_cpu_threads
@@ -42,6 +42,11 @@ class Service:
     offloader: Offloader
     worker: GenerationWorker
     device: torch.device
+    metrics: Optional[ServeMetrics] = None
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = ServeMetrics(lambda: self.worker.queued, lambda: self.worker.running)
 
     @property
     def tokenizer(self) -> Any:
@@ -86,7 +91,6 @@ def open_service(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any
     inf = cfg.infer
     offloader = make_offloader(loaded.model, inf.offload, device, inf.ring_slots, cache_dir,
                                _fingerprint(loaded.path), source=loaded.experts, prefetch=inf.prefetch)
-    step = DecodeStep(loaded.model, compile=compile_default(device) if inf.compile is None else inf.compile)
     worker = GenerationWorker(loaded.model, offloader, cfg.serve.max_batch_size, cfg.serve.max_queue,
-                              stuck_after_s=cfg.serve.request_timeout_s, step=step)
+                              stuck_after_s=cfg.serve.request_timeout_s)
     return Service(loaded.path.resolve().name, cfg, loaded, offloader, worker, device)

@@ -157,6 +157,24 @@ BAD = [
      "temperature"),
     (b'{"prompt": "\\ud800"}', 400, "prompt is not valid Unicode text", "prompt"),
     (b'{"prompt": [' + b"1" * 5000 + b"]}", 400, "not valid JSON", None),
+    ({"prompt": "hi", "n": 0}, 400, "n=0 is out of range 1..16", "n"),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop must be a non-empty string", "stop"),
+    ({"prompt": "hi", "stop": ["a"] * 5}, 400, "stop takes at most 4 strings", "stop"),
+    ({"prompt": "hi", "logprobs": -1}, 400, "logprobs=-1 is out of range 0..20", "logprobs"),
+]
+CHAT = "/v1/chat/completions"
+BAD_CHAT = [
+    ({}, "messages is required", "messages"),
+    ({"messages": []}, "messages is required", "messages"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content must be text", "messages"),
+    ({"messages": [{"role": "king", "content": "x"}]}, "messages[0] must be an object whose role", "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "unknown field 'prompt'", "prompt"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs must be true or false", "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs needs logprobs=true",
+     "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 2},
+     "not both", "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 17}, "n=17 is out of range 1..16", "n"),
 ]
 
 
@@ -171,6 +189,11 @@ def test_bad_requests_are_4xx_with_one_line_and_the_server_keeps_serving(run_dir
         assert post(url, {"prompt": "hi"}, "/nowhere")[0] == 404
         status, got = post(url, b"", "/v1/completions", "GET")
         assert status == 405 and "error" in got
+        for body, message, param in BAD_CHAT:
+            got_status, got = post(url, body, CHAT)
+            assert (got_status, got["error"]["param"]) == (400, param), got
+            assert message in got["error"]["message"] and "\n" not in got["error"]["message"]
+        assert post(url, b"", "/v1/models", "POST")[0] == 405
         status, got = post(url, {"prompt": "hi"})
         assert status == 200 and len(got["choices"][0]["token_ids"]) == INFER["max_new_tokens"]
 
@@ -245,7 +268,7 @@ def test_a_dead_worker_is_a_503_and_health_says_so(run_dir, monkeypatch):
         def broken():
             raise RuntimeError("the loop broke")
 
-        monkeypatch.setattr(worker, "_take_batch", broken)
+        monkeypatch.setattr(worker, "_admit", broken)
         status, got = post(url, {"prompt": "hi"})
         assert status == 503 and "generation worker has died (RuntimeError: the loop broke)" in got["error"]["message"]
         status, got = post(url, {"prompt": "hi", "stream": True})

@@ -1,6 +1,6 @@
-"""The generation worker: batches greedy requests of one shape, each row its own prompt's tokens; stops a batch
-whose clients have gone; a bounded queue, a bounded stop that refuses what is left, a death that fails every job
-held; the protocol's field checks and streamed text pieces."""
+"""The generation worker: continuous batching of mixed requests, each its lone run's tokens; stop strings;
+drops sequences whose clients have gone; a bounded queue, a bounded stop that refuses what is left, a death that
+fails every job held; the protocol's field checks and streamed text pieces."""
 
 import threading
 import time
@@ -14,7 +14,7 @@ from runtime.inference.modes import make_offloader
 from runtime.model.transformer import Transformer
 from runtime.serving.protocol import (CompletionRequest, Defaults, RequestError, TextStream, parse_completion,
                                       parse_json)
-from runtime.serving.worker import Cancelled, GenerationWorker, Job, Stopped, WorkerDied
+from runtime.serving.worker import Cancelled, GenerationWorker, ServeJob, Stopped, WorkerDied
 from runtime.data.tokenizer import ByteTokenizer
 
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, vocab_size=256, ffn_hidden_size=64, num_experts=4,
@@ -33,12 +33,13 @@ class Answer:
 
     def __init__(self, hold: bool = False):
         self.done, self.release = threading.Event(), threading.Event()
-        self.tokens, self.error, self.streamed = None, None, []
+        self.tokens, self.choices, self.error, self.streamed = None, None, None, []
         if not hold:
             self.release.set()
 
-    def finish(self, tokens, error):
-        self.tokens, self.error = tokens, error
+    def finish(self, choices, error):
+        self.choices, self.error = choices, error
+        self.tokens = choices[0].tokens if choices else None
         self.done.set()
         self.release.wait(30)
 
@@ -55,33 +56,51 @@ def _held(worker: GenerationWorker) -> Answer:
     """A first job that keeps the worker inside its finish() until `release` is set: what is submitted meanwhile
     queues behind it."""
     first = Answer(hold=True)
-    worker.submit(Job(_request([1, 2, 3]), first.finish))
+    worker.submit(ServeJob(_request([1, 2, 3]), first.finish))
     assert first.done.wait(30)
     return first
 
 
-def test_batches_only_greedy_requests_of_equal_length_and_each_gets_its_own_tokens():
+def test_requests_of_mixed_shapes_and_sampling_share_steps_and_each_gets_its_lone_tokens():
     worker = _worker(max_batch_size=4)
     first = _held(worker)
-    requests = [_request([4, 5, 6]), _request([7, 8, 9], temperature=1.0, seed=3), _request([10, 11, 12]),
-                _request([13, 14]), _request([15, 16, 17]), _request([18, 19, 20], max_tokens=4)]
+    requests = [_request([4, 5, 6, 7, 8, 9, 10], max_tokens=9), _request([7, 8], temperature=1.0, seed=3),
+                _request([10, 11, 12], max_tokens=2), _request([13, 14, 15, 16], temperature=0.7, seed=5),
+                _request([15], max_tokens=12), _request([18, 19, 20, 21, 22], max_tokens=4, temperature=2.0, seed=9),
+                CompletionRequest([30, 31], 6, 0.9, 7, 11, False, n=3)]
     answers = [Answer() for _ in requests]
     for request, answer in zip(requests, answers):
-        worker.submit(Job(request, answer.finish))
-    assert worker.queued == len(requests)
+        worker.submit(ServeJob(request, answer.finish))
     first.release.set()
-    # [4,5,6] with [10,11,12] and [15,16,17]: the rows of that batch (a row's logits may differ from a lone
-    # run's by float rounding); the sampled one, the shorter one and the 4-token one alone
-    batched = generate(worker.model, [requests[i].prompt_ids for i in (0, 2, 4)], 5).tokens
-    expected = {0: batched[0], 2: batched[1], 4: batched[2]}
-    for i, request in enumerate(requests):
-        if i not in expected:
-            expected[i] = generate(worker.model, [request.prompt_ids], request.max_tokens, request.temperature, 0,
-                                   request.seed).tokens[0]
-    assert [answer.wait().tokens for answer in answers] == [expected[i] for i in range(len(requests))]
-    assert len({tuple(t) for t in batched}) == 3  # the batch's rows differ: a mix-up would show
+    for request, answer in zip(requests, answers):
+        answer.wait()
+        assert answer.error is None and len(answer.choices) == request.n
+        for choice in answer.choices:  # choice i samples with seed + i: choice 0 is the request's lone run
+            lone = generate(worker.model, [request.prompt_ids], request.max_tokens, request.temperature,
+                            request.top_k, request.seed + choice.index).tokens[0]
+            assert choice.tokens == lone
+    assert len({tuple(c.tokens) for c in answers[-1].choices}) == 3  # the choices differ: a mix-up would show
+    steps = worker.batches
+    assert worker.stop(30) and worker.completed == 8
+    assert steps < sum(r.max_tokens * r.n for r in requests)  # sequences shared decode steps
+
+
+def test_stop_strings_cut_the_text_and_end_the_choice():
+    worker = _worker(max_batch_size=2)
+    request = _request([1, 2, 3], max_tokens=12)
+    lone = generate(worker.model, [[1, 2, 3]], 12).tokens[0]
+    text = ByteTokenizer().decode(lone)
+    stop = text[3:5]
+    answer = Answer()
+    worker.submit(ServeJob(CompletionRequest([1, 2, 3], 12, 0.0, 0, 0, False, stop=(stop,), logprobs=2),
+                           answer.finish, tokenizer=ByteTokenizer()))
+    choice = answer.wait().choices[0]
+    cut = text.find(stop)
+    assert choice.finish_reason == "stop" and choice.text == text[:cut] and choice.tokens == lone[:len(
+        ByteTokenizer().encode(text[:cut + len(stop)]))]
+    assert len(choice.logprobs) == len(choice.tokens) and all(len(o.top) == 2 for o in choice.logprobs)
+    assert choice.logprobs[0].top[0][0] == lone[0]  # greedy: the first choice is the most likely token
     assert worker.stop(30)
-    assert worker.batches == 5 and worker.completed == 7
 
 
 def test_a_model_with_expert_capacity_never_batches():
@@ -91,18 +110,18 @@ def test_a_model_with_expert_capacity_never_batches():
 def test_a_batch_whose_clients_have_gone_stops_between_forwards_and_the_worker_goes_on():
     worker = _worker()
     gone = Answer()
-    job = Job(_request([1, 2, 3], max_tokens=20), gone.finish)
+    job = ServeJob(_request([1, 2, 3], max_tokens=20), gone.finish)
 
-    def on_tokens(ids):
-        gone.streamed += ids
+    def on_token(index, out, piece):
+        gone.streamed.append(out.token)
         if len(gone.streamed) == 2:
             job.cancelled = True  # what the server does when the stream's client disconnects
 
-    job.on_tokens = on_tokens
+    job.on_token = on_token
     worker.submit(job)
     assert isinstance(gone.wait().error, Cancelled) and len(gone.streamed) == 2
     after = Answer()
-    worker.submit(Job(_request([1, 2, 3]), after.finish))
+    worker.submit(ServeJob(_request([1, 2, 3]), after.finish))
     assert after.wait().tokens == generate(worker.model, [[1, 2, 3]], 5).tokens[0]
     assert worker.stop(30)
     assert worker.cancelled == 1 and worker.completed == 1
@@ -112,21 +131,22 @@ def test_a_client_leaving_a_batch_that_goes_on_counts_as_cancelled():
     worker = _worker(max_batch_size=2)
     first = _held(worker)
     left, stayed = Answer(), Answer()
-    job = Job(_request([4, 5, 6]), left.finish)
-    job.on_tokens = lambda ids: setattr(job, "cancelled", True)
+    job = ServeJob(_request([4, 5, 6]), left.finish)
+    job.on_token = lambda index, out, piece: setattr(job, "cancelled", True)
     worker.submit(job)
-    worker.submit(Job(_request([7, 8, 9]), stayed.finish))
+    worker.submit(ServeJob(_request([7, 8, 9]), stayed.finish))
     first.release.set()
     assert isinstance(left.wait().error, Cancelled) and stayed.wait().tokens is not None
     assert worker.stop(30)
-    assert (worker.batches, worker.completed, worker.cancelled) == (2, 2, 1)
+    assert (worker.completed, worker.cancelled) == (2, 1)
 
 
 def test_stop_cancels_a_batch_that_outlasts_its_timeout():
     worker = _worker()
     slow = Answer()
     # 45 tokens of 0.1 s each: far longer than the stop's timeout
-    worker.submit(Job(_request([1, 2, 3], max_tokens=45), slow.finish, on_tokens=lambda ids: time.sleep(0.1)))
+    worker.submit(ServeJob(_request([1, 2, 3], max_tokens=45), slow.finish,
+                           on_token=lambda i, out, piece: time.sleep(0.1)))
     time.sleep(0.2)  # the generation is under way
     assert worker.stop(1.0)
     assert isinstance(slow.wait().error, Cancelled) and worker.cancelled == 1
@@ -135,36 +155,36 @@ def test_stop_cancels_a_batch_that_outlasts_its_timeout():
 def test_an_error_outside_generation_fails_every_held_job_and_later_submits(monkeypatch):
     worker = _worker()
     broken = Answer()
-    worker.submit(Job(_request([1, 2, 3]), broken.finish))
+    worker.submit(ServeJob(_request([1, 2, 3]), broken.finish))
     assert broken.wait().tokens is not None and worker.state == "ok"
 
     def fail():
         raise RuntimeError("a bug in the loop\nsecond line")
 
-    monkeypatch.setattr(worker, "_take_batch", fail)
+    monkeypatch.setattr(worker, "_admit", fail)
     lost = Answer()
-    worker.submit(Job(_request([1, 2, 3]), lost.finish))
+    worker.submit(ServeJob(_request([1, 2, 3]), lost.finish))
     assert isinstance(lost.wait().error, WorkerDied) and lost.error.status == 503
     assert worker.state == "dead" and worker.error == "RuntimeError: a bug in the loop" and worker.failed == 1
     with pytest.raises(WorkerDied, match="has died"):
-        worker.submit(Job(_request([1]), Answer().finish))
+        worker.submit(ServeJob(_request([1]), Answer().finish))
     assert worker.stop(30)
 
 
-def test_an_offloader_failing_between_batches_fails_that_batch_only(monkeypatch):
+def test_an_offloader_failing_before_a_prefill_fails_that_request_only(monkeypatch):
     worker = _worker()
     calls = []
 
-    def reset_stats():
+    def reset():
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("stats broke")
 
-    monkeypatch.setattr(worker.offloader, "reset_stats", reset_stats)
+    monkeypatch.setattr(worker.offloader, "reset", reset)
     first, second = Answer(), Answer()
-    worker.submit(Job(_request([1, 2, 3]), first.finish))
+    worker.submit(ServeJob(_request([1, 2, 3]), first.finish))
     assert isinstance(first.wait().error, RuntimeError)
-    worker.submit(Job(_request([1, 2, 3]), second.finish))
+    worker.submit(ServeJob(_request([1, 2, 3]), second.finish))
     assert second.wait().tokens == generate(worker.model, [[1, 2, 3]], 5).tokens[0]
     assert worker.state == "ok" and (worker.failed, worker.completed) == (1, 1)
     assert worker.stop(30)
@@ -175,9 +195,9 @@ def test_a_full_queue_is_refused_and_stop_refuses_what_is_left():
     held = _held(worker)
     waiting = [Answer(), Answer()]
     for answer in waiting:
-        worker.submit(Job(_request([2]), answer.finish))
+        worker.submit(ServeJob(_request([2]), answer.finish))
     with pytest.raises(RequestError, match="busy") as exc:
-        worker.submit(Job(_request([3]), Answer().finish))
+        worker.submit(ServeJob(_request([3]), Answer().finish))
     assert exc.value.status == 503
     stopped = []
     stopper = threading.Thread(target=lambda: stopped.append(worker.stop(30)))
@@ -187,7 +207,7 @@ def test_a_full_queue_is_refused_and_stop_refuses_what_is_left():
     stopper.join(30)
     assert stopped == [True] and worker.state == "stopped"
     with pytest.raises(Stopped):
-        worker.submit(Job(_request([4]), Answer().finish))
+        worker.submit(ServeJob(_request([4]), Answer().finish))
 
 
 DEFAULTS = Defaults(max_tokens=8, temperature=0.0, top_k=0, seed=0)
@@ -197,6 +217,14 @@ def test_request_fields_default_to_infer_settings_and_max_tokens_fits_the_contex
     tok = ByteTokenizer()
     got = parse_completion({"prompt": "hi"}, DEFAULTS, tok, 256, 48)
     assert got == CompletionRequest([104, 105], 8, 0.0, 0, 0, False)
+    full = parse_completion({"prompt": "hi", "n": 2, "stop": ["x", "yz"], "logprobs": 3}, DEFAULTS, tok, 256, 48)
+    assert (full.n, full.stop, full.logprobs) == (2, ("x", "yz"), 3)
+    for body, param in (({"n": 0}, "n"), ({"n": 99}, "n"), ({"stop": [""]}, "stop"), ({"stop": 3}, "stop"),
+                        ({"stop": ["a"] * 5}, "stop"), ({"logprobs": 21}, "logprobs"),
+                        ({"logprobs": True}, "logprobs")):
+        with pytest.raises(RequestError) as exc:
+            parse_completion({"prompt": "hi", **body}, DEFAULTS, tok, 256, 48)
+        assert exc.value.param == param and exc.value.status == 400
     near_end = parse_completion({"prompt": [1] * 44}, DEFAULTS, tok, 256, 48)
     assert near_end.max_tokens == 4  # the default shrinks to the room left; an explicit value must fit
     with pytest.raises(RequestError, match="at most 4") as exc:

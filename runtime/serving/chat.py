@@ -1,0 +1,103 @@
+"""OpenAI chat completions as `moesys serve` speaks them: messages rendered to one prompt by the chat template the
+tokenizer carries (a Hugging Face tokenizer's `chat_template`), or else by the plain template PLAIN_TEMPLATE
+describes; the chat response and stream chunk bodies."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from runtime.serving.protocol import (MAX_LOGPROBS, CompletionRequest, Defaults, RequestError, _int, _shown,
+                                      check_fields, encode_text, sampling, token_text, usage)
+
+CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_k", "seed", "stream",
+               "n", "stop", "logprobs", "top_logprobs")
+ROLES = ("system", "user", "assistant", "developer", "tool")
+PLAIN_TEMPLATE = "{role}: {content}\n per message, then \"assistant:\""
+"""The template of a tokenizer without one: each message as a line `role: content`, then `assistant:`, after
+which the model writes its answer."""
+
+
+def plain_prompt(messages: list[dict[str, str]]) -> str:
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The prompt text of `messages`: the tokenizer's chat template with the generation prompt, or the plain one."""
+    if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template that refuses these messages (e.g. roles out of order)
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise RequestError(f"the model's chat template refused the messages: {reason[:200]}",
+                               "messages") from None
+    return plain_prompt(messages)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages is required: a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise RequestError(f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise RequestError(f"messages[{i}].content: only text parts are served", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be text (got {_shown(content)})", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def parse_chat(body: dict[str, Any], defaults: Defaults, tokenizer: Any, vocab_size: int,
+               context: int) -> CompletionRequest:
+    """Check every field of a /v1/chat/completions body into a CompletionRequest of the rendered prompt."""
+    check_fields(body, CHAT_FIELDS)
+    if tokenizer is None:
+        raise RequestError("this model has no tokenizer: chat needs one; use /v1/completions with token ids",
+                           "messages")
+    messages = _messages(body)
+    if "max_completion_tokens" in body:
+        if "max_tokens" in body:
+            raise RequestError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    wanted = body.get("logprobs", False)
+    if not isinstance(wanted, bool):
+        raise RequestError(f"logprobs must be true or false (got {_shown(wanted)})", "logprobs")
+    top = _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS) if body.get("top_logprobs") is not None else 0
+    if top and not wanted:
+        raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+    ids = encode_text(chat_prompt(tokenizer, messages), tokenizer, "messages")
+    return sampling(body, ids, defaults, tokenizer, vocab_size, context, top if wanted else None)
+
+
+def chat_logprobs(outs: list[Any], tokenizer: Any) -> Optional[dict[str, Any]]:
+    """OpenAI's chat `logprobs` object for these TokenOuts (None when not asked)."""
+    if not outs:
+        return None
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+    return {"content": [{**entry(o.token, o.logprob), "top_logprobs": [entry(t, lp) for t, lp in o.top]}
+                        for o in outs]}
+
+
+def chat_body(request_id: str, model: str, choices: list[Any], prompt_tokens: int, tokenizer: Any) -> dict[str, Any]:
+    out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(c.logprobs, tokenizer), "finish_reason": c.finish_reason} for c in choices]
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": out, "usage": usage(prompt_tokens, sum(len(c.tokens) for c in choices))}
+
+
+def chat_chunk(request_id: str, model: str, index: int, delta: dict[str, Any], finish_reason: Optional[str] = None,
+               logprobs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [choice]}
