@@ -73,7 +73,7 @@ def _grouped_ffn(x_B1D: Tensor, ids_B1K: Tensor, weights_B1K: Tensor, experts: G
     """`gathered_ffn`'s arithmetic, grouped by expert: each (row, choice) a one-row product with its expert's
     weights, read in place; then each row's choices combined as gathered_ffn combines them."""
     B, _, K = ids_B1K.shape
-    D, Fh = experts.hidden, experts.ffn
+    D = experts.hidden
     w = experts.weights()
     flat_ids = ids_B1K.reshape(-1).tolist()
     by_expert: dict[int, list[int]] = {}

@@ -87,7 +87,6 @@ def test_requests_of_mixed_shapes_and_sampling_share_steps_and_each_gets_its_lon
 
 def test_stop_strings_cut_the_text_and_end_the_choice():
     worker = _worker(max_batch_size=2)
-    request = _request([1, 2, 3], max_tokens=12)
     lone = generate(worker.model, [[1, 2, 3]], 12).tokens[0]
     text = ByteTokenizer().decode(lone)
     stop = text[3:5]
