@@ -20,8 +20,7 @@ from runtime.inference.random_checkpoint import write_random_mixtral
 from runtime.page_cache import evict_dir
 from tests.cli.conftest import moesys_bin
 
-pytestmark = [pytest.mark.skipif(memcap.available() is not None, reason=f"no memory cap: {memcap.available()}"),
-              pytest.mark.xdist_group("memcap")]  # one memory cgroup at a time under xdist
+pytestmark = pytest.mark.skipif(memcap.available() is not None, reason=f"no memory cap: {memcap.available()}")
 
 PROMPT = "prompt_ids=[5,17,300,42,9,1000,77,8]"
 

@@ -19,7 +19,7 @@ import pytest
 from runtime.bench.netns import ClusterUnavailable, SimulatedCluster
 from tests.cli.conftest import FAST_TINY, losses, moesys_bin, run_moesys
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("netns")]
+pytestmark = pytest.mark.slow
 GLOBAL = ["topology.expert_parallel=4"]  # 4 ranks of micro-batch 4: the same global batch on one host or two
 
 

@@ -20,8 +20,7 @@ import pytest
 from runtime import memcap
 from tests.cli.conftest import losses, moesys_bin
 
-pytestmark = [pytest.mark.skipif(memcap.available() is not None, reason=f"no memory cap: {memcap.available()}"),
-              pytest.mark.xdist_group("memcap")]  # one memory cgroup at a time under xdist
+pytestmark = pytest.mark.skipif(memcap.available() is not None, reason=f"no memory cap: {memcap.available()}")
 
 CAP = int(2.25 * 2**30)
 MODEL = ["recipe=tiny", "topology=local", "topology.nproc_per_node=2", "topology.expert_parallel=2",

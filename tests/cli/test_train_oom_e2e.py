@@ -18,7 +18,7 @@ from tests.cli.conftest import moesys_bin
 from tests.cli.test_train_e2e import wait_for_step
 from tests.cli.test_train_signals_e2e import job_processes, reap  # noqa: F401 (a fixture)
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("memcap")]  # one memory cgroup at a time under xdist
+pytestmark = pytest.mark.slow
 
 MB = 2**20
 

@@ -15,8 +15,7 @@ from runtime import memcap
 from runtime.page_cache import evict
 from tests.cli.conftest import losses, moesys_bin
 
-pytestmark = [pytest.mark.skipif(memcap.available() is not None, reason=f"no memory cap: {memcap.available()}"),
-              pytest.mark.xdist_group("memcap")]  # one memory cgroup at a time under xdist
+pytestmark = pytest.mark.skipif(memcap.available() is not None, reason=f"no memory cap: {memcap.available()}")
 
 FILE_BYTES = 1 << 30
 CAP = int(0.75 * (1 << 30))

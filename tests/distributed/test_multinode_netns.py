@@ -18,8 +18,6 @@ from runtime.bench.netns import (PREFIX, ClusterError, ClusterUnavailable, Host,
                                  _our_namespaces)
 from runtime.errors import UserError
 
-pytestmark = pytest.mark.xdist_group("netns")
-
 CONNECT = ("import socket, sys\n"
            "try:\n"
            "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1).close(); print('open')\n"
