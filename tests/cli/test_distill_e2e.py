@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
 from moesys_cli.resolve import resolve_config
@@ -34,6 +35,7 @@ def train_here(run_dir, *overrides: str) -> None:
     train(cfg, run_dir, build_groups(1, 0, 1, 1), torch.device("cpu"))
 
 
+@pytest.mark.extended
 def test_distilled_student_generates_and_beats_the_same_model_trained_alone(tmp_path):
     data = tmp_path / "train_text"  # three of the corpus's four texts; the fourth is held out from every run
     data.mkdir()

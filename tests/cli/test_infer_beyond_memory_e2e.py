@@ -33,6 +33,7 @@ def infer(checkpoint: Path, args: list[str], cap: memcap.MemoryCap | None = None
     return json.loads(done.stdout)
 
 
+@pytest.mark.extended
 def test_a_checkpoint_twice_the_memory_cap_generates_the_uncapped_tokens(tmp_path):
     checkpoint = tmp_path / "mixtral"
     size = write_random_mixtral(checkpoint, hidden=512, ffn=2048, layers=16, experts=12, vocab=2048)

@@ -67,6 +67,7 @@ def a_worker(cluster: SimulatedCluster, host: int) -> psutil.Process:
     raise AssertionError(f"no worker running on host {host}")
 
 
+@pytest.mark.extended
 def test_two_hosts_train_like_one_and_restart_together_after_a_killed_worker(cluster, tmp_path):
     one = run_moesys("train", *FAST_TINY, *GLOBAL, "topology.nproc_per_node=4", "train.max_steps=8",
                      "train.checkpoint_every=0", f"train.run_dir={tmp_path / 'one'}", cwd=tmp_path)
@@ -92,6 +93,7 @@ def test_two_hosts_train_like_one_and_restart_together_after_a_killed_worker(clu
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["node0", "node1"]
 
 
+@pytest.mark.extended
 def test_a_cut_link_fails_both_hosts_within_the_collective_timeout(cluster, tmp_path):
     run_dir = tmp_path / "run"
     hosts = [start(cluster, h, run_dir, "train.max_steps=500", "train.checkpoint_every=0",

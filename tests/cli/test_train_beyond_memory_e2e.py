@@ -39,6 +39,7 @@ def du(path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+@pytest.mark.extended
 def test_offloaded_training_in_half_the_memory_of_its_experts_matches_resident(tmp_path):
     capped, resident = tmp_path / "capped", tmp_path / "resident"
     with memcap.MemoryCap(CAP, "moesys-test") as cap:

@@ -60,7 +60,12 @@ def train(workdir: Path, name: str, features: tuple[str, ...]) -> list[float]:
     return [m["loss"] for m in steps]
 
 
-@pytest.mark.parametrize("pair", PAIRS, ids=["+".join(p) for p in PAIRS])
+EXTENDED_PAIRS = {("ssd", "dense_shard"), ("ssd", "embedding_partition"), ("multitask", "ssd"),
+                  ("multitask", "embedding_partition")}
+
+
+@pytest.mark.parametrize("pair", [pytest.param(p, marks=[pytest.mark.extended] if p in EXTENDED_PAIRS else [],
+                                               id="+".join(p)) for p in PAIRS])
 def test_a_pair_of_features_trains_like_the_run_without_them(workdir, pair):
     baseline = ("multitask",) if "multitask" in pair else ()
     ref = train(workdir, "+".join(baseline) or "plain", baseline)
@@ -87,6 +92,7 @@ def test_a_killed_worker_of_an_offload_and_dense_shard_run_resumes_to_the_same_l
     assert losses(run_dir)[-1] == pytest.approx(ref[-1], rel=1e-5)
 
 
+@pytest.mark.extended
 def test_fp16_with_offload_delayed_update_and_dense_sharding_tracks_fp16_resident(workdir):
     """The paper's precision with every offload feature on 2 ranks: the loss scale's overflow check spans the CPU
     optimizer's gradients on both ranks, and the delayed update trains within a few percent of the exact run."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import signal
@@ -60,6 +61,7 @@ def test_sigkill_restart_resumes_to_the_uninterrupted_losses(tmp_path):
     assert json.loads(out)["final_loss"] == summary["final_loss"]
 
 
+@pytest.mark.extended
 def test_sigint_checkpoints_then_exits_and_the_run_resumes(tmp_path):
     run_dir = tmp_path / "run"
     args = [*FAST_TINY, "train.checkpoint_every=0", f"train.run_dir={run_dir}"]

@@ -38,6 +38,7 @@ def step_lines(run_dir: Path) -> list[dict]:
     return [m for m in lines if "loss" in m]
 
 
+@pytest.mark.extended
 def test_resume_with_another_allocation_continues_the_same_training(tmp_path):
     run_a = tmp_path / "a"
     out = run_moesys("train", f"recipe={recipe(tmp_path, 'alloc-a', 1, 2, 2)}", f"train.run_dir={run_a}", "--json")

@@ -43,7 +43,7 @@ def idle_steps(run_dir: Path) -> int:
     return sum(1 for m in lines if m.get("offload/experts_active", 16) < 16)
 
 
-@pytest.mark.parametrize("mode", ["ssd", "cpu"])
+@pytest.mark.parametrize("mode", [pytest.param("ssd", marks=pytest.mark.extended), "cpu"])
 def test_offloaded_training_matches_resident(workdir, resident, mode):
     """The default cache (the plan's size for ssd; every local expert for cpu, where a smaller cache is moot)."""
     got = train(workdir, mode, f"storage.offload={mode}")
@@ -52,6 +52,7 @@ def test_offloaded_training_matches_resident(workdir, resident, mode):
     assert got == pytest.approx(resident, rel=1e-5)
 
 
+@pytest.mark.extended
 def test_a_two_expert_cache_matches_resident_under_cpu_contention(workdir, resident):
     """Evictions every step, and two busy processes competing for both cores: collective-ordering faults hide on
     an idle machine."""
@@ -70,6 +71,7 @@ def test_a_two_expert_cache_matches_resident_under_cpu_contention(workdir, resid
     assert got == pytest.approx(resident, rel=1e-5)
 
 
+@pytest.mark.extended
 def test_offload_with_dense_sharding_trains_like_dense_sharding_alone(workdir):
     """This pair hung at step 7 in the AlltoAll backward (with dense sharding's asynchronous all-gathers)."""
     ref = train(workdir, "ds-none", "storage.dense_shard=true", steps=20)

@@ -23,6 +23,7 @@ def train(cwd: Path, *overrides: str, timeout: float = 600) -> subprocess.Comple
     return run_moesys("train", *FAST_TINY, *overrides, cwd=cwd, timeout=timeout)
 
 
+@pytest.mark.extended
 def test_runs_started_from_one_directory_keep_their_own_expert_stores(tmp_path):
     ssd = ["storage.offload=ssd", *ONE_PROC, "train.checkpoint_every=3"]
     for args in (["train.max_steps=6", "train.run_dir=runs/control"],  # the same two legs, nothing between

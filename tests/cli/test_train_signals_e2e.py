@@ -63,7 +63,8 @@ def test_sigkill_of_the_command_group_ends_torchrun_and_the_workers(tmp_path, re
     assert not left, [" ".join(p.cmdline()[:4]) for p in left]
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig, code", [pytest.param(signal.SIGINT, 130, id="SIGINT", marks=pytest.mark.extended),
+                                       pytest.param(signal.SIGTERM, 143, id="SIGTERM")])
 def test_a_stop_signal_to_the_command_alone_checkpoints_stops_and_resumes(tmp_path, reap, sig, code):
     run_dir = tmp_path / "run"
     args = [*FAST_TINY, "train.max_steps=40", "train.checkpoint_every=0", f"train.run_dir={run_dir}"]
@@ -91,6 +92,7 @@ def test_a_stop_signal_to_the_command_alone_checkpoints_stops_and_resumes(tmp_pa
     assert len(losses(run_dir)) == 40 and losses(run_dir)[:stopped_at] == before
 
 
+@pytest.mark.extended
 def test_progress_says_when_workers_restart_and_when_a_run_resumes(tmp_path, reap):
     run_dir = tmp_path / "run"
     args = [*FAST_TINY, "train.checkpoint_every=3", "train.max_restarts=1", f"train.run_dir={run_dir}"]

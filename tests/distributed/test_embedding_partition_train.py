@@ -33,6 +33,7 @@ def config(world: int, partition: bool):
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_clip=0.5))
 
 
+@pytest.mark.extended
 def test_partitioned_training_matches_replicated_and_reshards(tmp_path):
     ref = run(tmp_path / "ref", config(2, False), 2)
     part = run(tmp_path / "part", config(2, True), 2)

@@ -69,6 +69,7 @@ def test_three_ranks_with_a_split_task_and_a_packed_rank_match_one_process(tmp_p
         torch.testing.assert_close(grads[name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.extended
 def test_checkpoint_of_one_allocation_loads_exactly_into_another(tmp_path):
     run_dir = tmp_path / "run"
     run(tmp_path, "train", config(world=3, ep=3, gpus=(2, 1, 1)), run_dir)

@@ -1,10 +1,13 @@
 """The offload benchmark runs every mode in its own process on each input and reports consistent ratios, the
 store's traffic against the disk's own bandwidth, and a realistic load with most experts active."""
 
+import pytest
+
 from runtime.bench.disk import measure_disk
 from runtime.bench.offload import run_offload_bench
 
 
+@pytest.mark.extended
 def test_offload_bench_small():
     r = run_offload_bench(hidden=32, ffn=64, experts=4, layers=2, tokens=8, steps=3, warmup=1, rounds=1,
                           inputs=("corpus",), load_tokens=256, load_steps=3, disk_probe_bytes=32 << 20)
