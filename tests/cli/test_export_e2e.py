@@ -80,6 +80,7 @@ def test_hf_export_loads_in_transformers_with_the_same_logits_and_tokens(run, tm
     assert (half / "model.safetensors").stat().st_size < sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1.9
 
 
+@pytest.mark.extended
 def test_training_into_an_export_is_refused_and_leaves_it_servable(run, tmp_path):
     """Both formats given as train.run_dir: one line before anything is written; exporting an export says it had no
     optimizer state to leave out."""
@@ -95,6 +96,7 @@ def test_training_into_an_export_is_refused_and_leaves_it_servable(run, tmp_path
     assert again.returncode == 0 and "optimizer state" not in again.stdout and "the source was" in again.stdout
 
 
+@pytest.mark.extended
 def test_export_streams_tensor_by_tensor_and_a_gpt_style_model_refuses_hf(tmp_path):
     """A 400 MB checkpoint (GPT-style: gelu experts) exported by a process whose anonymous memory grows by far less
     than that; asked for the hf layout, the CLI refuses in one line and writes nothing."""

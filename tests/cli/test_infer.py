@@ -125,6 +125,7 @@ def test_infer_uses_every_usable_cpu_unless_omp_num_threads_is_set(run_dir, monk
         torch.set_num_threads(before)
 
 
+@pytest.mark.extended
 def test_a_report_or_export_that_cannot_be_written_is_one_line_and_the_generated_text_is_printed_first(run_dir,
                                                                                                         tmp_path):
     with tmpfs(tmp_path / "full", "1m") as full, tmpfs(tmp_path / "ro", "1m", "ro") as read_only:

@@ -60,8 +60,8 @@ def train(workdir: Path, name: str, features: tuple[str, ...]) -> list[float]:
     return [m["loss"] for m in steps]
 
 
-EXTENDED_PAIRS = {("ssd", "dense_shard"), ("ssd", "embedding_partition"), ("multitask", "ssd"),
-                  ("multitask", "embedding_partition")}
+EXTENDED_PAIRS = {("ssd", "dense_shard"), ("ssd", "embedding_partition"), ("dense_shard", "embedding_partition"),
+                  ("multitask", "ssd"), ("multitask", "embedding_partition")}
 
 
 @pytest.mark.parametrize("pair", [pytest.param(p, marks=[pytest.mark.extended] if p in EXTENDED_PAIRS else [],
@@ -73,6 +73,7 @@ def test_a_pair_of_features_trains_like_the_run_without_them(workdir, pair):
     assert got == pytest.approx(ref, rel=1e-5)
 
 
+@pytest.mark.extended
 def test_a_killed_worker_of_an_offload_and_dense_shard_run_resumes_to_the_same_losses(workdir, reap):  # noqa: F811
     ref = train(workdir, "ssd+dense_shard", ("ssd", "dense_shard"))
     run_dir = workdir / "killed"

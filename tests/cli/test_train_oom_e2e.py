@@ -42,6 +42,7 @@ def _sampled(cap: memcap.MemoryCap) -> int:
     return cap.max_rss()
 
 
+@pytest.mark.extended
 def test_a_worker_the_oom_killer_takes_stops_the_job_with_one_line(tmp_path, reap):  # noqa: F811
     why = memcap.available()
     if why:

@@ -44,6 +44,7 @@ def test_runs_started_from_one_directory_keep_their_own_expert_stores(tmp_path):
     assert not (tmp_path / "runs/D").exists()
 
 
+@pytest.mark.extended
 def test_a_resume_with_another_model_is_refused_and_the_run_stays_servable(tmp_path):
     ok = train(tmp_path, "train.max_steps=3", "train.run_dir=run", "storage.offload=ssd")
     assert ok.returncode == 0, ok.stderr

@@ -112,6 +112,7 @@ def test_progress_says_when_workers_restart_and_when_a_run_resumes(tmp_path, rea
     assert "resumed from step 8" in again.stdout and "worker restarted" not in again.stdout
 
 
+@pytest.mark.extended
 def test_a_failure_quotes_the_rank_that_failed_not_its_peer(tmp_path, reap):
     run_dir = tmp_path / "run"
     args = [*FAST_TINY, "train.max_restarts=0", f"train.run_dir={run_dir}"]

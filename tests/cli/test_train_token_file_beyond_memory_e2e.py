@@ -22,6 +22,7 @@ CAP = int(0.75 * (1 << 30))
 CHUNK = 1 << 25  # ids written at a time
 
 
+@pytest.mark.extended
 def test_a_token_file_larger_than_the_memory_cap_trains_inside_it(tmp_path):
     path = tmp_path / "corpus.bin"
     rng = np.random.default_rng(0)

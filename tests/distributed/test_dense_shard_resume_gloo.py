@@ -45,6 +45,7 @@ def dense_tensors(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.extended
 def test_sharded_run_resumes_from_unsharded_checkpoint_and_writes_unsharded_keys(tmp_path):
     ref_dir, run = tmp_path / "ref", tmp_path / "run"
     ref = launch(ref_dir, dense_shard=False, checkpoint_every=2)  # unsharded: checkpoints at steps 2 and 4

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.distributed.test_embedding_partition_gloo import check_world
 
 
+@pytest.mark.extended
 def test_embedding_partition_matches_replicated_4_ranks(tmp_path):
     check_world(4, tmp_path)

@@ -32,7 +32,8 @@ def run(tmp_path: Path, name: str, ep: int, offload: str) -> list[float]:
     return [m["loss"] for m in read_metrics(run_dir)]
 
 
-@pytest.mark.parametrize("ep", [2, pytest.param(1, marks=pytest.mark.extended)])
+@pytest.mark.extended
+@pytest.mark.parametrize("ep", [2, 1])
 def test_offload_ssd_matches_resident_on_two_processes(tmp_path, ep):
     ref = run(tmp_path, "none", ep, "none")
     assert len(ref) == 4

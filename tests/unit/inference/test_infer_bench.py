@@ -13,6 +13,7 @@ pytest.importorskip("accelerate", reason="accelerate is not installed")
 TINY = {"hidden": 128, "ffn": 256, "layers": 4, "experts": 4, "vocab": 512, "heads": 4, "kv_heads": 2}
 
 
+@pytest.mark.extended
 def test_every_system_decodes_the_same_tokens_and_accelerate_offloads_to_disk():
     r = run_infer_bench(ring_slots=2, shape=TINY, new_tokens=6, repeats=1, capped=False, isolate=False)
     systems = r["systems"]

@@ -31,6 +31,7 @@ def test_matmul_flops_per_token_match_torchs_count_of_a_training_step(expert_typ
     assert training_flops_per_token(m, 64) - matmul_flops_per_token(m) == 12 * 2 * 64 * 64
 
 
+@pytest.mark.extended
 def test_offload_train_bench_runs_each_mode_and_reports_ratios_and_mfu():
     cfg = MoesysConfig(model=ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_experts=4, max_seq_len=32),
                        topology=TopologyConfig(nproc_per_node=1, expert_parallel=1),
