@@ -138,11 +138,7 @@ def read_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     """{name: shape} of every tensor of the file at `path`, from its header alone; ChecksumError when the header is
     unreadable."""
     with open(path, "rb") as f:
-        try:
-            header, _ = read_header(f)
-        except (struct.error, ValueError) as exc:
-            raise ChecksumError(f"{path} is not a readable safetensors file ({unreadable_reason(exc)}); it is "
-                                "damaged") from None
+        header = _readable_header(f, path)
     header.pop("__metadata__", None)
     return {name: tuple(entry["shape"]) for name, entry in header.items()}
 
@@ -158,16 +154,21 @@ def unreadable_reason(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+def _readable_header(f: BinaryIO, path: Path | str) -> dict:
+    """read_header's header, or ChecksumError naming `path` when it cannot be parsed."""
+    try:
+        return read_header(f)[0]
+    except (struct.error, ValueError) as exc:
+        raise ChecksumError(f"{path} is not a readable safetensors file ({unreadable_reason(exc)}); it is "
+                            "damaged") from None
+
+
 def verify(path: str | Path) -> None:
     """Raise ChecksumError naming `path` when its tensor bytes do not match the recorded checksum (or its header
     is unreadable, read_header)."""
     path = Path(path)
     with open(path, "rb") as f:
-        try:
-            header, _ = read_header(f)
-        except (struct.error, ValueError) as exc:
-            raise ChecksumError(f"{path} is not a readable safetensors file ({unreadable_reason(exc)}); it is "
-                                "damaged") from None
+        header = _readable_header(f, path)
         meta = header.get("__metadata__")
         expected = meta.get(CHECKSUM_KEY) if isinstance(meta, dict) else None
         if expected is None:
