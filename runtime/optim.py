@@ -4,6 +4,7 @@ numbers)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -52,6 +53,13 @@ def fused_adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
          weight_decay=h.weight_decay, eps=h.eps, maximize=False)
 
 
+@functools.lru_cache(maxsize=8)
+def _zeros(numel: int) -> torch.Tensor:
+    """A zero gradient of `numel` fp32 elements, kept: catch-up steps only read it (a fresh one each time pays its
+    page faults)."""
+    return torch.zeros(numel)
+
+
 def catch_up(slot: ExpertSlot, upto: int, lr_schedule, h: AdamWHyper) -> int:
     """Apply the zero-gradient AdamW steps an expert missed while it received no tokens (its step count is below
     `upto`): resident AdamW steps every expert every iteration, decaying its weights and moments, so an offloaded
@@ -60,7 +68,7 @@ def catch_up(slot: ExpertSlot, upto: int, lr_schedule, h: AdamWHyper) -> int:
     done = int(slot.step)
     if done >= upto:
         return 0
-    zeros = torch.zeros_like(slot.master)
+    zeros = _zeros(slot.master.numel())
     for step in range(done, upto):
         fused_adamw([slot.master], [zeros], [slot.exp_avg], [slot.exp_avg_sq], [slot.step], lr_schedule(step), h)
     return upto - done

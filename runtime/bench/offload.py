@@ -8,7 +8,8 @@ For cpu and ssd it also prices the host side of the offloaded step, what decides
 (staging, copies, the CPU optimizer, bookkeeping, and waits with nothing else running) in ns per active expert
 parameter, taken on steps whose background jobs run inline (on two cores, work overlapped with the model's compute
 is slowed by it, which a GPU's host would not be), against the floor measured in the same process (torch's fused
-AdamW over as many parameters, plus a memcpy of the bytes the step copied); and, from the timed steps, the share of
+AdamW over as many parameters, plus a memcpy of the bytes the step moved between host and device and to and from
+the store); and, from the timed steps, the share of
 that work hidden behind the forward and backward passes.
 """
 
@@ -122,6 +123,12 @@ def host_floor(params: int, copied_bytes: int, repeats: int = 3) -> float:
     return adamw + copy
 
 
+def moved_bytes(metrics: dict) -> int:
+    """Bytes a step moved: copies between host and device, and the store's reads and writes (at best a memcpy
+    each, from and to the page cache)."""
+    return int(sum(metrics.get(f"offload/{key}", 0) for key in ("copied_bytes", "ssd_read_bytes", "ssd_write_bytes")))
+
+
 def bench_data(data: str, cfg: MoesysConfig) -> TokenDataset:
     """corpus: the shipped text; random: uniform random token ids (no structure: the most experts active)."""
     if data == "corpus":
@@ -181,8 +188,7 @@ def _measure(cfg: MoesysConfig, mode: str, store_dir: str, cache_experts: int, s
         priced, floors = [], []
         for step in range(warmup + steps, warmup + steps + PRICED_STEPS):
             priced.append(trainer.step(step))  # and its floor at once, under the same load
-            floors.append(host_floor(int(priced[-1]["offload/experts_active"] * per_expert),
-                                     int(priced[-1]["offload/copied_bytes"])))
+            floors.append(host_floor(int(priced[-1]["offload/experts_active"] * per_expert), moved_bytes(priced[-1])))
         host = _host_side(trainer, priced, floors, overlapped=metrics)
     trainer.finish()
     return {"steps_per_s": len(metrics) / elapsed, "elapsed_s": elapsed, "steps": len(metrics), "metrics": metrics,

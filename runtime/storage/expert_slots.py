@@ -103,12 +103,14 @@ def needs_separate_stage(compute_dtype: torch.dtype, delayed_update: bool) -> bo
 
 
 def new_slots(numel: int, count: int, compute_dtype: torch.dtype, separate_stage: bool,
-              pin: bool = False) -> list[ExpertSlot]:
-    """`count` zeroed slots, each a row of one block per state ([count, P]), so the slots of consecutive experts are
-    consecutive in memory; the stage block is pinned when `pin` (asynchronous copies to a GPU)."""
-    master = torch.zeros(count, numel)
-    exp_avg, exp_avg_sq, steps = torch.zeros_like(master), torch.zeros_like(master), torch.zeros(count)
-    stage = torch.zeros(count, numel, dtype=compute_dtype, pin_memory=pin) if separate_stage else master
+              pin: bool = False, zero: bool = True) -> list[ExpertSlot]:
+    """`count` slots, each a row of one block per state ([count, P]), so the slots of consecutive experts are
+    consecutive in memory; the stage block is pinned when `pin` (asynchronous copies to a GPU). Zeroed unless
+    `zero` is false (a slot about to be read into)."""
+    new = torch.zeros if zero else torch.empty
+    master = new(count, numel)
+    exp_avg, exp_avg_sq, steps = new(count, numel), new(count, numel), new(count)
+    stage = new(count, numel, dtype=compute_dtype, pin_memory=pin) if separate_stage else master
     return [ExpertSlot(master[i], exp_avg[i], exp_avg_sq[i], steps[i], stage[i]) for i in range(count)]
 
 

@@ -1,7 +1,7 @@
 """The CPU optimizer of offloaded experts: ZeRO-Offload's CPU Adam, on torch's fused AdamW kernel.
 
 A layer's gradients are taken in as soon as its backward has sent them home, while the backward of the layers below
-goes on: made fp32, their squared norm summed. The update needs only the global norm (clipping stays exact), then
+goes on: made fp32 (their squared norms come along, summed where the gradients were made). The update needs only the global norm (clipping stays exact), then
 steps layer by layer in forward order, so that the next forward finds its first layers updated first; with a
 delayed update the whole next step runs beside it (ZeRO-Offload's one-step delayed parameter update).
 """
@@ -46,10 +46,14 @@ class HostOptimizer:
     update (the caller refreshes the device copies' source and settles the experts)."""
 
     def __init__(self, layouts: dict[int, SlotLayout], adamw: AdamWHyper, lr_schedule: Callable[[int], float],
-                 timeline: StepTimeline):
+                 timeline: StepTimeline, threads: int | None = None):
+        """threads: intra-op threads of the two background threads (None: torch's default). With the model computing
+        on the CPU, 1: a second OpenMP team beside the model's oversubscribes the cores, and from then on every
+        parallel kernel of either team pays a sleep and wake-up (measured: the host AdamW 2x slower)."""
         self.layouts, self.adamw, self.lr_schedule, self.timeline = layouts, adamw, lr_schedule, timeline
-        self._intake = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesys-grad-intake")
-        self._update = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesys-host-adamw")
+        start = None if threads is None else (lambda: torch.set_num_threads(threads))
+        self._intake = ThreadPoolExecutor(1, thread_name_prefix="moesys-grad-intake", initializer=start)
+        self._update = ThreadPoolExecutor(1, thread_name_prefix="moesys-host-adamw", initializer=start)
         self._taken: dict[int, Future] = {}
         self._job: Future | None = None
         self.inline = False
@@ -59,16 +63,16 @@ class HostOptimizer:
         """Zero-gradient catch-up steps applied by updates (read and reset by the metrics)."""
 
     def take_in(self, layer: int, keys: list, slots: list[ExpertSlot], grads: dict[str, Tensor], rows: list[int],
-                landed: Callable[[], None] | None, norm: bool = True) -> None:
+                landed: Callable[[], None] | None, sums: list[Tensor]) -> None:
         """Start taking in a layer's gradients (on the device's copy: `landed` waits for their arrival); slots[i]'s
-        are in row rows[i]."""
+        are in row rows[i]; `sums`: their squares (see `squares`), or [] when they count in no norm yet."""
         def job() -> LayerGrads:
             if landed is not None:
                 with self.timeline.span("wait_d2h_landed", False):
                     landed()
             with self.timeline.span("intake", False):
                 fp32 = {n: g if g.dtype == torch.float32 else g.float() for n, g in grads.items()}
-                return LayerGrads(layer, keys, slots, fp32, rows, squares(fp32) if norm else [])
+                return LayerGrads(layer, keys, slots, fp32, rows, sums)
 
         self._taken[layer] = self._run(self._intake, job)
 

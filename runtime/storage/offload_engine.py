@@ -115,7 +115,8 @@ class OffloadEngine:
         """The timeline of the step whose metrics were taken last (the benchmark draws it)."""
         self.home = make_home(self)
         self.transfers = TransferEngine(device, compute_dtype, self.layouts, window, tiers, self.timeline)
-        self.optimizer = HostOptimizer(self.layouts, adamw, lr_schedule, self.timeline)
+        self.optimizer = HostOptimizer(self.layouts, adamw, lr_schedule, self.timeline,
+                                       threads=1 if device.type == "cpu" else None)
 
     # ---- what the homes ask ----
 
@@ -213,13 +214,19 @@ class OffloadEngine:
         copy.grads_arrived += 1
         if copy.grads_arrived < len(copy.leaves):
             return
+        sums = self._squares({name: leaf.grad for name, leaf in copy.leaves.items()})
         grads, landed = self.transfers.grads_home(copy)
-        self._take_in(copy, grads, landed)
+        self._take_in(copy, grads, landed, sums)
 
-    def _take_in(self, copy: DeviceCopy, grads: dict[str, Tensor], landed) -> None:
+    def _squares(self, grads: dict[str, Tensor]) -> list[Tensor]:
+        """The gradients' shares of the global norm, computed where they were made (on a GPU, not by the host);
+        none for experts with replicas, whose norm counts once they are averaged."""
         replicated = self.groups is not None and self.groups.edp_size > 1
+        return [] if replicated else squares(grads)
+
+    def _take_in(self, copy: DeviceCopy, grads: dict[str, Tensor], landed, sums: list[Tensor]) -> None:
         keys, slots, rows = copy.active
-        self.optimizer.take_in(copy.layer, keys, slots, grads, rows, landed, norm=not replicated)
+        self.optimizer.take_in(copy.layer, keys, slots, grads, rows, landed, sums)
         self._copies.pop(copy.layer, None)
         self._done_reading(copy)
 
@@ -230,7 +237,8 @@ class OffloadEngine:
     def finish_backward(self) -> None:
         """After backward: every active expert's gradient is home and taken in (averaged over expert replicas)."""
         for copy in list(self._copies.values()):  # a layer whose output did not reach the loss: zero gradients
-            self._take_in(copy, {n: torch.zeros_like(leaf) for n, leaf in copy.leaves.items()}, None)
+            zeros = {n: torch.zeros_like(leaf) for n, leaf in copy.leaves.items()}
+            self._take_in(copy, zeros, None, self._squares(zeros))
         self.transfers.end_step()
         for event in self._stage_free.values():
             event.set()
