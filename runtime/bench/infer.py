@@ -145,7 +145,7 @@ def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repe
     host = stats["store_bytes"] if mode == "auto" else stats["copied_bytes"]
     return {"tokens": tokens, "decode_tokens_per_s": rate, "compiled": step.compiled,
             "host_syncs_per_token": counts.host_syncs_per_token, "ops_per_layer_token": counts.ops_per_layer_token,
-            "placement": stats["placement"],
+            "kernel_reads_per_token": counts.kernel_reads_per_token, "placement": stats["placement"],
             "device_read_bytes_per_token": dense + resident * routed, "host_read_bytes_per_token": host / new_tokens,
             "store_bytes_per_token": stats["store_bytes"] / new_tokens,
             "copied_bytes_per_token": stats["copied_bytes"] / new_tokens,

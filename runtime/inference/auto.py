@@ -33,7 +33,7 @@ from runtime.inference.offload import Offloader
 from runtime.inference.step_counts import host_list
 from runtime.model.transformer import Transformer
 from runtime.moe.dispatch import LocalDispatcher
-from runtime.moe.experts import ffn_one, gathered_ffn
+from runtime.moe.experts import combine_choices, ffn_one, row_ffn
 
 RESIDENT, INPLACE, HYBRID = "resident", "inplace", "hybrid"
 
@@ -167,9 +167,9 @@ class AutoOffloader(Offloader):
         return y_RD
 
     def routed(self, m: int, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
-        """A decode step's few tokens. inplace: the routed experts' weights read from the mapped files into the
-        gathered layout of `gathered_ffn`, the arithmetic of a resident layer's decode, so that every mode gives
-        the same tokens. hybrid: rows grouped by expert, as prefill groups them, then `compute`. Either reads the
+        """A decode step's few tokens. inplace: each (token, choice) computed on its expert's weights where the
+        mapped files hold them (`row_ffn`: the arithmetic of a resident layer's decode, so that every mode gives
+        the same tokens). hybrid: rows grouped by expert, as prefill groups them, then `compute`. Either reads the
         host once: the routed ids, or the row counts."""
         if self.placement[m] != INPLACE:
             x_RD, tokens_per_expert_E, meta = self.dispatcher.permute(
@@ -184,10 +184,11 @@ class AutoOffloader(Offloader):
             self._prefetch_predicted(m + 1, x_TD.reshape(-1, x_TD.shape[-1]))
         self.streamed_bytes += sum(self.source.expert_bytes(m, j, stored=True) for j in routed)
         self.inplace_computes += len(routed)
-        experts = [self.source.expert(m, j) for j in chosen]
-        gathered = {k: torch.stack([e[k] for e in experts]).to(x_TD.dtype).view(*expert_ids_TK.shape, *v.shape)
-                    for k, v in experts[0].items()}
-        return gathered_ffn(x_TD, weights_TK, **gathered, kind=self.kind)
+        x_ND = x_TD.reshape(-1, x_TD.shape[-1])
+        K = expert_ids_TK.shape[-1]
+        y_RD = torch.cat([row_ffn(x_ND[i // K:i // K + 1], **_cast(self.source.expert(m, j), x_TD.dtype),
+                                  kind=self.kind) for i, j in enumerate(chosen)])
+        return combine_choices(y_RD.view(*expert_ids_TK.shape, -1), weights_TK)
 
     def _prefetch_predicted(self, m: int, x_RD: Tensor) -> None:
         """Guess layer m's experts by applying its gate to the previous layer's expert inputs (the residual stream

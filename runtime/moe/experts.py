@@ -2,7 +2,8 @@
 experts", ORT MoE; MegaBlocks-style grouped GEMM), plus the plain per-expert loop used as the reference.
 
 For a few tokens (a decode step) `routed_ffn` instead gathers each token's routed experts' weights by index
-(gpt-fast's `w1[expert_ids]`): no sort, no row counts, nothing read on the host.
+(gpt-fast's `w1[expert_ids]`): no sort, no row counts, nothing read on the host. For one token in eager mode it
+reads them in place instead (a grouped GEMM with offsets computed on the device), with the same numbers.
 
 Legend: R routed rows, D model dim, F ffn dim, e local experts, T tokens, K top-k.
 Weights follow nn.Linear's [out, in] layout: w1 [e, F, D], w2 [e, D, F], w3 [e, F, D], b1 [e, F], b2 [e, D].
@@ -10,6 +11,7 @@ Weights follow nn.Linear's [out, in] layout: w1 [e, F, D], w2 [e, D, F], w3 [e, 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Protocol
 
@@ -226,11 +228,59 @@ def expert_ffn(x_RD: Tensor, tokens_per_expert_e: Tensor, w1: Tensor, w2: Tensor
 def routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor,
                w3: Tensor | None = None, b1: Tensor | None = None, b2: Tensor | None = None,
                b3: Tensor | None = None, kind: str = "gelu") -> Tensor:
-    """y_TD = sum over k of weights_TK[t, k] * expert expert_ids_TK[t, k]'s FFN of x_TD[t], from the routed experts'
-    weights gathered by index (leading dims of x, ids and weights may be any, e.g. [B, 1]). Reads only routed
-    experts and never the host; each token gathers its own K experts, so it is for a few tokens."""
+    """y_TD = sum over k of weights_TK[t, k] * expert expert_ids_TK[t, k]'s FFN of x_TD[t] (leading dims of x, ids
+    and weights may be any, e.g. [B, 1]). Reads only routed experts and never the host, so it is for a few tokens:
+    one token in eager mode reads its experts' weights in place (`grouped_routed_ffn`), else each token gathers its
+    own K experts' weights (`gather_routed_ffn`); the same numbers either way."""
+    ffn = grouped_routed_ffn if one_token_in_place(x_TD, w1) else gather_routed_ffn
+    return ffn(x_TD, expert_ids_TK, weights_TK, w1, w2, w3, b1, b2, b3, kind)
+
+
+def gather_routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor,
+                      w3: Tensor | None = None, b1: Tensor | None = None, b2: Tensor | None = None,
+                      b3: Tensor | None = None, kind: str = "gelu") -> Tensor:
+    """`routed_ffn` from the routed experts' weights gathered by index (gpt-fast's `w1[expert_ids]`)."""
     pick = lambda t: None if t is None else t[expert_ids_TK]  # noqa: E731
     return gathered_ffn(x_TD, weights_TK, pick(w1), pick(w2), pick(w3), pick(b1), pick(b2), pick(b3), kind)
+
+
+@functools.lru_cache(maxsize=16)
+def _expert_range(num_experts: int, device: torch.device) -> Tensor:
+    """arange(num_experts), made once per device (a decode step would otherwise launch it every layer)."""
+    return torch.arange(num_experts, device=device)
+
+
+def one_token_in_place(x_TD: Tensor, w1: Tensor) -> bool:
+    """Whether `grouped_routed_ffn` computes this step: one token (its K choices are K distinct experts, one row
+    each), eager (torch.compile traces the gathered form: the grouped GEMM's meta kernel takes bf16 only), and a
+    grouped GEMM that takes these weights (bf16 on CUDA)."""
+    if x_TD.numel() != x_TD.shape[-1] or torch.compiler.is_compiling():
+        return False
+    if w1.device.type == "cuda" and w1.dtype != torch.bfloat16:
+        return False
+    return _grouped_mm_ok(x_TD.reshape(1, -1), w1)
+
+
+def grouped_routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor,
+                       w3: Tensor | None = None, b1: Tensor | None = None, b2: Tensor | None = None,
+                       b3: Tensor | None = None, kind: str = "gelu") -> Tensor:
+    """`routed_ffn` for one token, its routed experts' weights read in place: its K rows grouped by expert with
+    offsets computed on the device, one grouped GEMM per projection (each group one row), then the rows put back
+    in choice order and combined as gathered_ffn combines them. One row per group is the gathered per-token
+    product's arithmetic (tests/unit/moe/test_experts.py checks it bit for bit), without copying the weights."""
+    K = expert_ids_TK.shape[-1]
+    sorted_ids, order_K = torch.sort(expert_ids_TK.reshape(K))
+    offs_e = torch.searchsorted(sorted_ids, _expert_range(w1.shape[0], w1.device), right=True, out_int32=True)
+    x_KD = x_TD.reshape(1, -1).expand(K, -1).contiguous()  # every choice's row is the token itself
+
+    def proj(a, w, b):
+        out = torch._grouped_mm(a, w.transpose(-2, -1), offs=offs_e)
+        return out if b is None else out + b.index_select(0, sorted_ids)
+
+    h_KF = proj(x_KD, w1, b1)
+    h_KF = F.gelu(h_KF) if kind == "gelu" else F.silu(h_KF) * proj(x_KD, w3, b3)
+    y_KD = proj(h_KF, w2, b2).index_select(0, torch.argsort(order_K))
+    return combine_choices(y_KD.view(*expert_ids_TK.shape, -1), weights_TK)
 
 
 def gathered_ffn(x_TD: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None,
@@ -250,8 +300,26 @@ def gathered_ffn(x_TD: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor, w3: T
     else:
         h_TKF = F.silu(h_TKF) * proj(x_TD, w3, b3, "...d,...kfd->...kf")
     y_TKD = proj(h_TKF, w2, b2, "...kf,...kdf->...kd")
+    return combine_choices(y_TKD, weights_TK)
+
+
+def combine_choices(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
+    """y_TD = sum over k of weights_TK[t, k] * y_TKD[t, k], in y's dtype: the one combine of every decode form."""
     return torch.einsum("...kd,...k->...d", y_TKD, weights_TK.to(y_TKD.dtype) if weights_TK.dtype != y_TKD.dtype
                         else weights_TK)
+
+
+def row_ffn(x_1D: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None, b1: Tensor | None = None,
+            b2: Tensor | None = None, b3: Tensor | None = None, kind: str = "gelu") -> Tensor:
+    """One token's FFN through one expert whose weights are given where they lie (a mapped file, a slot): the
+    arithmetic of gathered_ffn's per-token product (a one-row product, then the bias), with no copy."""
+    def proj(a, w, b):
+        out = F.linear(a, w)
+        return out if b is None else out + b
+
+    h_1F = proj(x_1D, w1, b1)
+    h_1F = F.gelu(h_1F) if kind == "gelu" else F.silu(h_1F) * proj(x_1D, w3, b3)
+    return proj(h_1F, w2, b2)
 
 
 class RoutedExperts(Protocol):
