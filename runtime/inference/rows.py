@@ -3,10 +3,9 @@ cache row, and is computed with the arithmetic of a lone decode step (`Transform
 logits, and hence its tokens, equal that request's lone run bit for bit.
 
 A matrix product over B rows is not, in general, B products of one row: a BLAS picks other kernels (and other
-summation orders) for other row counts. So the dense products and the attention run row by row with a lone step's
-very calls (cheap: they are small), norms and activations are per row anyway, and the experts, the bulk of the
-work, run grouped by expert as batched one-row products read in place (no per-token copy of their weights, as a
-lone step makes), whose rows equal the lone step's per-token products.
+summation orders) for other row counts. So every product runs as B one-row products: the dense ones in one batched call with their weight
+broadcast where that gives a lone step's rows for the shape (else row by row), the experts grouped by expert, read
+in place; the attention runs row by row with a lone step's very calls, and norms and activations are per row anyway.
 
 Legend: B rows, D model dim, L cache slots, K top-k, E experts.
 """
@@ -28,8 +27,35 @@ from runtime.moe.router import routing_weights, select_top_k
 
 
 def row_linear(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """F.linear of each row alone, [B, 1, D] -> [B, 1, N]: the very call a lone step makes, once per row."""
+    """F.linear of each row alone, [B, 1, D] -> [B, 1, N]: the very numbers a lone step's call gives. In one
+    batched call of B one-row products with the weight broadcast where that call gives them for this shape (the
+    BLAS picks its kernel by shape; probed once per shape), else one call per row."""
+    if _batched_is_row_wise(x_B1D.shape[0], weight, bias):
+        return _batched_rows(x_B1D, weight, bias)
     return torch.cat([F.linear(x_B1D[b:b + 1], weight, bias) for b in range(x_B1D.shape[0])])
+
+
+def _batched_rows(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    B = x_B1D.shape[0]
+    weight_BDN = weight.t().expand(B, *weight.t().shape)
+    if bias is None:
+        return torch.bmm(x_B1D, weight_BDN)
+    return torch.baddbmm(bias.expand(B, 1, bias.shape[-1]), x_B1D, weight_BDN)
+
+
+_ROW_WISE: dict[tuple, bool] = {}
+
+
+def _batched_is_row_wise(rows: int, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether the batched call's rows equal F.linear's one row at a time, bit for bit, for this shape, dtype and
+    device: tried once on random rows (which kernel runs, and so the summation order, depends on the shape, not on
+    the values)."""
+    key = (rows, tuple(weight.shape), weight.dtype, weight.device, bias is not None)
+    if key not in _ROW_WISE:
+        x = torch.randn(rows, 1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
+        alone = torch.cat([F.linear(x[b:b + 1], weight, bias) for b in range(rows)])
+        _ROW_WISE[key] = torch.equal(_batched_rows(x, weight, bias), alone)
+    return _ROW_WISE[key]
 
 
 def _expert_linear(x_R1D: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
