@@ -85,11 +85,11 @@ class SparsePrefetcher:
             return self.staged.pop(key, None)
 
     def end_step(self) -> list:
-        """Wait for outstanding staging, forget this step's schedule and return the staged (key, state) pairs nobody
+        """Wait for outstanding staging, forget this step's schedule and return the staged states nobody
         requested (dropped)."""
         self.wait_all()
         with self.lock:
-            unused = list(self.staged.items())
+            unused = list(self.staged.values())
             self.staged.clear()
             self.futures.clear()
         return unused

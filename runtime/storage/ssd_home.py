@@ -40,10 +40,6 @@ class SSDHome:
         self.writes = WriteBehind()
         self._on_host: dict[int, int] = {}
         self._host_lock = threading.Lock()
-        self._spare: dict[int, list[ExpertSlot]] = {layer: [] for layer in layouts}
-        """Per layer, slots that left the host tier, kept for the next reads: a read then neither allocates (nor
-        pins) nor touches fresh pages."""
-        self._spare_cap = max(1, prefetch_depth) * 4
         self._read0 = self._written0 = 0
 
     # ---- reads ----
@@ -51,17 +47,12 @@ class SSDHome:
     def new_slot(self, layer: int, pin: bool = False) -> ExpertSlot:
         return new_slots(self.layouts[layer].numel, 1, self.dtype, self.separate_stage, pin)[0]
 
-    def _read_target(self, layer: int) -> ExpertSlot:
-        """A slot to read an expert of `layer` into: a spare one, or new (not zeroed: the read fills all of it)."""
-        with self._host_lock:
-            if self._spare[layer]:
-                return self._spare[layer].pop()
-        return new_slots(self.layouts[layer].numel, 1, self.dtype, self.separate_stage, self.pin, zero=False)[0]
-
     def _read(self, key: ExpertKey) -> ExpertSlot:
-        """A slot with the expert's states from its file (after any write of it still queued)."""
+        """A fresh slot with the expert's states from its file (after any write of it still queued); not zeroed
+        first: the read fills all of it."""
         self.writes.wait_for(key)
-        slot = self.store.read_into(key, self._read_target(key[0]))
+        fresh = new_slots(self.layouts[key[0]].numel, 1, self.dtype, self.separate_stage, self.pin, zero=False)[0]
+        slot = self.store.read_into(key, fresh)
         slot.refresh_stage()
         with self._host_lock:
             self.tiers.host.allocate(slot.nbytes)
@@ -77,16 +68,10 @@ class SSDHome:
         staged = self.prefetcher.take(key)
         return staged if staged is not None else self._read(key)
 
-    def _drop_host(self, slot: ExpertSlot, layer: int) -> None:
-        """The slot left the host tier (evicted, written home after a bypass, or unused; nothing refers to it any
-        more): kept as a spare of `layer` while there are few; idempotent."""
+    def _drop_host(self, slot: ExpertSlot) -> None:
+        """The slot left host memory (evicted, written home after a bypass, or unused); idempotent."""
         with self._host_lock:
-            nbytes = self._on_host.pop(id(slot), None)
-            if nbytes is None:
-                return
-            self.tiers.host.release(nbytes)
-            if len(self._spare[layer]) < self._spare_cap:
-                self._spare[layer].append(slot)
+            self.tiers.host.release(self._on_host.pop(id(slot), 0))
 
     def before_layer(self, layer: int, keys: list[ExpertKey]) -> None:
         pos = self.order.index(layer)
@@ -120,7 +105,7 @@ class SSDHome:
                 self.store.write(key, slot)
                 self.tiers.ssd.moved(slot.nbytes)
                 if drop:
-                    self._drop_host(slot, key[0])
+                    self._drop_host(slot)
 
         self.writes.submit_many([key for key, _ in items], job)
 
@@ -141,7 +126,7 @@ class SSDHome:
         with self.cache.lock:
             for key, slot in zip(keys, slots):
                 if self.cache.entries.get(key) is not slot:
-                    self._drop_host(slot, key[0])
+                    self._drop_host(slot)
 
     def fetch_everything(self) -> None:
         """Become the ZeRO-3-offload baseline `moesys bench offload` compares with: every local expert fetched,
@@ -180,8 +165,8 @@ class SSDHome:
     # ---- steps ----
 
     def end_step(self) -> None:
-        for key, slot in self.prefetcher.end_step():
-            self._drop_host(slot, key[0])
+        for slot in self.prefetcher.end_step():
+            self._drop_host(slot)
 
     def after_update(self) -> None:
         """Count a step (Algorithm 2's decay) and start reading the first layers of the next one."""
