@@ -120,7 +120,7 @@ def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repe
     from runtime.inference.decode import DecodeStep, ForwardStep, compile_default
     from runtime.inference.generate import generate
     from runtime.inference.load import open_checkpoint
-    from runtime.inference.modes import make_offloader
+    from runtime.inference.offloaders import make_offloader
     from runtime.inference.step_counts import count_decode
     from runtime.topology import set_cpu_threads
 

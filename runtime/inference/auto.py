@@ -107,8 +107,8 @@ class AutoOffloader(Offloader):
                  predict_ahead: bool = False):
         """streamed_policy and costs default to this machine's (inplace without a GPU; hybrid with measured costs
         on CUDA); tests set them to run the hybrid path on the CPU."""
-        super().__init__(model, device)
-        self.source, self.num_slots = source, num_slots
+        super().__init__(model, device, source)
+        self.num_slots = self.budget_slots = num_slots
         streamed_policy = streamed_policy or (HYBRID if device.type == "cuda" else INPLACE)
         resident = self.num_layers if num_slots >= self.num_layers else (
             num_slots - 1 if streamed_policy == HYBRID else num_slots)
@@ -117,8 +117,7 @@ class AutoOffloader(Offloader):
         self.resident_bytes = 0
         for m, layer in enumerate(model.moe_layers()):
             if self.placement[m] == RESIDENT:
-                if layer.experts.w1.is_meta:  # else the model's own experts, moved with the model
-                    source.fill(layer.experts, m, device)
+                source.place_resident(layer.experts, m, device)
                 self.resident_bytes += source.layer_bytes(m)  # in the dtype placed, not the stored one
             else:
                 layer.experts = StreamedExperts(self, m)
@@ -266,9 +265,14 @@ class AutoOffloader(Offloader):
         self.streamed_bytes = self.inplace_computes = self.cpu_computes = self.cache_hits = 0
         self.predicted_hits = self.predicted_needed = self.predicted_wasted = 0
 
+    def mode_fields(self, stats: dict[str, Any]) -> dict[str, Any]:
+        return {"experts_computed": {k: stats[k] for k in ("inplace_computes", "cpu_computes", "fetched_experts",
+                                                           "cache_hits")},
+                "expert_costs": stats["costs"], "cpu_threads": stats["cpu_threads"], "prefetch": stats["prefetch"]}
+
     def stats(self) -> dict[str, Any]:
         out = super().stats()
-        out.update({"placement": list(self.placement), "store_bytes": self.streamed_bytes,
+        out.update({"store_bytes": self.streamed_bytes,
                     "inplace_computes": self.inplace_computes, "cpu_computes": self.cpu_computes,
                     "fetched_experts": self.copies, "cache_hits": self.cache_hits,
                     "prefetch": {"predicted_right": self.predicted_hits, "routed": self.predicted_needed,

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from runtime.inference.load import InferError
+from runtime.inference.errors import InferError
 from runtime.model.attention import StaticKVCache
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts

@@ -90,6 +90,12 @@ class ExpertSource:
             out[k] = t
         return out
 
+    def place_resident(self, experts: GroupedExperts, layer: int, device: torch.device) -> None:
+        """Make `experts` hold this layer's weights on `device`: filled from here when they are not materialized
+        yet (a checkpoint opened streamed), else left as they are (the model's own, moved with the model)."""
+        if experts.w1.is_meta:
+            self.fill(experts, layer, device)
+
     def fill(self, experts: GroupedExperts, layer: int, device: torch.device) -> None:
         """Give a (meta or resident) GroupedExperts this layer's weights on `device`, copied expert by expert so
         at most one layer is ever in memory twice (its mapped pages and the device copy). Parameters keep their

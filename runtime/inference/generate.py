@@ -13,13 +13,13 @@ import torch
 from torch import Tensor
 
 from runtime.inference.decode import DecodeStep, compile_default
-from runtime.inference.load import InferError, open_checkpoint, resolve_infer_config
+from runtime.inference.errors import InferError
+from runtime.inference.load import resolve_infer_config
 from runtime.inference.offload import Offloader
-from runtime.inference.modes import make_offloader
+from runtime.inference.offloaders import open_for_inference
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 from runtime.memory_probe import PeakMemory, disk_read_bytes
-from runtime.topology import set_cpu_threads
 
 
 @dataclass
@@ -145,12 +145,6 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     return out
 
 
-def _fingerprint(path: Path) -> str:
-    """The checkpoint's identity for the expert-store cache: its weight files' names, sizes and mtimes."""
-    files = sorted(path.rglob("*.safetensors"))
-    return str(path.resolve()) + "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-
-
 def _prompt_ids(loaded, cfg, prompts: Optional[list[str]], prompt_ids: Optional[list[list[int]]]) -> list[list[int]]:
     texts = list(prompts or []) or ([cfg.infer.prompt] if cfg.infer.prompt is not None else [])
     ids = [list(p) for p in (prompt_ids or [])] or ([list(cfg.infer.prompt_ids)] if cfg.infer.prompt_ids else [])
@@ -166,20 +160,17 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
     """Open a checkpoint (streamed: experts are read where they lie), apply infer.* overrides (offload overrides
     infer.offload), place the experts, generate; a JSON-ready dict of tokens, speed, memory and bytes moved."""
     with PeakMemory() as host_peak:
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        set_cpu_threads(1)  # the only process: every usable CPU (auto computes streamed experts on them on CUDA)
-        loaded = open_checkpoint(checkpoint, device=device)
         overrides = dict(infer_overrides or {})
         if offload is not None:
             overrides["offload"] = offload
-        cfg = resolve_infer_config(loaded.config_data, overrides)
+        opened = open_for_inference(checkpoint, lambda data: resolve_infer_config(data, overrides), device)
+        loaded, cfg, device = opened.loaded, opened.cfg, opened.device
         inf = cfg.infer
         ids = _prompt_ids(loaded, cfg, prompts, prompt_ids)
         check_prompts(ids, inf.max_new_tokens, cfg.model.vocab_size, cfg.model.max_seq_len)
         model = loaded.model
         dense_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not is_expert_param(n))
-        offloader = make_offloader(model, inf.offload, device, inf.ring_slots, cache_dir, _fingerprint(loaded.path),
-                                   source=loaded.experts, prefetch=inf.prefetch)
+        offloader = opened.place(cache_dir)
         try:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -200,7 +191,7 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
     tok = loaded.tokenizer
     return {
         "checkpoint": str(loaded.path), "kind": loaded.kind, "device": str(device), "offload": inf.offload,
-        "ring_slots": inf.ring_slots if inf.offload in ("ring", "auto") else None, "moe_layers": stats["moe_layers"],
+        "ring_slots": inf.ring_slots if offloader.budget_slots is not None else None, "moe_layers": stats["moe_layers"],
         "compiled": step.compiled,
         "placement": stats["placement"],
         "prompt_tokens": ids, "tokens": gen.tokens,
@@ -216,8 +207,5 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
         "page_cache_bytes_per_token": per_token(max(0, stats["store_bytes"] - disk_read)),
         "copy_s": stats["copy_s"], "copy_hidden_share": stats["copy_hidden_share"],
         "timeline": stats["timeline"],  # spans of copy/compute/wait of the last decoded token (moesys report)
-        **({"experts_computed": {k: stats[k] for k in ("inplace_computes", "cpu_computes", "fetched_experts",
-                                                       "cache_hits")}, "expert_costs": stats["costs"],
-            "cpu_threads": stats["cpu_threads"], "prefetch": stats["prefetch"]}
-           if inf.offload == "auto" else {}),
+        **offloader.mode_fields(stats),
     }

@@ -31,10 +31,7 @@ from runtime.files.checkpoint_format import MODEL, check_complete, latest_checkp
 from runtime.page_cache import evict
 from runtime.files.tensorfile import verify
 from runtime.data.tokenizer import checkpoint_tokenizer
-
-
-class InferError(UserError):
-    """Bad inference input (checkpoint, prompt, ring size); the message is one line."""
+from runtime.inference.errors import InferError
 
 
 class Tokenizer(Protocol):

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from runtime.inference.expert_source import ExpertSource
-from runtime.inference.load import InferError
+from runtime.inference.errors import InferError
 from runtime.files.tensorfile import DTYPES
 from runtime.inference.mapped import MappedFileError, read_header
 from runtime.model.transformer import Transformer
@@ -37,7 +37,7 @@ class Field:
     end: int
 
 
-class ExpertStore:
+class LayerStore:
     """The host tier: every MoE layer's stacked experts as one contiguous byte region per layer.
 
     On disk: DIR/layer{m}.safetensors (m = MoE layer order). CPU reads them memory-mapped (the page cache is the
@@ -188,16 +188,21 @@ class Offloader:
 
     mode = "none"
 
-    def __init__(self, model: Transformer, device: torch.device):
+    def __init__(self, model: Transformer, device: torch.device, source: Optional[ExpertSource] = None,
+                 scratch_dir: Optional[Path] = None):
+        """source: where the experts were placed from (close() lets go of its mapped files); scratch_dir: a store
+        of this run's own, removed by close()."""
         self.model, self.device = model, device
         self.num_layers = len(model.moe_layers())
         self.timeline = Timeline(device)
         self.copied_bytes = 0
         self.copies = 0
         self._started: Any = None
-        self.scratch_dir: Optional[Path] = None
-        self.source: Optional[ExpertSource] = None
-        """Where the experts were placed from; close() lets go of its mapped files."""
+        self.source, self.scratch_dir = source, scratch_dir
+        self.placement = ["resident"] * self.num_layers
+        """Where each MoE layer's experts are computed from (--json's `placement`)."""
+        self.budget_slots: Optional[int] = None
+        """The device budget in layers the mode was given (infer.ring_slots), where it takes one."""
         self._hooks = [model.register_forward_pre_hook(self._begin), model.register_forward_hook(self._end)]
 
     def _begin(self, module, args) -> None:
@@ -240,13 +245,17 @@ class Offloader:
         hidden = overlap_s(copies, self.timeline.seconds("compute")) - overlap_s(copies, self.timeline.seconds("wait"))
         return {
             "offload": self.mode, "moe_layers": self.num_layers, "slots": getattr(self, "num_slots", None),
-            "placement": [self.mode if self.mode in ("ring", "ondemand") else "resident"] * self.num_layers,
+            "placement": list(self.placement),
             "store_bytes": self.copied_bytes,
             "expert_device_bytes": self.expert_device_bytes, "expert_host_bytes": self.expert_host_bytes,
             "copied_bytes": self.copied_bytes, "copies": self.copies, "copy_s": copy_s,
             "copy_hidden_s": max(0.0, hidden), "copy_hidden_share": max(0.0, hidden) / copy_s if copy_s > 0 else None,
             "timeline": self.timeline.last_forward(),
         }
+
+    def mode_fields(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """What `moesys infer --json` reports of this mode beyond every mode's fields (from `stats()`)."""
+        return {}
 
     def close(self) -> None:
         """Wait for copies in flight, take the timing hooks off the model and let go of the source's files."""
@@ -260,10 +269,12 @@ class Offloader:
 
 
 class SlotOffloader(Offloader):
-    """Experts live in an ExpertStore; `num_slots` device buffers of one layer each, allocated once."""
+    """Experts live in an LayerStore; `num_slots` device buffers of one layer each, allocated once."""
 
-    def __init__(self, model: Transformer, device: torch.device, store: ExpertStore, num_slots: int):
-        super().__init__(model, device)
+    def __init__(self, model: Transformer, device: torch.device, store: LayerStore, num_slots: int,
+                 source: Optional[ExpertSource] = None, scratch_dir: Optional[Path] = None):
+        super().__init__(model, device, source, scratch_dir)
+        self.placement = [self.mode] * self.num_layers
         if store.num_layers != self.num_layers:
             raise InferError(f"expert store has {store.num_layers} layers, the model {self.num_layers} MoE layers")
         self.store, self.num_slots = store, num_slots
@@ -296,8 +307,9 @@ class OnDemandOffloader(SlotOffloader):
 
     mode = "ondemand"
 
-    def __init__(self, model: Transformer, device: torch.device, store: ExpertStore):
-        super().__init__(model, device, store, 1)
+    def __init__(self, model: Transformer, device: torch.device, store: LayerStore,
+                 source: Optional[ExpertSource] = None, scratch_dir: Optional[Path] = None):
+        super().__init__(model, device, store, 1, source, scratch_dir)
 
     def acquire(self, layer: int) -> dict[str, Tensor]:
         if self.slot_layer[0] != layer:

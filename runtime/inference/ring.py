@@ -9,13 +9,15 @@ stream with events, or a background copy thread on CPU) while uses u+1..u+K-1 co
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from runtime.inference.load import InferError
-from runtime.inference.offload import ExpertStore, SlotOffloader
+from runtime.inference.errors import InferError
+from runtime.inference.expert_source import ExpertSource
+from runtime.inference.offload import LayerStore, SlotOffloader
 from runtime.model.transformer import Transformer
 
 
@@ -24,9 +26,11 @@ class RingOffloader(SlotOffloader):
 
     mode = "ring"
 
-    def __init__(self, model: Transformer, device: torch.device, store: ExpertStore, num_slots: int):
+    def __init__(self, model: Transformer, device: torch.device, store: LayerStore, num_slots: int,
+                 source: Optional[ExpertSource] = None, scratch_dir: Optional[Path] = None):
         check_ring_slots(num_slots, len(model.moe_layers()))
-        super().__init__(model, device, store, num_slots)
+        super().__init__(model, device, store, num_slots, source, scratch_dir)
+        self.budget_slots = num_slots
         self.use = 0
         self.ready: list[Any] = [None] * num_slots  # Future (CPU) or torch.cuda.Event: the slot's copy is done
         if device.type == "cuda":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -322,8 +322,20 @@ def row_ffn(x_1D: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None, b1: 
     return proj(h_1F, w2, b2)
 
 
-class RoutedExperts(Protocol):
-    """What a decode step computes a layer's experts through (GroupedExperts and each offloader's stand-in)."""
+@runtime_checkable
+class Experts(Protocol):
+    """The seam between a MoE layer and its experts: every local expert's FFN on rows grouped by expert, as
+    MoELayer.forward calls it. GroupedExperts holds the weights; each offloader puts a stand-in in its place that
+    finds them elsewhere (training's OffloadedGroupedExperts, inference's SlotExperts and StreamedExperts)."""
+
+    def __call__(self, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
+        """y_RD for rows x_RD grouped by expert, tokens_per_expert_e[i] rows for local expert i."""
+        ...
+
+
+@runtime_checkable
+class RoutedExperts(Experts, Protocol):
+    """Experts a decode step can compute through: the resident ones and inference's stand-ins."""
 
     def routed(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
         """y_TD: each token's routed experts' outputs summed with its weights (`routed_ffn`'s contract)."""

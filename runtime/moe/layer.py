@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from runtime.config import ModelConfig
 from runtime.moe.capacity import expert_capacity, keep_mask
 from runtime.moe.dispatch import LocalDispatcher
-from runtime.moe.experts import GroupedExperts
+from runtime.moe.experts import Experts, GroupedExperts
 from runtime.moe.losses import router_losses
 from runtime.moe.metrics import gate_metrics
 from runtime.moe.router import Router
@@ -52,7 +52,7 @@ class MoELayer(nn.Module):
                              "expert-parallel dispatcher")
         self.cfg = cfg
         self.router = Router(cfg)
-        self.experts = GroupedExperts(local, cfg.hidden_size, cfg.ffn_size, cfg.expert_type, cfg.bias)
+        self.experts: Experts = GroupedExperts(local, cfg.hidden_size, cfg.ffn_size, cfg.expert_type, cfg.bias)
         self.dispatcher = LocalDispatcher(cfg.num_experts) if dispatcher is None else dispatcher
 
     def forward(self, x: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, MoEStats]:

@@ -12,14 +12,12 @@ from typing import Any, Optional
 import torch
 
 from runtime.config import MoesysConfig
-from runtime.inference.generate import _fingerprint
-from runtime.inference.load import LoadedModel, open_checkpoint, resolve_infer_config
-from runtime.inference.modes import make_offloader
+from runtime.inference.load import LoadedModel, resolve_infer_config
+from runtime.inference.offloaders import open_for_inference
 from runtime.inference.offload import Offloader
 from runtime.serving.metrics import ServeMetrics
 from runtime.serving.protocol import Defaults
 from runtime.serving.worker import GenerationWorker
-from runtime.topology import set_cpu_threads
 
 log = logging.getLogger("moesys.serve")
 
@@ -81,16 +79,13 @@ def open_service(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any
                  device: Optional[str | torch.device] = None, cache_dir: Optional[Path] = None) -> Service:
     """Open and place a checkpoint as `run_inference` does (offload overrides infer.offload), and start its worker.
     Requests default to the checkpoint's infer.max_new_tokens, temperature, top_k and seed."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    set_cpu_threads(1)  # as `moesys infer`: the one model process gets every usable CPU
-    loaded = open_checkpoint(checkpoint, device=device)
     overrides = dict(infer_overrides or {})
     if offload is not None:
         overrides["offload"] = offload
-    cfg = resolve_serve_config(loaded.config_data, overrides, dict(serve_overrides or {}))
-    inf = cfg.infer
-    offloader = make_offloader(loaded.model, inf.offload, device, inf.ring_slots, cache_dir,
-                               _fingerprint(loaded.path), source=loaded.experts, prefetch=inf.prefetch)
+    opened = open_for_inference(
+        checkpoint, lambda data: resolve_serve_config(data, overrides, dict(serve_overrides or {})), device)
+    loaded, cfg, device = opened.loaded, opened.cfg, opened.device
+    offloader = opened.place(cache_dir)
     worker = GenerationWorker(loaded.model, offloader, cfg.serve.max_batch_size, cfg.serve.max_queue,
                               stuck_after_s=cfg.serve.request_timeout_s)
     return Service(loaded.path.resolve().name, cfg, loaded, offloader, worker, device)

@@ -14,7 +14,7 @@ from runtime.bench.serve import listening_url
 from runtime.data.tokenizer import byte_tokenizer_json, hf_tokenizer_config
 from runtime.inference.generate import generate, run_inference
 from runtime.inference.load import open_checkpoint
-from runtime.inference.modes import make_offloader
+from runtime.inference.offloaders import make_offloader
 from runtime.inference.random_checkpoint import write_random_mixtral
 from tests.cli.conftest import moesys_bin
 

@@ -11,7 +11,7 @@ from runtime.inference.auto import AutoOffloader, ExpertCosts
 from runtime.inference.generate import generate, run_inference
 from runtime.inference.load import open_checkpoint
 from runtime.inference.random_checkpoint import write_random_mixtral
-from runtime.inference.modes import make_offloader
+from runtime.inference.offloaders import make_offloader
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import MoELayer
 from tests.unit.train.test_precision import losses

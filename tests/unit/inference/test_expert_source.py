@@ -15,8 +15,8 @@ from runtime.inference.auto import AutoOffloader
 from runtime.inference.generate import generate
 from runtime.inference.load import open_checkpoint
 from runtime.inference.mapped import read_header
-from runtime.inference.modes import make_offloader
-from runtime.inference.offload import ExpertStore
+from runtime.inference.offloaders import make_offloader
+from runtime.inference.offload import LayerStore
 from runtime.inference.random_checkpoint import write_random_mixtral
 
 CPU = torch.device("cpu")
@@ -81,12 +81,12 @@ def test_only_streamed_layers_are_marked_for_random_access_and_tokens_are_unchan
 
 def test_the_store_is_rewritten_when_the_placement_dtype_changes(mixtral, tmp_path):
     bf16 = open_checkpoint(mixtral).experts
-    ExpertStore.export(bf16, tmp_path, "same-checkpoint")
+    LayerStore.export(bf16, tmp_path, "same-checkpoint")
     assert read_header(tmp_path / "layer0.safetensors")[0]["w1"]["dtype"] == "BF16"
     fp32 = open_checkpoint(mixtral, dtype=torch.float32).experts
-    ExpertStore.export(fp32, tmp_path, "same-checkpoint")  # same fingerprint and shapes, another dtype
+    LayerStore.export(fp32, tmp_path, "same-checkpoint")  # same fingerprint and shapes, another dtype
     assert read_header(tmp_path / "layer0.safetensors")[0]["w1"]["dtype"] == "F32"
-    store = ExpertStore(tmp_path, LAYERS)
+    store = LayerStore(tmp_path, LAYERS)
     assert store.views(store.regions[0])["w1"].dtype == torch.float32
 
 
@@ -96,5 +96,5 @@ def test_a_failed_store_export_leaves_no_temporary_file(mixtral, tmp_path, monke
 
     monkeypatch.setattr(tensorfile, "raw_bytes", fail)
     with pytest.raises(OSError, match="disk full"):
-        ExpertStore.export(open_checkpoint(mixtral).experts, tmp_path / "store")
+        LayerStore.export(open_checkpoint(mixtral).experts, tmp_path / "store")
     assert list((tmp_path / "store").iterdir()) == []

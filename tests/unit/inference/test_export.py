@@ -15,7 +15,8 @@ from runtime.config import ModelConfig, MoesysConfig, config_to_dict
 from runtime.errors import UserError
 from runtime.inference import load
 from runtime.inference.export import export_checkpoint
-from runtime.inference.load import InferError, load_model, read_moesys
+from runtime.inference.errors import InferError
+from runtime.inference.load import load_model, read_moesys
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.groups import build_groups

@@ -9,7 +9,8 @@ import torch
 from runtime.config import ModelConfig
 from runtime.errors import UserError
 from runtime.inference.generate import generate, run_inference, sample_next
-from runtime.inference.load import InferError, load_model
+from runtime.inference.errors import InferError
+from runtime.inference.load import load_model
 from runtime.model.transformer import Transformer
 from tests.trained_run import train_run_dir
 
@@ -99,7 +100,7 @@ def test_auto_prefetch_of_predicted_experts_keeps_the_tokens_and_counts_its_gues
 
 
 def test_moesys_checkpoint_logits_match(run_dir):
-    from runtime.inference.modes import make_offloader
+    from runtime.inference.offloaders import make_offloader
     ref_model = load_model(run_dir).model
     ring_model = load_model(run_dir).model
     off = make_offloader(ring_model, "ring", torch.device("cpu"), 2)

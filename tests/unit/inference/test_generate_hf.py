@@ -7,7 +7,8 @@ import torch
 
 from runtime.inference.auto import AutoOffloader, ExpertCosts
 from runtime.inference.generate import generate, run_inference
-from runtime.inference.load import InferError, open_checkpoint
+from runtime.inference.errors import InferError
+from runtime.inference.load import open_checkpoint
 
 IDS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38]]
 CPU = torch.device("cpu")

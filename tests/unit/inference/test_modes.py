@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from runtime.config import ModelConfig
-from runtime.inference.load import InferError
-from runtime.inference.modes import make_offloader
+from runtime.inference.errors import InferError
+from runtime.inference.offloaders import make_offloader
 from runtime.model.transformer import Transformer
 
 CPU = torch.device("cpu")

@@ -8,10 +8,10 @@ import torch
 
 from runtime.config import ModelConfig
 from runtime.inference.generate import generate
-from runtime.inference.load import InferError
+from runtime.inference.errors import InferError
 from runtime.inference.expert_source import ExpertSource
-from runtime.inference.offload import ExpertStore, overlap_s
-from runtime.inference.modes import make_offloader
+from runtime.inference.offload import LayerStore, overlap_s
+from runtime.inference.offloaders import make_offloader
 from runtime.inference.ring import RingOffloader
 from runtime.model.transformer import Transformer
 
@@ -120,11 +120,11 @@ def test_ring_recovers_after_a_forward_fails_half_way(tmp_path):
 def test_expert_store_is_memory_mapped_and_reused(tmp_path):
     base = _model(GPT)
     layers = [layer.experts for layer in base.moe_layers()]
-    ExpertStore.export(ExpertSource.from_model(base), tmp_path, fingerprint="v1")
+    LayerStore.export(ExpertSource.from_model(base), tmp_path, fingerprint="v1")
     mtime = (tmp_path / "layer0.safetensors").stat().st_mtime_ns
-    ExpertStore.export(ExpertSource.from_model(base), tmp_path, fingerprint="v1")
+    LayerStore.export(ExpertSource.from_model(base), tmp_path, fingerprint="v1")
     assert (tmp_path / "layer0.safetensors").stat().st_mtime_ns == mtime  # same fingerprint: not rewritten
-    store = ExpertStore(tmp_path, len(layers))
+    store = LayerStore(tmp_path, len(layers))
     assert store.host_bytes == sum(p.numel() * 4 for e in layers for p in e.parameters())
     for m, experts in enumerate(layers):
         views = store.views(store.regions[m])

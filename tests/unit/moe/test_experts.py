@@ -68,3 +68,25 @@ def test_one_token_copies_no_expert_weights():
     assert "aten::index" not in names and "aten::_grouped_mm" in names
     expert_bytes = 256 * 512 * 4
     assert max(e.cpu_memory_usage for e in prof.events()) < expert_bytes
+
+
+def test_every_stand_in_is_on_the_declared_seam(tmp_path):
+    """The resident experts and each offloader's stand-in are Experts; those a decode step runs are RoutedExperts."""
+    from runtime.config import ModelConfig
+    from runtime.inference.auto import StreamedExperts
+    from runtime.inference.offload import SlotExperts
+    from runtime.inference.offloaders import make_offloader
+    from runtime.model.transformer import Transformer
+    from runtime.moe.experts import Experts, GroupedExperts, RoutedExperts
+    from runtime.storage.offload_engine import OffloadedGroupedExperts
+
+    assert all(issubclass(cls, Experts) for cls in (GroupedExperts, SlotExperts, StreamedExperts,
+                                                    OffloadedGroupedExperts))
+    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, vocab_size=64, ffn_hidden_size=32, num_experts=4,
+                      top_k=2, max_seq_len=16)
+    for mode, cls in (("none", GroupedExperts), ("ring", SlotExperts), ("auto", StreamedExperts)):
+        model = Transformer(cfg).eval()
+        offloader = make_offloader(model, mode, torch.device("cpu"), 1, cache_dir=tmp_path / mode)
+        experts = [layer.experts for layer in model.moe_layers()]
+        assert any(isinstance(e, cls) for e in experts) and all(isinstance(e, RoutedExperts) for e in experts), mode
+        offloader.close()

@@ -10,7 +10,7 @@ import torch
 
 from runtime.config import ModelConfig
 from runtime.inference.generate import generate
-from runtime.inference.modes import make_offloader
+from runtime.inference.offloaders import make_offloader
 from runtime.model.transformer import Transformer
 from runtime.serving.protocol import (CompletionRequest, Defaults, RequestError, TextStream, parse_completion,
                                       parse_json)

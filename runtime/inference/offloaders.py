@@ -1,0 +1,145 @@
+"""`--offload MODE`: the offloader each mode builds, from a table, and the one way a checkpoint is opened and placed
+(`moesys infer` and `moesys serve` alike).
+
+none: every layer resident on the device. ondemand: one slot, each layer copied just before it runs. ring: K slots
+turned over by use (the paper's ring memory). auto: a K-slot budget split into resident layers and layers streamed
+expert by expert (runtime/inference/auto.py); K at or above the number of MoE layers keeps them all resident.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from runtime.inference.auto import AutoOffloader
+from runtime.inference.errors import InferError
+from runtime.inference.expert_source import ExpertSource
+from runtime.inference.load import LoadedModel, open_checkpoint
+from runtime.inference.offload import MODES, LayerStore, OnDemandOffloader, Offloader
+from runtime.inference.ring import RingOffloader, check_ring_slots
+from runtime.model.transformer import Transformer
+from runtime.topology import set_cpu_threads
+
+
+@dataclass(frozen=True)
+class PlaceOptions:
+    """What a mode may take beside the model: its budget in layers, where a store is exported, prefetching."""
+
+    ring_slots: int = 2
+    cache_dir: Optional[Path] = None
+    fingerprint: str = ""
+    prefetch: bool = False
+
+
+def default_cache_dir(fingerprint: str) -> Path:
+    """Where a checkpoint's per-layer expert store is exported (reused while the checkpoint is unchanged)."""
+    digest = hashlib.sha1(fingerprint.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "moesys-experts" / digest
+
+
+def _resident(model: Transformer, device: torch.device, source: ExpertSource, options: PlaceOptions) -> Offloader:
+    for m, layer in enumerate(model.moe_layers()):
+        source.place_resident(layer.experts, m, device)
+    return Offloader(model.to(device), device, source)
+
+
+def _auto(model: Transformer, device: torch.device, source: ExpertSource, options: PlaceOptions) -> Offloader:
+    moe = model.moe_layers()
+    if options.ring_slots < 1:
+        raise InferError(f"infer.ring_slots={options.ring_slots} must be at least 1")
+    if not moe:  # nothing to stream: the dense model, resident
+        return _resident(model, device, source, options)
+    slots = min(options.ring_slots, len(moe))  # K >= N: every layer resident
+    offloader = AutoOffloader(model, device, source, slots, predict_ahead=options.prefetch)
+    model.to(device)
+    return offloader
+
+
+def _store(source: ExpertSource, options: PlaceOptions, moe_layers: int, device: torch.device) -> tuple[LayerStore,
+                                                                                                        Optional[Path]]:
+    """The experts exported one layer at a time into the on-disk store, and the directory to remove afterwards
+    (a private temp dir when nothing keys a reusable one)."""
+    scratch = options.cache_dir is None and not options.fingerprint
+    if options.cache_dir is not None:
+        cache = Path(options.cache_dir)
+    else:
+        cache = Path(tempfile.mkdtemp(prefix="moesys-experts-")) if scratch else default_cache_dir(options.fingerprint)
+    LayerStore.export(source, cache, options.fingerprint)
+    return LayerStore(cache, moe_layers, pin=device.type == "cuda"), cache if scratch else None
+
+
+def _ring(model: Transformer, device: torch.device, source: ExpertSource, options: PlaceOptions) -> Offloader:
+    check_ring_slots(options.ring_slots, len(model.moe_layers()))
+    store, scratch = _store(source, options, len(model.moe_layers()), device)
+    offloader = RingOffloader(model, device, store, options.ring_slots, source, scratch)
+    model.to(device)
+    return offloader
+
+
+def _ondemand(model: Transformer, device: torch.device, source: ExpertSource, options: PlaceOptions) -> Offloader:
+    if not model.moe_layers():
+        raise InferError("the model has no MoE layers to offload; use --offload none")
+    store, scratch = _store(source, options, len(model.moe_layers()), device)
+    offloader = OnDemandOffloader(model, device, store, source, scratch)
+    model.to(device)
+    return offloader
+
+
+OFFLOADERS: dict[str, Callable[[Transformer, torch.device, ExpertSource, PlaceOptions], Offloader]] = {
+    "auto": _auto, "ring": _ring, "ondemand": _ondemand, "none": _resident}
+assert tuple(OFFLOADERS) == MODES
+
+
+def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slots: int = 2,
+                   cache_dir: Optional[Path] = None, fingerprint: str = "",
+                   source: Optional[ExpertSource] = None, prefetch: bool = False) -> Offloader:
+    """Place `model`'s experts on `device` under offload mode auto, ring, ondemand or none, and move the rest.
+
+    `source` says where the experts lie (a checkpoint opened by `open_checkpoint`, whose model's experts are still
+    on the meta device); without it they are the model's own resident experts. ring/ondemand export the experts
+    into the on-disk store (cache_dir; default from the fingerprint) one layer at a time; auto computes streamed
+    layers from the source itself. auto takes any budget of at least one slot (more slots than MoE layers: all
+    resident) and runs a model without MoE layers as none; ring checks 1 <= ring_slots <= MoE layers.
+    """
+    if mode not in OFFLOADERS:
+        raise InferError(f"--offload {mode!r} is not one of {', '.join(MODES)}")
+    source = source if source is not None else ExpertSource.from_model(model)
+    return OFFLOADERS[mode](model, torch.device(device), source, PlaceOptions(ring_slots, cache_dir, fingerprint,
+                                                                              prefetch))
+
+
+def fingerprint(path: Path) -> str:
+    """The checkpoint's identity for the expert-store cache: its weight files' names, sizes and mtimes."""
+    files = sorted(path.rglob("*.safetensors"))
+    return str(path.resolve()) + "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+
+
+@dataclass
+class Opened:
+    """A checkpoint opened for inference (experts not placed yet) and its resolved config."""
+
+    loaded: LoadedModel
+    cfg: Any
+    device: torch.device
+
+    def place(self, cache_dir: Optional[Path] = None) -> Offloader:
+        """Place the experts as cfg.infer says (after the caller has checked its inputs: ring and ondemand export
+        a store)."""
+        inf = self.cfg.infer
+        return make_offloader(self.loaded.model, inf.offload, self.device, inf.ring_slots, cache_dir,
+                              fingerprint(self.loaded.path), source=self.loaded.experts, prefetch=inf.prefetch)
+
+
+def open_for_inference(checkpoint: str | Path, resolve: Callable[[dict[str, Any]], Any],
+                       device: Optional[str | torch.device] = None) -> Opened:
+    """Open a checkpoint streamed (experts read where they lie) and resolve its config with `resolve(config_data)`:
+    how `moesys infer` and `moesys serve` both start. The process's CPUs all go to this one model."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    set_cpu_threads(1)
+    loaded = open_checkpoint(checkpoint, device=device)
+    return Opened(loaded, resolve(loaded.config_data), device)
