@@ -58,6 +58,17 @@ def split_args(args: list[str], usage: str, plain: tuple[str, ...], sections: tu
     return values, overrides
 
 
+def train_keys(overrides: dict[str, Any], allowed: set[str], usage: str):
+    """The `train.*` keys a verb takes (`overrides["train"]` from split_args), typed and checked by the config
+    schema: the train section; a one-line UserError for any other train.* key."""
+    from runtime.config import config_from_dict
+
+    extra = sorted(set(overrides) - allowed)
+    if extra:
+        raise UserError(f"unknown argument 'train.{extra[0]}'; {usage}")
+    return config_from_dict({"train": overrides}).train
+
+
 def required(values: dict[str, list[str]], key: str, usage: str) -> str:
     """The last value given for `key` (as a later override wins); a one-line UserError when none (or '') was."""
     if not values.get(key) or not values[key][-1]:

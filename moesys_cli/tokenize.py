@@ -7,10 +7,8 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from moesys_cli.options import Json, required, split_args
+from moesys_cli.options import Json, required, split_args, train_keys
 from moesys_cli.render import ByteProgress, console, literal, print_json
-from runtime.config import config_from_dict
-from runtime.errors import UserError
 
 TokenizeArgs = Annotated[
     Optional[List[str]],
@@ -23,10 +21,7 @@ USAGE = "moesys tokenize takes data=PATH, out=FILE.bin, train.tokenizer=bytes|PA
 def parse_tokenize_args(args: list[str]) -> tuple[str, str, str, str]:
     """(data, out, tokenizer, the .jsonl text key)."""
     values, overrides = split_args(args, USAGE, ("data", "out"), ("train",))
-    extra = sorted(set(overrides["train"]) - {"tokenizer", "data_text_key"})
-    if extra:
-        raise UserError(f"unknown argument 'train.{extra[0]}'; {USAGE}")
-    tr = config_from_dict({"train": overrides["train"]}).train  # typed and checked
+    tr = train_keys(overrides["train"], {"tokenizer", "data_text_key"}, USAGE)
     return required(values, "data", USAGE), required(values, "out", USAGE), tr.tokenizer, tr.data_text_key
 
 

@@ -7,9 +7,8 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from moesys_cli.options import Json, required, split_args
+from moesys_cli.options import Json, required, split_args, train_keys
 from moesys_cli.render import ByteProgress, console, literal, print_json
-from runtime.config import config_from_dict
 from runtime.errors import UserError
 
 app = typer.Typer(name="tokenizer", no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
@@ -26,15 +25,12 @@ USAGE = "moesys tokenizer train takes data=PATH, vocab_size=N, out=FILE and trai
 def parse_train_args(args: list[str]) -> tuple[str, int, str, str]:
     """(data, vocab size, out, the .jsonl text key)."""
     values, overrides = split_args(args, USAGE, ("data", "vocab_size", "out"), ("train",))
-    extra = sorted(set(overrides["train"]) - {"data_text_key"})
-    if extra:
-        raise UserError(f"unknown argument 'train.{extra[0]}'; {USAGE}")
+    text_key = train_keys(overrides["train"], {"data_text_key"}, USAGE).data_text_key
     size = required(values, "vocab_size", USAGE)
     try:
         vocab_size = int(size)
     except ValueError:
         raise UserError(f"vocab_size={size!r} is not an integer; {USAGE}") from None
-    text_key = config_from_dict({"train": overrides["train"]}).train.data_text_key  # typed and checked
     return required(values, "data", USAGE), vocab_size, required(values, "out", USAGE), text_key
 
 

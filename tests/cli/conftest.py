@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,3 +56,23 @@ def fill(path: Path) -> None:
                 f.write(b"\0" * (1 << 16))
         except OSError:
             pass
+
+
+@contextmanager
+def serving(args: list[str], log: Path, timeout_s: float = 120) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A real `moesys serve ARGS --port 0`, its output in the file `log`: yields (process, the URL it listens on).
+    On leaving it gets SIGTERM if it still runs and is waited for (killed past 60 s): no server outlives a test."""
+    from runtime.bench.serve import listening_url
+
+    with open(log, "w") as out:
+        proc = subprocess.Popen([moesys_bin(), "serve", *args, "--port", "0"], stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
+    try:
+        yield proc, listening_url(proc, log, timeout_s=timeout_s)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -4,18 +4,16 @@ directory without a tokenizer (token-id prompts), and on SIGTERM finishes the re
 import http.client
 import json
 import signal
-import subprocess
 from urllib.parse import urlsplit
 
 import pytest
 import torch
 
 from moesys_cli.serve import parse_serve_args
-from runtime.bench.serve import listening_url
 from runtime.errors import UserError
 from runtime.inference.generate import run_inference
 from runtime.inference.random_checkpoint import write_random_mixtral
-from tests.cli.conftest import moesys_bin, run_moesys
+from tests.cli.conftest import run_moesys, serving
 
 PROMPT = [5, 17, 99, 3]
 
@@ -27,11 +25,8 @@ def test_sigterm_drains_the_request_in_flight_and_exits_0(tmp_path):
     expected = run_inference(checkpoint, {"max_new_tokens": 100, "ring_slots": 1}, prompt_ids=[PROMPT],
                              offload="ring")["tokens"][0]
     log = tmp_path / "serve.log"  # a file, not a pipe: nothing is read from it until the end
-    with open(log, "w") as out:
-        proc = subprocess.Popen([moesys_bin(), "serve", f"checkpoint={checkpoint}", "--port", "0", "--offload",
-                                 "ring", "infer.ring_slots=1"], stdout=out, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = urlsplit(listening_url(proc, log, timeout_s=120))
+    with serving([f"checkpoint={checkpoint}", "--offload", "ring", "infer.ring_slots=1"], log) as (proc, address):
+        url = urlsplit(address)
         conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
         conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 100,
                                                                  "stream": True}))
@@ -44,10 +39,6 @@ def test_sigterm_drains_the_request_in_flight_and_exits_0(tmp_path):
         events = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
         assert lines[-3] == b"data: [DONE]" and events[-1]["choices"][0]["finish_reason"] == "length"
         proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
     output = log.read_text()
     assert proc.returncode == 0, output
     assert "stopped: 1 requests completed, 0 cancelled, 0 failed" in output

@@ -4,19 +4,17 @@ the request log and /metrics. Every answer is compared with `run_inference` (wha
 
 import json
 import signal
-import subprocess
 import urllib.request
 
 import pytest
 import torch
 
-from runtime.bench.serve import listening_url
 from runtime.data.tokenizer import byte_tokenizer_json, hf_tokenizer_config
 from runtime.inference.generate import generate, run_inference
 from runtime.inference.load import open_checkpoint
 from runtime.inference.offloaders import make_offloader
 from runtime.inference.random_checkpoint import write_random_mixtral
-from tests.cli.conftest import moesys_bin
+from tests.cli.conftest import serving
 
 openai = pytest.importorskip("openai")
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
@@ -47,11 +45,7 @@ def test_the_openai_client_gets_moesys_infer_answers(tmp_path):
     checkpoint = tmp_path / "tiny-mixtral"
     _checkpoint(checkpoint)
     log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([moesys_bin(), "serve", f"checkpoint={checkpoint}", "--port", "0",
-                                 "--offload", "none"], stdout=out, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = listening_url(proc, log, timeout_s=120)
+    with serving([f"checkpoint={checkpoint}", "--offload", "none"], log) as (proc, url):
         hello = run_inference(checkpoint, {"max_new_tokens": 8}, prompts=["Hello"], offload="none")["text"][0]
         assert _infer(checkpoint, "Hello", 8) == hello  # the reference below is moesys infer's answer
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -91,10 +85,6 @@ def test_the_openai_client_gets_moesys_infer_answers(tmp_path):
         assert "moesys_time_to_first_token_seconds_bucket" in metrics and "moesys_queue_depth 0.0" in metrics
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
     output = log.read_text()
     assert proc.returncode == 0, output
     lines = [line for line in output.splitlines() if " request id=" in line]
