@@ -87,23 +87,21 @@ class HostOptimizer:
                finish: Callable[[LayerGrads], None]) -> None:
         """Start the update of step `step` (0-based): each expert first applies the zero-gradient steps it missed
         (catch-up, up to `step`), then AdamW with its gradients multiplied by `multiplier` (the clip coefficient,
-        over the loss scale with fp16; None: 1) and divided by `divisor` (the expert-parallel averaging, inside the
-        kernel), the operations the resident experts' gradients go through."""
+        over the loss scale with fp16; None: 1) and divided by `divisor` (the expert-parallel averaging), both
+        inside the kernel, the operations the resident experts' gradients go through."""
         self.wait()
-        scale = None if divisor == 1 else torch.tensor(float(divisor), dtype=torch.float32)
+        # the kernel divides the gradients by grad_scale as it reads them: the multiplier folds in (no extra pass)
+        factor = divisor if multiplier is None else divisor / multiplier
+        scale = None if factor == 1 else torch.tensor(float(factor), dtype=torch.float32)
 
         def job() -> None:
             for lg in layers:
-                if multiplier is not None:
-                    with self.timeline.span("scale", False):
-                        for g in lg.grads.values():
-                            g.mul_(multiplier)
                 self._update_layer(lg, step, lr, scale)
                 finish(lg)
 
         self._job = self._run(self._update, job)
 
-    def _update_layer(self, lg: LayerGrads, step: int, lr: float, divisor: Tensor | None) -> None:
+    def _update_layer(self, lg: LayerGrads, step: int, lr: float, grad_scale: Tensor | None) -> None:
         with self.timeline.span("catch_up", False):
             for slot in lg.slots:
                 self.caught_up += catch_up(slot, step, self.lr_schedule, self.adamw)
@@ -112,17 +110,15 @@ class HostOptimizer:
             # One kernel call over every (expert, tensor) pair; each pair steps its own copy of the expert's count.
             names = layout.names
             steps = torch.stack([slot.step for slot in lg.slots]).repeat_interleave(len(names))
-            params, exp_avgs, exp_avg_sqs, grads, counts = [], [], [], [], []
-            for i, slot in enumerate(lg.slots):
-                for k, name in enumerate(names):
-                    params.append(slot.views("master", layout)[name])
-                    exp_avgs.append(slot.views("exp_avg", layout)[name])
-                    exp_avg_sqs.append(slot.views("exp_avg_sq", layout)[name])
-                    grads.append(lg.grads[name][lg.rows[i]])
-                    counts.append(steps[i * len(names) + k])
-            fused_adamw(params, grads, exp_avgs, exp_avg_sqs, counts, lr, self.adamw, divisor)
-            for i, slot in enumerate(lg.slots):
-                slot.step.copy_(steps[i * len(names)])
+            rows = {name: lg.grads[name].unbind(0) for name in names}  # one call per tensor, not per row
+            state = [slot.views(attr, layout) for slot in lg.slots for attr in ("master", "exp_avg", "exp_avg_sq")]
+            fused_adamw([views[name] for views in state[0::3] for name in names],
+                        [rows[name][r] for r in lg.rows for name in names],
+                        [views[name] for views in state[1::3] for name in names],
+                        [views[name] for views in state[2::3] for name in names],
+                        list(steps.unbind()), lr, self.adamw, grad_scale)
+            for slot, count in zip(lg.slots, steps[::len(names)].unbind()):
+                slot.step.copy_(count)
 
     def _run(self, pool: ThreadPoolExecutor, job: Callable) -> Future:
         if not self.inline:
