@@ -1,5 +1,5 @@
 """`moesys serve`: one checkpoint behind an OpenAI-compatible HTTP completions endpoint, its experts placed by the
-same offload modes as `moesys infer` (seed 004 section 3.3.1's request/response deployment)."""
+same offload modes as `moesys infer` (the paper's request/response deployment, "Graph Optimization")."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ the experts its tokens were routed to, reading their weights from the checkpoint
   the bus (as llama.cpp's --n-cpu-moe and Fiddler do), or copied to the device on a side stream, whichever a cost
   model measured on this machine at start says is faster for the rows at hand (policy `hybrid`): decode's few
   rows go to the CPU, prefill's many rows fetch the weights. The layer synchronises once (host_tier.py).
-The ring's whole-layer copies (seed 004's ring memory) remain `--offload ring`; with K = N every mode is resident.
+The ring's whole-layer copies (the paper's ring memory) remain `--offload ring`; with K = N every mode is resident.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`moesys export`: a training checkpoint fused into one servable model (seed 004 section 3.3.1, figure 3).
+"""`moesys export`: a training checkpoint fused into one servable model (the paper's "Graph Optimization", its
+inference pipeline figure).
 
 The checkpoint's model tensors are already keyed by global name and global expert index whatever the expert-
 parallel size, dense sharding or embedding partition of the run, so fusing is a streamed copy: each tensor is read

@@ -1,5 +1,6 @@
 """Generation with a KV cache: greedy or temperature/top-k sampling, several prompts per batch, prefill and decode
-timed apart; `run_inference` is what `moesys infer` calls (load, offload per seed 004 section 3.3.2, generate).
+timed apart; `run_inference` is what `moesys infer` calls (load, offload as the paper's "Ring Memory Offloading" and
+its successors, generate).
 """
 
 from __future__ import annotations

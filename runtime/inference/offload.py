@@ -1,4 +1,4 @@
-"""Expert offloading for inference (seed 004 section 3.3.2, fig. 5): the host-tier expert store (one safetensors
+"""Expert offloading for inference (the paper's "Ring Memory Offloading"): the host-tier expert store (one safetensors
 file per MoE layer, memory-mapped; pinned on CUDA), device slots that MoE layers compute from, copy/compute
 timelines, and the `none` and `ondemand` modes. The ring itself is in runtime/inference/ring.py.
 """

@@ -1,4 +1,4 @@
-"""Ring-memory expert offloading (seed 004 section 3.3.2, fig. 5; seed 000 section 3.2).
+"""Ring-memory expert offloading (the paper's "Ring Memory Offloading").
 
 N MoE layers' experts sit in the host tier; K device slots are allocated once and reused round-robin. The ring
 turns over *uses*, not layers: use u (layer u mod N, wrapping into the next token's forward) computes from slot

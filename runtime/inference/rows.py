@@ -3,9 +3,10 @@ cache row, and is computed with the arithmetic of a lone decode step (`Transform
 logits, and hence its tokens, equal that request's lone run bit for bit.
 
 A matrix product over B rows is not, in general, B products of one row: a BLAS picks other kernels (and other
-summation orders) for other row counts. So every product runs as B one-row products: the dense ones in one batched call with their weight
-broadcast where that gives a lone step's rows for the shape (else row by row), the experts grouped by expert, read
-in place; the attention runs row by row with a lone step's very calls, and norms and activations are per row anyway.
+summation orders) for other row counts. So every product runs as B one-row products: the dense ones in one batched
+call with their weight broadcast where that gives a lone step's rows for the shape (else row by row), the experts
+grouped by expert, read in place; the attention runs row by row with a lone step's very calls, and norms and
+activations are per row anyway.
 
 Legend: B rows, D model dim, L cache slots, K top-k, E experts.
 """

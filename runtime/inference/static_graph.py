@@ -1,6 +1,6 @@
-"""The dense path captured as static graphs, one set per (batch, sequence) bucket (after seed 004 section 3.3.1,
-figure 3, where the dense part of an exported model is converted to a static graph and the sparse part stays
-dynamic). A library API that the tests use; `moesys infer` and `moesys serve` run the eager model.
+"""The dense path captured as static graphs, one set per (batch, sequence) bucket (after the paper's "Graph
+Optimization", figure 3, where the dense part of an exported model is converted to a static graph and the sparse
+part stays dynamic). A library API that the tests use; `moesys infer` and `moesys serve` run the eager model.
 
 For each (batch, sequence) bucket, `torch.export` captures, with the shapes fixed:
 - the embedding (token, plus learned positions for GPT-style models),

@@ -1,5 +1,5 @@
 """What a decode token costs the host, counted with torch.profiler over decode steps: host synchronisations (reads
-of device values on the host) and operators per layer (the launches a GPU would pay for; issue 28's counts).
+of device values on the host) and operators per layer (the launches a GPU would pay for).
 """
 
 from __future__ import annotations

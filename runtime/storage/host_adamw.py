@@ -1,9 +1,10 @@
 """The CPU optimizer of offloaded experts: ZeRO-Offload's CPU Adam, on torch's fused AdamW kernel.
 
 A layer's gradients are taken in as soon as its backward has sent them home, while the backward of the layers below
-goes on: made fp32 (their squared norms come along, summed where the gradients were made). The update needs only the global norm (clipping stays exact), then
-steps layer by layer in forward order, so that the next forward finds its first layers updated first; with a
-delayed update the whole next step runs beside it (ZeRO-Offload's one-step delayed parameter update).
+goes on: made fp32 (their squared norms come along, summed where the gradients were made). The update needs only
+the global norm (clipping stays exact), then steps layer by layer in forward order, so that the next forward finds
+its first layers updated first; with a delayed update the whole next step runs beside it (ZeRO-Offload's one-step
+delayed parameter update).
 """
 
 from __future__ import annotations
