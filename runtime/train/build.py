@@ -28,7 +28,7 @@ from runtime.storage.offload_engine import OffloadEngine, offload_from_config
 from runtime.data.dataset import open_dataset
 from runtime.plan.placement import Placement, decide
 from runtime.train.distill import Distillation
-from runtime.train.objective import LanguageModel
+from runtime.train.objective import LanguageModel, Objective
 from runtime.train.parts import (OffloadedExperts, Part, PartitionedEmbeddingPart, Replicated, ShardedDense,
                                  TaskHeads)
 from runtime.train.tasks import MultiTask, add_heads_to_optimizer, build_multitask
@@ -44,7 +44,7 @@ class Components:
 
     model: Transformer
     optimizer: torch.optim.Optimizer
-    objective: LanguageModel | MultiTask  # Distillation is a LanguageModel
+    objective: Objective
     parts: list[Part]
     dense_params: list[nn.Parameter] = field(default_factory=list)
     expert_params: list[nn.Parameter] = field(default_factory=list)

@@ -1,7 +1,10 @@
-"""What a training step computes. The language model: next-token cross-entropy of this rank's micro-batch plus the
-router losses (the multi-task objective, runtime/train/tasks.py, has the same interface)."""
+"""What a training step computes (`Objective`). The language model: next-token cross-entropy of this rank's
+micro-batch plus the router losses; the multi-task objective (runtime/train/tasks.py) and distillation
+(runtime/train/distill.py) are the others."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -9,6 +12,25 @@ from torch import nn
 
 from runtime.parallel.groups import ParallelGroups
 from runtime.data.dataset import TokenDataset
+
+
+class Objective(Protocol):
+    """The loss of a step and what it reports. It owns the router losses: its backward includes the model output's
+    aux_loss, so the loop only reads it back to check it is finite."""
+
+    tokens_per_step: int
+    """Tokens all ranks process in one step (the tokens/s the metrics report)."""
+
+    def forward_backward(self, model: nn.Module, step: int, device: torch.device, autocast,
+                         scaler=None) -> tuple[torch.Tensor, object]:
+        """(this rank's loss without the router losses, detached; the model output) after backward of the loss plus
+        the output's aux_loss (scaled by `scaler` with fp16)."""
+        ...
+
+    def records(self, step: int) -> tuple[dict, list[dict]]:
+        """This objective's metrics for the step line, and extra lines (one per rank and task for multi-task);
+        collective: every rank calls it."""
+        ...
 
 
 class LanguageModel:

@@ -17,10 +17,11 @@ from torch import nn
 
 from runtime.files.checkpoint_format import STATE_KEYS, CheckpointError, CheckpointReader, tensor_key
 from runtime.parallel.dense_shard import DenseShard
-from runtime.parallel.embedding_partition import partitioned_grad_sq, partitioned_parameters
+from runtime.parallel.embedding_partition import (gather_columns, partitioned_grad_sq, partitioned_parameters,
+                                                  shard_of)
 from runtime.optim import square_sum
 from runtime.parallel.grad_buckets import GradBucketReducer
-from runtime.parallel.groups import ParallelGroups
+from runtime.parallel.groups import ParallelGroups, group_size
 from runtime.storage.offload_checkpoint import load_offloaded, save_offloaded
 from runtime.storage.offload_engine import OffloadEngine
 from runtime.files.paths import DENSE_SHARDED
@@ -119,6 +120,22 @@ class PartitionedEmbeddingPart(Part):
 
     def grad_sq(self) -> list[GradSq]:
         return [(partitioned_grad_sq(self.model).reshape(1), None)]
+
+    # A checkpoint holds the whole [V, H] table (and its moments), so that any data-parallel size loads it.
+
+    @staticmethod
+    def full_shape(local_shape: tuple[int, ...], groups: ParallelGroups) -> tuple[int, ...]:
+        return (local_shape[0], local_shape[1] * group_size(groups.dp_group))
+
+    @staticmethod
+    def full(local_VC: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+        """Collective: every data-parallel rank's columns gathered into the whole table."""
+        return gather_columns(local_VC, groups.dp_group)
+
+    @staticmethod
+    def local(full_VH: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+        """This rank's columns of the whole table."""
+        return shard_of(full_VH, groups.dp_ranks.index(groups.rank), groups.dp_size)
 
     def scale_grads(self, coef: float) -> None:
         _scale(self.params, coef)
@@ -237,4 +254,4 @@ class TaskHeads(Part):
         return self.tasks.save(directory, self.optimizer)
 
     def load(self, reader: CheckpointReader, step: int) -> None:
-        self.tasks.load(reader.path, self.optimizer)
+        self.tasks.load(reader, self.optimizer)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.files.checkpoint_format import STATE_KEYS, CheckpointError
+from runtime.files.checkpoint_format import STATE_KEYS, CheckpointError, CheckpointReader
 from runtime.config import MoesysConfig
 from runtime.elastic.allocation import AllocationError, Workload
 from runtime.elastic.workload import workload_from_config
@@ -28,7 +28,7 @@ from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
 from runtime.plan.rebalance import task_gpu_counts
 from runtime.files.paths import TASKS, heads_file
-from runtime.files.tensorfile import open_tensors, save_tensors, verify
+from runtime.files.tensorfile import save_tensors
 from runtime.data.dataset import TokenDataset, build_task_datasets, task_seed
 from runtime.data.tokenizer import run_tokenizer
 HEAD_INIT_STD = 0.02
@@ -264,26 +264,25 @@ class MultiTask:
             atomic_write_json(Path(ckpt_dir) / TASKS, {"ranks": self.layout.ranks, "batch": self.layout.batch})
         return files
 
-    def load(self, ckpt_dir: Path, optimizer: torch.optim.Optimizer | None) -> None:
-        """Load this rank's heads (and their AdamW states) from a checkpoint written by any allocation."""
+    def load(self, checkpoint: Path | CheckpointReader, optimizer: torch.optim.Optimizer | None) -> None:
+        """Load this rank's heads (and their AdamW states) from a checkpoint written by any allocation (a directory,
+        or the reader the checkpoint loader already opened)."""
+        reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(Path(checkpoint))
         for t in self.local:
-            path = Path(ckpt_dir) / heads_file(t)
-            if not path.exists():
-                raise CheckpointError(f"{ckpt_dir} has no head for task {t!r} (was it written by a run without "
+            if any(f"model.task_heads.{t}.{name}" not in reader for name, _ in self.heads[t].named_parameters()):
+                raise CheckpointError(f"{reader.path} has no head for task {t!r} (was it written by a run without "
                                       f"that task?)")
-            verify(path)
-            with open_tensors(path) as f:
-                for name, p in self.heads[t].named_parameters():
-                    value = f.get_tensor(f"model.task_heads.{t}.{name}")
-                    if value.shape != p.shape:
-                        raise CheckpointError(f"task head {t}.{name} has shape {tuple(value.shape)} in {path}, "
-                                              f"the model expects {tuple(p.shape)}")
-                    with torch.no_grad():
-                        p.copy_(value)
-                    step = f.get_tensor(f"step.task_heads.{t}.{name}")
-                    if optimizer is not None and float(step) > 0:
-                        optimizer.state[p] = {"step": step.reshape(()).to(p.device, copy=True), **{
-                            k: f.get_tensor(f"{k}.task_heads.{t}.{name}").to(p.device, p.dtype) for k in STATE_KEYS}}
+            for name, p in self.heads[t].named_parameters():
+                value = reader.get(f"model.task_heads.{t}.{name}")
+                if value.shape != p.shape:
+                    raise CheckpointError(f"task head {t}.{name} has shape {tuple(value.shape)} in "
+                                          f"{reader.path / heads_file(t)}, the model expects {tuple(p.shape)}")
+                with torch.no_grad():
+                    p.copy_(value)
+                step = reader.get(f"step.task_heads.{t}.{name}")
+                if optimizer is not None and float(step) > 0:
+                    optimizer.state[p] = {"step": step.reshape(()).to(p.device, copy=True), **{
+                        k: reader.get(f"{k}.task_heads.{t}.{name}").to(p.device, p.dtype) for k in STATE_KEYS}}
 
 
 def build_multitask(cfg: MoesysConfig, model: nn.Module, groups: ParallelGroups, device: torch.device,
