@@ -232,7 +232,7 @@ def routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w1: Tens
     and weights may be any, e.g. [B, 1]). Reads only routed experts and never the host, so it is for a few tokens:
     one token in eager mode reads its experts' weights in place (`grouped_routed_ffn`), else each token gathers its
     own K experts' weights (`gather_routed_ffn`); the same numbers either way."""
-    ffn = grouped_routed_ffn if one_token_in_place(x_TD, w1) else gather_routed_ffn
+    ffn = grouped_routed_ffn if one_token_in_place(x_TD, w1, w2, w3) else gather_routed_ffn
     return ffn(x_TD, expert_ids_TK, weights_TK, w1, w2, w3, b1, b2, b3, kind)
 
 
@@ -250,15 +250,16 @@ def _expert_range(num_experts: int, device: torch.device) -> Tensor:
     return torch.arange(num_experts, device=device)
 
 
-def one_token_in_place(x_TD: Tensor, w1: Tensor) -> bool:
+def one_token_in_place(x_TD: Tensor, *weights: Tensor | None) -> bool:
     """Whether `grouped_routed_ffn` computes this step: one token (its K choices are K distinct experts, one row
     each), eager (torch.compile traces the gathered form: the grouped GEMM's meta kernel takes bf16 only), and a
-    grouped GEMM that takes these weights (bf16 on CUDA)."""
+    grouped GEMM that takes these weights (bf16 on CUDA, 16-byte aligned: an offloader's slot views may not be)."""
     if x_TD.numel() != x_TD.shape[-1] or torch.compiler.is_compiling():
         return False
-    if w1.device.type == "cuda" and w1.dtype != torch.bfloat16:
+    given = [w for w in weights if w is not None]
+    if given[0].device.type == "cuda" and given[0].dtype != torch.bfloat16:
         return False
-    return _grouped_mm_ok(x_TD.reshape(1, -1), w1)
+    return all(w.data_ptr() % 16 == 0 for w in given) and _grouped_mm_ok(x_TD.reshape(1, -1), *given)
 
 
 def grouped_routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor,
