@@ -140,7 +140,7 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
     if offload:
         parts.append(OffloadedExperts(offload, groups))
     if tasks:
-        parts.append(TaskHeads(tasks, optimizer))
+        parts.append(TaskHeads(tasks.head_state, optimizer))
     if tasks:
         objective = tasks
     elif cfg.distill.teacher:  # moesys distill: the student also matches a frozen teacher's soft targets

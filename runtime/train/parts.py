@@ -236,22 +236,22 @@ def global_grad_norm(parts: list[Part]) -> float:
 
 class TaskHeads(Part):
     """Multi-task heads (the paper's "Elastic MoE Training"): synchronised only among their task's ranks, each saved
-    once."""
+    once (runtime/train/tasks.py's TaskHeadState, stepped by the resident optimizer)."""
 
-    def __init__(self, tasks, optimizer: torch.optim.Optimizer):
-        self.tasks, self.optimizer = tasks, optimizer
+    def __init__(self, state, optimizer: torch.optim.Optimizer):
+        self.state, self.optimizer = state, optimizer
 
     def after_backward(self) -> None:
-        self.tasks.finish_heads()
+        self.state.finish_heads()
 
     def grad_sq(self) -> list[GradSq]:
-        return [(torch.tensor([self.tasks.grad_sq()]), None)]  # collective inside; each head counted once
+        return [(torch.tensor([self.state.grad_sq()]), None)]  # collective inside; each head counted once
 
     def scale_grads(self, coef: float) -> None:
-        _scale(self.tasks.parameters(), coef)
+        _scale(self.state.parameters(), coef)
 
     def save(self, directory: Path, step: int) -> list[Path]:
-        return self.tasks.save(directory, self.optimizer)
+        return self.state.save(directory, self.optimizer)
 
     def load(self, reader: CheckpointReader, step: int) -> None:
-        self.tasks.load(reader, self.optimizer)
+        self.state.load(reader, self.optimizer)

@@ -128,30 +128,114 @@ def new_head(cfg: MoesysConfig, task: str) -> nn.Linear:
     return head
 
 
-class MultiTask:
-    """This rank's tasks: heads, per-task gradient groups, data, per-step loss and timing."""
+class TaskHeadState:
+    """Each local task's output head: its gradients averaged only over the task's ranks, its checkpoint file
+    written once (by the task's first rank) and read by whichever ranks run the task."""
 
-    def __init__(self, cfg: MoesysConfig, layout: TaskLayout, groups: ParallelGroups, device: torch.device):
-        self.cfg, self.layout, self.rank, self.world = cfg, layout, groups.rank, groups.world_size
-        self.local = layout.tasks_of(self.rank)
-        if not self.local:
-            raise AllocationError(f"rank {self.rank} has no task in the layout {layout.ranks}")
-        self.heads = nn.ModuleDict({t: new_head(cfg, t) for t in self.local}).to(device)
+    def __init__(self, cfg: MoesysConfig, layout: TaskLayout, groups: ParallelGroups, device: torch.device,
+                 local: list[str]):
+        self.layout, self.rank, self.world, self.local = layout, groups.rank, groups.world_size, local
+        self.heads = nn.ModuleDict({t: new_head(cfg, t) for t in local}).to(device)
         bucket = int(cfg.parallel.bucket_mb * 2**20)
         self.reducers: dict[str, GradBucketReducer] = {}
         for t in layout.tasks:  # every rank creates every group, in task order
             rs = layout.ranks[t]
             if self.world > 1 and len(rs) > 1:
                 handle = dist.new_group(rs)
-                if t in self.local:
+                if t in local:
                     self.reducers[t] = GradBucketReducer(self.heads[t].parameters(), handle, bucket)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.heads.parameters())
+
+    def finish_heads(self) -> None:
+        """Average head gradients over each task's ranks, then scale by k / W (see the module docstring)."""
+        for t in self.local:
+            reducer = self.reducers.get(t)
+            if reducer is not None:
+                reducer.finish()
+            k = len(self.layout.ranks[t])
+            for p in self.heads[t].parameters():
+                if p.grad is not None:
+                    p.grad.mul_(k / self.world)
+
+    def grad_sq(self) -> float:
+        """Squared norm of every task's head gradient, each counted once (by the task's first rank); collective."""
+        sq = torch.zeros(1, dtype=torch.float64)
+        for t in self.local:
+            if self.layout.ranks[t][0] == self.rank:
+                for p in self.heads[t].parameters():
+                    if p.grad is not None:
+                        sq += p.grad.detach().double().pow(2).sum().cpu()
+        if self.world > 1:
+            dist.all_reduce(sq)
+        return float(sq)
+
+    # ---- checkpoints: each head saved once (by its task's first rank), loaded by whichever ranks run it ----
+
+    def save(self, ckpt_dir: Path, optimizer: torch.optim.Optimizer) -> list[Path]:
+        """Write heads-TASK.safetensors for the tasks this rank leads (and tasks.json on rank 0) into ckpt_dir."""
+        files = []
+        for t in self.local:
+            if self.layout.ranks[t][0] != self.rank:
+                continue
+            tensors = {}
+            for name, p in self.heads[t].named_parameters():
+                state = optimizer.state.get(p, {})
+                tensors[f"model.task_heads.{t}.{name}"] = p.detach().cpu().contiguous()
+                for key in STATE_KEYS:
+                    tensors[f"{key}.task_heads.{t}.{name}"] = (state[key] if key in state else
+                                                               torch.zeros_like(p)).detach().cpu().contiguous()
+                tensors[f"step.task_heads.{t}.{name}"] = torch.as_tensor(
+                    state.get("step", torch.tensor(0.0)), dtype=torch.float32).reshape(1)
+            files.append(save_tensors(Path(ckpt_dir) / heads_file(t), tensors))
+        if self.rank == 0:
+            atomic_write_json(Path(ckpt_dir) / TASKS, {"ranks": self.layout.ranks, "batch": self.layout.batch})
+        return files
+
+    def load(self, checkpoint: Path | CheckpointReader, optimizer: torch.optim.Optimizer | None) -> None:
+        """Load this rank's heads (and their AdamW states) from a checkpoint written by any allocation (a directory,
+        or the reader the checkpoint loader already opened)."""
+        reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(Path(checkpoint))
+        for t in self.local:
+            if any(f"model.task_heads.{t}.{name}" not in reader for name, _ in self.heads[t].named_parameters()):
+                raise CheckpointError(f"{reader.path} has no head for task {t!r} (was it written by a run without "
+                                      f"that task?)")
+            for name, p in self.heads[t].named_parameters():
+                value = reader.get(f"model.task_heads.{t}.{name}")
+                if value.shape != p.shape:
+                    raise CheckpointError(f"task head {t}.{name} has shape {tuple(value.shape)} in "
+                                          f"{reader.path / heads_file(t)}, the model expects {tuple(p.shape)}")
+                with torch.no_grad():
+                    p.copy_(value)
+                step = reader.get(f"step.task_heads.{t}.{name}")
+                if optimizer is not None and float(step) > 0:
+                    optimizer.state[p] = {"step": step.reshape(()).to(p.device, copy=True), **{
+                        k: reader.get(f"{k}.task_heads.{t}.{name}").to(p.device, p.dtype) for k in STATE_KEYS}}
+
+
+class MultiTask:
+    """The multi-task objective of this rank's tasks: their data, one forward of the shared model, each task's
+    rows through its head (`head_state`), per-task losses and timing."""
+
+    def __init__(self, cfg: MoesysConfig, layout: TaskLayout, groups: ParallelGroups, device: torch.device):
+        self.cfg, self.layout, self.rank, self.world = cfg, layout, groups.rank, groups.world_size
+        self.local = layout.tasks_of(self.rank)
+        if not self.local:
+            raise AllocationError(f"rank {self.rank} has no task in the layout {layout.ranks}")
+        self.head_state = TaskHeadState(cfg, layout, groups, device, self.local)
+        self.heads = self.head_state.heads
         self.data: dict[str, TokenDataset] = build_task_datasets(
             {t: cfg.tasks[t].data for t in self.local}, cfg.train.seq_len, cfg.train.seed, cfg, run_tokenizer(cfg))
         self.last_losses: dict[str, torch.Tensor] = {}
         self.last_compute_s = 0.0
 
     def parameters(self) -> list[nn.Parameter]:
-        return list(self.heads.parameters())
+        return self.head_state.parameters()
+
+    def load(self, checkpoint: Path | CheckpointReader, optimizer: torch.optim.Optimizer | None) -> None:
+        """The heads from a checkpoint (TaskHeadState.load)."""
+        self.head_state.load(checkpoint, optimizer)
 
     @property
     def tokens_per_step(self) -> int:
@@ -196,29 +280,6 @@ class MultiTask:
         self.last_compute_s = time.perf_counter() - began
         return loss.detach(), out
 
-    def finish_heads(self) -> None:
-        """Average head gradients over each task's ranks, then scale by k / W (see the module docstring)."""
-        for t in self.local:
-            reducer = self.reducers.get(t)
-            if reducer is not None:
-                reducer.finish()
-            k = len(self.layout.ranks[t])
-            for p in self.heads[t].parameters():
-                if p.grad is not None:
-                    p.grad.mul_(k / self.world)
-
-    def grad_sq(self) -> float:
-        """Squared norm of every task's head gradient, each counted once (by the task's first rank); collective."""
-        sq = torch.zeros(1, dtype=torch.float64)
-        for t in self.local:
-            if self.layout.ranks[t][0] == self.rank:
-                for p in self.heads[t].parameters():
-                    if p.grad is not None:
-                        sq += p.grad.detach().double().pow(2).sum().cpu()
-        if self.world > 1:
-            dist.all_reduce(sq)
-        return float(sq)
-
     def step_records(self, step: int) -> tuple[dict, list[dict]]:
         """({"task_loss": {task: mean loss}}, one {"step", "rank", "task", "samples_per_s"} line per rank and
         task); collective. samples_per_s is the rank's samples (all its tasks) over its compute time before the
@@ -241,48 +302,6 @@ class MultiTask:
             lines += [{"step": step, "rank": r, "task": t, "samples": self.layout.samples(t, r),
                        "compute_s": compute, "samples_per_s": speed} for t in self.layout.tasks_of(r)]
         return {"task_loss": task_loss}, lines
-
-    # ---- checkpoints: each head saved once (by its task's first rank), loaded by whichever ranks run it ----
-
-    def save(self, ckpt_dir: Path, optimizer: torch.optim.Optimizer) -> list[Path]:
-        """Write heads-TASK.safetensors for the tasks this rank leads (and tasks.json on rank 0) into ckpt_dir."""
-        files = []
-        for t in self.local:
-            if self.layout.ranks[t][0] != self.rank:
-                continue
-            tensors = {}
-            for name, p in self.heads[t].named_parameters():
-                state = optimizer.state.get(p, {})
-                tensors[f"model.task_heads.{t}.{name}"] = p.detach().cpu().contiguous()
-                for key in STATE_KEYS:
-                    tensors[f"{key}.task_heads.{t}.{name}"] = (state[key] if key in state else
-                                                               torch.zeros_like(p)).detach().cpu().contiguous()
-                tensors[f"step.task_heads.{t}.{name}"] = torch.as_tensor(
-                    state.get("step", torch.tensor(0.0)), dtype=torch.float32).reshape(1)
-            files.append(save_tensors(Path(ckpt_dir) / heads_file(t), tensors))
-        if self.rank == 0:
-            atomic_write_json(Path(ckpt_dir) / TASKS, {"ranks": self.layout.ranks, "batch": self.layout.batch})
-        return files
-
-    def load(self, checkpoint: Path | CheckpointReader, optimizer: torch.optim.Optimizer | None) -> None:
-        """Load this rank's heads (and their AdamW states) from a checkpoint written by any allocation (a directory,
-        or the reader the checkpoint loader already opened)."""
-        reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(Path(checkpoint))
-        for t in self.local:
-            if any(f"model.task_heads.{t}.{name}" not in reader for name, _ in self.heads[t].named_parameters()):
-                raise CheckpointError(f"{reader.path} has no head for task {t!r} (was it written by a run without "
-                                      f"that task?)")
-            for name, p in self.heads[t].named_parameters():
-                value = reader.get(f"model.task_heads.{t}.{name}")
-                if value.shape != p.shape:
-                    raise CheckpointError(f"task head {t}.{name} has shape {tuple(value.shape)} in "
-                                          f"{reader.path / heads_file(t)}, the model expects {tuple(p.shape)}")
-                with torch.no_grad():
-                    p.copy_(value)
-                step = reader.get(f"step.task_heads.{t}.{name}")
-                if optimizer is not None and float(step) > 0:
-                    optimizer.state[p] = {"step": step.reshape(()).to(p.device, copy=True), **{
-                        k: reader.get(f"{k}.task_heads.{t}.{name}").to(p.device, p.dtype) for k in STATE_KEYS}}
 
 
 def build_multitask(cfg: MoesysConfig, model: nn.Module, groups: ParallelGroups, device: torch.device,
