@@ -39,7 +39,7 @@ from runtime.model.transformer import Transformer
 from runtime.plan.disk import check_free
 from runtime.moe.layer import is_expert_param
 from runtime.files.tensorfile import write_tensors
-from runtime.files.paths import HF_TOKENIZER_CONFIG, TOKENIZER_FILE
+from runtime.files.paths import HF_TOKENIZER_CONFIG, META, TOKENIZER_FILE
 from runtime.data.tokenizer import checkpoint_tokenizer, hf_tokenizer_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -142,7 +142,7 @@ def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optio
                 atomic_write_json(tmp / HF_TOKENIZER_CONFIG, hf_tokenizer_config(cfg.model.max_seq_len))
         else:
             atomic_write_text(tmp / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-            atomic_write_json(tmp / "meta.json", {"step": _step(source.step_dir), "exported_from":
+            atomic_write_json(tmp / META, {"step": _step(source.step_dir), "exported_from":
                                                   str(source.step_dir.resolve()), "format": "moesys-export",
                                                   FILES: names})
         fsync_dir(tmp)
@@ -188,6 +188,6 @@ def _write_shards(directory: Path, shards: list[list[Entry]], files, to_dtype: O
 
 def _step(step_dir: Path) -> Optional[int]:
     try:
-        return json.loads((step_dir / "meta.json").read_text()).get("step")
+        return json.loads((step_dir / META).read_text()).get("step")
     except (OSError, ValueError):
         return None

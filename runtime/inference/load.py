@@ -26,7 +26,7 @@ from runtime.inference.mapped import MappedFileError, TensorFiles, copy_to, read
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
 from runtime.moe.layer import is_expert_param
-from runtime.files.paths import CHECKPOINTS, CONFIG
+from runtime.files.paths import CHECKPOINTS, CONFIG, META
 from runtime.files.checkpoint_format import MODEL, check_complete, latest_checkpoint, missing_tensor, tensor_key
 from runtime.page_cache import evict
 from runtime.files.tensorfile import verify
@@ -62,7 +62,7 @@ def checkpoint_kind(path: Path) -> str:
         raise InferError(f"checkpoint={path}: no such directory")
     if not path.is_dir():
         raise InferError(f"checkpoint={path}: not a directory (give a moesys run directory or a Hugging Face dir)")
-    if (path / CONFIG).is_file() or (path / "meta.json").is_file():
+    if (path / CONFIG).is_file() or (path / META).is_file():
         return "moesys"
     if (path / "config.json").is_file():
         return "hf"
@@ -79,16 +79,16 @@ def _first_line(exc: BaseException) -> str:
 
 def _moesys_step_dir(path: Path) -> tuple[Path, dict]:
     """(step directory, config as plain data) of a run directory or of one step directory."""
-    if (path / "meta.json").is_file():
+    if (path / META).is_file():
         step = path
     else:
         step = latest_checkpoint(path)
         if step is None:
             raise InferError(f"checkpoint={path}: no complete checkpoint under {CHECKPOINTS}/ (train first)")
     try:
-        meta = json.loads((step / "meta.json").read_text())
+        meta = json.loads((step / META).read_text())
     except (OSError, ValueError) as exc:
-        raise InferError(f"{step / 'meta.json'}: unreadable ({_first_line(exc)})") from None
+        raise InferError(f"{step / META}: unreadable ({_first_line(exc)})") from None
     config_file = path / CONFIG
     if config_file.is_file():
         try:
