@@ -19,10 +19,10 @@ from runtime.config import MoesysConfig
 from runtime.launch import build_launch
 from runtime.train.run_setup import prepare_run_dir
 from runtime.files.run_dir import read_metrics
+from runtime.model.precision import PRECISION_DTYPES
 
 VARIANTS = {"none": ("none", False), "cpu": ("cpu", False), "cpu_delayed": ("cpu", True), "ssd": ("ssd", False)}
 """Name -> (storage.offload, storage.delayed_update)."""
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _variant(base: MoesysConfig, root: Path, name: str, steps: int) -> MoesysConfig:
@@ -61,7 +61,7 @@ def run_offload_train_bench(base: MoesysConfig, steps: int = 10, warmup: int = 3
     """`variants` (names of VARIANTS, none first) on the resolved config; `time_limit_s` is shared by the jobs (a job
     that runs out is reported with its error, not waited for)."""
     device = torch.device("cuda" if base.topology.gpus_per_node and torch.cuda.is_available() else "cpu")
-    dtype = DTYPES[base.train.precision] if device.type == "cuda" else torch.float32
+    dtype = PRECISION_DTYPES[base.train.precision] if device.type == "cuda" else torch.float32
     peak = peak_flops(device, dtype)
     devices = base.topology.world_size if device.type == "cuda" else 1  # CPU ranks share one machine's cores
     flops = training_flops_per_token(base.model, base.train.seq_len)

@@ -41,8 +41,8 @@ from runtime.moe.layer import is_expert_param
 from runtime.files.tensorfile import write_tensors
 from runtime.files.paths import HF_TOKENIZER_CONFIG, META, TOKENIZER_FILE
 from runtime.data.tokenizer import checkpoint_tokenizer, hf_tokenizer_config
+from runtime.model.precision import PRECISION_DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("moesys", "hf")
 
 
@@ -94,7 +94,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "moesy
         raise ExportError(f"export.format={fmt!r} is not one of {', '.join(FORMATS)}")
     source = read_moesys(Path(checkpoint).expanduser())
     try:
-        return _export(source, out, fmt, DTYPES[dtype] if dtype else None, max_shard_gb)
+        return _export(source, out, fmt, PRECISION_DTYPES[dtype] if dtype else None, max_shard_gb)
     finally:
         source.files.close()  # done with the checkpoint: its maps go once the last view is dropped
 

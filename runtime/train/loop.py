@@ -29,8 +29,8 @@ from runtime.train.rank_memory import RankMemory
 from runtime.train.parts import global_grad_norm
 from runtime.train.loss_scale import DynamicLossScale
 from runtime.train.tensorboard import open_tensorboard
+from runtime.model.precision import PRECISION_DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class StopRequest:
@@ -67,7 +67,7 @@ def _check_finite(step: int, lm_loss: torch.Tensor, aux_loss: torch.Tensor, dive
 def _autocast(device: torch.device, precision: str):
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+    return torch.autocast(device_type=device.type, dtype=PRECISION_DTYPES[precision])
 
 
 def forward_backward(c: Components, cfg: MoesysConfig, groups: ParallelGroups, step: int, device: torch.device,
