@@ -13,6 +13,7 @@ from moesys_cli.render import console, human_bytes, human_count, literal, print_
 from moesys_cli.resolve import lr_warning, resolve_config
 from runtime.errors import UserError
 from runtime.launch import launch_ram_problem
+from runtime.plan.modes import OffloadMode
 from runtime.plan.planner import plan_placement, plan_to_dict
 from runtime.plan.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
 
@@ -83,7 +84,7 @@ def _render(recipe: str | None, r: dict) -> None:
                  f"{human_bytes(pr['device_total'])} / {human_bytes(pr['device_capacity'])}")
     rank.add_row("host (expert cache)", f"{human_bytes(pr['host'])} / {human_bytes(pr['host_capacity'])}")
     rank.add_row("ssd (expert store)", human_bytes(pr["ssd"]))
-    if pl["offload"] == "ssd":
+    if OffloadMode(pl["offload"]) is OffloadMode.SSD:
         rank.add_row("CPU cache", f"{pl['cpu_cache_experts']} of {pl['local_experts']} local experts")
     console.print(rank)
     _render_disk(r["disk"], b["tiers"]["ssd"]["capacity_bytes"] / max(1, b["nodes"]))
