@@ -161,10 +161,7 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
     """Open a checkpoint (streamed: experts are read where they lie), apply infer.* overrides (offload overrides
     infer.offload), place the experts, generate; a JSON-ready dict of tokens, speed, memory and bytes moved."""
     with PeakMemory() as host_peak:
-        overrides = dict(infer_overrides or {})
-        if offload is not None:
-            overrides["offload"] = offload
-        opened = open_for_inference(checkpoint, lambda data: resolve_infer_config(data, overrides), device)
+        opened = open_for_inference(checkpoint, resolve_infer_config, infer_overrides, offload, device)
         loaded, cfg, device = opened.loaded, opened.cfg, opened.device
         inf = cfg.infer
         ids = _prompt_ids(loaded, cfg, prompts, prompt_ids)

@@ -135,11 +135,14 @@ class Opened:
                               fingerprint(self.loaded.path), source=self.loaded.experts, prefetch=inf.prefetch)
 
 
-def open_for_inference(checkpoint: str | Path, resolve: Callable[[dict[str, Any]], Any],
+def open_for_inference(checkpoint: str | Path, resolve: Callable[[dict[str, Any], dict[str, Any]], Any],
+                       infer_overrides: Optional[dict[str, Any]] = None, offload: Optional[str] = None,
                        device: Optional[str | torch.device] = None) -> Opened:
-    """Open a checkpoint streamed (experts read where they lie) and resolve its config with `resolve(config_data)`:
-    how `moesys infer` and `moesys serve` both start. The process's CPUs all go to this one model."""
+    """Open a checkpoint streamed (experts read where they lie) and resolve its config with
+    `resolve(config_data, infer overrides)`, `offload` overriding infer.offload: how `moesys infer` and
+    `moesys serve` both start. The process's CPUs all go to this one model."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     set_cpu_threads(1)
     loaded = open_checkpoint(checkpoint, device=device)
-    return Opened(loaded, resolve(loaded.config_data), device)
+    overrides = {**(infer_overrides or {}), **({"offload": offload} if offload is not None else {})}
+    return Opened(loaded, resolve(loaded.config_data, overrides), device)

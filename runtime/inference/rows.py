@@ -33,6 +33,10 @@ def row_linear(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> 
     BLAS picks its kernel by shape; probed once per shape), else one call per row."""
     if _batched_is_row_wise(x_B1D.shape[0], weight, bias):
         return _batched_rows(x_B1D, weight, bias)
+    return _one_by_one(x_B1D, weight, bias)
+
+
+def _one_by_one(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return torch.cat([F.linear(x_B1D[b:b + 1], weight, bias) for b in range(x_B1D.shape[0])])
 
 
@@ -54,8 +58,7 @@ def _batched_is_row_wise(rows: int, weight: Tensor, bias: Optional[Tensor]) -> b
     key = (rows, tuple(weight.shape), weight.dtype, weight.device, bias is not None)
     if key not in _ROW_WISE:
         x = torch.randn(rows, 1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
-        alone = torch.cat([F.linear(x[b:b + 1], weight, bias) for b in range(rows)])
-        _ROW_WISE[key] = torch.equal(_batched_rows(x, weight, bias), alone)
+        _ROW_WISE[key] = torch.equal(_batched_rows(x, weight, bias), _one_by_one(x, weight, bias))
     return _ROW_WISE[key]
 
 

@@ -79,11 +79,9 @@ def open_service(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any
                  device: Optional[str | torch.device] = None, cache_dir: Optional[Path] = None) -> Service:
     """Open and place a checkpoint as `run_inference` does (offload overrides infer.offload), and start its worker.
     Requests default to the checkpoint's infer.max_new_tokens, temperature, top_k and seed."""
-    overrides = dict(infer_overrides or {})
-    if offload is not None:
-        overrides["offload"] = offload
     opened = open_for_inference(
-        checkpoint, lambda data: resolve_serve_config(data, overrides, dict(serve_overrides or {})), device)
+        checkpoint, lambda data, overrides: resolve_serve_config(data, overrides, dict(serve_overrides or {})),
+        infer_overrides, offload, device)
     loaded, cfg, device = opened.loaded, opened.cfg, opened.device
     offloader = opened.place(cache_dir)
     worker = GenerationWorker(loaded.model, offloader, cfg.serve.max_batch_size, cfg.serve.max_queue,

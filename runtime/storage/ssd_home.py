@@ -44,15 +44,14 @@ class SSDHome:
 
     # ---- reads ----
 
-    def new_slot(self, layer: int, pin: bool = False) -> ExpertSlot:
-        return new_slots(self.layouts[layer].numel, 1, self.dtype, self.separate_stage, pin)[0]
+    def new_slot(self, layer: int, pin: bool = False, zero: bool = True) -> ExpertSlot:
+        return new_slots(self.layouts[layer].numel, 1, self.dtype, self.separate_stage, pin, zero)[0]
 
     def _read(self, key: ExpertKey) -> ExpertSlot:
         """A fresh slot with the expert's states from its file (after any write of it still queued); not zeroed
         first: the read fills all of it."""
         self.writes.wait_for(key)
-        fresh = new_slots(self.layouts[key[0]].numel, 1, self.dtype, self.separate_stage, self.pin, zero=False)[0]
-        slot = self.store.read_into(key, fresh)
+        slot = self.store.read_into(key, self.new_slot(key[0], self.pin, zero=False))
         slot.refresh_stage()
         with self._host_lock:
             self.tiers.host.allocate(slot.nbytes)

@@ -224,11 +224,14 @@ class MultiTask:
         if not self.local:
             raise AllocationError(f"rank {self.rank} has no task in the layout {layout.ranks}")
         self.head_state = TaskHeadState(cfg, layout, groups, device, self.local)
-        self.heads = self.head_state.heads
         self.data: dict[str, TokenDataset] = build_task_datasets(
             {t: cfg.tasks[t].data for t in self.local}, cfg.train.seq_len, cfg.train.seed, cfg, run_tokenizer(cfg))
         self.last_losses: dict[str, torch.Tensor] = {}
         self.last_compute_s = 0.0
+
+    @property
+    def heads(self) -> nn.ModuleDict:
+        return self.head_state.heads
 
     def parameters(self) -> list[nn.Parameter]:
         return self.head_state.parameters()
