@@ -3,17 +3,17 @@ cache row, and is computed with the arithmetic of a lone decode step (`Transform
 logits, and hence its tokens, equal that request's lone run bit for bit.
 
 A matrix product over B rows is not, in general, B products of one row: a BLAS picks other kernels (and other
-summation orders) for other row counts. So every product runs as B one-row products: the dense ones in one batched
-call with their weight broadcast where that gives a lone step's rows for the shape (else row by row), the experts
-grouped by expert, read in place; the attention runs row by row with a lone step's very calls, and norms and
-activations are per row anyway.
+summation orders) for other row counts. So every product runs in the cheapest form found to give a lone step's rows
+for its shape (`row_linear`): one product over all rows where the kernel is batch-invariant, else B one-row
+products in one batched call, else row by row; the experts grouped by expert, read in place. The attention runs
+row by row with a lone step's very calls, and norms and activations are per row anyway.
 
 Legend: B rows, D model dim, L cache slots, K top-k, E experts.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,16 +28,13 @@ from runtime.moe.router import routing_weights, select_top_k
 
 
 def row_linear(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """F.linear of each row alone, [B, 1, D] -> [B, 1, N]: the very numbers a lone step's call gives. In one
-    batched call of B one-row products with the weight broadcast where that call gives them for this shape (the
-    BLAS picks its kernel by shape; probed once per shape), else one call per row."""
-    if _batched_is_row_wise(x_B1D.shape[0], weight, bias):
-        return _batched_rows(x_B1D, weight, bias)
-    return _one_by_one(x_B1D, weight, bias)
+    """F.linear of each row alone, [B, 1, D] -> [B, 1, N]: the very numbers a lone step's call gives, in the
+    cheapest form that gives them for this shape, dtype and device (`_form`)."""
+    return _form(x_B1D.shape[0], weight, bias)(x_B1D, weight, bias)
 
 
-def _one_by_one(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    return torch.cat([F.linear(x_B1D[b:b + 1], weight, bias) for b in range(x_B1D.shape[0])])
+def _one_product(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return F.linear(x_B1D, weight, bias)
 
 
 def _batched_rows(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -48,24 +45,33 @@ def _batched_rows(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tens
     return torch.baddbmm(bias.expand(B, 1, bias.shape[-1]), x_B1D, weight_BDN)
 
 
-_ROW_WISE: dict[tuple, bool] = {}
+def _one_by_one(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return torch.cat([F.linear(x_B1D[b:b + 1], weight, bias) for b in range(x_B1D.shape[0])])
 
 
-def _batched_is_row_wise(rows: int, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether the batched call's rows equal F.linear's one row at a time, bit for bit, for this shape, dtype and
+FORMS = (_one_product, _batched_rows, _one_by_one)
+"""Cheapest first: one product over all rows reads the weight once (a GEMM; its rows are lone rows where the
+kernel is batch-invariant, as oneDNN's bf16 GEMM is on CPU); one batched call of B one-row products reads it B
+times; one call per row is the lone step itself."""
+_FORM: dict[tuple, Callable] = {}
+
+
+def _form(rows: int, weight: Tensor, bias: Optional[Tensor]) -> Callable:
+    """The first of FORMS whose rows equal F.linear's one row at a time, bit for bit, for this shape, dtype and
     device: tried once on random rows (which kernel runs, and so the summation order, depends on the shape, not on
     the values)."""
     key = (rows, tuple(weight.shape), weight.dtype, weight.device, bias is not None)
-    if key not in _ROW_WISE:
+    if key not in _FORM:
         x = torch.randn(rows, 1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
-        _ROW_WISE[key] = torch.equal(_batched_rows(x, weight, bias), _one_by_one(x, weight, bias))
-    return _ROW_WISE[key]
+        lone = _one_by_one(x, weight, bias)
+        _FORM[key] = next(form for form in FORMS if torch.equal(form(x, weight, bias), lone))
+    return _FORM[key]
 
 
 def _expert_linear(x_R1D: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """One expert's product of R one-row matrices at once (bmm with the weight broadcast): each row as
-    `gathered_ffn`'s per-token product computes it (tests/unit/inference/test_rows.py checks it bit for bit)."""
-    y = torch.bmm(x_R1D, weight.t().expand(x_R1D.shape[0], *weight.t().shape))
+    """One expert's product of R one-row matrices: each row as `gathered_ffn`'s per-token product computes it (a
+    one-row product, then the bias; tests/unit/inference/test_rows.py checks it bit for bit)."""
+    y = row_linear(x_R1D, weight)
     return y if bias is None else y + bias
 
 

@@ -1,6 +1,7 @@
 """decode_rows: a batch of rows at different positions gives each row exactly the logits of its own lone decode
 step (Transformer.decode at batch 1, over a cache of its own size), for both model families, grouped-query
-attention, dense layers and experts grouped across rows."""
+attention, dense layers and experts grouped across rows, in fp32 (one-row products batched) and bf16 (one product
+over all rows, where the CPU's kernel is batch-invariant)."""
 
 import pytest
 import torch
@@ -24,11 +25,12 @@ def _lone(model, prompt, token):
     return model.decode(torch.tensor([[token]]), torch.tensor([len(prompt)]), cache)[0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", [GPT, MIXTRAL], ids=["gpt", "mixtral-gqa-dense"])
 @torch.no_grad()
-def test_each_row_is_its_lone_decode_step_bit_for_bit(family):
+def test_each_row_is_its_lone_decode_step_bit_for_bit(family, dtype):
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**family)).eval()
+    model = Transformer(ModelConfig(**family)).eval().to(dtype)
     prompts = [[(7 * i + j) % 256 for j in range(1 + 5 * i)] for i in range(6)]
     tokens = [11 * i + 3 for i in range(6)]
     cache = model.new_static_cache(len(prompts), 128)
