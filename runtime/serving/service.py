@@ -5,21 +5,23 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
 from runtime.config import MoesysConfig
 from runtime.inference.load import LoadedModel, resolve_infer_config
-from runtime.inference.offloaders import open_for_inference
+from runtime.inference.offloaders import Opened, open_for_inference
 from runtime.inference.offload import Offloader
 from runtime.serving.metrics import ServeMetrics
 from runtime.serving.protocol import Defaults
 from runtime.serving.worker import GenerationWorker
 
 log = logging.getLogger("moesys.serve")
+T = TypeVar("T")
 
 
 def resolve_serve_config(config_data: dict[str, Any], infer_overrides: dict[str, Any],
@@ -74,16 +76,41 @@ class Service:
                         "is left open", self.config.serve.drain_timeout_s)
 
 
+def on_passing_thread(fn: Callable[[], T]) -> T:
+    """fn() on a thread that ends when fn returns; its result, or its exception raised here. The thread that runs
+    torch's parallel regions keeps a team of OpenMP workers until it ends: a team kept by this thread beside the
+    generation worker's would make more OpenMP threads than cores, and libgomp then puts its workers to sleep
+    between parallel regions, a wake-up for each of a decode step's hundreds of operators."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # re-raised on the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="moesys-open")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 def open_service(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any]] = None,
                  serve_overrides: Optional[dict[str, Any]] = None, offload: Optional[str] = None,
                  device: Optional[str | torch.device] = None, cache_dir: Optional[Path] = None) -> Service:
     """Open and place a checkpoint as `run_inference` does (offload overrides infer.offload), and start its worker.
-    Requests default to the checkpoint's infer.max_new_tokens, temperature, top_k and seed."""
-    opened = open_for_inference(
-        checkpoint, lambda data, overrides: resolve_serve_config(data, overrides, dict(serve_overrides or {})),
-        infer_overrides, offload, device)
+    Requests default to the checkpoint's infer.max_new_tokens, temperature, top_k and seed. The opening runs on a
+    thread of its own (`on_passing_thread`): from then on the worker's thread is the only one that computes."""
+    def open_and_place() -> tuple[Opened, Offloader]:
+        opened = open_for_inference(
+            checkpoint, lambda data, overrides: resolve_serve_config(data, overrides, dict(serve_overrides or {})),
+            infer_overrides, offload, device)
+        return opened, opened.place(cache_dir)
+
+    opened, offloader = on_passing_thread(open_and_place)
     loaded, cfg, device = opened.loaded, opened.cfg, opened.device
-    offloader = opened.place(cache_dir)
     worker = GenerationWorker(loaded.model, offloader, cfg.serve.max_batch_size, cfg.serve.max_queue,
                               stuck_after_s=cfg.serve.request_timeout_s)
     return Service(loaded.path.resolve().name, cfg, loaded, offloader, worker, device)
