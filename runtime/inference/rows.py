@@ -22,7 +22,7 @@ from torch import Tensor
 from runtime.model.attention import Attention, StaticKVCache, rotate
 from runtime.model.ffn import DenseFFN
 from runtime.model.transformer import Block, Transformer
-from runtime.moe.experts import GroupedExperts
+from runtime.moe.experts import GroupedExperts, grouped_mm_ok, combine_choices
 from runtime.moe.layer import MoELayer
 from runtime.moe.router import routing_weights, select_top_k
 
@@ -107,28 +107,77 @@ def _dense(ffn: DenseFFN, x: Tensor) -> Tensor:
 
 def _grouped_ffn(x_B1D: Tensor, ids_B1K: Tensor, weights_B1K: Tensor, experts: GroupedExperts) -> Tensor:
     """`gathered_ffn`'s arithmetic, grouped by expert: each (row, choice) a one-row product with its expert's
-    weights, read in place; then each row's choices combined as gathered_ffn combines them."""
+    weights, read in place; then each row's choices combined as gathered_ffn combines them. All rows in one grouped
+    GEMM per projection where its groups' rows are one-row products' (`_grouped_is_row_wise`), else expert by
+    expert."""
     B, _, K = ids_B1K.shape
-    D = experts.hidden
     w = experts.weights()
-    flat_ids = ids_B1K.reshape(-1).tolist()
+    aligned = all(t.data_ptr() % 16 == 0 for t in (w["w1"], w["w2"], w["w3"]) if t is not None)
+    if aligned and _grouped_is_row_wise(B * K, w["w1"], w["w2"], w["w3"]):
+        y_RD = _all_grouped(x_B1D.view(B, -1), ids_B1K.reshape(-1), K, w, experts.expert_type)
+    else:
+        y_RD = _expert_by_expert(x_B1D.view(B, -1), ids_B1K.reshape(-1), K, w, experts.expert_type)
+    return combine_choices(y_RD.view(B, 1, K, -1), weights_B1K)
+
+
+def _all_grouped(x_BD: Tensor, ids_R: Tensor, K: int, w: dict, kind: str) -> Tensor:
+    """y_RD for the R = B*K (row, choice) pairs: pairs sorted by expert, one grouped GEMM per projection."""
+    sorted_ids, order_R = torch.sort(ids_R, stable=True)
+    offs_e = torch.searchsorted(sorted_ids, torch.arange(w["w1"].shape[0], device=ids_R.device), right=True,
+                                out_int32=True)
+    x_RD = x_BD.index_select(0, order_R // K)
+
+    def proj(a, name, bias):
+        out = torch._grouped_mm(a, w[name].transpose(-2, -1), offs=offs_e)
+        return out if w[bias] is None else out + w[bias].index_select(0, sorted_ids)
+
+    h = proj(x_RD, "w1", "b1")
+    h = F.gelu(h) if kind == "gelu" else F.silu(h) * proj(x_RD, "w3", "b3")
+    y_sorted = proj(h, "w2", "b2")
+    return torch.empty_like(y_sorted).index_copy_(0, order_R, y_sorted)
+
+
+def _expert_by_expert(x_BD: Tensor, ids_R: Tensor, K: int, w: dict, kind: str) -> Tensor:
+    """y_RD for the R = B*K (row, choice) pairs, expert by expert, each expert's rows in `row_linear`'s form."""
     by_expert: dict[int, list[int]] = {}
-    for i, e in enumerate(flat_ids):
+    for i, e in enumerate(ids_R.tolist()):
         by_expert.setdefault(e, []).append(i)
-    x_RD = x_B1D.expand(B, K, D).reshape(B * K, 1, D)
-    y_R1D = x_B1D.new_empty(B * K, 1, D)
-    for e, rows in by_expert.items():
-        idx = torch.tensor(rows, device=x_B1D.device)
-        x_r = x_RD.index_select(0, idx)
+    y_RD = x_BD.new_empty(ids_R.shape[0], x_BD.shape[1])
+    for e, pairs in by_expert.items():
+        idx = torch.tensor(pairs, device=x_BD.device)
+        x_r = x_BD.index_select(0, idx // K)[:, None]
         pick = lambda name: None if w[name] is None else w[name][e]  # noqa: E731
         h = _expert_linear(x_r, w["w1"][e], pick("b1"))
-        if experts.expert_type == "gelu":
-            h = F.gelu(h)
-        else:
-            h = F.silu(h) * _expert_linear(x_r, w["w3"][e], pick("b3"))
-        y_R1D.index_copy_(0, idx, _expert_linear(h, w["w2"][e], pick("b2")))
-    y_B1KD = y_R1D.view(B, 1, K, D)
-    return torch.einsum("...kd,...k->...d", y_B1KD, weights_B1K.to(y_B1KD.dtype))
+        h = F.gelu(h) if kind == "gelu" else F.silu(h) * _expert_linear(x_r, w["w3"][e], pick("b3"))
+        y_RD.index_copy_(0, idx, _expert_linear(h, w["w2"][e], pick("b2"))[:, 0])
+    return y_RD
+
+
+_GROUPED: dict[tuple, bool] = {}
+
+
+def _grouped_is_row_wise(rows: int, w1: Tensor, w2: Tensor, w3: Optional[Tensor]) -> bool:
+    """Whether `_all_grouped` gives each pair a one-row product's bits for up to `rows` pairs: the grouped GEMM
+    takes these weights (16-byte aligned rows), one product over m rows gives one-row products for every m <= rows (`_form`), and
+    the grouped GEMM gives a product per group's numbers (probed once on random rows in uneven groups)."""
+    key = (rows, tuple(w1.shape), tuple(w2.shape), w1.dtype, w1.device)
+    if key not in _GROUPED:
+        given = [t for t in (w1, w2, w3) if t is not None]
+        ok = grouped_mm_ok(*given) and all(
+            _form(m, t[0], None) is _one_product for m in range(1, rows + 1) for t in (w1, w2))
+        if ok:
+            E = w1.shape[0]
+            gen = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, max(1, E // 2), (rows,), generator=gen)  # uneven groups, some empty
+            x = torch.randn(rows, w1.shape[2], generator=gen).to(w1)
+            sorted_ids, _ = torch.sort(ids)
+            offs = torch.searchsorted(sorted_ids, torch.arange(E), right=True, out_int32=True).to(w1.device)
+            got = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+            bounds = [0] + offs.tolist()
+            ok = all(torch.equal(got[a:b], F.linear(x[a:b], w1[e])) for e, (a, b) in
+                     enumerate(zip(bounds, bounds[1:])) if b > a)
+        _GROUPED[key] = ok
+    return _GROUPED[key]
 
 
 def _moe(layer: MoELayer, x_B1D: Tensor) -> Tensor:

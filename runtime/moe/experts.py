@@ -25,7 +25,7 @@ EXPERT_TYPES = ("gelu", "swiglu")
 IMPLS = ("auto", "grouped_mm", "bmm", "loop")
 
 
-def _grouped_mm_ok(*tensors: Tensor) -> bool:
+def grouped_mm_ok(*tensors: Tensor) -> bool:
     """torch._grouped_mm needs 16-byte aligned strides (CPU and sm90+ CUDA in torch 2.13)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
@@ -219,7 +219,7 @@ def expert_ffn(x_RD: Tensor, tokens_per_expert_e: Tensor, w1: Tensor, w2: Tensor
         w3 = b3 = None
     counts_e = tokens_per_expert_e.to(device=x_RD.device, dtype=torch.long)
     if impl == "auto":
-        impl = "grouped_mm" if _grouped_mm_ok(x_RD, w1) else "bmm"
+        impl = "grouped_mm" if grouped_mm_ok(x_RD, w1) else "bmm"
     fn = {"grouped_mm": _ffn_grouped_mm, "bmm": _ffn_bmm, "loop": _ffn_loop}[impl]
     with torch.autocast(device_type, enabled=False):
         return fn(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind)
@@ -259,7 +259,7 @@ def one_token_in_place(x_TD: Tensor, *weights: Tensor | None) -> bool:
     given = [w for w in weights if w is not None]
     if given[0].device.type == "cuda" and given[0].dtype != torch.bfloat16:
         return False
-    return all(w.data_ptr() % 16 == 0 for w in given) and _grouped_mm_ok(x_TD.reshape(1, -1), *given)
+    return all(w.data_ptr() % 16 == 0 for w in given) and grouped_mm_ok(x_TD.reshape(1, -1), *given)
 
 
 def grouped_routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor,

@@ -53,9 +53,9 @@ def test_dropless_top2_matches_reference_loop(expert_type, bias, impl):
 
 
 def test_grouped_mm_path_is_used_for_aligned_shapes():
-    from runtime.moe.experts import _grouped_mm_ok
-    assert _grouped_mm_ok(torch.zeros(2, 16), torch.zeros(4, 32, 16))
-    assert not _grouped_mm_ok(torch.zeros(2, 6), torch.zeros(4, 32, 6))
+    from runtime.moe.experts import grouped_mm_ok
+    assert grouped_mm_ok(torch.zeros(2, 16), torch.zeros(4, 32, 16))
+    assert not grouped_mm_ok(torch.zeros(2, 6), torch.zeros(4, 32, 6))
 
 
 def test_unaligned_hidden_falls_back_and_matches():
