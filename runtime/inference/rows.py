@@ -77,9 +77,10 @@ def _expert_linear(x_R1D: Tensor, weight: Tensor, bias: Optional[Tensor] = None)
 
 def _attention(att: Attention, x_B1D: Tensor, cache: StaticKVCache, pos_B: Tensor, rows_B: Tensor,
                rope: Optional[tuple[Tensor, Tensor]], mask_BL: Tensor, spans: list[int]) -> Tensor:
-    """Attention.decode with a position per row, against rows 0..B-1 of the cache. The attention itself runs row
-    by row with a lone step's shapes (row b over its first spans[b] slots, the size of its lone run's cache): the
-    CPU kernel's arithmetic depends on the batch, the mask's shape and the number of slots."""
+    """Attention.decode with a position per row, against rows 0..B-1 of the cache. Row b attends over its first
+    spans[b] slots, the size of its lone run's cache: rows of one span in one call where that gives lone calls'
+    bits (probed per shape: the CPU kernel's fp32 arithmetic depends on the batch and the mask's shape, its
+    bf16 arithmetic does not), else row by row with a lone step's shapes."""
     B = x_B1D.shape[0]
     KV, hd = att.num_kv_heads, att.head_dim
     group = att.num_heads // KV
@@ -91,9 +92,46 @@ def _attention(att: Attention, x_B1D: Tensor, cache: StaticKVCache, pos_B: Tenso
     buf_k, buf_v = cache.keys[att.layer_index], cache.values[att.layer_index]
     buf_k[rows_B, :, pos_B] = k[:, :, 0]
     buf_v[rows_B, :, pos_B] = v[:, :, 0]
-    out = torch.cat([F.scaled_dot_product_attention(q[b:b + 1], buf_k[b:b + 1, :, :n], buf_v[b:b + 1, :, :n],
-                                                    attn_mask=mask_BL[b:b + 1, :n]) for b, n in enumerate(spans)])
+    out = q.new_empty(q.shape)
+    by_span: dict[int, list[int]] = {}
+    for b, n in enumerate(spans):
+        by_span.setdefault(n, []).append(b)
+    for n, rows in by_span.items():
+        if len(rows) > 1 and _attention_is_row_wise(len(rows), q.shape[1:], n, q.dtype, q.device):
+            idx = torch.tensor(rows, device=q.device)
+            out.index_copy_(0, idx, F.scaled_dot_product_attention(
+                q.index_select(0, idx), buf_k[:, :, :n].index_select(0, idx), buf_v[:, :, :n].index_select(0, idx),
+                attn_mask=mask_BL[:, :n].index_select(0, idx)[:, None, None]))
+        else:
+            for b in rows:
+                out[b:b + 1] = _lone_attention(q[b:b + 1], buf_k[b:b + 1, :, :n], buf_v[b:b + 1, :, :n],
+                                               mask_BL[b:b + 1, :n])
     return row_linear(out.reshape(B, 1, att.num_heads * hd), att.wo.weight, att.wo.bias)
+
+
+def _lone_attention(q_1KGH: Tensor, k_1KLH: Tensor, v_1KLH: Tensor, mask_1L: Tensor) -> Tensor:
+    """A lone decode step's attention call, with its shapes."""
+    return F.scaled_dot_product_attention(q_1KGH, k_1KLH, v_1KLH, attn_mask=mask_1L)
+
+
+_ATTENTION: dict[tuple, bool] = {}
+
+
+def _attention_is_row_wise(rows: int, q_shape: torch.Size, slots: int, dtype: torch.dtype,
+                           device: torch.device) -> bool:
+    """Whether one attention call over `rows` rows (a [rows, 1, 1, slots] mask) gives each row a lone call's
+    bits, for these shapes, dtype and device: tried once on random rows."""
+    key = (rows, tuple(q_shape), slots, dtype, device)
+    if key not in _ATTENTION:
+        gen = torch.Generator().manual_seed(0)
+        KV, _, hd = q_shape
+        q = torch.randn(rows, *q_shape, generator=gen).to(device, dtype)
+        k, v = (torch.randn(rows, KV, slots, hd, generator=gen).to(device, dtype) for _ in range(2))
+        mask = torch.arange(slots)[None] <= torch.randint(0, slots, (rows, 1), generator=gen)
+        mask = mask.to(device)
+        lone = torch.cat([_lone_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask[b:b + 1]) for b in range(rows)])
+        _ATTENTION[key] = torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None]), lone)
+    return _ATTENTION[key]
 
 
 def _dense(ffn: DenseFFN, x: Tensor) -> Tensor:
@@ -158,8 +196,9 @@ _GROUPED: dict[tuple, bool] = {}
 
 def _grouped_is_row_wise(rows: int, w1: Tensor, w2: Tensor, w3: Optional[Tensor]) -> bool:
     """Whether `_all_grouped` gives each pair a one-row product's bits for up to `rows` pairs: the grouped GEMM
-    takes these weights (16-byte aligned rows), one product over m rows gives one-row products for every m <= rows (`_form`), and
-    the grouped GEMM gives a product per group's numbers (probed once on random rows in uneven groups)."""
+    takes these weights (16-byte aligned rows), one product over m rows gives one-row products for every
+    m <= rows (`_form`), and the grouped GEMM gives each group a product's numbers (probed once on random rows in
+    uneven groups)."""
     key = (rows, tuple(w1.shape), tuple(w2.shape), w1.dtype, w1.device)
     if key not in _GROUPED:
         given = [t for t in (w1, w2, w3) if t is not None]
