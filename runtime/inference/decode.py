@@ -64,7 +64,7 @@ class DecodeStep:
 
     def prefill(self, tokens_BS: Tensor, cache: StaticKVCache) -> Tensor:
         """The prompt's forward (sort-based MoE dispatch), filling positions 0..S-1 -> last position's logits."""
-        return self.model(tokens_BS, cache, 0).logits[:, -1]
+        return self.model.prefill(tokens_BS, cache)
 
     def __call__(self, tokens_B1: Tensor, pos_1: Tensor, cache: StaticKVCache) -> Tensor:
         """Next-token logits [B, V] for tokens [B, 1] at position pos_1 (device tensor)."""

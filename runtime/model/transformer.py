@@ -38,11 +38,11 @@ class Block(nn.Module):
         self.ffn_norm = build_norm(cfg)
         self.ffn = MoELayer(cfg) if self.is_moe else DenseFFN(cfg)
 
-    def forward(self, x, rope=None, cache: Optional[KVCache] = None, start_pos: int = 0):
+    def forward(self, x, rope=None, cache: Optional[KVCache] = None, start_pos: int = 0, moe_stats: bool = True):
         """x [B, S, D] -> (y [B, S, D], MoEStats or None)."""
         h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
         if self.is_moe:
-            y, stats = self.ffn(self.ffn_norm(h))
+            y, stats = self.ffn(self.ffn_norm(h), stats=moe_stats)
             return h + y, stats
         return h + self.ffn(self.ffn_norm(h)), None
 
@@ -96,8 +96,10 @@ class Transformer(nn.Module):
         generator; without a seed, one is drawn from torch's global RNG."""
         init_parameters(self, draw_seed() if seed is None else seed)
 
-    def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, start_pos: int = 0) -> ModelOutput:
-        """tokens [B, S] at positions start_pos..start_pos+S-1 (start_pos > 0 needs the cache of the prefix)."""
+    def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, start_pos: int = 0,
+                moe_stats: bool = True) -> ModelOutput:
+        """tokens [B, S] at positions start_pos..start_pos+S-1 (start_pos > 0 needs the cache of the prefix).
+        moe_stats=False leaves the MoE layers' losses and metrics out (aux_loss 0, moe_stats empty)."""
         B, S = tokens.shape
         end = start_pos + S
         if end > self.cfg.max_seq_len:
@@ -113,13 +115,18 @@ class Transformer(nn.Module):
             rope = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         stats = []
         for block in self.layers:
-            h, layer_stats = block(h, rope, cache, start_pos)
+            h, layer_stats = block(h, rope, cache, start_pos, moe_stats)
             if layer_stats is not None:
                 stats.append(layer_stats)
         h = self.norm(h)
         logits = self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
         aux = sum((s.aux_loss for s in stats), h.new_zeros(()))
         return ModelOutput(logits=logits, aux_loss=aux, moe_stats=stats)
+
+    def prefill(self, tokens_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """A prompt's forward into an empty cache -> the last position's next-token logits [B, V]; no MoE losses
+        or metrics (inference has no use for them)."""
+        return self(tokens_BS, cache, 0, moe_stats=False).logits[:, -1]
 
     def decode(self, tokens_B1: torch.Tensor, pos_1: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """The decode step: tokens [B, 1] at position pos_1 (a one-element device tensor, below the cache's

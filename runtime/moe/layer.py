@@ -55,8 +55,10 @@ class MoELayer(nn.Module):
         self.experts: Experts = GroupedExperts(local, cfg.hidden_size, cfg.ffn_size, cfg.expert_type, cfg.bias)
         self.dispatcher = LocalDispatcher(cfg.num_experts) if dispatcher is None else dispatcher
 
-    def forward(self, x: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, MoEStats]:
-        """generator seeds the router noise and the random drop policy (global RNG when None)."""
+    def forward(self, x: Tensor, generator: torch.Generator | None = None,
+                stats: bool = True) -> tuple[Tensor, MoEStats | None]:
+        """generator seeds the router noise and the random drop policy (global RNG when None). stats=False skips
+        the router losses and gate metrics (None), which a prompt's forward at inference does not use."""
         cfg = self.cfg
         x_TD = x.reshape(-1, x.shape[-1])
         routing = self.router(x_TD, generator)
@@ -68,6 +70,8 @@ class MoELayer(nn.Module):
         x_RD, tokens_per_expert, meta = self.dispatcher.dispatch(x_TD, routing, keep_TK)
         y_RD = self.experts(x_RD, tokens_per_expert)
         y_TD = self.dispatcher.combine(y_RD, meta)
+        if not stats:
+            return y_TD.view(x.shape), None
         aux_loss, losses = router_losses(routing, cfg)
         stats = MoEStats(aux_loss, losses, gate_metrics(routing, keep_TK))
         return y_TD.view(x.shape), stats

@@ -94,7 +94,7 @@ class ContinuousBatch:
             self.offloader.reset()
         alone = self.model.new_static_cache(1, seq.span)
         tokens = torch.tensor([seq.prompt_ids], dtype=torch.long, device=self.device)
-        logits_1V = self.model(tokens, alone, 0).logits[:, -1]
+        logits_1V = self.model.prefill(tokens, alone)
         cache, row = self._batch_cache(), len(self.rows)
         for mine, its in zip(cache.keys + cache.values, alone.keys + alone.values):
             mine[row, :, :length] = its[0, :, :length]

@@ -104,6 +104,21 @@ def test_static_decode_step_equals_full_forward(name):
     torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 4:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["gpt", "mixtral_moe_every_2nd_bias"])
+def test_prefill_is_the_forward_without_moe_stats(name):
+    """Transformer.prefill fills the cache and gives the forward's last logits bit for bit, with no MoE losses or
+    metrics computed (forward with moe_stats=False: aux_loss 0, no stats)."""
+    model = build(name)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        cache_a, cache_b = model.new_static_cache(2, 16), model.new_static_cache(2, 16)
+        full = model(tokens, cache_a, 0)
+        lean = model(tokens, cache_b, 0, moe_stats=False)
+        assert torch.equal(model.prefill(tokens, model.new_static_cache(2, 16)), full.logits[:, -1])
+    assert torch.equal(lean.logits, full.logits) and all(torch.equal(a, b) for a, b in zip(cache_a.keys, cache_b.keys))
+    assert full.moe_stats and not lean.moe_stats and float(lean.aux_loss) == 0.0
+
+
 @pytest.mark.parametrize("name", ["gpt", "mixtral_gqa", "moe_every_2nd"])
 def test_changing_a_future_token_leaves_earlier_logits_unchanged(name):
     model = build(name)
