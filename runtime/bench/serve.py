@@ -29,6 +29,8 @@ from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 SHAPE = {"hidden": 256, "ffn": 1024, "layers": 4, "experts": 8, "vocab": 4096, "heads": 4}
+DTYPE = "bfloat16"
+"""The checkpoint's dtype: what Mixtral checkpoints ship in and servers serve."""
 CLIENTS = 16
 DURATION_S = 10.0
 PROMPT_LENGTHS = (4, 12, 24, 40)
@@ -222,7 +224,7 @@ def _setting(checkpoint: Path, offload: str, batch: int, bodies: list[dict], exp
 
 
 def run_serve_bench(clients: int = CLIENTS, duration_s: float = DURATION_S, settings: Optional[dict] = None,
-                    workdir: Optional[Path] = None) -> dict[str, Any]:
+                    workdir: Optional[Path] = None, dtype: str = DTYPE) -> dict[str, Any]:
     """Each setting under the same load; raises when any valid request failed or the server did not exit 0."""
     from runtime.inference.random_checkpoint import write_random_mixtral
     import torch
@@ -231,7 +233,7 @@ def run_serve_bench(clients: int = CLIENTS, duration_s: float = DURATION_S, sett
     try:
         checkpoint = root / "mixtral"
         size = write_random_mixtral(checkpoint, SHAPE["hidden"], SHAPE["ffn"], SHAPE["layers"], SHAPE["experts"],
-                                    SHAPE["vocab"], heads=SHAPE["heads"], dtype=torch.float32, max_seq_len=256)
+                                    SHAPE["vocab"], heads=SHAPE["heads"], dtype=getattr(torch, dtype), max_seq_len=256)
         bodies = _bodies(SHAPE["vocab"])
         expected = _expected(checkpoint, bodies)
         results = {name: _setting(checkpoint, offload, batch, bodies, expected, clients, duration_s,
@@ -244,7 +246,7 @@ def run_serve_bench(clients: int = CLIENTS, duration_s: float = DURATION_S, sett
         raise RuntimeError(f"moesys bench serve: valid requests failed: {json.dumps(broken)}")
     for r in results.values():
         del r["failures"]
-    out: dict[str, Any] = {"shape": SHAPE, "checkpoint_bytes": size, "ring_slots": RING_SLOTS, "clients": clients,
+    out: dict[str, Any] = {"shape": SHAPE, "dtype": dtype, "checkpoint_bytes": size, "ring_slots": RING_SLOTS, "clients": clients,
                            "duration_s": duration_s, "prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS,
                            "settings": results}
     base = results.get("none", {}).get("requests_per_s")

@@ -274,3 +274,24 @@ def test_a_prefix_decoded_differently_waits_and_the_end_gives_the_rest():
     stream = TextStream(_Cleanup())
     pieces = [stream.push([ord(c)]) for c in "hi ,ok"] + [stream.push([], final=True)]
     assert pieces == ["h", "i", " ", "", "", "", ",ok"]  # nothing past the differing point is lost
+
+
+def test_the_service_opens_on_a_thread_that_ends_and_gives_back_its_result_or_error():
+    """open_service opens the model on a passing thread (its OpenMP team goes with it): the result comes back,
+    an error is raised on the caller's thread, and the thread has ended either way."""
+    from runtime.serving.service import on_passing_thread
+
+    ran_on = []
+
+    def work():
+        ran_on.append(threading.current_thread())
+        return torch.ones(3).sum().item()
+
+    assert on_passing_thread(work) == 3.0
+    assert ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
+
+    def fail():
+        raise FileNotFoundError("no checkpoint here")
+
+    with pytest.raises(FileNotFoundError, match="no checkpoint here"):
+        on_passing_thread(fail)
