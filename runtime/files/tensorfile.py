@@ -44,14 +44,17 @@ def spec_of(t: torch.Tensor) -> TensorSpec:
     return t.dtype, tuple(t.shape)
 
 
-def _header(specs: dict[str, TensorSpec], metadata: dict[str, str] | None) -> tuple[bytes, int]:
-    """The length-prefixed JSON header with a placeholder checksum, and the file offset of the placeholder.
+def _header(specs: dict[str, TensorSpec], metadata: dict[str, str] | None,
+            checksum: bool = True) -> tuple[bytes, int | None]:
+    """The length-prefixed JSON header with a placeholder checksum, and the file offset of the placeholder (None
+    without a checksum).
 
     The checksum is the first entry of the first object, so its position does not depend on any key or value."""
     if "__metadata__" in specs:
         raise ValueError("__metadata__ is reserved by safetensors and cannot name a tensor")
-    meta = {CHECKSUM_KEY: _CRC_PLACEHOLDER, **{k: v for k, v in (metadata or {}).items() if k != CHECKSUM_KEY}}
-    header: dict = {"__metadata__": meta}
+    meta = {CHECKSUM_KEY: _CRC_PLACEHOLDER} if checksum else {}
+    meta.update({k: v for k, v in (metadata or {}).items() if k != CHECKSUM_KEY})
+    header: dict = {"__metadata__": meta} if meta else {}
     offset = 0
     for key, (dtype, shape) in specs.items():
         nbytes = math.prod(shape) * dtype.itemsize
@@ -59,6 +62,8 @@ def _header(specs: dict[str, TensorSpec], metadata: dict[str, str] | None) -> tu
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data section stays 8-byte aligned, as safetensors writes it
+    if not checksum:
+        return struct.pack("<Q", len(encoded)) + encoded, None
     prefix = json.dumps({"__metadata__": {CHECKSUM_KEY: ""}}, separators=(",", ":")).encode()[:-3]
     assert encoded.startswith(prefix)
     return struct.pack("<Q", len(encoded)) + encoded, 8 + len(prefix)
@@ -72,10 +77,13 @@ def raw_bytes(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()  # via uint8: numpy has no bfloat16
 
 
-def encode(tensors: dict[str, torch.Tensor]) -> list:
+def encode(tensors: dict[str, torch.Tensor], checksum: bool = True) -> list:
     """The file of `tensors` as buffers, for a gather write: the header with the checksum of the data section
-    filled in, then every tensor's own memory in dict order (no copy of a contiguous CPU tensor)."""
+    filled in (none with checksum=False: `verify` then has nothing to check), then every tensor's own memory in
+    dict order (no copy of a contiguous CPU tensor)."""
     raws = [raw_bytes(t) for t in tensors.values()]
+    if not checksum:
+        return [_header({k: spec_of(t) for k, t in tensors.items()}, None, checksum=False)[0], *raws]
     crc = 0
     for raw in raws:
         crc = zlib.crc32(raw, crc)

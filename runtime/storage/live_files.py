@@ -2,9 +2,11 @@
 tensors' memory, and one scatter read (os.preadv) straight into fresh tensors (the paper's "2D Prefetch Scheduling": SSD
 traffic overlapped with compute needs large requests, not a serialised copy or page faults on a memory map).
 
-The files are the checksummed safetensors files of runtime/files/tensorfile.py (same header, same `moesys.crc32`), so
-`verify` and any safetensors reader read them. A file is replaced by rename (a reader sees the old or the new file,
-never a torn one); fsync only when `durable`: live files are working memory, rebuilt from a checkpoint on resume.
+The files are the safetensors files of runtime/files/tensorfile.py, so `verify` and any safetensors reader read them.
+A durable file carries the data's `moesys.crc32`, is replaced by rename (a reader sees the old or the new file, never
+a torn one) and fsynced. Live files are working memory, rebuilt from a checkpoint on resume, and the store's readers
+wait for the queued writes of a key (write-behind): a live file is rewritten in place, without a checksum (a CRC of
+every write costs about as much CPU as the write itself, for a check nothing would make).
 """
 
 from __future__ import annotations
@@ -24,9 +26,19 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 def write_file(path: Path, tensors: dict[str, torch.Tensor], durable: bool) -> int:
-    """Replace `path` by a file of `tensors` written with one gather write; returns its size. A temp file beside
-    it is renamed over it; with `durable` it is fsynced first and the directory after."""
-    buffers = encode(tensors)
+    """Write `path` as a file of `tensors` with one gather write; returns its size. Not `durable`, a file of that
+    size already there is rewritten in place (its blocks reused: no new file, no rename, no unlink of the old one);
+    else a temp file beside it is renamed over it, with `durable` fsynced first and the directory after."""
+    buffers = encode(tensors, checksum=durable)
+    size = sum(len(memoryview(b).cast("B")) for b in buffers)
+    if not durable and _size_of(path) == size:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            written = _transfer(fd, buffers)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # start writeback now (see below)
+        finally:
+            os.close(fd)
+        return written
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{threading.get_ident()}.tmp", dir=path.parent)
     try:
         try:
@@ -44,6 +56,13 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor], durable: bool) -> i
     if durable:
         fsync_dir(path.parent)
     return size
+
+
+def _size_of(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
 
 
 def read_file(path: Path, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

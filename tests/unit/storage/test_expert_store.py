@@ -8,7 +8,7 @@ import torch
 from runtime.storage.expert_slots import SlotLayout, new_slots
 from runtime.storage.expert_store import ExpertStore, StoreError
 from runtime.storage.host_home import initial_slot
-from runtime.files.tensorfile import ChecksumError, verify
+from runtime.files.tensorfile import ChecksumError, read_header, verify
 
 
 def expert(seed: int) -> dict[str, torch.Tensor]:
@@ -59,8 +59,14 @@ def test_a_store_belongs_to_the_run_that_made_it(tmp_path):
         ExpertStore(tmp_path / "s", owner="/runs/B")
 
 
-def test_store_files_carry_a_checksum(tmp_path):
-    store = ExpertStore(tmp_path)
+def test_durable_store_files_carry_a_checksum_and_live_ones_none(tmp_path):
+    """Live files are working memory nothing verifies (a resume rebuilds them from the checkpoint): no CRC is
+    computed for them. A durable store's files carry one, and verify names a damaged file."""
+    live = ExpertStore(tmp_path / "live")
+    live.write((0, 0), slot_of(expert(1))[0])
+    with open(live.path((0, 0)), "rb") as f:
+        assert "__metadata__" not in read_header(f)[0]
+    store = ExpertStore(tmp_path / "durable", durable=True)
     store.write((0, 0), slot_of(expert(1))[0])
     verify(store.path((0, 0)))
     data = bytearray(store.path((0, 0)).read_bytes())

@@ -1,5 +1,6 @@
 """The live store at speed: one write-behind job per layer with updated experts, a reader of a key waits for the
-batch that writes it, and live files are replaced by rename without fsync (durable writes stay available)."""
+batch that writes it, and live files are rewritten in place without fsync (durable writes are renamed into place and
+fsynced)."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def one_tensor_slot(value: float):
     return initial_slot(new_slots(layout.numel, 1, torch.float32, False)[0], layout, {"w1": torch.full((4, 4), value)})
 
 
-def test_live_files_are_renamed_into_place_without_fsync(tmp_path, monkeypatch):
+def test_live_files_are_rewritten_in_place_without_fsync_and_durable_ones_renamed(tmp_path, monkeypatch):
     fsyncs = CountingFsync(monkeypatch)
     model, engine = offloaded(ExpertStore(tmp_path / "live"), layers=2)
     forward_backward(model, engine, lambda i: {1, 2})
@@ -106,24 +107,37 @@ def test_live_files_are_renamed_into_place_without_fsync(tmp_path, monkeypatch):
 
     store = ExpertStore(tmp_path / "s")
     store.write((0, 0), one_tensor_slot(0.0))
-    before = store.path((0, 0)).read_bytes()
-    with open(store.path((0, 0)), "rb") as old:  # replaced by a rename: an open reader keeps the whole old file
-        store.write((0, 0), one_tensor_slot(1.0))
-        assert old.read() == before
+    inode = store.path((0, 0)).stat().st_ino
+    store.write((0, 0), one_tensor_slot(1.0))  # the same file, its blocks rewritten
+    assert store.path((0, 0)).stat().st_ino == inode
     assert torch.equal(store.read((0, 0))["master"], torch.ones(16))
     assert sorted(p.name for p in store.live.iterdir()) == [store.path((0, 0)).name]  # no temp file left
     durable = ExpertStore(tmp_path / "d", durable=True)
     durable.write((0, 0), one_tensor_slot(0.0))
+    before = durable.path((0, 0)).read_bytes()
+    with open(durable.path((0, 0)), "rb") as old:  # replaced by a rename: an open reader keeps the whole old file
+        durable.write((0, 0), one_tensor_slot(1.0))
+        assert old.read() == before
+    assert torch.equal(durable.read((0, 0))["master"], torch.ones(16))
     assert fsyncs.calls >= 1  # durable writes are still there for what needs them
 
 
-def test_a_live_file_is_a_checksummed_safetensors_file_read_back_exactly(tmp_path):
+def test_a_live_file_is_a_safetensors_file_read_back_exactly_and_a_durable_one_is_checksummed(tmp_path):
     tensors = {"w": torch.randn(5, 3), "h": torch.randn(7).to(torch.bfloat16), "step": torch.tensor(3.0),
                "ids": torch.arange(4), "none": torch.zeros(0, 2), "t": torch.randn(3, 4).t()}
+    durable = tmp_path / "d.safetensors"
+    write_file(durable, tensors, durable=True)
+    verify(durable)
+    data = bytearray(durable.read_bytes())
+    data[-3] ^= 0xFF
+    durable.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="d.safetensors is damaged"):
+        verify(durable)
     path = tmp_path / "x.safetensors"
     size = write_file(path, tensors, durable=False)
     assert size == path.stat().st_size
-    verify(path)
+    assert write_file(path, tensors, durable=False) == size  # rewritten in place
+    verify(path)  # no checksum to check
     back = read_file(path)
     with safe_open(str(path), framework="pt") as f:  # any safetensors reader reads it
         theirs = {k: f.get_tensor(k) for k in f.keys()}
