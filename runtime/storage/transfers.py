@@ -68,6 +68,10 @@ class TransferEngine:
         """Bytes copied between host and device so far (both ways)."""
         self.stage_read: dict[int, object] = {}
         """CUDA: per layer, an event after the last copy that read its host slots (an update must wait for it)."""
+        self._spare: list[torch.UntypedStorage] = []
+        """Without a GPU: the memory of released copies, at most `window` of them, for the next copies to take:
+        fresh host memory pays a page fault per page on its first write, about as much as the copy itself."""
+        self._largest = 0
 
     # ---- host -> device ----
 
@@ -102,13 +106,28 @@ class TransferEngine:
         self._keep_window(layer, keep)
         shape = (len(slots), self.layouts[layer].numel)
         with self._on_copy_stream():  # the block belongs to the copy stream; the computing stream is recorded
-            buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+            buffer = self._new_buffer(shape)
         if self.cuda:
             buffer.record_stream(torch.cuda.current_stream(self.device))
         copy = DeviceCopy(layer, list(keys), list(slots), buffer)
         self.tiers.device.allocate(copy.nbytes)
         self._fill(copy, critical)
         return copy
+
+    def _new_buffer(self, shape: tuple[int, int]) -> Tensor:
+        """[a, P] in the compute dtype. Without a GPU: in the smallest spare memory that holds it, else in fresh
+        memory as large as the largest copy so far (so that, once spare, it holds any copy)."""
+        if self.cuda:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        nbytes = shape[0] * shape[1] * self.dtype.itemsize
+        self._largest = max(self._largest, nbytes)
+        fits = [s for s in self._spare if s.nbytes() >= nbytes]
+        if fits:
+            storage = min(fits, key=lambda s: s.nbytes())
+            self._spare.remove(storage)
+        else:
+            storage = torch.UntypedStorage(self._largest, device=self.device)
+        return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, 0, shape)
 
     def _on_copy_stream(self):
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
@@ -195,7 +214,12 @@ class TransferEngine:
         return views, landed.synchronize
 
     def release(self, copy: DeviceCopy) -> None:
-        """The layer is done with its device copy this step."""
+        """The layer is done with its device copy this step: without a GPU its memory is kept for the next copy
+        (`window` at most), else freed."""
+        if not self.cuda and copy.resident and not copy.borrowed and len(self._spare) < self.window:
+            self._spare.append(copy.buffer.untyped_storage())
+            copy.resident = False
+            self.tiers.device.release(copy.nbytes)
         self.evict(copy)
         for hook in copy.hooks:
             hook.remove()
