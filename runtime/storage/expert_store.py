@@ -3,14 +3,14 @@ Eq. 1's 12S).
 
 One safetensors file per (MoE layer, global expert) under `root/live/`, holding the expert's slot (flat master,
 moments and step; runtime/storage/expert_slots.py): an eviction writes back exactly one expert
-(a per-layer file would rewrite the whole layer for every eviction) and a file is replaced by rename, so a reader
-sees the old or the new states, never a mix. A file is written with one gather write and read with one scatter
-read (runtime/storage/live_files.py).
+(a per-layer file would rewrite the whole layer for every eviction). A file is written with one gather write (in
+place once it exists; a reader of a key waits for its queued writes) and read with one scatter read
+(runtime/storage/live_files.py).
 
 The store is working memory, not a checkpoint: a checkpoint copies every expert's states into its own directory
 (see OffloadEngine.save) and a resume rebuilds `live/` from it. So live files are not fsynced (the kernel writes
-them back while training goes on); `durable=True` fsyncs each file and the directory, for a store that must
-survive a crash of the machine. A store belongs to one run: `root/OWNER` names
+them back while training goes on) nor checksummed; `durable=True` checksums each file, replaces it by rename and
+fsyncs it and the directory, for a store that must survive a crash of the machine. A store belongs to one run: `root/OWNER` names
 the run directory that created it, and another run is refused instead of silently sharing (and overwriting) it.
 """
 
