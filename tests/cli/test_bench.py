@@ -35,3 +35,17 @@ def test_an_override_a_benchmark_would_ignore_is_refused(name, override):
 def test_a_size_or_compile_value_the_benchmark_cannot_take_is_refused(args, message):
     proc = run_moesys(*args)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr
+
+
+def test_the_serve_bench_under_a_short_load_fails_no_request_batched_or_not(tmp_path):
+    """`moesys bench serve`'s own code at a short load: the real `moesys serve` one request at a time and with
+    continuous batching on its bf16 checkpoint, every answer checked against `moesys infer` (a wrong token
+    raises), each server drained and exited 0. Speed is the benchmark's, not this test's."""
+    from runtime.bench.serve import SETTINGS, run_serve_bench
+
+    out = run_serve_bench(clients=4, duration_s=1.5, workdir=tmp_path,
+                          settings={name: SETTINGS[name] for name in ("none", "none_batched")})
+    assert out["dtype"] == "bfloat16" and set(out["settings"]) == {"none", "none_batched"}
+    for result in out["settings"].values():
+        assert result["requests"] > 0 and result["failed"] == 0 and result["exit_code"] == 0
+    assert out["batched_vs_one_at_a_time_requests_per_s"] > 0
