@@ -38,6 +38,11 @@ class SlotLayout:
             at += math.ceil(math.prod(shape) / ALIGN) * ALIGN
         return cls(tuple(shapes), tuple(tuple(s) for s in shapes.values()), tuple(offsets), at)
 
+    @property
+    def dense(self) -> bool:
+        """No padding: the tensors fill the slot, so a flat [P] is the expert's tensors and nothing else."""
+        return self.numel == sum(math.prod(shape) for shape in self.shapes)
+
     def views(self, flat: Tensor) -> dict[str, Tensor]:
         """name -> view of `flat` ([P] -> [*shape], [a, P] -> [a, *shape]); differentiable views of a leaf."""
         lead = flat.shape[:-1]

@@ -34,6 +34,9 @@ class LayerGrads:
     """The row of `grads` that holds slots[i]'s gradient (the device computed n >= a experts, idle ones too)."""
     squares: list[Tensor] = field(default_factory=list)
     """Per tensor name, the fp32 sum of its squared gradients."""
+    flat: Tensor | None = None
+    """fp32 [n, P] that `grads` are views of, when the gradients came home in one buffer and the slots have no
+    padding: the update then takes one (expert, whole slot) pair per expert instead of one per tensor."""
 
 
 def squares(grads: dict[str, Tensor]) -> list[Tensor]:
@@ -64,14 +67,20 @@ class HostOptimizer:
         """Zero-gradient catch-up steps applied by updates (read and reset by the metrics)."""
 
     def take_in(self, layer: int, keys: list, slots: list[ExpertSlot], grads: dict[str, Tensor], rows: list[int],
-                landed: Callable[[], None] | None, sums: list[Tensor]) -> None:
+                landed: Callable[[], None] | None, sums: list[Tensor], flat: Tensor | None = None) -> None:
         """Start taking in a layer's gradients (on the device's copy: `landed` waits for their arrival); slots[i]'s
-        are in row rows[i]; `sums`: their squares (see `squares`), or [] when they count in no norm yet."""
+        are in row rows[i]; `sums`: their squares (see `squares`), or [] when they count in no norm yet; `flat`:
+        the [n, P] buffer `grads` are views of, if any."""
+        layout = self.layouts[layer]
+
         def job() -> LayerGrads:
             if landed is not None:
                 with self.timeline.span("wait_d2h_landed", False):
                     landed()
             with self.timeline.span("intake", False):
+                if flat is not None and layout.dense:
+                    whole = flat if flat.dtype == torch.float32 else flat.float()
+                    return LayerGrads(layer, keys, slots, layout.views(whole), rows, sums, whole)
                 fp32 = {n: g if g.dtype == torch.float32 else g.float() for n, g in grads.items()}
                 return LayerGrads(layer, keys, slots, fp32, rows, sums)
 
@@ -107,6 +116,12 @@ class HostOptimizer:
             for slot in lg.slots:
                 self.caught_up += catch_up(slot, step, self.lr_schedule, self.adamw)
         layout = self.layouts[lg.layer]
+        if lg.flat is not None:
+            with self.timeline.span("adamw", False):  # one kernel call over each expert's whole slot
+                fused_adamw([slot.master for slot in lg.slots], [lg.flat[r] for r in lg.rows],
+                            [slot.exp_avg for slot in lg.slots], [slot.exp_avg_sq for slot in lg.slots],
+                            [slot.step for slot in lg.slots], lr, self.adamw, grad_scale)
+            return
         with self.timeline.span("adamw", False):
             # One kernel call over every (expert, tensor) pair; each pair steps its own copy of the expert's count.
             names = layout.names

@@ -215,8 +215,8 @@ class OffloadEngine:
         if copy.grads_arrived < len(copy.leaves):
             return
         sums = self._squares({name: leaf.grad for name, leaf in copy.leaves.items()})
-        grads, landed = self.transfers.grads_home(copy)
-        self._take_in(copy, grads, landed, sums)
+        grads, flat, landed = self.transfers.grads_home(copy)
+        self._take_in(copy, grads, landed, sums, flat)
 
     def _squares(self, grads: dict[str, Tensor]) -> list[Tensor]:
         """The gradients' shares of the global norm, computed where they were made (on a GPU, not by the host);
@@ -224,9 +224,10 @@ class OffloadEngine:
         replicated = self.groups is not None and self.groups.edp_size > 1
         return [] if replicated else squares(grads)
 
-    def _take_in(self, copy: DeviceCopy, grads: dict[str, Tensor], landed, sums: list[Tensor]) -> None:
+    def _take_in(self, copy: DeviceCopy, grads: dict[str, Tensor], landed, sums: list[Tensor],
+                 flat: Tensor | None = None) -> None:
         keys, slots, rows = copy.active
-        self.optimizer.take_in(copy.layer, keys, slots, grads, rows, landed, sums)
+        self.optimizer.take_in(copy.layer, keys, slots, grads, rows, landed, sums, flat)
         self._copies.pop(copy.layer, None)
         self._done_reading(copy)
 

@@ -193,12 +193,13 @@ class TransferEngine:
 
     # ---- device -> host ----
 
-    def grads_home(self, copy: DeviceCopy) -> tuple[dict[str, Tensor], Callable[[], None] | None]:
-        """The layer's gradients (by tensor name, [a, *shape]) in host memory, and a wait for their arrival (None
-        when they are already there). Without a GPU they are the leaves' own gradients: nothing moves."""
+    def grads_home(self, copy: DeviceCopy) -> tuple[dict[str, Tensor], Tensor | None, Callable[[], None] | None]:
+        """The layer's gradients in host memory: by tensor name ([a, *shape]), the [a, P] buffer they are views of
+        when they came home in one (else None), and a wait for their arrival (None when they are already there).
+        Without a GPU they are the leaves' own gradients: nothing moves."""
         grads = {name: leaf.grad for name, leaf in copy.leaves.items()}
         if not self.cuda:
-            return grads, None
+            return grads, None, None
         with self.timeline.span("d2h", True):
             staging = torch.empty(copy.buffer.shape, dtype=self.dtype, pin_memory=True)
             views = self.layouts[copy.layer].views(staging)
@@ -211,7 +212,7 @@ class TransferEngine:
                 landed.record(self.stream)
         self.tiers.host.moved(staging.numel() * staging.element_size())
         self.copied_bytes += staging.numel() * staging.element_size()
-        return views, landed.synchronize
+        return views, staging, landed.synchronize
 
     def release(self, copy: DeviceCopy) -> None:
         """The layer is done with its device copy this step: without a GPU its memory is kept for the next copy
