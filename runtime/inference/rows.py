@@ -6,7 +6,8 @@ A matrix product over B rows is not, in general, B products of one row: a BLAS p
 summation orders) for other row counts. So every product runs in the cheapest form found to give a lone step's rows
 for its shape (`row_linear`): one product over all rows where the kernel is batch-invariant, else B one-row
 products in one batched call, else row by row; the experts grouped by expert, read in place. The attention runs
-row by row with a lone step's very calls, and norms and activations are per row anyway.
+the rows of one span in one call where that gives lone calls' bits, else row by row with a lone step's very calls;
+norms and activations are per row anyway.
 
 Legend: B rows, D model dim, L cache slots, K top-k, E experts.
 """

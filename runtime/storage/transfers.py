@@ -69,8 +69,9 @@ class TransferEngine:
         self.stage_read: dict[int, object] = {}
         """CUDA: per layer, an event after the last copy that read its host slots (an update must wait for it)."""
         self._spare: list[torch.UntypedStorage] = []
-        """Without a GPU: the memory of released copies, at most `window` of them, for the next copies to take:
-        fresh host memory pays a page fault per page on its first write, about as much as the copy itself."""
+        """Without a GPU: the memory of released copies, for the next copies to take (spares and copies together
+        at most `window`, the device budget): fresh host memory pays a page fault per page on its first write, about
+        as much as the copy itself."""
         self._largest = 0
 
     # ---- host -> device ----
@@ -126,6 +127,8 @@ class TransferEngine:
             storage = min(fits, key=lambda s: s.nbytes())
             self._spare.remove(storage)
         else:
+            if self._spare:  # too small for copies from now on: freed, the new memory takes its place
+                self._spare.remove(min(self._spare, key=lambda s: s.nbytes()))
             storage = torch.UntypedStorage(self._largest, device=self.device)
         return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, 0, shape)
 
@@ -183,6 +186,8 @@ class TransferEngine:
 
     def _refill(self, copy: DeviceCopy, critical: bool, keep: int | None = None) -> None:
         self._keep_window(copy.layer, keep)
+        if self._spare and len(self._spare) + self._held() >= self.window:  # spares and copies stay in the window
+            self._spare.pop(0)
         self.tiers.device.allocate(copy.nbytes)
         with self._on_copy_stream():
             copy.buffer.untyped_storage().resize_(copy.nbytes)
@@ -217,7 +222,7 @@ class TransferEngine:
     def release(self, copy: DeviceCopy) -> None:
         """The layer is done with its device copy this step: without a GPU its memory is kept for the next copy
         (`window` at most), else freed."""
-        if not self.cuda and copy.resident and not copy.borrowed and len(self._spare) < self.window:
+        if not self.cuda and copy.resident and not copy.borrowed and len(self._spare) + self._held(copy) < self.window:
             self._spare.append(copy.buffer.untyped_storage())
             copy.resident = False
             self.tiers.device.release(copy.nbytes)
@@ -228,6 +233,10 @@ class TransferEngine:
         copy.leaves.clear()
         if self.live.get(copy.layer) is copy:
             del self.live[copy.layer]
+
+    def _held(self, but: DeviceCopy | None = None) -> int:
+        """Copies whose own memory is on the device, `but` aside."""
+        return sum(1 for c in self.live.values() if c.resident and not c.borrowed and c is not but)
 
     def end_step(self) -> None:
         """Drop whatever is still on the device (a prefetch that was not used, a forward without backward)."""
