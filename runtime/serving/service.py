@@ -89,7 +89,7 @@ def on_passing_thread(fn: Callable[[], T]) -> T:
         except BaseException as exc:  # re-raised on the caller's thread
             box["error"] = exc
 
-    thread = threading.Thread(target=run, name="moesys-open")
+    thread = threading.Thread(target=run, name="moesys-open", daemon=True)  # Ctrl-C while opening ends the process
     thread.start()
     thread.join()
     if "error" in box:
