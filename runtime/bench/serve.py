@@ -246,8 +246,8 @@ def run_serve_bench(clients: int = CLIENTS, duration_s: float = DURATION_S, sett
         raise RuntimeError(f"moesys bench serve: valid requests failed: {json.dumps(broken)}")
     for r in results.values():
         del r["failures"]
-    out: dict[str, Any] = {"shape": SHAPE, "dtype": dtype, "checkpoint_bytes": size, "ring_slots": RING_SLOTS, "clients": clients,
-                           "duration_s": duration_s, "prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS,
+    out: dict[str, Any] = {"shape": SHAPE, "dtype": dtype, "checkpoint_bytes": size, "ring_slots": RING_SLOTS,
+                           "clients": clients, "duration_s": duration_s, "prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS,
                            "settings": results}
     base = results.get("none", {}).get("requests_per_s")
     for name, r in results.items():

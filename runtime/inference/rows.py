@@ -23,7 +23,7 @@ from torch import Tensor
 from runtime.model.attention import Attention, StaticKVCache, rotate
 from runtime.model.ffn import DenseFFN
 from runtime.model.transformer import Block, Transformer
-from runtime.moe.experts import GroupedExperts, grouped_mm_ok, combine_choices
+from runtime.moe.experts import GroupedExperts, combine_choices, grouped_mm_ok, sort_by_expert, sorted_ffn
 from runtime.moe.layer import MoELayer
 from runtime.moe.router import routing_weights, select_top_k
 
@@ -161,18 +161,8 @@ def _grouped_ffn(x_B1D: Tensor, ids_B1K: Tensor, weights_B1K: Tensor, experts: G
 
 def _all_grouped(x_BD: Tensor, ids_R: Tensor, K: int, w: dict, kind: str) -> Tensor:
     """y_RD for the R = B*K (row, choice) pairs: pairs sorted by expert, one grouped GEMM per projection."""
-    sorted_ids, order_R = torch.sort(ids_R, stable=True)
-    offs_e = torch.searchsorted(sorted_ids, torch.arange(w["w1"].shape[0], device=ids_R.device), right=True,
-                                out_int32=True)
-    x_RD = x_BD.index_select(0, order_R // K)
-
-    def proj(a, name, bias):
-        out = torch._grouped_mm(a, w[name].transpose(-2, -1), offs=offs_e)
-        return out if w[bias] is None else out + w[bias].index_select(0, sorted_ids)
-
-    h = proj(x_RD, "w1", "b1")
-    h = F.gelu(h) if kind == "gelu" else F.silu(h) * proj(x_RD, "w3", "b3")
-    y_sorted = proj(h, "w2", "b2")
+    sorted_ids, order_R, offs_e = sort_by_expert(ids_R, w["w1"].shape[0])
+    y_sorted = sorted_ffn(x_BD.index_select(0, order_R // K), sorted_ids, offs_e, **w, kind=kind)
     return torch.empty_like(y_sorted).index_copy_(0, order_R, y_sorted)
 
 
@@ -208,10 +198,9 @@ def _grouped_is_row_wise(rows: int, w1: Tensor, w2: Tensor, w3: Optional[Tensor]
         if ok:
             E = w1.shape[0]
             gen = torch.Generator().manual_seed(0)
-            ids = torch.randint(0, max(1, E // 2), (rows,), generator=gen)  # uneven groups, some empty
+            ids = torch.randint(0, max(1, E // 2), (rows,), generator=gen).to(w1.device)  # uneven, some empty
             x = torch.randn(rows, w1.shape[2], generator=gen).to(w1)
-            sorted_ids, _ = torch.sort(ids)
-            offs = torch.searchsorted(sorted_ids, torch.arange(E), right=True, out_int32=True).to(w1.device)
+            _, _, offs = sort_by_expert(ids, E)
             got = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
             bounds = [0] + offs.tolist()
             ok = all(torch.equal(got[a:b], F.linear(x[a:b], w1[e])) for e, (a, b) in

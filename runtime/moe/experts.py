@@ -270,18 +270,32 @@ def grouped_routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, 
     in choice order and combined as gathered_ffn combines them. One row per group is the gathered per-token
     product's arithmetic (tests/unit/moe/test_experts.py checks it bit for bit), without copying the weights."""
     K = expert_ids_TK.shape[-1]
-    sorted_ids, order_K = torch.sort(expert_ids_TK.reshape(K))
-    offs_e = torch.searchsorted(sorted_ids, _expert_range(w1.shape[0], w1.device), right=True, out_int32=True)
+    sorted_ids, order_K, offs_e = sort_by_expert(expert_ids_TK.reshape(K), w1.shape[0])
     x_KD = x_TD.reshape(1, -1).expand(K, -1).contiguous()  # every choice's row is the token itself
+    y_KD = sorted_ffn(x_KD, sorted_ids, offs_e, w1, w2, w3, b1, b2, b3, kind).index_select(0, torch.argsort(order_K))
+    return combine_choices(y_KD.view(*expert_ids_TK.shape, -1), weights_TK)
 
+
+def sort_by_expert(ids_R: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(sorted ids, the order that sorts them, each expert's end offset in int32): rows grouped by expert for a
+    grouped GEMM, computed on the device."""
+    sorted_ids, order_R = torch.sort(ids_R, stable=True)
+    offs_e = torch.searchsorted(sorted_ids, _expert_range(num_experts, ids_R.device), right=True, out_int32=True)
+    return sorted_ids, order_R, offs_e
+
+
+def sorted_ffn(x_RD: Tensor, sorted_ids: Tensor, offs_e: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None,
+               b1: Tensor | None = None, b2: Tensor | None = None, b3: Tensor | None = None,
+               kind: str = "gelu") -> Tensor:
+    """Each row's expert FFN for rows sorted by expert (`sort_by_expert`), the weights read in place: one grouped
+    GEMM per projection, a bias added per row after its product."""
     def proj(a, w, b):
         out = torch._grouped_mm(a, w.transpose(-2, -1), offs=offs_e)
         return out if b is None else out + b.index_select(0, sorted_ids)
 
-    h_KF = proj(x_KD, w1, b1)
-    h_KF = F.gelu(h_KF) if kind == "gelu" else F.silu(h_KF) * proj(x_KD, w3, b3)
-    y_KD = proj(h_KF, w2, b2).index_select(0, torch.argsort(order_K))
-    return combine_choices(y_KD.view(*expert_ids_TK.shape, -1), weights_TK)
+    h_RF = proj(x_RD, w1, b1)
+    h_RF = F.gelu(h_RF) if kind == "gelu" else F.silu(h_RF) * proj(x_RD, w3, b3)
+    return proj(h_RF, w2, b2)
 
 
 def gathered_ffn(x_TD: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None,

@@ -186,8 +186,7 @@ class TransferEngine:
 
     def _refill(self, copy: DeviceCopy, critical: bool, keep: int | None = None) -> None:
         self._keep_window(copy.layer, keep)
-        if self._spare and len(self._spare) + self._held() >= self.window:  # spares and copies stay in the window
-            self._spare.pop(0)
+        self._trim_spares(coming=1)
         self.tiers.device.allocate(copy.nbytes)
         with self._on_copy_stream():
             copy.buffer.untyped_storage().resize_(copy.nbytes)
@@ -222,10 +221,11 @@ class TransferEngine:
     def release(self, copy: DeviceCopy) -> None:
         """The layer is done with its device copy this step: without a GPU its memory is kept for the next copy
         (`window` at most), else freed."""
-        if not self.cuda and copy.resident and not copy.borrowed and len(self._spare) + self._held(copy) < self.window:
+        if not self.cuda and copy.resident and not copy.borrowed:
             self._spare.append(copy.buffer.untyped_storage())
             copy.resident = False
             self.tiers.device.release(copy.nbytes)
+            self._trim_spares()
         self.evict(copy)
         for hook in copy.hooks:
             hook.remove()
@@ -234,9 +234,11 @@ class TransferEngine:
         if self.live.get(copy.layer) is copy:
             del self.live[copy.layer]
 
-    def _held(self, but: DeviceCopy | None = None) -> int:
-        """Copies whose own memory is on the device, `but` aside."""
-        return sum(1 for c in self.live.values() if c.resident and not c.borrowed and c is not but)
+    def _trim_spares(self, coming: int = 0) -> None:
+        """Free the oldest spares until spares, resident copies and `coming` new ones fit in the window."""
+        held = sum(1 for c in self.live.values() if c.resident and not c.borrowed)
+        while self._spare and len(self._spare) + held + coming > self.window:
+            self._spare.pop(0)
 
     def end_step(self) -> None:
         """Drop whatever is still on the device (a prefetch that was not used, a forward without backward)."""
