@@ -252,9 +252,13 @@ def test_a_step_leaves_no_tensors_behind(tmp_path):
         run.step(step)
     run.mgr.drain()
     before = tensors()
+    after = []
     for step in range(3, 9):
         run.step(step)
-    run.mgr.drain()
-    grew = tensors() - before
+        run.mgr.drain()
+        after.append(tensors())
+    # the fewest of the last steps': a drain point can catch one layer's experts on their way between the tiers
+    # (about 95 tensors, held at that point only; measured over 30 steps, the count comes back each time)
+    grew = min(after[-3:]) - before
     run.close()
     assert grew < 40, grew  # about 110 a step before the fix
