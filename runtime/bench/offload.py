@@ -5,12 +5,13 @@ bytes/s against the disk's own sequential bandwidth, at 8 tokens per step and at
 are active every step.
 
 For cpu and ssd it also prices the host side of the offloaded step, what decides its speed on a GPU: the host work
-(staging, copies, the CPU optimizer, bookkeeping, and waits with nothing else running) in ns per active expert
-parameter, taken on steps whose background jobs run inline (on two cores, work overlapped with the model's compute
-is slowed by it, which a GPU's host would not be), against the floor measured in the same process (torch's fused
-AdamW over as many parameters, plus a memcpy of the bytes the step moved between host and device and to and from
-the store); and, from the timed steps, the share of
-that work hidden behind the forward and backward passes.
+(staging, copies, the CPU optimizer, the store's reads and writes by their threads' CPU time, bookkeeping, and waits
+with nothing else running) in ns per active expert parameter, taken on steps whose optimizer runs inline and whose
+background I/O is settled before the next step (on two cores, work overlapped with the model's compute is slowed by
+it, which a GPU's host would not be), against the floor measured in the same process (torch's fused AdamW over as
+many parameters, plus a memcpy of the bytes the step moved between host and device and to and from the store);
+beside it the disk's own floor for the store's bytes (ssd waits for its disk: that time is no CPU's); and, from the
+timed steps, the share of that work hidden behind the forward and backward passes.
 """
 
 from __future__ import annotations
@@ -68,12 +69,16 @@ class _Trainer:
             self.mgr.home.fetch_everything()
         self.last_step: list[dict] = []
 
-    def step(self, step: int) -> dict:
+    def step(self, step: int, settle: bool = False) -> dict:
+        """One step and its offload metrics; `settle`: its background work (SSD reads ahead, write-behind) is
+        waited for first, so that all of it lands in this step's timeline."""
         began = time.perf_counter()
         forward_backward(self.c, self.cfg, self.groups, step, CPU)
         middle = time.perf_counter()
         optimizer_step(self.c, self.cfg, self.groups, step)
         ended = time.perf_counter()
+        if settle and self.mgr:
+            self.mgr.drain()
         metrics = self.mgr.step_metrics() if self.mgr else {}
         if self.mgr:  # the step's timeline, in ms from its start: the trainer's own phases, then the host work
             own = [("forward_backward", True, began, middle, "train"), ("optimizer_step", True, middle, ended, "train")]
@@ -187,7 +192,7 @@ def _measure(cfg: MoesysConfig, mode: str, store_dir: str, cache_experts: int, s
         per_expert = count_parameters(trainer.cfg.model).per_expert
         priced, floors = [], []
         for step in range(warmup + steps, warmup + steps + PRICED_STEPS):
-            priced.append(trainer.step(step))  # and its floor at once, under the same load
+            priced.append(trainer.step(step, settle=True))  # and its floor at once, under the same load
             floors.append(host_floor(int(priced[-1]["offload/experts_active"] * per_expert), moved_bytes(priced[-1])))
         host = _host_side(trainer, priced, floors, overlapped=metrics)
     trainer.finish()
@@ -206,12 +211,17 @@ def _host_side(trainer: _Trainer, metrics: list[dict], floors: list[float], over
     floor = sum(floors) / len(floors)
     overlapped_cost, exposed = mean("host_cost_s", overlapped), mean("host_exposed_s", overlapped)
     kinds = sorted({k[len("offload/time_"):-2] for m in metrics for k in m if k.startswith("offload/time_")})
-    return {"host": {"cpu_side_ns_per_param": cost / params * 1e9 if params else 0.0,
-                     "floor_ns_per_param": floor / params * 1e9 if params else 0.0,
+    per_param = lambda seconds: seconds / params * 1e9 if params else 0.0  # noqa: E731
+    return {"host": {"cpu_side_ns_per_param": per_param(cost),
+                     "work_ns_per_param": per_param(mean("host_work_s")),
+                     "idle_wait_ns_per_param": per_param(mean("host_idle_wait_s")),
+                     "floor_ns_per_param": per_param(floor),
                      "cpu_side_vs_floor": cost / floor if floor else 0.0,
                      "hidden_share": (0.0 if overlapped_cost <= 0
                                       else max(0.0, min(1.0, 1 - exposed / overlapped_cost))),
                      "active_params_per_step": params, "copied_bytes_per_step": mean("copied_bytes"),
+                     "store_read_bytes_per_step": sum(m.get("offload/ssd_read_bytes", 0) for m in metrics) / n,
+                     "store_write_bytes_per_step": sum(m.get("offload/ssd_write_bytes", 0) for m in metrics) / n,
                      "host_s_per_step": cost, "overlapped_host_s_per_step": overlapped_cost,
                      "exposed_s_per_step": exposed,
                      "seconds_by_kind": {k: sum(m.get(f"offload/time_{k}_s", 0.0) for m in metrics) / n
@@ -253,6 +263,10 @@ def _compare(cfg: MoesysConfig, pool: ProcessPoolExecutor, tmp: Path, data: str,
     host = {mode: _median_host([r["host"] for r in runs[mode]]) | {"steps_per_s": rate[mode],
                                                                    "vs_none": rate[mode] / rate["none"]}
             for mode in OFFLOADED}
+    for h in host.values():  # the disk's time for the store's bytes, per active parameter: what ssd's waits approach
+        disk_s = (h["store_read_bytes_per_step"] / disk.read_bytes_per_s
+                  + h["store_write_bytes_per_step"] / disk.write_bytes_per_s)
+        h["disk_floor_ns_per_param"] = disk_s / h["active_params_per_step"] * 1e9 if h["active_params_per_step"] else 0.0
     return {
         "none_steps_per_s": rate["none"], "cpu_steps_per_s": rate["cpu"], "ssd_steps_per_s": rate["ssd"],
         "fetch_all_steps_per_s": rate["fetch_all"], "cpu_vs_none": rate["cpu"] / rate["none"],

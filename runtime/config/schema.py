@@ -174,6 +174,10 @@ class StorageConfig(ConfigSection):
     """Shard dense parameters and optimizer states over data-parallel ranks (Algorithm 1)."""
     prefetch_depth: int = 1
     """Layers fetched ahead of the one computing."""
+    direct_io: bool = True
+    """storage.offload=ssd: the store's reads and writes bypass the page cache (O_DIRECT) where its filesystem
+    allows, so the disk moves the states without a CPU copy. false: through the page cache, which costs 4-6x a
+    memcpy of CPU per byte but keeps recently written experts in free RAM (faster only where it holds the store)."""
     delayed_update: bool = False
     """ZeRO-Offload's one-step delayed parameter update (storage.offload=cpu): step t's CPU AdamW runs during step
     t+1's forward and backward, which see the weights of step t-1. Hides the CPU optimizer when it is slower than

@@ -45,9 +45,10 @@ def spec_of(t: torch.Tensor) -> TensorSpec:
 
 
 def _header(specs: dict[str, TensorSpec], metadata: dict[str, str] | None,
-            checksum: bool = True) -> tuple[bytes, int | None]:
+            checksum: bool = True, align: int = 8) -> tuple[bytes, int | None]:
     """The length-prefixed JSON header with a placeholder checksum, and the file offset of the placeholder (None
-    without a checksum).
+    without a checksum). The JSON is padded with spaces (safetensors allows it) so that the data section starts at
+    a multiple of `align` bytes.
 
     The checksum is the first entry of the first object, so its position does not depend on any key or value."""
     if "__metadata__" in specs:
@@ -61,7 +62,7 @@ def _header(specs: dict[str, TensorSpec], metadata: dict[str, str] | None,
         header[key] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data section stays 8-byte aligned, as safetensors writes it
+    encoded += b" " * (-(8 + len(encoded)) % align)  # safetensors itself aligns the data section to 8 bytes
     if not checksum:
         return struct.pack("<Q", len(encoded)) + encoded, None
     prefix = json.dumps({"__metadata__": {CHECKSUM_KEY: ""}}, separators=(",", ":")).encode()[:-3]
@@ -77,13 +78,13 @@ def raw_bytes(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()  # via uint8: numpy has no bfloat16
 
 
-def encode(tensors: dict[str, torch.Tensor], checksum: bool = True) -> list:
+def encode(tensors: dict[str, torch.Tensor], checksum: bool = True, align: int = 8) -> list:
     """The file of `tensors` as buffers, for a gather write: the header with the checksum of the data section
     filled in (none with checksum=False: `verify` then has nothing to check), then every tensor's own memory in
-    dict order (no copy of a contiguous CPU tensor)."""
+    dict order (no copy of a contiguous CPU tensor); the data section starts at a multiple of `align` bytes."""
     raws = [raw_bytes(t) for t in tensors.values()]
     if not checksum:
-        return [_header({k: spec_of(t) for k, t in tensors.items()}, None, checksum=False)[0], *raws]
+        return [_header({k: spec_of(t) for k, t in tensors.items()}, None, checksum=False, align=align)[0], *raws]
     crc = 0
     for raw in raws:
         crc = zlib.crc32(raw, crc)

@@ -18,6 +18,8 @@ from torch import Tensor
 
 ALIGN = 16
 """Elements: 64 bytes of fp32, the widest vector the CPU kernels use."""
+IO_BLOCK = 4096
+"""Bytes: what direct I/O asks of a buffer's address and length and of a file offset."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class ExpertSlot:
     stage: Tensor
     """[P] in the compute dtype: what the device copies. The master itself when the compute dtype is fp32 and
     updates are not delayed; else refreshed from it after each update."""
+    pad: Tensor | None = None
+    """fp32 run after the step that ends an `io_slot`'s memory on an IO_BLOCK boundary (stored with the states)."""
 
     def views(self, attr: str, layout: SlotLayout) -> dict[str, Tensor]:
         """Per-tensor views of one of the slot's states (master, exp_avg, exp_avg_sq, stage), made once."""
@@ -84,8 +88,11 @@ class ExpertSlot:
 
     def state_tensors(self) -> dict[str, Tensor]:
         """What the SSD store keeps of a slot (the stage is derived from the master)."""
-        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
-                "step": self.step.reshape(1)}
+        out = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
+               "step": self.step.reshape(1)}
+        if self.pad is not None and self.pad.numel():
+            out["pad"] = self.pad
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -117,6 +124,23 @@ def new_slots(numel: int, count: int, compute_dtype: torch.dtype, separate_stage
     exp_avg, exp_avg_sq, steps = new(count, numel), new(count, numel), new(count)
     stage = new(count, numel, dtype=compute_dtype, pin_memory=pin) if separate_stage else master
     return [ExpertSlot(master[i], exp_avg[i], exp_avg_sq[i], steps[i], stage[i]) for i in range(count)]
+
+
+def io_slot(numel: int, compute_dtype: torch.dtype, separate_stage: bool, pin: bool = False,
+            zero: bool = True) -> ExpertSlot:
+    """One slot whose master, moments and step follow each other in one run of memory that starts and ends on an
+    IO_BLOCK boundary, so the SSD store moves it with direct I/O, straight between that memory and the disk (no
+    page-cache copy). Tensors keep the offsets of a `new_slots` row (the fused kernel sees the same lanes)."""
+    new = torch.zeros if zero else torch.empty
+    per_block = IO_BLOCK // 4
+    length = -(-(3 * numel + 1) // per_block) * per_block
+    raw = new(length + per_block)
+    start = (-raw.data_ptr() % IO_BLOCK) // 4
+    run = raw[start:start + length]
+    pad = run[3 * numel + 1:]
+    pad.zero_()  # stored with the states: no stray bytes of this process in the file
+    stage = new(numel, dtype=compute_dtype, pin_memory=pin) if separate_stage else run[:numel]
+    return ExpertSlot(run[:numel], run[numel:2 * numel], run[2 * numel:3 * numel], run[3 * numel], stage, pad)
 
 
 def contiguous_runs(slots: list[ExpertSlot], attr: str = "stage") -> list[tuple[int, int]]:

@@ -24,7 +24,7 @@ import torch
 from runtime.errors import UserError
 from runtime.io import atomic_write_text
 from runtime.storage.expert_slots import ExpertSlot
-from runtime.storage.live_files import read_file, write_file
+from runtime.storage.live_files import direct_io_supported, read_file, write_file
 from runtime.files.paths import LIVE, OWNER, live_expert_file
 
 ExpertKey = tuple[int, int]
@@ -39,13 +39,16 @@ class StoreError(UserError):
 class ExpertStore:
     """Reads and writes expert states under `root`; counts the bytes it moves."""
 
-    def __init__(self, root: str | Path, durable: bool = False, owner: str | None = None):
+    def __init__(self, root: str | Path, durable: bool = False, owner: str | None = None, direct: bool = True):
         self.root = Path(root)
         self.live = self.root / LIVE
         if owner is not None:
             claim_store(self.root, owner)
         self.live.mkdir(parents=True, exist_ok=True)
         self.durable = durable
+        self.direct = direct and not durable and direct_io_supported(self.live)
+        """Files of aligned slots (`io_slot`) move with direct I/O, past the page cache (`direct` asks for it
+        where the filesystem allows)."""
         self.bytes_read = 0
         self.bytes_written = 0
         self._sizes: dict[ExpertKey, int] = {}
@@ -58,8 +61,9 @@ class ExpertStore:
         return self.path(key).exists()
 
     def write(self, key: ExpertKey, slot: ExpertSlot) -> None:
-        """Replace the expert's file by rename (temp written first; fsynced with the directory when durable)."""
-        size = write_file(self.path(key), slot.state_tensors(), self.durable)
+        """Write the expert's file (live_files.write_file: in place once it exists, renamed and fsynced when
+        durable)."""
+        size = write_file(self.path(key), slot.state_tensors(), self.durable, self.direct)
         self._sizes[key] = size
         self.bytes_written += size
 
@@ -68,24 +72,27 @@ class ExpertStore:
         its stage."""
         tensors = slot.state_tensors()
         self._read(key, tensors)
-        self.bytes_read += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.bytes_read += _state_bytes(tensors)
         return slot
 
     def read(self, key: ExpertKey) -> dict[str, torch.Tensor]:
         """The expert's stored tensors (master, exp_avg, exp_avg_sq, step) in fresh memory."""
         tensors = self._read(key, None)
-        self.bytes_read += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.bytes_read += _state_bytes(tensors)
         return tensors
 
     def _read(self, key: ExpertKey, into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         try:
-            return read_file(self.path(key), into)
+            return read_file(self.path(key), into, self.direct)
         except FileNotFoundError:
             raise StoreError(f"expert store {self.root} has no states for layer {key[0]} expert {key[1]}") from None
 
     def will_need(self, keys: list[ExpertKey]) -> None:
         """Start reading these experts' files into the page cache without waiting (posix_fadvise WILLNEED), so
-        the disk has several requests in flight while the reader copies one."""
+        the disk has several requests in flight while the reader copies one. Not with direct reads, which would
+        read each file twice."""
+        if self.direct:
+            return
         for key in keys:
             try:
                 fd = os.open(self.path(key), os.O_RDONLY)
@@ -99,6 +106,11 @@ class ExpertStore:
     def disk_bytes(self) -> int:
         """Bytes of the files this store has written (kept as it writes: no directory scan every step)."""
         return sum(self._sizes.values())
+
+
+def _state_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Bytes of an expert's states (its file's padding to whole I/O blocks not counted)."""
+    return sum(t.nbytes for name, t in tensors.items() if name != "pad")
 
 
 def check_owner(root: Path, owner: str) -> bool:

@@ -2,6 +2,11 @@
 tensors' memory, and one scatter read (os.preadv) straight into fresh tensors (the paper's "2D Prefetch Scheduling": SSD
 traffic overlapped with compute needs large requests, not a serialised copy or page faults on a memory map).
 
+Where the filesystem allows it, a live file whose tensors fill one run of memory aligned to IO_BLOCK (an `io_slot`)
+moves with direct I/O (O_DIRECT): the disk reads and writes that memory itself, with no copy through the page cache
+(what DeepSpeed's NVMe offload does). Through the page cache, a write or read cost this machine's CPU 4-6 times a
+memcpy of its bytes, on the cores the optimizer and the model need; direct, a small fraction of one.
+
 The files are the safetensors files of runtime/files/tensorfile.py, so `verify` and any safetensors reader read them.
 A durable file carries the data's `moesys.crc32`, is replaced by rename (a reader sees the old or the new file, never
 a torn one) and fsynced. Live files are working memory, rebuilt from a checkpoint on resume, and the store's readers
@@ -11,6 +16,7 @@ every write costs about as much CPU as the write itself, for a check nothing wou
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import tempfile
@@ -21,17 +27,42 @@ import torch
 
 from runtime.io import fsync_dir
 from runtime.files.tensorfile import DTYPES, ChecksumError, encode, raw_bytes, read_header
+from runtime.storage.expert_slots import IO_BLOCK
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def write_file(path: Path, tensors: dict[str, torch.Tensor], durable: bool) -> int:
+def direct_io_supported(directory: Path) -> bool:
+    """Whether files in `directory` open with O_DIRECT (tmpfs and some network filesystems refuse it)."""
+    if not _O_DIRECT:
+        return False
+    probe = Path(directory) / f".direct-probe.{os.getpid()}.{threading.get_ident()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | _O_DIRECT, 0o600))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def write_file(path: Path, tensors: dict[str, torch.Tensor], durable: bool, direct: bool = False) -> int:
     """Write `path` as a file of `tensors` with one gather write; returns its size. Not `durable`, a file of that
-    size already there is rewritten in place (its blocks reused: no new file, no rename, no unlink of the old one);
-    else a temp file beside it is renamed over it, with `durable` fsynced first and the directory after."""
-    buffers = encode(tensors, checksum=durable)
+    size already there is rewritten in place (its blocks reused: no new file, no rename, no unlink of the old one),
+    with direct I/O when `direct` and the tensors fill one aligned run of memory (their data section then starts
+    on an IO_BLOCK boundary); else a temp file beside it is renamed over it, with `durable` fsynced first and the
+    directory after."""
+    region = _aligned_run(list(tensors.values())) if direct and not durable else None
+    buffers = encode(tensors, checksum=durable, align=IO_BLOCK if region is not None else 8)
     size = sum(len(memoryview(b).cast("B")) for b in buffers)
     if not durable and _size_of(path) == size:
+        if region is not None:
+            fd = os.open(path, os.O_WRONLY | _O_DIRECT)
+            try:
+                return _transfer(fd, [_aligned_copy(buffers[0]), region])
+            finally:
+                os.close(fd)
         fd = os.open(path, os.O_WRONLY)
         try:
             written = _transfer(fd, buffers)
@@ -65,11 +96,12 @@ def _size_of(path: Path) -> int | None:
         return None
 
 
-def read_file(path: Path, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def read_file(path: Path, into: dict[str, torch.Tensor] | None = None, direct: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, filled by one scatter read: into the tensors of `into` (same names,
     shapes and dtypes, contiguous) or fresh memory of their own; the checksum is not verified here
-    (tensorfile.verify does). A malformed or truncated file, or one that does not match `into`, raises
-    ChecksumError."""
+    (tensorfile.verify does). With `direct`, a data section on an IO_BLOCK boundary that lands in one aligned run
+    of `into`'s memory is read with direct I/O. A malformed or truncated file, or one that does not match `into`,
+    raises ChecksumError."""
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
         try:
@@ -85,11 +117,53 @@ def read_file(path: Path, into: dict[str, torch.Tensor] | None = None) -> dict[s
                 tensors[key], end = t, stop
         except (struct.error, ValueError, KeyError, TypeError) as exc:  # KeyError: a name `into` lacks
             raise ChecksumError(f"{path} is not a readable safetensors file ({exc}); it is damaged") from None
-        got = _transfer(fd, [raw_bytes(t) for t in tensors.values()], read_at=data_start)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the tensors hold the bytes now; free the page cache
+        region = _aligned_run(list(tensors.values())) if direct and data_start % IO_BLOCK == 0 else None
+        if region is not None and len(region) == end:
+            got = _read_direct(path, region, data_start)
+        else:
+            got = _transfer(fd, [raw_bytes(t) for t in tensors.values()], read_at=data_start)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the tensors hold the bytes now; free the page cache
     if got != end:
         raise ChecksumError(f"{path} is damaged: it holds {got} of its {end} tensor bytes")
     return {key: tensors[key] for key in header}
+
+
+def _read_direct(path: Path, region: memoryview, at: int) -> int:
+    fd = os.open(path, os.O_RDONLY | _O_DIRECT)
+    try:
+        return _transfer(fd, [region], read_at=at)
+    finally:
+        os.close(fd)
+
+
+def _aligned_run(tensors: list[torch.Tensor]) -> memoryview | None:
+    """The bytes of `tensors` as one writable view when they follow each other in one run of CPU memory that starts
+    and ends on an IO_BLOCK boundary (what direct I/O moves); None otherwise."""
+    if not tensors:
+        return None
+    storage = tensors[0].untyped_storage()
+    start = end = tensors[0].data_ptr()
+    for t in tensors:
+        if t.data_ptr() != end or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        end += t.nbytes
+    if start % IO_BLOCK or (end - start) % IO_BLOCK or end > storage.data_ptr() + storage.nbytes():
+        return None  # (the last test: adjacent memory of another allocation is not the first tensor's to hand out)
+    run = torch.empty(0, dtype=torch.uint8).set_(storage, start - storage.data_ptr(), (end - start,))
+    return memoryview(run.numpy())
+
+
+_bounce = threading.local()
+
+
+def _aligned_copy(data: bytes) -> memoryview:
+    """`data` (a header: whole IO_BLOCKs) in page-aligned memory of this thread's, as direct I/O needs."""
+    buf = getattr(_bounce, "buf", None)
+    if buf is None or len(buf) < len(data):
+        buf = _bounce.buf = mmap.mmap(-1, len(data))
+    view = memoryview(buf)[:len(data)]
+    view[:] = data
+    return view
 
 
 def _transfer(fd: int, buffers: list, read_at: int | None = None) -> int:

@@ -456,7 +456,7 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, pla
     store = None
     if placement.offload is OffloadMode.SSD:
         store = ExpertStore(expert_store_root(cfg) / expert_store_dir(ep_rank, ep_size, edp_rank),
-                            owner=str(Path(cfg.train.run_dir).resolve()))
+                            owner=str(Path(cfg.train.run_dir).resolve()), direct=st.direct_io)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
     return install_offload(model, store, device, seed=cfg.train.seed, cache_experts=placement.cpu_cache_experts,
                            hit_threshold=st.hit_threshold, decay_beta=st.decay_beta, decay_every=st.decay_every,

@@ -12,7 +12,7 @@ import torch
 
 from runtime.prefetch.sparse import SparsePrefetcher
 from runtime.storage.cache import LFUCache
-from runtime.storage.expert_slots import ExpertSlot, SlotLayout, new_slots
+from runtime.storage.expert_slots import ExpertSlot, SlotLayout, io_slot
 from runtime.storage.expert_store import ExpertKey, ExpertStore
 from runtime.storage.step_timeline import StepTimeline
 from runtime.storage.tiers import Tiers
@@ -35,7 +35,7 @@ class SSDHome:
         self.fetch_all = False
         self.cache: LFUCache[ExpertKey, ExpertSlot] = LFUCache(
             cache_experts, hit_threshold, decay_beta, decay_every, self._load, self._write_back)
-        self.prefetcher = SparsePrefetcher(self._read, lambda k: k in self.cache, wait_updated, prefetch_depth,
+        self.prefetcher = SparsePrefetcher(self._read_ahead, lambda k: k in self.cache, wait_updated, prefetch_depth,
                                            self.cache.lock, self._hint)
         self.writes = WriteBehind()
         self._on_host: dict[int, int] = {}
@@ -45,7 +45,7 @@ class SSDHome:
     # ---- reads ----
 
     def new_slot(self, layer: int, pin: bool = False, zero: bool = True) -> ExpertSlot:
-        return new_slots(self.layouts[layer].numel, 1, self.dtype, self.separate_stage, pin, zero)[0]
+        return io_slot(self.layouts[layer].numel, self.dtype, self.separate_stage, pin, zero)
 
     def _read(self, key: ExpertKey) -> ExpertSlot:
         """A fresh slot with the expert's states from its file (after any write of it still queued); not zeroed
@@ -58,6 +58,10 @@ class SSDHome:
             self._on_host[id(slot)] = slot.nbytes
         self.tiers.host.moved(slot.nbytes)
         return slot
+
+    def _read_ahead(self, key: ExpertKey) -> ExpertSlot:
+        with self.timeline.io_span("ssd_read"):
+            return self._read(key)
 
     def _hint(self, keys: list[ExpertKey]) -> None:
         """The prefetcher is about to read `keys`: start the disk reads of those whose file is final."""
@@ -100,11 +104,12 @@ class SSDHome:
         """Write the slots to SSD as one write-behind job (one file per expert); drop them from the host tier
         afterwards when `drop`. A reader of any of the keys waits for the whole job."""
         def job() -> None:
-            for key, slot in items:
-                self.store.write(key, slot)
-                self.tiers.ssd.moved(slot.nbytes)
-                if drop:
-                    self._drop_host(slot)
+            with self.timeline.io_span("ssd_write"):
+                for key, slot in items:
+                    self.store.write(key, slot)
+                    self.tiers.ssd.moved(slot.nbytes)
+                    if drop:
+                        self._drop_host(slot)
 
         self.writes.submit_many([key for key, _ in items], job)
 

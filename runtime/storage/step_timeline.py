@@ -20,10 +20,18 @@ class Span:
     start: float
     end: float
     thread: str
+    cpu: float | None = None
+    """CPU seconds of the thread over the span, for work that waits on a device (disk I/O); None: all of the span
+    is work."""
 
     @property
     def seconds(self) -> float:
         return self.end - self.start
+
+    @property
+    def work(self) -> float:
+        """Seconds of host work in the span."""
+        return self.seconds if self.cpu is None else self.cpu
 
     @property
     def is_wait(self) -> bool:
@@ -45,8 +53,17 @@ class StepTimeline:
         finally:
             self.add(kind, critical, began, time.perf_counter())
 
-    def add(self, kind: str, critical: bool, start: float, end: float) -> None:
-        span = Span(kind, critical, start, end, threading.current_thread().name)
+    @contextmanager
+    def io_span(self, kind: str) -> Iterator[None]:
+        """Background I/O: its work is the thread's CPU time, not the time the disk took."""
+        began, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.add(kind, False, began, time.perf_counter(), time.thread_time() - cpu)
+
+    def add(self, kind: str, critical: bool, start: float, end: float, cpu: float | None = None) -> None:
+        span = Span(kind, critical, start, end, threading.current_thread().name, cpu)
         with self._lock:
             self._spans.append(span)
 
@@ -73,13 +90,14 @@ def _covered(wait: tuple[float, float], work: list[tuple[float, float]]) -> floa
 
 
 def host_cost(spans: list[Span]) -> dict[str, float]:
-    """work_s: seconds of host work (every thread); idle_wait_s: seconds the training path waited with no host work
-    running (a copy engine, a disk, another rank); exposed_s: seconds the training path spent in the offload
-    machinery, working or waiting; cost_s = work_s + idle_wait_s, the host side's cost; hidden_share = the part of
-    it the training path did not see."""
-    background = [(s.start, s.end) for s in spans if not s.critical and not s.is_wait]
+    """work_s: seconds of host work (every thread; I/O counts its CPU time); idle_wait_s: seconds the training path
+    waited with no host work running (a copy engine, a disk, another rank; background I/O, which mostly waits for
+    its disk, does not count as running); exposed_s: seconds the training path spent in the offload machinery,
+    working or waiting; cost_s = work_s + idle_wait_s, the host side's cost; hidden_share = the part of it the
+    training path did not see."""
+    background = [(s.start, s.end) for s in spans if not s.critical and not s.is_wait and s.cpu is None]
     waits = [(s.start, s.end) for s in spans if s.critical and s.is_wait]
-    work = sum(s.seconds for s in spans if not s.is_wait)
+    work = sum(s.work for s in spans if not s.is_wait)
     idle = sum((b - a) - _covered((a, b), background) for a, b in waits)
     exposed = sum(s.seconds for s in spans if s.critical)
     cost = work + idle
@@ -88,8 +106,8 @@ def host_cost(spans: list[Span]) -> dict[str, float]:
 
 
 def by_kind(spans: list[Span]) -> dict[str, float]:
-    """Seconds per kind of span."""
+    """Seconds per kind of span (of work, for I/O)."""
     out: dict[str, float] = {}
     for s in spans:
-        out[s.kind] = out.get(s.kind, 0.0) + s.seconds
+        out[s.kind] = out.get(s.kind, 0.0) + s.work
     return out

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.optim import lr_at
 from runtime.parallel.groups import build_groups
-from runtime.storage.expert_slots import SlotLayout, new_slots
+from runtime.storage.expert_slots import IO_BLOCK, ExpertSlot, SlotLayout, io_slot, new_slots
 from runtime.storage.expert_store import ExpertStore
 from runtime.storage.host_home import initial_slot
 from runtime.storage.live_files import read_file, write_file
@@ -149,3 +149,56 @@ def test_a_live_file_is_a_safetensors_file_read_back_exactly_and_a_durable_one_i
     path.write_bytes(path.read_bytes()[:-9])
     with pytest.raises(ChecksumError, match="x.safetensors is damaged"):
         read_file(path)
+
+
+class OpenFlags:
+    """The flags of every os.open, recorded on their way to the real call."""
+
+    def __init__(self, monkeypatch):
+        self.flags: list[int] = []
+        real = os.open
+        monkeypatch.setattr(os, "open", lambda path, flags, *a, **k: (self.flags.append(flags), real(path, flags, *a, **k))[1])
+
+    def direct(self) -> int:
+        return sum(bool(f & os.O_DIRECT) for f in self.flags)
+
+
+def random_io_slot(numel: int) -> ExpertSlot:
+    slot = io_slot(numel, torch.float32, separate_stage=False)
+    for t in (slot.master, slot.exp_avg, slot.exp_avg_sq):
+        t.normal_()
+    slot.exp_avg_sq.abs_()
+    slot.step.fill_(7)
+    return slot
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_an_aligned_slot_moves_with_direct_io_and_any_other_through_the_page_cache(tmp_path, monkeypatch):
+    store = ExpertStore(tmp_path / "s")
+    if not store.direct:
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    numel = SlotLayout.of({"w1": (40, 24), "b1": (40,)}).numel
+    slot = random_io_slot(numel)
+    start, end = slot.master.data_ptr(), slot.pad.data_ptr() + slot.pad.nbytes  # states and padding: one run
+    assert start % IO_BLOCK == 0 and end % IO_BLOCK == 0 and end - start == 3 * slot.master.nbytes + 4 + slot.pad.nbytes
+    store.write((0, 0), slot)  # created (buffered, renamed into place)
+    opens = OpenFlags(monkeypatch)
+    store.write((0, 0), slot)  # rewritten in place, straight from the slot's memory
+    back = store.read_into((0, 0), io_slot(numel, torch.float32, separate_stage=False, zero=False))
+    assert opens.direct() == 2
+    for name, t in slot.state_tensors().items():
+        assert torch.equal(back.state_tensors()[name], t), name
+    path = store.path((0, 0))
+    assert path.stat().st_size % IO_BLOCK == 0
+    with safe_open(str(path), framework="pt") as f:  # still a safetensors file any reader takes
+        assert torch.equal(f.get_tensor("master"), slot.master) and f.get_tensor("step").item() == 7
+    assert store.bytes_read == 3 * slot.master.nbytes + 4  # the states, not the padding
+
+    plain = new_slots(numel, 1, torch.float32, False)[0]  # a row of a block: not aligned for direct I/O
+    plain.master.copy_(slot.master)
+    opens.flags.clear()
+    store.write((0, 1), plain)
+    store.write((0, 1), plain)
+    assert torch.equal(store.read_into((0, 1), new_slots(numel, 1, torch.float32, False)[0]).master, slot.master)
+    assert ExpertStore(tmp_path / "s", direct=False).read_into((0, 0), io_slot(numel, torch.float32, False)).step == 7
+    assert opens.direct() == 0  # through the page cache, as asked
