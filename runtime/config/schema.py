@@ -187,6 +187,9 @@ class StorageConfig(ConfigSection):
               ("positive", "decay_every"), (">= 0", "prefetch_depth"))
 
     def rules(self, p: Problems, at: str) -> None:
+        p.need(self.direct_io or self.offload in ("ssd", "auto"),
+               f"{at}.direct_io=false applies to the SSD store only (got {at}.offload={self.offload}); set "
+               f"{at}.offload=ssd or drop {at}.direct_io")
         p.need(not self.delayed_update or self.offload == "cpu",
                f"{at}.delayed_update=true needs {at}.offload=cpu (got {self.offload}): the update runs beside the next "
                f"step on expert states held in host memory; set {at}.offload=cpu or {at}.delayed_update=false")

@@ -70,6 +70,12 @@ def _header(specs: dict[str, TensorSpec], metadata: dict[str, str] | None,
     return struct.pack("<Q", len(encoded)) + encoded, 8 + len(prefix)
 
 
+def encode_header(specs: dict[str, TensorSpec], align: int = 8) -> bytes:
+    """The length-prefixed header of a file of tensors of `specs`, without a checksum, its data section starting at
+    a multiple of `align` bytes (what `encode(..., checksum=False, align=align)` writes first)."""
+    return _header(specs, None, checksum=False, align=align)[0]
+
+
 def raw_bytes(t: torch.Tensor):
     """The tensor's bytes as a buffer: a view of a contiguous CPU tensor, one copy of any other."""
     t = t.detach()
@@ -84,7 +90,7 @@ def encode(tensors: dict[str, torch.Tensor], checksum: bool = True, align: int =
     dict order (no copy of a contiguous CPU tensor); the data section starts at a multiple of `align` bytes."""
     raws = [raw_bytes(t) for t in tensors.values()]
     if not checksum:
-        return [_header({k: spec_of(t) for k, t in tensors.items()}, None, checksum=False, align=align)[0], *raws]
+        return [encode_header({k: spec_of(t) for k, t in tensors.items()}, align), *raws]
     crc = 0
     for raw in raws:
         crc = zlib.crc32(raw, crc)

@@ -16,6 +16,8 @@ every write costs about as much CPU as the write itself, for a check nothing wou
 
 from __future__ import annotations
 
+import functools
+import json
 import mmap
 import os
 import struct
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from runtime.io import fsync_dir
-from runtime.files.tensorfile import DTYPES, ChecksumError, encode, raw_bytes, read_header
+from runtime.files.tensorfile import DTYPES, ChecksumError, encode, encode_header, raw_bytes, read_header
 from runtime.storage.expert_slots import IO_BLOCK
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -53,14 +55,14 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor], durable: bool, dire
     with direct I/O when `direct` and the tensors fill one aligned run of memory (their data section then starts
     on an IO_BLOCK boundary); else a temp file beside it is renamed over it, with `durable` fsynced first and the
     directory after."""
-    region = _aligned_run(list(tensors.values())) if direct and not durable else None
-    buffers = encode(tensors, checksum=durable, align=IO_BLOCK if region is not None else 8)
+    layout = _direct_layout(tensors) if direct and not durable else None
+    buffers = list(layout) if layout is not None else encode(tensors, checksum=durable)
     size = sum(len(memoryview(b).cast("B")) for b in buffers)
     if not durable and _size_of(path) == size:
-        if region is not None:
+        if layout is not None:
             fd = os.open(path, os.O_WRONLY | _O_DIRECT)
             try:
-                return _transfer(fd, [_aligned_copy(buffers[0]), region])
+                return _transfer(fd, [_aligned_copy(layout[0]), layout[1]])
             finally:
                 os.close(fd)
         fd = os.open(path, os.O_WRONLY)
@@ -100,12 +102,18 @@ def read_file(path: Path, into: dict[str, torch.Tensor] | None = None, direct: b
     """Every tensor of a safetensors file, filled by one scatter read: into the tensors of `into` (same names,
     shapes and dtypes, contiguous) or fresh memory of their own; the checksum is not verified here
     (tensorfile.verify does). With `direct`, a data section on an IO_BLOCK boundary that lands in one aligned run
-    of `into`'s memory is read with direct I/O. A malformed or truncated file, or one that does not match `into`,
-    raises ChecksumError."""
-    with open(path, "rb", buffering=0) as f:
-        fd = f.fileno()
+    of `into`'s memory is read with direct I/O, its header too (a page of it cached by a buffered read would cost
+    every direct write of the file an invalidation). A malformed or truncated file, or one that does not match
+    `into`, raises ChecksumError."""
+    layout = _direct_layout(into) if direct and into is not None else None
+    if layout is not None and _read_expected(path, *layout):
+        return dict(into)
+    direct = layout is not None
+    fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
+    try:
         try:
-            header, data_start = read_header(f)
+            header, data_start = _direct_header(fd) if direct else read_header(os.fdopen(fd, "rb", buffering=0,
+                                                                                          closefd=False))
             header.pop("__metadata__", None)
             tensors, end = {}, 0
             for key, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
@@ -119,21 +127,60 @@ def read_file(path: Path, into: dict[str, torch.Tensor] | None = None, direct: b
             raise ChecksumError(f"{path} is not a readable safetensors file ({exc}); it is damaged") from None
         region = _aligned_run(list(tensors.values())) if direct and data_start % IO_BLOCK == 0 else None
         if region is not None and len(region) == end:
-            got = _read_direct(path, region, data_start)
+            got = _transfer(fd, [region], read_at=data_start)
         else:
+            if direct:  # not laid out for direct I/O (a file written before its slot was aligned): buffered
+                os.close(fd)
+                fd = os.open(path, os.O_RDONLY)
             got = _transfer(fd, [raw_bytes(t) for t in tensors.values()], read_at=data_start)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the tensors hold the bytes now; free the page cache
+    finally:
+        os.close(fd)
     if got != end:
         raise ChecksumError(f"{path} is damaged: it holds {got} of its {end} tensor bytes")
     return {key: tensors[key] for key in header}
 
 
-def _read_direct(path: Path, region: memoryview, at: int) -> int:
+def _read_expected(path: Path, header: bytes, region: memoryview) -> bool:
+    """Read a file of the layout the store writes (`header`, then `region`'s bytes) with one direct read, and tell
+    whether it was that: no header to parse, no second request (else the caller reads it the general way)."""
     fd = os.open(path, os.O_RDONLY | _O_DIRECT)
     try:
-        return _transfer(fd, [region], read_at=at)
+        head = _aligned_buffer(len(header))
+        return _transfer(fd, [head, region], read_at=0) == len(header) + len(region) and head == header
     finally:
         os.close(fd)
+
+
+def _direct_header(fd: int) -> tuple[dict, int]:
+    """tensorfile.read_header through an O_DIRECT descriptor: whole aligned blocks into aligned memory."""
+    size = os.fstat(fd).st_size
+    head = _aligned_buffer(IO_BLOCK)
+    got = os.preadv(fd, [head], 0)
+    (length,) = struct.unpack("<Q", head[:8])
+    if length > size - 8:
+        raise ValueError(f"its header length {length} is past the end of the {size}-byte file")
+    if 8 + length > got:
+        head = _aligned_buffer(-(-(8 + length) // IO_BLOCK) * IO_BLOCK)
+        os.preadv(fd, [head], 0)
+    header = json.loads(bytes(head[8:8 + length]))
+    if not isinstance(header, dict):
+        raise ValueError("its header is not an object")
+    return header, 8 + length
+
+
+def _direct_layout(tensors: dict[str, torch.Tensor]) -> tuple[bytes, memoryview] | None:
+    """(header, data) of the file of `tensors` moved with direct I/O: a header padded to whole IO_BLOCKs and the
+    one aligned run of memory the tensors fill; None when they do not fill one."""
+    region = _aligned_run(list(tensors.values()))
+    if region is None:
+        return None
+    return _block_header(tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())), region
+
+
+@functools.lru_cache(maxsize=64)
+def _block_header(specs: tuple) -> bytes:
+    return encode_header({name: (dtype, shape) for name, dtype, shape in specs}, align=IO_BLOCK)
 
 
 def _aligned_run(tensors: list[torch.Tensor]) -> memoryview | None:
@@ -156,12 +203,18 @@ def _aligned_run(tensors: list[torch.Tensor]) -> memoryview | None:
 _bounce = threading.local()
 
 
-def _aligned_copy(data: bytes) -> memoryview:
-    """`data` (a header: whole IO_BLOCKs) in page-aligned memory of this thread's, as direct I/O needs."""
+def _aligned_buffer(size: int) -> memoryview:
+    """`size` bytes of this thread's page-aligned memory (what direct I/O reads into and writes from), valid until
+    its next call."""
     buf = getattr(_bounce, "buf", None)
-    if buf is None or len(buf) < len(data):
-        buf = _bounce.buf = mmap.mmap(-1, len(data))
-    view = memoryview(buf)[:len(data)]
+    if buf is None or len(buf) < size:
+        buf = _bounce.buf = mmap.mmap(-1, size)
+    return memoryview(buf)[:size]
+
+
+def _aligned_copy(data: bytes) -> memoryview:
+    """`data` (a header: whole IO_BLOCKs) in this thread's aligned memory."""
+    view = _aligned_buffer(len(data))
     view[:] = data
     return view
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from runtime.config import ModelConfig, MoesysConfig, TrainConfig
+from runtime.config import ConfigError, ModelConfig, MoesysConfig, TrainConfig, validate
 from runtime.optim import lr_at
 from runtime.parallel.groups import build_groups
 from runtime.storage.expert_slots import IO_BLOCK, ExpertSlot, SlotLayout, io_slot, new_slots
@@ -193,6 +193,10 @@ def test_an_aligned_slot_moves_with_direct_io_and_any_other_through_the_page_cac
     with safe_open(str(path), framework="pt") as f:  # still a safetensors file any reader takes
         assert torch.equal(f.get_tensor("master"), slot.master) and f.get_tensor("step").item() == 7
     assert store.bytes_read == 3 * slot.master.nbytes + 4  # the states, not the padding
+    os.truncate(path, path.stat().st_size - IO_BLOCK)
+    with pytest.raises(ChecksumError, match="is damaged"):
+        store.read_into((0, 0), io_slot(numel, torch.float32, separate_stage=False))
+    store.write((0, 0), slot)  # a file of another size: written anew
 
     plain = new_slots(numel, 1, torch.float32, False)[0]  # a row of a block: not aligned for direct I/O
     plain.master.copy_(slot.master)
@@ -202,3 +206,12 @@ def test_an_aligned_slot_moves_with_direct_io_and_any_other_through_the_page_cac
     assert torch.equal(store.read_into((0, 1), new_slots(numel, 1, torch.float32, False)[0]).master, slot.master)
     assert ExpertStore(tmp_path / "s", direct=False).read_into((0, 0), io_slot(numel, torch.float32, False)).step == 7
     assert opens.direct() == 0  # through the page cache, as asked
+
+
+def test_direct_io_false_is_refused_where_no_ssd_store_would_read_it():
+    cfg = MoesysConfig()
+    cfg.storage.direct_io = False
+    with pytest.raises(ConfigError, match="storage.direct_io=false applies to the SSD store only"):
+        validate(cfg)
+    cfg.storage.offload = "ssd"
+    validate(cfg)

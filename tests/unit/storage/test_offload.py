@@ -14,6 +14,7 @@ from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.plan.params import count_parameters
 from runtime.parallel.groups import build_groups
 from runtime.storage.expert_store import ExpertStore
+from runtime.storage.live_files import direct_io_supported
 from runtime.optim import AdamWHyper, lr_at
 from runtime.storage.offload_checkpoint import save_offloaded
 from runtime.storage.offload_engine import OffloadedGroupedExperts, install_offload
@@ -36,14 +37,14 @@ class Run:
     """A model, its optimizer and (optionally) the offload manager, stepped like runtime.train.loop.train_step."""
 
     def __init__(self, cfg, store_dir=None, cache=3, threshold=1, depth=1, fetch_all=False, write_initial=True,
-                 durable=False):
+                 durable=False, direct=True):
         """store_dir: None trains resident, "cpu" keeps the experts in host memory (storage.offload=cpu), a path
         keeps them in an SSD store there."""
         self.cfg, self.groups = cfg, build_groups(1, 0, 1, 1)
         self.model = build_model(cfg, self.groups, CPU)
         self.mgr = None
         if store_dir is not None:
-            store = None if store_dir == "cpu" else ExpertStore(store_dir, durable)
+            store = None if store_dir == "cpu" else ExpertStore(store_dir, durable, direct=direct)
             self.mgr = install_offload(self.model, store, CPU, seed=cfg.train.seed, cache_experts=cache,
                                        hit_threshold=threshold, prefetch_depth=depth, fetch_all=fetch_all,
                                        adamw=AdamWHyper(weight_decay=cfg.train.weight_decay),
@@ -87,11 +88,13 @@ class Run:
             self.mgr.close()
 
 
-@pytest.mark.parametrize("cache,threshold,depth", [(3, 1, 1), (2, 3, 2), (8, 1, 0)])
-def test_offload_losses_equal_resident_bitwise(tmp_path, cache, threshold, depth):
+@pytest.mark.parametrize("cache,threshold,depth,direct", [(3, 1, 1, True), (2, 3, 2, False), (8, 1, 0, True)])
+def test_offload_losses_equal_resident_bitwise(tmp_path, cache, threshold, depth, direct):
+    """With the store read and written by direct I/O (where the filesystem allows) and through the page cache."""
     cfg = config()
     ref = Run(cfg).train(5)
-    run = Run(cfg, tmp_path, cache=cache, threshold=threshold, depth=depth)
+    run = Run(cfg, tmp_path, cache=cache, threshold=threshold, depth=depth, direct=direct)
+    assert run.mgr.home.store.direct == (direct and direct_io_supported(tmp_path))
     got = run.train(5)
     run.close()
     assert got == ref
