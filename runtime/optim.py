@@ -53,6 +53,17 @@ def fused_adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
          weight_decay=h.weight_decay, eps=h.eps, maximize=False)
 
 
+def fused_adamw_counted(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                        exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], lr: float, h: AdamWHyper,
+                        grad_scale: torch.Tensor | None = None) -> None:
+    """`fused_adamw`'s kernel alone, on step counts the caller has already advanced: one count may then serve
+    several tensors (an expert's w1, w2, b1, ...), with no per-tensor copy of it to add to and copy back. The
+    numbers are fused_adamw's: it too adds 1 to each count, then calls this kernel."""
+    torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=h.betas[0], beta2=h.betas[1],
+                        weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
+                        found_inf=None)
+
+
 @functools.lru_cache(maxsize=8)
 def _zeros(numel: int) -> torch.Tensor:
     """A zero gradient of `numel` fp32 elements, kept: catch-up steps only read it (a fresh one each time pays its

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from runtime.optim import AdamWHyper, catch_up, fused_adamw, square_sum
+from runtime.optim import AdamWHyper, catch_up, fused_adamw, fused_adamw_counted, square_sum
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout
 from runtime.storage.step_timeline import StepTimeline
 
@@ -122,19 +122,16 @@ class HostOptimizer:
                             [slot.exp_avg for slot in lg.slots], [slot.exp_avg_sq for slot in lg.slots],
                             [slot.step for slot in lg.slots], lr, self.adamw, grad_scale)
             return
-        with self.timeline.span("adamw", False):
-            # One kernel call over every (expert, tensor) pair; each pair steps its own copy of the expert's count.
+        with self.timeline.span("adamw", False):  # one kernel call over every (expert, tensor) pair
             names = layout.names
-            steps = torch.stack([slot.step for slot in lg.slots]).repeat_interleave(len(names))
-            rows = {name: lg.grads[name].unbind(0) for name in names}  # one call per tensor, not per row
+            torch._foreach_add_([slot.step for slot in lg.slots], 1)
             state = [slot.views(attr, layout) for slot in lg.slots for attr in ("master", "exp_avg", "exp_avg_sq")]
-            fused_adamw([views[name] for views in state[0::3] for name in names],
-                        [rows[name][r] for r in lg.rows for name in names],
-                        [views[name] for views in state[1::3] for name in names],
-                        [views[name] for views in state[2::3] for name in names],
-                        list(steps.unbind()), lr, self.adamw, grad_scale)
-            for slot, count in zip(lg.slots, steps[::len(names)].unbind()):
-                slot.step.copy_(count)
+            rows = {name: lg.grads[name].unbind(0) for name in names}  # one call per tensor, not per row
+            fused_adamw_counted([views[name] for views in state[0::3] for name in names],
+                                [rows[name][r] for r in lg.rows for name in names],
+                                [views[name] for views in state[1::3] for name in names],
+                                [views[name] for views in state[2::3] for name in names],
+                                [slot.step for slot in lg.slots for _ in names], lr, self.adamw, grad_scale)
 
     def _run(self, pool: ThreadPoolExecutor, job: Callable) -> Future:
         if not self.inline:
