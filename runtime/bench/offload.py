@@ -70,15 +70,16 @@ class _Trainer:
         self.last_step: list[dict] = []
 
     def step(self, step: int, settle: bool = False) -> dict:
-        """One step and its offload metrics; `settle`: its background work (SSD reads ahead, write-behind) is
-        waited for first, so that all of it lands in this step's timeline."""
+        """One step and its offload metrics; `settle`: its writes home are waited for first, so that all of them
+        land in this step's timeline (the next step's reads ahead, started by this one, land in that step's)."""
         began = time.perf_counter()
         forward_backward(self.c, self.cfg, self.groups, step, CPU)
         middle = time.perf_counter()
         optimizer_step(self.c, self.cfg, self.groups, step)
         ended = time.perf_counter()
-        if settle and self.mgr:
-            self.mgr.drain()
+        writes = getattr(self.mgr.home, "writes", None) if settle and self.mgr else None
+        if writes is not None:
+            writes.drain()
         metrics = self.mgr.step_metrics() if self.mgr else {}
         if self.mgr:  # the step's timeline, in ms from its start: the trainer's own phases, then the host work
             own = [("forward_backward", True, began, middle, "train"), ("optimizer_step", True, middle, ended, "train")]

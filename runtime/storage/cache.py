@@ -3,8 +3,12 @@ Algorithm 2).
 
 Keys are (MoE layer, global expert). Reading of the pseudo-code that this module commits to:
 - hit (line 12): hits += 1; miss with room (line 15): hits = 1, load from SSD into the cache;
-- miss with a full cache (lines 19-26): the victim is the entry with the smallest hit count (oldest first on a tie)
-  and it is evicted only when that count reaches the threshold; its states are written back to SSD and the
+- miss with a full cache (lines 19-26): the victim is the entry with the smallest hit count (the newest on a tie,
+  which the paper leaves open: a training step asks for every active expert once, layer after layer, and when more
+  are active than the cache holds, evicting the oldest on a tie evicts each expert before its next use, a 0% hit
+  rate, while evicting the newest keeps the others until their next use) and it is evicted only when that count
+  reaches the threshold; its states are written back to SSD if they changed since they were read (a clean entry
+  is the SSD's copy: writing it would only cost the disk) and the
   requested states take its place with hits = 1 (the pseudo-code's loop would evict every entry that becomes the
   minimum in turn and forgets to count the newcomer; the text says one entry, "the lowest hit frequency");
 - when the least-hit entry is below the threshold nothing is evicted: the states go SSD -> device without being
@@ -55,7 +59,8 @@ class CacheCounters:
 
 @dataclass
 class LFUCache(Generic[Key, State]):
-    """Algorithm 2 over opaque states: `load(key)` reads them from SSD, `write_back(key, states)` stores them."""
+    """Algorithm 2 over opaque states: `load(key)` reads them from SSD, `write_back(key, states)` stores changed
+    ones, `forget(key, states)` (optional) lets go of an evicted entry that did not change."""
 
     capacity: int
     hit_threshold: float
@@ -63,6 +68,7 @@ class LFUCache(Generic[Key, State]):
     decay_every: int
     load: Callable[[Key], State]
     write_back: Callable[[Key, State], None]
+    forget: Callable[[Key, State], None] | None = None
     hits: dict[Key, float] = field(default_factory=dict)
     entries: dict[Key, State] = field(default_factory=dict)
     dirty: set = field(default_factory=set)
@@ -108,23 +114,26 @@ class LFUCache(Generic[Key, State]):
             return state, Access(key, hit=False, cached=True, evicted=victim)
 
     def victim(self) -> Key | None:
-        """The least-hit entry (oldest on a tie) if its hits reach the threshold, else None."""
+        """The least-hit entry (newest on a tie) if its hits reach the threshold, else None."""
         if not self.hits:
             return None
         least = min(self.hits.values())
         if least < self.hit_threshold:
             return None
-        return next(k for k, h in self.hits.items() if h == least)
+        return next(k for k, h in reversed(self.hits.items()) if h == least)
 
     def evict(self, key: Key) -> None:
-        """Write the entry's states back to SSD and forget it (lines 23-25)."""
+        """Write the entry's states back to SSD if they changed, and forget it (lines 23-25)."""
         with self.lock:
             state = self.entries.pop(key)
             del self.hits[key]
-            self.dirty.discard(key)
-            self.write_back(key, state)
             self.counters.evictions += 1
-            self.counters.write_backs += 1
+            if key in self.dirty:
+                self.dirty.discard(key)
+                self.write_back(key, state)
+                self.counters.write_backs += 1
+            elif self.forget is not None:
+                self.forget(key, state)
 
     def mark_dirty(self, key: Key) -> None:
         """The cached states changed (an optimizer step) and differ from SSD."""

@@ -17,7 +17,6 @@ every write costs about as much CPU as the write itself, for a check nothing wou
 from __future__ import annotations
 
 import functools
-import json
 import mmap
 import os
 import struct
@@ -101,19 +100,16 @@ def _size_of(path: Path) -> int | None:
 def read_file(path: Path, into: dict[str, torch.Tensor] | None = None, direct: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, filled by one scatter read: into the tensors of `into` (same names,
     shapes and dtypes, contiguous) or fresh memory of their own; the checksum is not verified here
-    (tensorfile.verify does). With `direct`, a data section on an IO_BLOCK boundary that lands in one aligned run
-    of `into`'s memory is read with direct I/O, its header too (a page of it cached by a buffered read would cost
-    every direct write of the file an invalidation). A malformed or truncated file, or one that does not match
-    `into`, raises ChecksumError."""
+    (tensorfile.verify does). With `direct`, a file laid out as `write_file` lays out `into` for direct I/O is read
+    that way, header and data in one request. A malformed or truncated file, or one that does not match `into`,
+    raises ChecksumError."""
     layout = _direct_layout(into) if direct and into is not None else None
     if layout is not None and _read_expected(path, *layout):
         return dict(into)
-    direct = layout is not None
-    fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
-    try:
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
         try:
-            header, data_start = _direct_header(fd) if direct else read_header(os.fdopen(fd, "rb", buffering=0,
-                                                                                          closefd=False))
+            header, data_start = read_header(f)
             header.pop("__metadata__", None)
             tensors, end = {}, 0
             for key, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
@@ -125,17 +121,8 @@ def read_file(path: Path, into: dict[str, torch.Tensor] | None = None, direct: b
                 tensors[key], end = t, stop
         except (struct.error, ValueError, KeyError, TypeError) as exc:  # KeyError: a name `into` lacks
             raise ChecksumError(f"{path} is not a readable safetensors file ({exc}); it is damaged") from None
-        region = _aligned_run(list(tensors.values())) if direct and data_start % IO_BLOCK == 0 else None
-        if region is not None and len(region) == end:
-            got = _transfer(fd, [region], read_at=data_start)
-        else:
-            if direct:  # not laid out for direct I/O (a file written before its slot was aligned): buffered
-                os.close(fd)
-                fd = os.open(path, os.O_RDONLY)
-            got = _transfer(fd, [raw_bytes(t) for t in tensors.values()], read_at=data_start)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the tensors hold the bytes now; free the page cache
-    finally:
-        os.close(fd)
+        got = _transfer(fd, [raw_bytes(t) for t in tensors.values()], read_at=data_start)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the tensors hold the bytes now; free the page cache
     if got != end:
         raise ChecksumError(f"{path} is damaged: it holds {got} of its {end} tensor bytes")
     return {key: tensors[key] for key in header}
@@ -143,30 +130,13 @@ def read_file(path: Path, into: dict[str, torch.Tensor] | None = None, direct: b
 
 def _read_expected(path: Path, header: bytes, region: memoryview) -> bool:
     """Read a file of the layout the store writes (`header`, then `region`'s bytes) with one direct read, and tell
-    whether it was that: no header to parse, no second request (else the caller reads it the general way)."""
+    whether it was that (else the caller reads it the general way: a file of another layout, or a damaged one)."""
     fd = os.open(path, os.O_RDONLY | _O_DIRECT)
     try:
         head = _aligned_buffer(len(header))
         return _transfer(fd, [head, region], read_at=0) == len(header) + len(region) and head == header
     finally:
         os.close(fd)
-
-
-def _direct_header(fd: int) -> tuple[dict, int]:
-    """tensorfile.read_header through an O_DIRECT descriptor: whole aligned blocks into aligned memory."""
-    size = os.fstat(fd).st_size
-    head = _aligned_buffer(IO_BLOCK)
-    got = os.preadv(fd, [head], 0)
-    (length,) = struct.unpack("<Q", head[:8])
-    if length > size - 8:
-        raise ValueError(f"its header length {length} is past the end of the {size}-byte file")
-    if 8 + length > got:
-        head = _aligned_buffer(-(-(8 + length) // IO_BLOCK) * IO_BLOCK)
-        os.preadv(fd, [head], 0)
-    header = json.loads(bytes(head[8:8 + length]))
-    if not isinstance(header, dict):
-        raise ValueError("its header is not an object")
-    return header, 8 + length
 
 
 def _direct_layout(tensors: dict[str, torch.Tensor]) -> tuple[bytes, memoryview] | None:

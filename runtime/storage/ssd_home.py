@@ -34,7 +34,7 @@ class SSDHome:
         self.tiers, self.timeline, self.in_use = tiers, timeline, in_use
         self.fetch_all = False
         self.cache: LFUCache[ExpertKey, ExpertSlot] = LFUCache(
-            cache_experts, hit_threshold, decay_beta, decay_every, self._load, self._write_back)
+            cache_experts, hit_threshold, decay_beta, decay_every, self._load, self._write_back, self._forget)
         self.prefetcher = SparsePrefetcher(self._read_ahead, lambda k: k in self.cache, wait_updated, prefetch_depth,
                                            self.cache.lock, self._hint)
         self.writes = WriteBehind()
@@ -99,6 +99,12 @@ class SSDHome:
         if self.in_use(key):
             return
         self._write_home([(key, slot)], drop=key not in self.cache.entries)
+
+    def _forget(self, key: ExpertKey, slot: ExpertSlot) -> None:
+        """The cache let go of an expert unchanged since it was read (its file holds it): its host memory is free,
+        unless a step still uses it (its update's `settle` writes it home and frees it then)."""
+        if not self.in_use(key):
+            self._drop_host(slot)
 
     def _write_home(self, items: list[tuple[ExpertKey, ExpertSlot]], drop: bool) -> None:
         """Write the slots to SSD as one write-behind job (one file per expert); drop them from the host tier

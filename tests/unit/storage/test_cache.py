@@ -8,11 +8,15 @@ from runtime.storage.cache import LFUCache
 
 
 class FakeSSD:
-    """Records loads and write-backs; states are strings naming their key and version."""
+    """Records loads, write-backs and clean entries let go; states are strings naming their key and version."""
 
     def __init__(self):
         self.loads: list[str] = []
         self.writes: list[tuple[str, str]] = []
+        self.forgotten: list[str] = []
+
+    def forget(self, key, state):
+        self.forgotten.append(key)
 
     def load(self, key):
         self.loads.append(key)
@@ -24,23 +28,25 @@ class FakeSSD:
 
 def make(capacity, threshold=1, beta=0.5, every=100):
     ssd = FakeSSD()
-    return LFUCache(capacity, threshold, beta, every, ssd.load, ssd.write_back), ssd
+    return LFUCache(capacity, threshold, beta, every, ssd.load, ssd.write_back, ssd.forget), ssd
 
 
 def test_fill_hit_and_evict_least_hit():
     cache, ssd = make(2)
-    outcomes = [cache.request(k)[1] for k in "ABAC"]
+    outcomes = [cache.request(k)[1] for k in "AB"]
+    cache.mark_dirty("B")  # updated: SSD's copy is old
+    outcomes += [cache.request(k)[1] for k in "AC"]
     assert [(a.hit, a.cached, a.evicted) for a in outcomes] == [
         (False, True, None), (False, True, None), (True, True, None), (False, True, "B")]
     assert ssd.writes == [("B", "state-B")]
     assert cache.hits == {"A": 2, "C": 1}
-    state, access = cache.request("B")  # C (1 hit) is now the least-hit entry
+    state, access = cache.request("B")  # C (1 hit) is now the least-hit entry; unchanged, so not written
     assert state == "state-B" and access.evicted == "C"
     cache.request("A")
     assert cache.hits == {"A": 3, "B": 1}
-    assert ssd.loads == ["A", "B", "C", "B"]
+    assert ssd.loads == ["A", "B", "C", "B"] and ssd.writes == [("B", "state-B")] and ssd.forgotten == ["C"]
     assert cache.counters.snapshot_and_reset() == {
-        "hits": 2, "misses": 4, "bypasses": 0, "evictions": 2, "write_backs": 2, "decays": 0}
+        "hits": 2, "misses": 4, "bypasses": 0, "evictions": 2, "write_backs": 1, "decays": 0}
 
 
 def test_below_threshold_nothing_is_evicted_and_states_bypass_the_cache():
@@ -51,11 +57,22 @@ def test_below_threshold_nothing_is_evicted_and_states_bypass_the_cache():
     assert state == "state-C" and access == access.__class__("C", hit=False, cached=False)
     assert "C" not in cache and ssd.writes == []
     cache.request("A")
-    cache.request("B")  # A and B both at 2 hits; tie goes to the oldest entry, A
+    cache.request("B")  # A and B both at 2 hits; tie goes to the newest entry, B
     _, access = cache.request("C")
-    assert access.evicted == "A" and access.cached
-    assert cache.hits == {"B": 2, "C": 1}
+    assert access.evicted == "B" and access.cached
+    assert cache.hits == {"A": 2, "C": 1}
     assert ssd.loads == ["A", "B", "C", "C"]
+
+
+def test_a_cycle_over_more_keys_than_the_cache_holds_keeps_hitting_its_residents():
+    """A training step asks for each active expert once, layer by layer: with more active than cached, evicting the
+    oldest on a tie would evict every entry just before its next use (no hit at all)."""
+    cache, _ = make(3)
+    for _ in range(5):
+        for key in "ABCDEF":
+            cache.request(key)
+    assert cache.counters.hits == 4 * 2  # after the first round, A and B stay and hit in every round
+    assert set(cache.entries) >= {"A", "B"}
 
 
 def test_decay_every_k_steps_can_protect_or_expose_entries():

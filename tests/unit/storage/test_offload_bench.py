@@ -28,6 +28,12 @@ def test_offload_bench_small():
     load = r["realistic_load"]
     assert load["input"] == "random" and load["tokens_per_step"] == 256 and load["active_expert_fraction"] > 0.75  # most experts active
     assert r["disk"]["probe_bytes"] == 32 << 20
+    for mode in ("cpu", "ssd"):  # the host side's cost: work (the store's I/O by its CPU time) and idle waits
+        h = r[mode]
+        assert h["work_ns_per_param"] + h["idle_wait_ns_per_param"] == pytest.approx(h["cpu_side_ns_per_param"])
+        assert h["floor_ns_per_param"] > 0 and 0.0 <= h["hidden_share"] <= 1.0
+    assert r["ssd"]["seconds_by_kind"]["ssd_write"] > 0 and r["ssd"]["disk_floor_ns_per_param"] > 0
+    assert r["cpu"]["store_write_bytes_per_step"] == 0 and "ssd_write" not in r["cpu"]["seconds_by_kind"]
 
 
 def test_disk_probe_moves_its_bytes_and_leaves_nothing(tmp_path):
