@@ -2,15 +2,19 @@
 Algorithm 2).
 
 Keys are (MoE layer, global expert). Reading of the pseudo-code that this module commits to:
-- hit (line 12): hits += 1; miss with room (line 15): hits = 1, load from SSD into the cache;
-- miss with a full cache (lines 19-26): the victim is the entry with the smallest hit count (the newest on a tie,
-  which the paper leaves open: a training step asks for every active expert once, layer after layer, and when more
-  are active than the cache holds, evicting the oldest on a tie evicts each expert before its next use, a 0% hit
-  rate, while evicting the newest keeps the others until their next use) and it is evicted only when that count
-  reaches the threshold; its states are written back to SSD if they changed since they were read (a clean entry
-  is the SSD's copy: writing it would only cost the disk) and the
-  requested states take its place with hits = 1 (the pseudo-code's loop would evict every entry that becomes the
-  minimum in turn and forgets to count the newcomer; the text says one entry, "the lowest hit frequency");
+- hit (line 12): hits += 1; miss with room (line 15): hits += 1 (from 0 for a key never seen), load from SSD into
+  the cache;
+- a key's count outlives its eviction (`history`) and decays with the others: the pseudo-code restarts a returning
+  expert at 1, so under a skewed load an expert hot every step but evicted once stayed behind entries never asked
+  for again (its count kept at 1, it was the next victim before it could be hit);
+- miss with a full cache (lines 19-26): the victim is the cached entry with the smallest hit count (the newest on a
+  tie, which the paper leaves open: a training step asks for every active expert once, layer after layer, and when
+  more are active than the cache holds, evicting the oldest on a tie evicts each expert just before its next use, a
+  0% hit rate, while evicting the newest keeps the others until their next use) and it is evicted only when that
+  count reaches the threshold; its states are written back to SSD if they changed since they were read (a clean
+  entry is the SSD's copy: writing it would only cost the disk) and the requested states take its place (the
+  pseudo-code's loop would evict every entry that becomes the minimum in turn and forgets to count the newcomer;
+  the text says one entry, "the lowest hit frequency");
 - when the least-hit entry is below the threshold nothing is evicted: the states go SSD -> device without being
   cached (line 31), and their update is written straight back to SSD (a *bypass*);
 - decay (lines 27-30): every decay_every calls of end_step() (training steps) every count is multiplied by beta;
@@ -70,6 +74,9 @@ class LFUCache(Generic[Key, State]):
     write_back: Callable[[Key, State], None]
     forget: Callable[[Key, State], None] | None = None
     hits: dict[Key, float] = field(default_factory=dict)
+    """Counts of the cached keys, in the order they entered the cache."""
+    history: dict[Key, float] = field(default_factory=dict)
+    """Counts of keys asked for before and not cached now."""
     entries: dict[Key, State] = field(default_factory=dict)
     dirty: set = field(default_factory=set)
     counters: CacheCounters = field(default_factory=CacheCounters)
@@ -101,16 +108,17 @@ class LFUCache(Generic[Key, State]):
             if len(self.entries) < self.capacity:
                 state = load(key)
                 self.entries[key] = state
-                self.hits[key] = 1
+                self.hits[key] = self.history.pop(key, 0) + 1
                 return state, Access(key, hit=False, cached=True)
             victim = self.victim()
             if victim is None:
                 self.counters.bypasses += 1
+                self.history[key] = self.history.get(key, 0) + 1
                 return load(key), Access(key, hit=False, cached=False)
             self.evict(victim)
             state = load(key)
             self.entries[key] = state
-            self.hits[key] = 1
+            self.hits[key] = self.history.pop(key, 0) + 1
             return state, Access(key, hit=False, cached=True, evicted=victim)
 
     def victim(self) -> Key | None:
@@ -126,7 +134,7 @@ class LFUCache(Generic[Key, State]):
         """Write the entry's states back to SSD if they changed, and forget it (lines 23-25)."""
         with self.lock:
             state = self.entries.pop(key)
-            del self.hits[key]
+            self.history[key] = self.hits.pop(key)
             self.counters.evictions += 1
             if key in self.dirty:
                 self.dirty.discard(key)
@@ -147,8 +155,9 @@ class LFUCache(Generic[Key, State]):
             self.steps += 1
             if self.steps < self.decay_every:
                 return False
-            for key in self.hits:
-                self.hits[key] *= self.decay_beta
+            for counts in (self.hits, self.history):
+                for key in counts:
+                    counts[key] *= self.decay_beta
             self.steps = 0
             self.counters.decays += 1
             return True
@@ -168,5 +177,6 @@ class LFUCache(Generic[Key, State]):
         with self.lock:
             self.entries.clear()
             self.hits.clear()
+            self.history.clear()
             self.dirty.clear()
             self.steps = 0

@@ -43,7 +43,7 @@ def test_fill_hit_and_evict_least_hit():
     state, access = cache.request("B")  # C (1 hit) is now the least-hit entry; unchanged, so not written
     assert state == "state-B" and access.evicted == "C"
     cache.request("A")
-    assert cache.hits == {"A": 3, "B": 1}
+    assert cache.hits == {"A": 3, "B": 2} and cache.history == {"C": 1}  # B came back with its count
     assert ssd.loads == ["A", "B", "C", "B"] and ssd.writes == [("B", "state-B")] and ssd.forgotten == ["C"]
     assert cache.counters.snapshot_and_reset() == {
         "hits": 2, "misses": 4, "bypasses": 0, "evictions": 2, "write_backs": 1, "decays": 0}
@@ -60,7 +60,7 @@ def test_below_threshold_nothing_is_evicted_and_states_bypass_the_cache():
     cache.request("B")  # A and B both at 2 hits; tie goes to the newest entry, B
     _, access = cache.request("C")
     assert access.evicted == "B" and access.cached
-    assert cache.hits == {"A": 2, "C": 1}
+    assert cache.hits == {"A": 2, "C": 2}  # C's bypass counted
     assert ssd.loads == ["A", "B", "C", "C"]
 
 
@@ -73,6 +73,18 @@ def test_a_cycle_over_more_keys_than_the_cache_holds_keeps_hitting_its_residents
             cache.request(key)
     assert cache.counters.hits == 4 * 2  # after the first round, A and B stay and hit in every round
     assert set(cache.entries) >= {"A", "B"}
+
+
+def test_an_expert_asked_for_every_step_keeps_its_count_across_an_eviction():
+    """Under a skewed load a hot expert evicted once must not restart at one hit, behind entries never asked for
+    again: it would be the next victim every time and never hit."""
+    cache, _ = make(2)
+    for key in "XYZ":  # Y evicted: the newest on the tie
+        cache.request(key)
+    for step in range(3):
+        cache.request("Y")
+        cache.request(f"cold{step}")
+    assert "Y" in cache and cache.counters.hits == 2
 
 
 def test_decay_every_k_steps_can_protect_or_expose_entries():
