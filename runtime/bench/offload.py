@@ -82,11 +82,13 @@ class _Trainer:
             writes.drain()
         metrics = self.mgr.step_metrics() if self.mgr else {}
         if self.mgr:  # the step's timeline, in ms from its start: the trainer's own phases, then the host work
-            own = [("forward_backward", True, began, middle, "train"), ("optimizer_step", True, middle, ended, "train")]
+            own = [("forward_backward", True, began, middle, "train", None),
+                   ("optimizer_step", True, middle, ended, "train", None)]
             self.last_step = [{"kind": k, "critical": c, "thread": t, "start_ms": round((a - began) * 1e3, 3),
-                               "end_ms": round((b - began) * 1e3, 3)}
-                              for k, c, a, b, t in own + [(s.kind, s.critical, s.start, s.end, s.thread)
-                                                          for s in self.mgr.last_spans]]
+                               "end_ms": round((b - began) * 1e3, 3),
+                               **({} if cpu is None else {"cpu_ms": round(cpu * 1e3, 3)})}
+                              for k, c, a, b, t, cpu in own + [(s.kind, s.critical, s.start, s.end, s.thread, s.cpu)
+                                                               for s in self.mgr.last_spans]]
         return metrics
 
     def drain(self) -> None:
