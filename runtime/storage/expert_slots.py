@@ -127,20 +127,31 @@ def new_slots(numel: int, count: int, compute_dtype: torch.dtype, separate_stage
 
 
 def io_slot(numel: int, compute_dtype: torch.dtype, separate_stage: bool, pin: bool = False,
-            zero: bool = True) -> ExpertSlot:
+            zero: bool = True, run_of: ExpertSlot | None = None) -> ExpertSlot:
     """One slot whose master, moments and step follow each other in one run of memory that starts and ends on an
     IO_BLOCK boundary, so the SSD store moves it with direct I/O, straight between that memory and the disk (no
-    page-cache copy). Tensors keep the offsets of a `new_slots` row (the fused kernel sees the same lanes)."""
+    page-cache copy). Tensors keep the offsets of a `new_slots` row (the fused kernel sees the same lanes).
+    `run_of`: a released io_slot of the same size whose run this one takes over (no fresh pages for the kernel to
+    fault in and zero on the next read); its stage is not reused (a copy to the device may still read it)."""
     new = torch.zeros if zero else torch.empty
-    per_block = IO_BLOCK // 4
-    length = -(-(3 * numel + 1) // per_block) * per_block
-    raw = new(length + per_block)
-    start = (-raw.data_ptr() % IO_BLOCK) // 4
-    run = raw[start:start + length]
-    pad = run[3 * numel + 1:]
-    pad.zero_()  # stored with the states: no stray bytes of this process in the file
-    stage = new(numel, dtype=compute_dtype, pin_memory=pin) if separate_stage else run[:numel]
-    return ExpertSlot(run[:numel], run[numel:2 * numel], run[2 * numel:3 * numel], run[3 * numel], stage, pad)
+    if run_of is not None:
+        states = (run_of.master, run_of.exp_avg, run_of.exp_avg_sq, run_of.step)
+        if zero:
+            for t in states:
+                t.zero_()
+        master, exp_avg, exp_avg_sq, step = states
+        pad = run_of.pad
+    else:
+        per_block = IO_BLOCK // 4
+        length = -(-(3 * numel + 1) // per_block) * per_block
+        raw = new(length + per_block)
+        start = (-raw.data_ptr() % IO_BLOCK) // 4
+        run = raw[start:start + length]
+        master, exp_avg, exp_avg_sq, step = run[:numel], run[numel:2 * numel], run[2 * numel:3 * numel], run[3 * numel]
+        pad = run[3 * numel + 1:]
+        pad.zero_()  # stored with the states: no stray bytes of this process in the file
+    stage = new(numel, dtype=compute_dtype, pin_memory=pin) if separate_stage else master
+    return ExpertSlot(master, exp_avg, exp_avg_sq, step, stage, pad)
 
 
 def contiguous_runs(slots: list[ExpertSlot], attr: str = "stage") -> list[tuple[int, int]]:

@@ -148,9 +148,9 @@ class OffloadEngine:
         if not self.delayed:
             with self.timeline.span("wait_update", True):
                 self._updated[layer].wait()
-        slots = self.home.acquire(keys)
-        with self._use_lock:
+        with self._use_lock:  # before the acquire: an expert it loads and then evicts for the next is still in use
             self._in_use.update(keys)
+        slots = self.home.acquire(keys)
         self._catch_up(keys, slots)
         grad = torch.is_grad_enabled()
         block = None if self.transfers.cuda else self.home.layer_slots(layer)
@@ -417,7 +417,8 @@ def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.d
                             {s.index: s.num_local for s in specs}, compute_dtype, engine.separate_stage, pin, tiers)
         home = SSDHome(store, engine.layouts, engine.order, cache_experts, hit_threshold, decay_beta, decay_every,
                        prefetch_depth, compute_dtype, engine.separate_stage, pin, tiers, engine.timeline,
-                       engine.wait_updated, engine.in_use)
+                       engine.wait_updated, engine.in_use,
+                       spare_slots=max(1, prefetch_depth) * max(s.num_local for s in specs))
         if fetch_all:
             home.fetch_everything()
         return home

@@ -12,7 +12,7 @@ import torch
 
 from runtime.prefetch.sparse import SparsePrefetcher
 from runtime.storage.cache import LFUCache
-from runtime.storage.expert_slots import ExpertSlot, SlotLayout, io_slot
+from runtime.storage.expert_slots import ExpertSlot, SlotLayout, io_slot, slot_bytes
 from runtime.storage.expert_store import ExpertKey, ExpertStore
 from runtime.storage.step_timeline import StepTimeline
 from runtime.storage.tiers import Tiers
@@ -28,7 +28,10 @@ class SSDHome:
     def __init__(self, store: ExpertStore, layouts: dict[int, SlotLayout], order: list[int], cache_experts: int,
                  hit_threshold: float, decay_beta: float, decay_every: int, prefetch_depth: int,
                  compute_dtype: torch.dtype, separate_stage: bool, pin: bool, tiers: Tiers, timeline: StepTimeline,
-                 wait_updated: Callable[[int], None], in_use: Callable[[ExpertKey], bool]):
+                 wait_updated: Callable[[int], None], in_use: Callable[[ExpertKey], bool], spare_slots: int = 0):
+        """spare_slots: released slots kept for the next reads to take over (the staging the plan counts: layers
+        read ahead x experts per layer); a fresh slot costs its pages' faults and the kernel's zeroing of them,
+        which for a multi-GB expert exceeds the read itself."""
         self.store, self.layouts, self.order = store, layouts, order
         self.dtype, self.separate_stage, self.pin = compute_dtype, separate_stage, pin
         self.tiers, self.timeline, self.in_use = tiers, timeline, in_use
@@ -40,12 +43,24 @@ class SSDHome:
         self.writes = WriteBehind()
         self._on_host: dict[int, int] = {}
         self._host_lock = threading.Lock()
+        self._spares: list[ExpertSlot] = []
+        self.spare_slots = spare_slots
         self._read0 = self._written0 = 0
 
     # ---- reads ----
 
     def new_slot(self, layer: int, pin: bool = False, zero: bool = True) -> ExpertSlot:
-        return io_slot(self.layouts[layer].numel, self.dtype, self.separate_stage, pin, zero)
+        numel = self.layouts[layer].numel
+        return io_slot(numel, self.dtype, self.separate_stage, pin, zero, run_of=self._take_spare(numel))
+
+    def _take_spare(self, numel: int) -> ExpertSlot | None:
+        with self._host_lock:
+            for i in range(len(self._spares) - 1, -1, -1):
+                if self._spares[i].master.numel() == numel:
+                    spare = self._spares.pop(i)
+                    self.tiers.host.release(slot_bytes(numel, self.dtype, separate_stage=False))
+                    return spare
+        return None
 
     def _read(self, key: ExpertKey) -> ExpertSlot:
         """A fresh slot with the expert's states from its file (after any write of it still queued); not zeroed
@@ -71,10 +86,17 @@ class SSDHome:
         staged = self.prefetcher.take(key)
         return staged if staged is not None else self._read(key)
 
-    def _drop_host(self, slot: ExpertSlot) -> None:
-        """The slot left host memory (evicted, written home after a bypass, or unused); idempotent."""
+    def _drop_host(self, slot: ExpertSlot, reusable: bool = False) -> None:
+        """The slot left host memory (evicted, written home after a bypass, or unused); idempotent. `reusable`:
+        nothing reads or writes its states any more, so the next read may take its memory over (a spare)."""
         with self._host_lock:
-            self.tiers.host.release(self._on_host.pop(id(slot), 0))
+            nbytes = self._on_host.pop(id(slot), None)
+            if nbytes is None:
+                return
+            self.tiers.host.release(nbytes)
+            if reusable and slot.pad is not None and len(self._spares) < self.spare_slots:
+                self._spares.append(slot)
+                self.tiers.host.allocate(slot_bytes(slot.master.numel(), self.dtype, separate_stage=False))
 
     def before_layer(self, layer: int, keys: list[ExpertKey]) -> None:
         pos = self.order.index(layer)
@@ -94,28 +116,29 @@ class SSDHome:
     # ---- writes ----
 
     def _write_back(self, key: ExpertKey, slot: ExpertSlot) -> None:
-        """The cache evicts or flushes `key`: hand it to the write-behind thread. An expert in use is skipped: its
-        update is pending, and `settle` writes it once updated."""
-        if self.in_use(key):
-            return
-        self._write_home([(key, slot)], drop=key not in self.cache.entries)
+        """The cache evicts or flushes a changed expert: hand it to the write-behind thread. One still in use (a step
+        computes with it, or its update has settled but not yet let it go) is written as it is and its memory
+        kept: an update still to come writes it again, after this write, and frees it."""
+        evicted = key not in self.cache.entries
+        self._write_home([(key, slot)], drop=evicted, reusable=evicted and not self.in_use(key))
 
     def _forget(self, key: ExpertKey, slot: ExpertSlot) -> None:
         """The cache let go of an expert unchanged since it was read (its file holds it): its host memory is free,
         unless a step still uses it (its update's `settle` writes it home and frees it then)."""
         if not self.in_use(key):
-            self._drop_host(slot)
+            self._drop_host(slot, reusable=True)
 
-    def _write_home(self, items: list[tuple[ExpertKey, ExpertSlot]], drop: bool) -> None:
+    def _write_home(self, items: list[tuple[ExpertKey, ExpertSlot]], drop: bool, reusable: bool = True) -> None:
         """Write the slots to SSD as one write-behind job (one file per expert); drop them from the host tier
-        afterwards when `drop`. A reader of any of the keys waits for the whole job."""
+        afterwards when `drop` (their memory then free for the next reads, when `reusable`). A reader of any of
+        the keys waits for the whole job."""
         def job() -> None:
             with self.timeline.io_span("ssd_write"):
                 for key, slot in items:
                     self.store.write(key, slot)
                     self.tiers.ssd.moved(slot.nbytes)
                     if drop:
-                        self._drop_host(slot)
+                        self._drop_host(slot, reusable)
 
         self.writes.submit_many([key for key, _ in items], job)
 
@@ -169,6 +192,7 @@ class SSDHome:
         self.cache.clear()
         with self._host_lock:
             self._on_host.clear()
+            self._spares.clear()
             self.tiers.host.used = 0
         self.store.bytes_written = 0
 

@@ -65,6 +65,7 @@ def test_one_write_job_per_layer_with_updates_and_reads_wait_for_it(tmp_path):
     store = ExpertStore(tmp_path)
     model, engine = offloaded(store, layers=3)  # nothing cached: every updated expert goes home to SSD
     home = engine.home
+    home.spare_slots = 0  # the test compares with slots written home: no read may take their memory over
     real_write = store.write
 
     def slow_write(key, slot):  # the batch is still being written when the reader comes
@@ -215,3 +216,38 @@ def test_direct_io_false_is_refused_where_no_ssd_store_would_read_it():
         validate(cfg)
     cfg.storage.offload = "ssd"
     validate(cfg)
+
+
+def test_a_read_takes_over_the_memory_of_a_slot_released_before_it(tmp_path):
+    """A fresh slot per read makes the kernel fault in and zero its pages (for a multi-GB expert, more CPU than the
+    read): the store's reads reuse the memory of slots written home, up to the read-ahead the plan counts."""
+    model, engine = offloaded(ExpertStore(tmp_path / "s"), layers=2, cache=1)
+    for _ in range(3):
+        forward_backward(model, engine, lambda i: {0, 1, 2})
+        engine.step(1e-2)
+    engine.drain()
+    home = engine.home
+    assert 0 < len(home._spares) <= home.spare_slots == 4  # prefetch depth 1 x 4 experts a layer
+    spare, used = home._spares[-1], engine.tiers.host.used
+    slot = home.new_slot(0, zero=False)
+    assert slot.master.data_ptr() == spare.master.data_ptr() and spare not in home._spares
+    assert engine.tiers.host.used < used  # a spare counts in the host tier until a read takes it
+    engine.close()
+
+
+def test_a_changed_expert_evicted_while_still_marked_in_use_is_written_home(tmp_path):
+    """An update settles an expert in the cache (dirty) a moment before it stops being in use; an eviction in that
+    moment (the next step's forward runs beside the update) must still write it, or its update is lost."""
+    model, engine = offloaded(ExpertStore(tmp_path / "s"), layers=1, cache=1)
+    forward_backward(model, engine, lambda i: {2})
+    engine.step(1e-2)
+    engine.drain()
+    home, key = engine.home, engine.specs[0].key(2)
+    slot = home.cache.entries[key]
+    assert key in home.cache.dirty
+    engine._in_use.add(key)  # the update's settle done, its release not yet
+    home.cache.request(engine.specs[0].key(0))  # evicts it
+    engine.drain()
+    assert torch.equal(home.store.read(key)["master"], slot.master) and float(home.store.read(key)["step"][0]) == 1
+    engine._in_use.discard(key)
+    engine.close()
