@@ -23,7 +23,7 @@ from torch import Tensor
 from runtime.model.attention import Attention, StaticKVCache, rotate
 from runtime.model.ffn import DenseFFN
 from runtime.model.transformer import Block, Transformer
-from runtime.moe.experts import GroupedExperts, combine_choices, grouped_mm_ok, sort_by_expert, sorted_ffn
+from runtime.moe.experts import GroupedExperts, combine_choices, grouped_mm_in_place, sort_by_expert, sorted_ffn
 from runtime.moe.layer import MoELayer
 from runtime.moe.router import routing_weights, select_top_k
 
@@ -151,8 +151,7 @@ def _grouped_ffn(x_B1D: Tensor, ids_B1K: Tensor, weights_B1K: Tensor, experts: G
     expert."""
     B, _, K = ids_B1K.shape
     w = experts.weights()
-    aligned = all(t.data_ptr() % 16 == 0 for t in (w["w1"], w["w2"], w["w3"]) if t is not None)
-    if aligned and _grouped_is_row_wise(B * K, w["w1"], w["w2"], w["w3"]):
+    if grouped_mm_in_place(w["w1"], w["w2"], w["w3"]) and _grouped_is_row_wise(B * K, w["w1"], w["w2"]):
         y_RD = _all_grouped(x_B1D.view(B, -1), ids_B1K.reshape(-1), K, w, experts.expert_type)
     else:
         y_RD = _expert_by_expert(x_B1D.view(B, -1), ids_B1K.reshape(-1), K, w, experts.expert_type)
@@ -185,16 +184,14 @@ def _expert_by_expert(x_BD: Tensor, ids_R: Tensor, K: int, w: dict, kind: str) -
 _GROUPED: dict[tuple, bool] = {}
 
 
-def _grouped_is_row_wise(rows: int, w1: Tensor, w2: Tensor, w3: Optional[Tensor]) -> bool:
-    """Whether `_all_grouped` gives each pair a one-row product's bits for up to `rows` pairs: the grouped GEMM
-    takes these weights (16-byte aligned rows), one product over m rows gives one-row products for every
+def _grouped_is_row_wise(rows: int, w1: Tensor, w2: Tensor) -> bool:
+    """Whether `_all_grouped` gives each pair a one-row product's bits for up to `rows` pairs, for weights the
+    grouped GEMM takes (`grouped_mm_in_place`): one product over m rows gives one-row products for every
     m <= rows (`_form`), and the grouped GEMM gives each group a product's numbers (probed once on random rows in
     uneven groups)."""
     key = (rows, tuple(w1.shape), tuple(w2.shape), w1.dtype, w1.device)
     if key not in _GROUPED:
-        given = [t for t in (w1, w2, w3) if t is not None]
-        ok = grouped_mm_ok(*given) and all(
-            _form(m, t[0], None) is _one_product for m in range(1, rows + 1) for t in (w1, w2))
+        ok = all(_form(m, t[0], None) is _one_product for m in range(1, rows + 1) for t in (w1, w2))
         if ok:
             E = w1.shape[0]
             gen = torch.Generator().manual_seed(0)

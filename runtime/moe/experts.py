@@ -37,6 +37,13 @@ def grouped_mm_ok(*tensors: Tensor) -> bool:
     return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
 
 
+def grouped_mm_in_place(*weights: Tensor | None) -> bool:
+    """torch._grouped_mm reads these weights where they lie: `grouped_mm_ok`, and each one's data 16-byte aligned
+    (an offloader's slot views may not be). None entries (an absent w3) are skipped."""
+    given = [w for w in weights if w is not None]
+    return all(w.data_ptr() % 16 == 0 for w in given) and grouped_mm_ok(*given)
+
+
 def _contiguous_grad(t: Tensor) -> Tensor:
     """_grouped_mm's backward rejects expanded (stride 0) gradients, e.g. from y.sum(); make them dense."""
     if t.requires_grad:
@@ -259,7 +266,7 @@ def one_token_in_place(x_TD: Tensor, *weights: Tensor | None) -> bool:
     given = [w for w in weights if w is not None]
     if given[0].device.type == "cuda" and given[0].dtype != torch.bfloat16:
         return False
-    return all(w.data_ptr() % 16 == 0 for w in given) and grouped_mm_ok(x_TD.reshape(1, -1), *given)
+    return grouped_mm_in_place(*given) and grouped_mm_ok(x_TD.reshape(1, -1))
 
 
 def grouped_routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor,

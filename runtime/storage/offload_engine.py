@@ -418,7 +418,7 @@ def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.d
         home = SSDHome(store, engine.layouts, engine.order, cache_experts, hit_threshold, decay_beta, decay_every,
                        prefetch_depth, compute_dtype, engine.separate_stage, pin, tiers, engine.timeline,
                        engine.wait_updated, engine.in_use,
-                       spare_slots=max(1, prefetch_depth) * max(s.num_local for s in specs))
+                       spare_slots=max(1, prefetch_depth) * max((s.num_local for s in specs), default=0))
         if fetch_all:
             home.fetch_everything()
         return home
