@@ -14,10 +14,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 HOST_READ = "moesys::host_read"
 """The profiler mark of a host read moesys makes on purpose (`host_list`): on the CPU `.tolist()` dispatches no
 operator the profiler would see, so each such read is marked."""
-SYNC_EVENTS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", HOST_READ, "cudaDeviceSynchronize",
-                         "cudaStreamSynchronize", "cudaEventSynchronize"})
-"""Events that make the host wait for device values: .item() and bool() end in _local_scalar_dense; nonzero sizes
-its output from the data; CUDA's synchronisations; moesys's marked reads."""
+SYNC_EVENTS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::bincount", HOST_READ,
+                         "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"})
+"""Events that make the host wait for device values: .item() and bool() end in _local_scalar_dense; nonzero and
+bincount size their outputs from the data; CUDA's synchronisations; moesys's marked reads. One inside another (the
+CUDA wait of an .item()) is the same synchronisation and counts once."""
 DEVICE_OFFSETS_OPS = frozenset({"aten::_grouped_mm"})
 """Operators whose CPU kernel reads its offsets with .item() (on the CPU the host is the device) while the CUDA
 kernel reads them on the GPU: their reads are counted apart (`kernel_reads_per_token`), not as the step's syncs."""
@@ -68,7 +69,7 @@ def _counts(run: Callable[[], None], cuda: bool) -> tuple[Counter, int]:
     syncs: Counter = Counter()
     ops = 0
     for event in prof.events():
-        if event.name in SYNC_EVENTS:
+        if event.name in SYNC_EVENTS and not _inside(event, SYNC_EVENTS):
             syncs["kernel" if _inside(event, DEVICE_OFFSETS_OPS) else event.name] += 1
         parent = event.cpu_parent
         top = parent is None or not parent.name.startswith("aten::")

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import Tensor
 
+from runtime.moe.router import expert_counts
+
 DROP_POLICIES = ("cut", "random", "routing_weight")
 
 
@@ -50,7 +52,7 @@ def keep_mask(expert_ids_TK: Tensor, weights_TK: Tensor, num_experts: int, capac
         return torch.ones_like(expert_ids_TK, dtype=torch.bool)
     order_N = priority_order(expert_ids_TK, weights_TK, policy, generator)
     ids_N = expert_ids_TK.reshape(-1)
-    counts_E = torch.bincount(ids_N, minlength=num_experts)
+    counts_E = expert_counts(ids_N, num_experts)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     rank_N = torch.arange(ids_N.numel(), device=ids_N.device) - starts_E[ids_N[order_N]]
     keep_N = torch.empty_like(ids_N, dtype=torch.bool)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from runtime.moe.router import Routing
+from runtime.moe.router import Routing, expert_counts
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class LocalDispatcher:
             ids_N = ids_N.masked_fill(~keep_TK.reshape(-1), self.num_experts)
             weights_TK = weights_TK * keep_TK
         order_N = torch.argsort(ids_N, stable=True)
-        tokens_per_expert_E = torch.bincount(ids_N, minlength=self.num_experts + 1)[: self.num_experts]
+        tokens_per_expert_E = expert_counts(ids_N, self.num_experts + 1)[: self.num_experts]
         rows = ids_N.numel() if dropless else int(tokens_per_expert_E.sum())
         row_of_slot_N = torch.empty_like(order_N)
         row_of_slot_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from runtime.config import ModelConfig
-from runtime.moe.router import Routing
+from runtime.moe.router import Routing, expert_counts
 
 LOSS_WEIGHTS = {
     "load_balancing": "aux_loss_weight",
@@ -26,7 +26,7 @@ def load_balancing_loss(probs_TE: Tensor, expert_ids_TK: Tensor) -> Tensor:
     """E * sum_e f_e * P_e: f_e = share of the T*K assignments (before capacity) that go to e, P_e = mean
     router probability of e. Equals 1 under perfectly uniform routing; only P carries a gradient."""
     num_experts = probs_TE.shape[1]
-    counts_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=num_experts)
+    counts_E = expert_counts(expert_ids_TK, num_experts)
     f_E = counts_E.to(probs_TE.dtype) / max(expert_ids_TK.numel(), 1)
     return num_experts * (f_E * probs_TE.mean(dim=0)).sum()
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from runtime.moe.losses import second_place_ratio
-from runtime.moe.router import Routing
+from runtime.moe.router import Routing, expert_counts
 
 
 @torch.no_grad()
@@ -27,11 +27,11 @@ def gate_metrics(routing: Routing, keep_TK: Tensor | None = None) -> dict[str, T
     log_probs_TE = torch.log_softmax(routing.logits_TE.detach(), dim=-1)
     entropy = -(probs_TE * log_probs_TE).sum(dim=-1).mean()
     chosen = probs_TE.gather(1, ids_TK).mean()
-    before_E = torch.bincount(ids_TK.reshape(-1), minlength=num_experts).float() / total
+    before_E = expert_counts(ids_TK, num_experts).float() / total
     if keep_TK is None:
         after_E, routed = before_E.clone(), probs_TE.new_ones(())
     else:
-        after_E = torch.bincount(ids_TK[keep_TK], minlength=num_experts).float() / total
+        after_E = expert_counts(ids_TK[keep_TK], num_experts).float() / total
         routed = keep_TK.float().sum() / total
     return {
         "gate_entropy": entropy,

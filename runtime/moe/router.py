@@ -42,6 +42,15 @@ class Routing:
         return self.probs_TE.shape[1]
 
 
+def expert_counts(expert_ids: Tensor, num_experts: int) -> Tensor:
+    """int64 [num_experts]: how many of `expert_ids` (any shape, values in [0, num_experts)) name each expert.
+    torch.bincount on a GPU reads the largest id back to size its output, a host synchronisation per call; a
+    scatter-add into a fixed size does not."""
+    ids = expert_ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, ids.long(), torch.ones_like(ids, dtype=torch.int64))
+
+
 def gumbel_like(t: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """Standard Gumbel noise -log(-log U) with the shape of t."""
     u = torch.rand(t.shape, dtype=t.dtype, device=t.device, generator=generator)

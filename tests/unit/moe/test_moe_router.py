@@ -5,7 +5,7 @@ import torch
 
 from runtime.config import ModelConfig
 from runtime.moe import Router
-from runtime.moe.router import select_top_k
+from runtime.moe.router import expert_counts, select_top_k
 
 
 def router(**kw):
@@ -68,3 +68,11 @@ def test_gumbel_does_not_change_weights_formula():
     w = out.probs_TE.gather(1, out.expert_ids_TK)
     torch.testing.assert_close(out.weights_TK, w / w.sum(-1, keepdim=True))
     assert (out.expert_ids_TK[:, 0] == out.logits_TE.argmax(-1)).all()
+
+
+def test_expert_counts_equal_bincount_without_reading_the_ids_back():
+    """The plain reference is torch.bincount; the scatter-add gives its counts at a size fixed in advance (an id
+    absent from the tail still has its zero), so nothing waits for the largest id on a GPU."""
+    ids = torch.randint(0, 5, (7, 2), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(expert_counts(ids, 8), torch.bincount(ids.reshape(-1), minlength=8))
+    assert expert_counts(ids[:0], 3).tolist() == [0, 0, 0]
