@@ -4,10 +4,13 @@ glibc serves blocks over 32 MB with mmap and unmaps them on free, so an activati
 every step pays a page fault per 4 KB page on first write and an munmap at the end (about 15 ms per 64 MB here).
 CUDA's caching allocator already reuses memory; this does the same for the few CPU tensors where it matters. A
 buffer is taken in forward and given back when its last reader is done (in backward), so the pool never holds more
-than the most buffers that were in use at once.
+than the most buffers that were in use at once. Pinned host buffers (the gradients of offloaded experts coming
+home) are pooled the same way: pinning memory costs far more than the copy into it.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch import Tensor
@@ -16,22 +19,30 @@ from torch import Tensor
 class BufferPool:
     """Free flat buffers, taken by size and given back when their contents are no longer needed."""
 
-    def __init__(self) -> None:
+    def __init__(self, pinned: bool = False) -> None:
+        """pinned: buffers in page-locked host memory (for copies from a GPU), whatever device `like` is on."""
         self.free: list[Tensor] = []
+        self.pinned = pinned
+        self.made = 0
+        """Buffers allocated so far (the rest of the takes were served from the pool)."""
+        self._lock = threading.Lock()  # taken on one thread, given back on another
 
     def take(self, like: Tensor) -> tuple[Tensor, Tensor]:
         """(buffer, view shaped like `like`) from a free buffer at least as large, or a new one. When none fits,
         the largest smaller buffer is dropped, so a pool that sees shapes grow does not keep the old sizes."""
         n = like.numel()
-        same = [i for i, b in enumerate(self.free) if b.dtype == like.dtype and b.device == like.device]
-        fits = [i for i in same if self.free[i].numel() >= n]
-        if fits:
-            buf = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
-        else:
-            if same:
+        device = torch.device("cpu") if self.pinned else like.device
+        with self._lock:
+            same = [i for i, b in enumerate(self.free) if b.dtype == like.dtype and b.device == device]
+            fits = [i for i in same if self.free[i].numel() >= n]
+            buf = self.free.pop(min(fits, key=lambda i: self.free[i].numel())) if fits else None
+            if buf is None and same:
                 self.free.pop(max(same, key=lambda i: self.free[i].numel()))
-            buf = torch.empty(n, dtype=like.dtype, device=like.device)
+        if buf is None:
+            buf = torch.empty(n, dtype=like.dtype, device=device, pin_memory=self.pinned)
+            self.made += 1
         return buf, buf[:n].view(like.shape)
 
     def give(self, buf: Tensor) -> None:
-        self.free.append(buf)
+        with self._lock:
+            self.free.append(buf)

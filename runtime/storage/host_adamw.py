@@ -1,7 +1,8 @@
 """The CPU optimizer of offloaded experts: ZeRO-Offload's CPU Adam, on torch's fused AdamW kernel.
 
 A layer's gradients are taken in as soon as its backward has sent them home, while the backward of the layers below
-goes on: made fp32 (their squared norms come along, summed where the gradients were made). The update needs only
+goes on (their squared norms come along, summed where the gradients were made). Gradients that came home in one
+buffer in the compute dtype stay in it: the update widens them to fp32 a chunk at a time, in cache. The update needs only
 the global norm (clipping stays exact), then steps layer by layer in forward order, so that the next forward finds
 its first layers updated first; with a delayed update the whole next step runs beside it (ZeRO-Offload's one-step
 delayed parameter update).
@@ -35,8 +36,22 @@ class LayerGrads:
     squares: list[Tensor] = field(default_factory=list)
     """Per tensor name, the fp32 sum of its squared gradients."""
     flat: Tensor | None = None
-    """fp32 [n, P] that `grads` are views of, when the gradients came home in one buffer and the slots have no
-    padding: the update then takes one (expert, whole slot) pair per expert instead of one per tensor."""
+    """[n, P] that `grads` are views of, when the gradients came home in one buffer and the slots have no padding:
+    the update then takes one (expert, whole slot) pair per expert instead of one per tensor. fp32, or the compute
+    dtype they came home in."""
+    release: Callable[[], None] | None = None
+    """Gives the buffer the gradients came home in back to its pool."""
+
+    def applied(self) -> None:
+        """The gradients are no longer needed (the update used them, or they were dropped or copied)."""
+        if self.release is not None:
+            release, self.release = self.release, None
+            release()
+
+
+WIDEN_CHUNK = 1 << 22
+"""Elements of a gradient widened to fp32 at once before the update reads them: 16 MB, which stays in cache between
+the widening and the kernel."""
 
 
 def squares(grads: dict[str, Tensor]) -> list[Tensor]:
@@ -65,12 +80,14 @@ class HostOptimizer:
         measure of the host work itself, which two cores shared with the model's compute would inflate)."""
         self.caught_up = 0
         """Zero-gradient catch-up steps applied by updates (read and reset by the metrics)."""
+        self._widened: Tensor | None = None
 
     def take_in(self, layer: int, keys: list, slots: list[ExpertSlot], grads: dict[str, Tensor], rows: list[int],
-                landed: Callable[[], None] | None, sums: list[Tensor], flat: Tensor | None = None) -> None:
+                landed: Callable[[], None] | None, sums: list[Tensor], flat: Tensor | None = None,
+                release: Callable[[], None] | None = None) -> None:
         """Start taking in a layer's gradients (on the device's copy: `landed` waits for their arrival); slots[i]'s
         are in row rows[i]; `sums`: their squares (see `squares`), or [] when they count in no norm yet; `flat`:
-        the [n, P] buffer `grads` are views of, if any."""
+        the [n, P] buffer `grads` are views of, if any; `release` gives it back once it is no longer read."""
         layout = self.layouts[layer]
 
         def job() -> LayerGrads:
@@ -79,9 +96,10 @@ class HostOptimizer:
                     landed()
             with self.timeline.span("intake", False):
                 if flat is not None and layout.dense:
-                    whole = flat if flat.dtype == torch.float32 else flat.float()
-                    return LayerGrads(layer, keys, slots, layout.views(whole), rows, sums, whole)
-                fp32 = {n: g if g.dtype == torch.float32 else g.float() for n, g in grads.items()}
+                    return LayerGrads(layer, keys, slots, layout.views(flat), rows, sums, flat, release)
+                fp32 = {n: g.to("cpu", torch.float32) for n, g in grads.items()}
+                if release is not None:
+                    release()
                 return LayerGrads(layer, keys, slots, fp32, rows, sums)
 
         self._taken[layer] = self._run(self._intake, job)
@@ -115,23 +133,45 @@ class HostOptimizer:
         with self.timeline.span("catch_up", False):
             for slot in lg.slots:
                 self.caught_up += catch_up(slot, step, self.lr_schedule, self.adamw)
-        layout = self.layouts[lg.layer]
-        if lg.flat is not None:
-            with self.timeline.span("adamw", False):  # one kernel call over each expert's whole slot
+        with self.timeline.span("adamw", False):
+            if lg.flat is not None and lg.flat.dtype == torch.float32:  # one kernel call over each whole slot
                 fused_adamw([slot.master for slot in lg.slots], [lg.flat[r] for r in lg.rows],
                             [slot.exp_avg for slot in lg.slots], [slot.exp_avg_sq for slot in lg.slots],
                             [slot.step for slot in lg.slots], lr, self.adamw, grad_scale)
-            return
-        with self.timeline.span("adamw", False):  # one kernel call over every (expert, tensor) pair
-            names = layout.names
-            torch._foreach_add_([slot.step for slot in lg.slots], 1)
-            state = [slot.views(attr, layout) for slot in lg.slots for attr in ("master", "exp_avg", "exp_avg_sq")]
-            rows = {name: lg.grads[name].unbind(0) for name in names}  # one call per tensor, not per row
-            fused_adamw_counted([views[name] for views in state[0::3] for name in names],
-                                [rows[name][r] for r in lg.rows for name in names],
-                                [views[name] for views in state[1::3] for name in names],
-                                [views[name] for views in state[2::3] for name in names],
-                                [slot.step for slot in lg.slots for _ in names], lr, self.adamw, grad_scale)
+            elif lg.flat is not None:
+                self._adamw_widening(lg, lr, grad_scale)
+            else:
+                self._adamw_per_tensor(lg, lr, grad_scale)
+        lg.applied()
+
+    def _adamw_per_tensor(self, lg: LayerGrads, lr: float, grad_scale: Tensor | None) -> None:
+        """One kernel call over every (expert, tensor) pair."""
+        names = self.layouts[lg.layer].names
+        torch._foreach_add_([slot.step for slot in lg.slots], 1)
+        state = [slot.views(attr, self.layouts[lg.layer]) for slot in lg.slots
+                 for attr in ("master", "exp_avg", "exp_avg_sq")]
+        rows = {name: lg.grads[name].unbind(0) for name in names}  # one call per tensor, not per row
+        fused_adamw_counted([views[name] for views in state[0::3] for name in names],
+                            [rows[name][r] for r in lg.rows for name in names],
+                            [views[name] for views in state[1::3] for name in names],
+                            [views[name] for views in state[2::3] for name in names],
+                            [slot.step for slot in lg.slots for _ in names], lr, self.adamw, grad_scale)
+
+    def _adamw_widening(self, lg: LayerGrads, lr: float, grad_scale: Tensor | None) -> None:
+        """Gradients in the compute dtype: each expert's widened to fp32 a chunk at a time into one scratch buffer,
+        then stepped over that chunk of its slot (widening is exact and AdamW elementwise: the numbers of widening
+        the whole layer first, without its fp32 copy or a second pass over memory)."""
+        torch._foreach_add_([slot.step for slot in lg.slots], 1)
+        numel = lg.flat.shape[1]
+        if self._widened is None or self._widened.numel() < min(numel, WIDEN_CHUNK):
+            self._widened = torch.empty(min(numel, WIDEN_CHUNK))
+        for slot, row in zip(lg.slots, lg.rows):
+            grad = lg.flat[row]
+            for lo in range(0, numel, WIDEN_CHUNK):
+                part = slice(lo, min(lo + WIDEN_CHUNK, numel))
+                widened = self._widened[:part.stop - lo].copy_(grad[part])
+                fused_adamw_counted([slot.master[part]], [widened], [slot.exp_avg[part]], [slot.exp_avg_sq[part]],
+                                    [slot.step], lr, self.adamw, grad_scale)
 
     def _run(self, pool: ThreadPoolExecutor, job: Callable) -> Future:
         if not self.inline:

@@ -215,8 +215,8 @@ class OffloadEngine:
         if copy.grads_arrived < len(copy.leaves):
             return
         sums = self._squares({name: leaf.grad for name, leaf in copy.leaves.items()})
-        grads, flat, landed = self.transfers.grads_home(copy)
-        self._take_in(copy, grads, landed, sums, flat)
+        grads, flat, landed, release = self.transfers.grads_home(copy)
+        self._take_in(copy, grads, landed, sums, flat, release)
 
     def _squares(self, grads: dict[str, Tensor]) -> list[Tensor]:
         """The gradients' shares of the global norm, computed where they were made (on a GPU, not by the host);
@@ -225,9 +225,9 @@ class OffloadEngine:
         return [] if replicated else squares(grads)
 
     def _take_in(self, copy: DeviceCopy, grads: dict[str, Tensor], landed, sums: list[Tensor],
-                 flat: Tensor | None = None) -> None:
+                 flat: Tensor | None = None, release=None) -> None:
         keys, slots, rows = copy.active
-        self.optimizer.take_in(copy.layer, keys, slots, grads, rows, landed, sums, flat)
+        self.optimizer.take_in(copy.layer, keys, slots, grads, rows, landed, sums, flat, release)
         self._copies.pop(copy.layer, None)
         self._done_reading(copy)
 
@@ -282,6 +282,8 @@ class OffloadEngine:
                 t.copy_(new)
         for lg in merged:
             lg.squares = squares(lg.grads)
+        for lg in self._pending:
+            lg.applied()  # copied into `merged`
         self._pending = merged
 
     def grad_sq(self) -> Tensor:
@@ -317,6 +319,7 @@ class OffloadEngine:
         self.optimizer.wait()
         self.home.end_step()
         for lg in self._pending:
+            lg.applied()
             self.home.settle(lg.keys, lg.slots)
             with self._use_lock:
                 self._in_use.difference_update(lg.keys)

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from runtime.moe.buffer_pool import BufferPool
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, block_of, contiguous_runs
 from runtime.storage.step_timeline import StepTimeline
 from runtime.storage.tiers import Tiers
@@ -73,6 +74,9 @@ class TransferEngine:
         at most `window`, the device budget): fresh host memory pays a page fault per page on its first write, about
         as much as the copy itself."""
         self._largest = 0
+        self.grad_staging = BufferPool(pinned=True)
+        """CUDA: the pinned buffers gradients come home in, reused from step to step (given back once the optimizer
+        has applied them): pinning a layer's worth anew each time cost more than the backward itself."""
 
     # ---- host -> device ----
 
@@ -197,15 +201,17 @@ class TransferEngine:
 
     # ---- device -> host ----
 
-    def grads_home(self, copy: DeviceCopy) -> tuple[dict[str, Tensor], Tensor | None, Callable[[], None] | None]:
+    def grads_home(self, copy: DeviceCopy) -> tuple[dict[str, Tensor], Tensor | None, Callable[[], None] | None,
+                                                     Callable[[], None] | None]:
         """The layer's gradients in host memory: by tensor name ([a, *shape]), the [a, P] buffer they are views of
-        when they came home in one (else None), and a wait for their arrival (None when they are already there).
-        Without a GPU they are the leaves' own gradients: nothing moves."""
+        when they came home in one (else None), a wait for their arrival and a call that gives their buffer back
+        once they are applied (each None when there is nothing to wait for or give back). Without a GPU they are
+        the leaves' own gradients: nothing moves."""
         grads = {name: leaf.grad for name, leaf in copy.leaves.items()}
         if not self.cuda:
-            return grads, None, None
+            return grads, None, None, None
         with self.timeline.span("d2h", True):
-            staging = torch.empty(copy.buffer.shape, dtype=self.dtype, pin_memory=True)
+            base, staging = self.grad_staging.take(copy.buffer)
             views = self.layouts[copy.layer].views(staging)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
@@ -216,7 +222,7 @@ class TransferEngine:
                 landed.record(self.stream)
         self.tiers.host.moved(staging.numel() * staging.element_size())
         self.copied_bytes += staging.numel() * staging.element_size()
-        return views, staging, landed.synchronize
+        return views, staging, landed.synchronize, lambda: self.grad_staging.give(base)
 
     def release(self, copy: DeviceCopy) -> None:
         """The layer is done with its device copy this step: without a GPU its memory is kept for the next copy

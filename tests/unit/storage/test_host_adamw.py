@@ -1,6 +1,7 @@
 """The host optimizer's update is the same whether a layer's gradients come home per tensor (without a GPU: the
-leaves' own gradients) or in one [n, P] buffer (a GPU's d2h staging, stepped one whole slot per expert): AdamW is
-elementwise, so the two must agree bit for bit, with catch-up steps, a gradient scale and bf16 gradients."""
+leaves' own gradients) or in one [n, P] buffer (a GPU's d2h staging, stepped one whole slot per expert; in bf16,
+widened to fp32 a chunk at a time): AdamW is elementwise, so they must agree bit for bit, with catch-up steps, a
+gradient scale and bf16 gradients."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from runtime.optim import AdamWHyper
 from runtime.storage.expert_slots import SlotLayout, new_slots
+from runtime.storage import host_adamw
 from runtime.storage.host_adamw import HostOptimizer
 from runtime.storage.host_home import initial_slot
 from runtime.storage.step_timeline import StepTimeline
@@ -16,9 +18,9 @@ from runtime.storage.step_timeline import StepTimeline
 LAYOUT = SlotLayout.of({"w1": (32, 16), "w2": (16, 32), "b1": (32,)})
 
 
-def update(grads_flat: torch.Tensor, flat: bool, step: int) -> list:
+def update(grads_flat: torch.Tensor, flat: bool, step: int, released: list | None = None) -> list:
     """Three experts' slots after one update at `step` (0-based) from rows 2, 0, 3 of grads_flat [4, P] (a copy:
-    the kernel unscales gradients in place)."""
+    the kernel unscales gradients in place); `released` collects the calls that give the gradients' buffer back."""
     grads_flat = grads_flat.clone()
     torch.manual_seed(0)
     slots = [initial_slot(s, LAYOUT, {n: torch.randn(shape) for n, shape in zip(LAYOUT.names, LAYOUT.shapes)})
@@ -27,16 +29,21 @@ def update(grads_flat: torch.Tensor, flat: bool, step: int) -> list:
     opt = HostOptimizer({0: LAYOUT}, AdamWHyper(), lambda s: 1e-2 / (1 + s), StepTimeline())
     opt.inline = True
     opt.take_in(0, ["a", "b", "c"], slots, LAYOUT.views(grads_flat), [2, 0, 3], None, [],
-                grads_flat if flat else None)
+                grads_flat if flat else None, None if released is None else lambda: released.append(1))
     opt.submit(opt.gathered(), step, 1e-2, 0.5, 2, lambda lg: None)
     opt.wait()
     return [(s.master.clone(), s.exp_avg.clone(), s.exp_avg_sq.clone(), float(s.step)) for s in slots]
 
 
+@pytest.mark.parametrize("chunk", [host_adamw.WIDEN_CHUNK, 100], ids=["one-chunk", "chunks-of-100"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flat_and_per_tensor_gradients_give_the_same_update(dtype):
+def test_flat_and_per_tensor_gradients_give_the_same_update(dtype, chunk, monkeypatch):
+    """Chunks of 100 end off any vector width and leave a tail (P = 1056); the buffer is given back once."""
+    monkeypatch.setattr(host_adamw, "WIDEN_CHUNK", chunk)
     assert LAYOUT.dense
     grads = torch.randn(4, LAYOUT.numel, generator=torch.Generator().manual_seed(1)).to(dtype)
-    per_tensor, whole = update(grads, flat=False, step=3), update(grads, flat=True, step=3)
+    released = []
+    per_tensor, whole = update(grads, flat=False, step=3), update(grads, flat=True, step=3, released=released)
     for a, b in zip(per_tensor, whole):
         assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3])) and a[3] == b[3] == 4.0
+    assert released == [1]
