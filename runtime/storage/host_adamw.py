@@ -112,11 +112,13 @@ class HostOptimizer:
         return sorted(out, key=lambda lg: lg.layer)
 
     def submit(self, layers: list[LayerGrads], step: int, lr: float, multiplier: float | None, divisor: int,
-               finish: Callable[[LayerGrads], None]) -> None:
+               finish: Callable[[LayerGrads], None], stages: Callable[[LayerGrads], None] | None = None) -> None:
         """Start the update of step `step` (0-based): each expert first applies the zero-gradient steps it missed
         (catch-up, up to `step`), then AdamW with its gradients multiplied by `multiplier` (the clip coefficient,
         over the loss scale with fp16; None: 1) and divided by `divisor` (the expert-parallel averaging), both
-        inside the kernel, the operations the resident experts' gradients go through."""
+        inside the kernel, the operations the resident experts' gradients go through. With `stages` (which waits
+        until no copy reads a layer's stages), the update also writes each slot's stage from its new master, chunk
+        by chunk while the master is in cache where it widens gradients; `finish` then has none to refresh."""
         self.wait()
         # the kernel divides the gradients by grad_scale as it reads them: the multiplier folds in (no extra pass)
         factor = divisor if multiplier is None else divisor / multiplier
@@ -124,24 +126,32 @@ class HostOptimizer:
 
         def job() -> None:
             for lg in layers:
-                self._update_layer(lg, step, lr, scale)
+                if stages is not None:
+                    stages(lg)
+                self._update_layer(lg, step, lr, scale, stages is not None)
                 finish(lg)
 
         self._job = self._run(self._update, job)
 
-    def _update_layer(self, lg: LayerGrads, step: int, lr: float, grad_scale: Tensor | None) -> None:
+    def _update_layer(self, lg: LayerGrads, step: int, lr: float, grad_scale: Tensor | None,
+                      write_stages: bool = False) -> None:
         with self.timeline.span("catch_up", False):
             for slot in lg.slots:
                 self.caught_up += catch_up(slot, step, self.lr_schedule, self.adamw)
+        widening = lg.flat is not None and lg.flat.dtype != torch.float32
         with self.timeline.span("adamw", False):
-            if lg.flat is not None and lg.flat.dtype == torch.float32:  # one kernel call over each whole slot
+            if widening:
+                self._adamw_widening(lg, lr, grad_scale, write_stages)
+            elif lg.flat is not None:  # one kernel call over each whole slot
                 fused_adamw([slot.master for slot in lg.slots], [lg.flat[r] for r in lg.rows],
                             [slot.exp_avg for slot in lg.slots], [slot.exp_avg_sq for slot in lg.slots],
                             [slot.step for slot in lg.slots], lr, self.adamw, grad_scale)
-            elif lg.flat is not None:
-                self._adamw_widening(lg, lr, grad_scale)
             else:
                 self._adamw_per_tensor(lg, lr, grad_scale)
+        if write_stages and not widening:
+            with self.timeline.span("refresh", False):
+                for slot in lg.slots:
+                    slot.refresh_stage()
         lg.applied()
 
     def _adamw_per_tensor(self, lg: LayerGrads, lr: float, grad_scale: Tensor | None) -> None:
@@ -157,10 +167,11 @@ class HostOptimizer:
                             [views[name] for views in state[2::3] for name in names],
                             [slot.step for slot in lg.slots for _ in names], lr, self.adamw, grad_scale)
 
-    def _adamw_widening(self, lg: LayerGrads, lr: float, grad_scale: Tensor | None) -> None:
+    def _adamw_widening(self, lg: LayerGrads, lr: float, grad_scale: Tensor | None, write_stages: bool) -> None:
         """Gradients in the compute dtype: each expert's widened to fp32 a chunk at a time into one scratch buffer,
-        then stepped over that chunk of its slot (widening is exact and AdamW elementwise: the numbers of widening
-        the whole layer first, without its fp32 copy or a second pass over memory)."""
+        then stepped over that chunk of its slot, whose stage is then written when `write_stages` (widening is exact
+        and AdamW elementwise: the numbers of widening the whole layer first, without its fp32 copy or a second
+        pass over memory)."""
         torch._foreach_add_([slot.step for slot in lg.slots], 1)
         numel = lg.flat.shape[1]
         if self._widened is None or self._widened.numel() < min(numel, WIDEN_CHUNK):
@@ -172,6 +183,8 @@ class HostOptimizer:
                 widened = self._widened[:part.stop - lo].copy_(grad[part])
                 fused_adamw_counted([slot.master[part]], [widened], [slot.exp_avg[part]], [slot.exp_avg_sq[part]],
                                     [slot.step], lr, self.adamw, grad_scale)
+                if write_stages and slot.stage.data_ptr() != slot.master.data_ptr():
+                    slot.stage[part].copy_(slot.master[part])
 
     def _run(self, pool: ThreadPoolExecutor, job: Callable) -> Future:
         if not self.inline:

@@ -308,7 +308,8 @@ class OffloadEngine:
             for event in self._stage_free.values():
                 event.clear()
         self._in_flight = {key for lg in layers for key in lg.keys}
-        self.optimizer.submit(layers, self.steps_done, lr, multiplier, ep, self._finish_layer)
+        self.optimizer.submit(layers, self.steps_done, lr, multiplier, ep, self._finish_layer,
+                              None if self.delayed else self._stages_unread)
         self.steps_done += 1
         if hasattr(self.home, "after_update"):
             self.home.after_update()
@@ -328,16 +329,21 @@ class OffloadEngine:
         if hasattr(self.home, "after_update"):
             self.home.after_update()
 
+    def _stages_unread(self, lg: LayerGrads) -> None:
+        """Before an update that writes the stages as it goes (not delayed: this step's copies were its last)."""
+        self.transfers.wait_stage_read(lg.layer)
+
     def _finish_layer(self, lg: LayerGrads) -> None:
-        """On the optimizer's thread, after a layer's update: refresh the stages the device copies from (once no
-        copy reads them), settle the experts in their home, and let the layer's next forward go."""
+        """On the optimizer's thread, after a layer's update: with a delayed update, refresh the stages the device
+        copies from once the step beside it no longer reads them (else the update wrote them); settle the experts
+        in their home, and let the layer's next forward go."""
         if self.delayed:
             with self.timeline.span("wait_stage_free", False):
                 self._stage_free[lg.layer].wait()
-        self.transfers.wait_stage_read(lg.layer)
-        with self.timeline.span("refresh", False):
-            for slot in lg.slots:
-                slot.refresh_stage()
+            self.transfers.wait_stage_read(lg.layer)
+            with self.timeline.span("refresh", False):
+                for slot in lg.slots:
+                    slot.refresh_stage()
         self.home.settle(lg.keys, lg.slots)
         with self._use_lock:
             self._in_use.difference_update(lg.keys)

@@ -20,19 +20,21 @@ LAYOUT = SlotLayout.of({"w1": (32, 16), "w2": (16, 32), "b1": (32,)})
 
 def update(grads_flat: torch.Tensor, flat: bool, step: int, released: list | None = None) -> list:
     """Three experts' slots after one update at `step` (0-based) from rows 2, 0, 3 of grads_flat [4, P] (a copy:
-    the kernel unscales gradients in place); `released` collects the calls that give the gradients' buffer back."""
+    the kernel unscales gradients in place); `released` collects the calls that give the gradients' buffer back.
+    The update writes the bf16 stages as it goes."""
     grads_flat = grads_flat.clone()
     torch.manual_seed(0)
     slots = [initial_slot(s, LAYOUT, {n: torch.randn(shape) for n, shape in zip(LAYOUT.names, LAYOUT.shapes)})
-             for s in new_slots(LAYOUT.numel, 3, torch.float32, False)]
+             for s in new_slots(LAYOUT.numel, 3, torch.bfloat16, True)]
     slots[1].step.fill_(step)  # up to date; the others catch up first
     opt = HostOptimizer({0: LAYOUT}, AdamWHyper(), lambda s: 1e-2 / (1 + s), StepTimeline())
     opt.inline = True
     opt.take_in(0, ["a", "b", "c"], slots, LAYOUT.views(grads_flat), [2, 0, 3], None, [],
                 grads_flat if flat else None, None if released is None else lambda: released.append(1))
-    opt.submit(opt.gathered(), step, 1e-2, 0.5, 2, lambda lg: None)
+    opt.submit(opt.gathered(), step, 1e-2, 0.5, 2, lambda lg: None, stages=lambda lg: None)
     opt.wait()
-    return [(s.master.clone(), s.exp_avg.clone(), s.exp_avg_sq.clone(), float(s.step)) for s in slots]
+    return [(s.master.clone(), s.exp_avg.clone(), s.exp_avg_sq.clone(), float(s.step), s.stage.clone())
+            for s in slots]
 
 
 @pytest.mark.parametrize("chunk", [host_adamw.WIDEN_CHUNK, 100], ids=["one-chunk", "chunks-of-100"])
@@ -46,4 +48,5 @@ def test_flat_and_per_tensor_gradients_give_the_same_update(dtype, chunk, monkey
     per_tensor, whole = update(grads, flat=False, step=3), update(grads, flat=True, step=3, released=released)
     for a, b in zip(per_tensor, whole):
         assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3])) and a[3] == b[3] == 4.0
+        assert torch.equal(a[4], a[0].bfloat16()) and torch.equal(b[4], b[0].bfloat16())
     assert released == [1]
