@@ -118,7 +118,9 @@ class HostOptimizer:
         over the loss scale with fp16; None: 1) and divided by `divisor` (the expert-parallel averaging), both
         inside the kernel, the operations the resident experts' gradients go through. With `stages` (which waits
         until no copy reads a layer's stages), the update also writes each slot's stage from its new master, chunk
-        by chunk while the master is in cache where it widens gradients; `finish` then has none to refresh."""
+        by chunk while the master is in cache where it widens gradients, and finishes each layer as it goes. Without
+        it `finish` refreshes the stages and may wait for the step running beside the update to stop reading them:
+        it then runs once every layer is updated, so that no layer's update waits behind it."""
         self.wait()
         # the kernel divides the gradients by grad_scale as it reads them: the multiplier folds in (no extra pass)
         factor = divisor if multiplier is None else divisor / multiplier
@@ -129,7 +131,11 @@ class HostOptimizer:
                 if stages is not None:
                     stages(lg)
                 self._update_layer(lg, step, lr, scale, stages is not None)
-                finish(lg)
+                if stages is not None:
+                    finish(lg)
+            if stages is None:
+                for lg in layers:
+                    finish(lg)
 
         self._job = self._run(self._update, job)
 
