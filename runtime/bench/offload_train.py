@@ -53,6 +53,10 @@ def _run(cfg: MoesysConfig, warmup: int, timeout_s: float) -> dict:
         value = median(f"offload/{key}")
         if value is not None:
             out[key] = value
+    kinds = sorted({k for m in steps for k in m if k.startswith("offload/time_")})
+    if kinds:  # where an offloaded step's host time goes, per timeline kind (seconds a step, median; 0 if absent)
+        out["time_s"] = {k[len("offload/time_"):-len("_s")]: statistics.median(m.get(k, 0.0) for m in steps)
+                         for k in kinds}
     return out
 
 

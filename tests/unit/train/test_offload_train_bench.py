@@ -43,3 +43,4 @@ def test_offload_train_bench_runs_each_mode_and_reports_ratios_and_mfu():
         assert r[name]["tokens_per_s"] > 0 and r[name]["steps_timed"] == 3 and 0 < r[name]["mfu"] < 2
     assert r["cpu_vs_none"] == r["cpu"]["tokens_per_s"] / r["none"]["tokens_per_s"]
     assert r["cpu"]["experts_active"] > 0 and 0 <= r["cpu"]["host_hidden_share"] <= 1
+    assert "adamw" in r["cpu"]["time_s"] and "time_s" not in r["none"]  # where the offloaded step's time went
