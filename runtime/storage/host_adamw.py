@@ -97,10 +97,8 @@ class HostOptimizer:
             with self.timeline.span("intake", False):
                 if flat is not None and layout.dense:
                     return LayerGrads(layer, keys, slots, layout.views(flat), rows, sums, flat, release)
-                fp32 = {n: g.to("cpu", torch.float32) for n, g in grads.items()}
-                if release is not None:
-                    release()
-                return LayerGrads(layer, keys, slots, fp32, rows, sums)
+                on_host = {n: g.to("cpu") for n, g in grads.items()}  # (zeros made on the device: none came home)
+                return LayerGrads(layer, keys, slots, on_host, rows, sums, release=release)
 
         self._taken[layer] = self._run(self._intake, job)
 
@@ -144,7 +142,7 @@ class HostOptimizer:
         with self.timeline.span("catch_up", False):
             for slot in lg.slots:
                 self.caught_up += catch_up(slot, step, self.lr_schedule, self.adamw)
-        widening = lg.flat is not None and lg.flat.dtype != torch.float32
+        widening = any(g.dtype != torch.float32 for g in lg.grads.values())
         with self.timeline.span("adamw", False):
             if widening:
                 self._adamw_widening(lg, lr, grad_scale, write_stages)
@@ -174,23 +172,32 @@ class HostOptimizer:
                             [slot.step for slot in lg.slots for _ in names], lr, self.adamw, grad_scale)
 
     def _adamw_widening(self, lg: LayerGrads, lr: float, grad_scale: Tensor | None, write_stages: bool) -> None:
-        """Gradients in the compute dtype: each expert's widened to fp32 a chunk at a time into one scratch buffer,
-        then stepped over that chunk of its slot, whose stage is then written when `write_stages` (widening is exact
-        and AdamW elementwise: the numbers of widening the whole layer first, without its fp32 copy or a second
-        pass over memory)."""
+        """Gradients in the compute dtype: each expert's (whole slot, or tensor by tensor) widened to fp32 a chunk at
+        a time into one scratch buffer, then stepped over that chunk of its slot, whose stage is then written when
+        `write_stages` (widening is exact and AdamW elementwise: the numbers of widening them all first, without
+        their fp32 copy or a second pass over memory)."""
         torch._foreach_add_([slot.step for slot in lg.slots], 1)
-        numel = lg.flat.shape[1]
-        if self._widened is None or self._widened.numel() < min(numel, WIDEN_CHUNK):
-            self._widened = torch.empty(min(numel, WIDEN_CHUNK))
+        if self._widened is None:
+            self._widened = torch.empty(WIDEN_CHUNK)
         for slot, row in zip(lg.slots, lg.rows):
-            grad = lg.flat[row]
-            for lo in range(0, numel, WIDEN_CHUNK):
-                part = slice(lo, min(lo + WIDEN_CHUNK, numel))
-                widened = self._widened[:part.stop - lo].copy_(grad[part])
-                fused_adamw_counted([slot.master[part]], [widened], [slot.exp_avg[part]], [slot.exp_avg_sq[part]],
-                                    [slot.step], lr, self.adamw, grad_scale)
-                if write_stages and slot.stage.data_ptr() != slot.master.data_ptr():
-                    slot.stage[part].copy_(slot.master[part])
+            writes = write_stages and slot.stage.data_ptr() != slot.master.data_ptr()
+            for master, exp_avg, exp_avg_sq, stage, grad in self._pieces(lg, slot, row):
+                for lo in range(0, grad.numel(), WIDEN_CHUNK):
+                    part = slice(lo, min(lo + WIDEN_CHUNK, grad.numel()))
+                    widened = self._widened[:part.stop - lo].copy_(grad[part])
+                    fused_adamw_counted([master[part]], [widened], [exp_avg[part]], [exp_avg_sq[part]], [slot.step],
+                                        lr, self.adamw, grad_scale)
+                    if writes:
+                        stage[part].copy_(master[part])
+
+    def _pieces(self, lg: LayerGrads, slot: ExpertSlot, row: int) -> list[tuple[Tensor, ...]]:
+        """(master, exp_avg, exp_avg_sq, stage, gradient), flat, for each part of a slot its gradient covers: the
+        whole slot when the gradients came home in one buffer, else one per tensor."""
+        if lg.flat is not None:
+            return [(slot.master, slot.exp_avg, slot.exp_avg_sq, slot.stage, lg.flat[row])]
+        layout = self.layouts[lg.layer]
+        views = [slot.views(attr, layout) for attr in ("master", "exp_avg", "exp_avg_sq", "stage")]
+        return [(*(v[name].reshape(-1) for v in views), lg.grads[name][row].reshape(-1)) for name in layout.names]
 
     def _run(self, pool: ThreadPoolExecutor, job: Callable) -> Future:
         if not self.inline:

@@ -1,7 +1,7 @@
 """The host optimizer's update is the same whether a layer's gradients come home per tensor (without a GPU: the
-leaves' own gradients) or in one [n, P] buffer (a GPU's d2h staging, stepped one whole slot per expert; in bf16,
-widened to fp32 a chunk at a time): AdamW is elementwise, so they must agree bit for bit, with catch-up steps, a
-gradient scale and bf16 gradients."""
+leaves' own gradients) or in one [n, P] buffer (a GPU's d2h staging, stepped one whole slot per expert), and
+whether bf16 gradients are widened to fp32 a chunk at a time or given in fp32: AdamW is elementwise, so they must
+agree bit for bit, with catch-up steps and a gradient scale."""
 
 from __future__ import annotations
 
@@ -46,8 +46,10 @@ def test_flat_and_per_tensor_gradients_give_the_same_update(dtype, chunk, monkey
     grads = torch.randn(4, LAYOUT.numel, generator=torch.Generator().manual_seed(1)).to(dtype)
     released = []
     per_tensor, whole = update(grads, flat=False, step=3), update(grads, flat=True, step=3, released=released)
-    for a, b in zip(per_tensor, whole):
-        assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3])) and a[3] == b[3] == 4.0
+    reference = update(grads.float(), flat=True, step=3)  # fp32 gradients: one kernel call over whole slots
+    for a, b, ref in zip(per_tensor, whole, reference):
+        assert all(torch.equal(x, r) and torch.equal(y, r) for x, y, r in zip(a[:3], b[:3], ref[:3]))
+        assert a[3] == b[3] == 4.0
         assert torch.equal(a[4], a[0].bfloat16()) and torch.equal(b[4], b[0].bfloat16())
     assert released == [1]
 
