@@ -20,6 +20,7 @@ from runtime.launch import build_launch
 from runtime.train.run_setup import prepare_run_dir
 from runtime.files.run_dir import read_metrics
 from runtime.model.precision import PRECISION_DTYPES
+from runtime.process import TorchrunLogs
 
 VARIANTS = {"none": ("none", False), "cpu": ("cpu", False), "cpu_delayed": ("cpu", True), "ssd": ("ssd", False)}
 """Name -> (storage.offload, storage.delayed_update)."""
@@ -39,13 +40,13 @@ def _run(cfg: MoesysConfig, warmup: int, timeout_s: float) -> dict:
     """One job: tokens/s (median of the steps after `warmup`) and the medians of its offload metrics."""
     run_dir = prepare_run_dir(cfg)
     spec = build_launch(cfg, run_dir)
+    logs = TorchrunLogs(run_dir / "logs")
     try:
         done = subprocess.run(spec.argv, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"did not finish in {timeout_s:.0f} s"}
     if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"exit {done.returncode}: {last}"}
+        return {"error": f"exit {done.returncode}: {_failure(logs, done.stderr)}"}
     steps = read_metrics(run_dir)[warmup:]
     median = lambda key: statistics.median(m[key] for m in steps) if steps and key in steps[0] else None  # noqa
     out = {"tokens_per_s": median("tokens_per_s"), "step_time_s": median("step_time_s"), "steps_timed": len(steps)}
@@ -60,10 +61,25 @@ def _run(cfg: MoesysConfig, warmup: int, timeout_s: float) -> dict:
     return out
 
 
+def _failure(logs: TorchrunLogs, stderr: str) -> str:
+    """Why a job failed: the first failing rank's exception, else the last line a rank wrote to its stderr (a
+    user error is one line, no traceback), else the launcher's last line that is not one of its rules."""
+    failure = logs.failure()
+    if failure is not None:
+        return f"rank {failure.local_rank}: {failure.message}"
+    attempts = logs.attempts()
+    for log in sorted(attempts[-1].glob("*/stderr.log")) if attempts else []:
+        written = log.read_text(errors="replace").strip().splitlines()
+        if written:
+            return f"rank {log.parent.name}: {written[-1]}"
+    lines = [line.strip() for line in stderr.splitlines() if set(line.strip()) - set("=- ")]
+    return (lines or ["no output"])[-1]
+
+
 def run_offload_train_bench(base: MoesysConfig, steps: int = 10, warmup: int = 3, time_limit_s: float = 1200.0,
                             variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
-    """`variants` (names of VARIANTS, none first) on the resolved config; `time_limit_s` is shared by the jobs (a job
-    that runs out is reported with its error, not waited for)."""
+    """`variants` (names of VARIANTS; the ratios need none) on the resolved config; `time_limit_s` is shared by the
+    jobs (a job that runs out is reported with its error, not waited for)."""
     device = torch.device("cuda" if base.topology.gpus_per_node and torch.cuda.is_available() else "cpu")
     dtype = PRECISION_DTYPES[base.train.precision] if device.type == "cuda" else torch.float32
     peak = peak_flops(device, dtype)
@@ -78,7 +94,7 @@ def run_offload_train_bench(base: MoesysConfig, steps: int = 10, warmup: int = 3
     for r in results.values():
         if r.get("tokens_per_s"):
             r["mfu"] = flops * r["tokens_per_s"] / (peak * devices)
-    none = results["none"].get("tokens_per_s")
+    none = results.get("none", {}).get("tokens_per_s")
     ratios = {f"{name}_vs_none": r["tokens_per_s"] / none for name, r in results.items()
               if name != "none" and none and r.get("tokens_per_s")}
     return {"device": str(device), "precision": base.train.precision, "peak_flops": peak,

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# GPU validation on a lent device machine (the device tool's `run`), in two calls of under 8 minutes each:
-#   bash tests/gpu/device_validate.sh A   # env, pinned H2D bandwidth, tests/gpu, tiny training none/cpu/ssd, big model
-#   bash tests/gpu/device_validate.sh B   # bench moe-layer, ring, offload, offload-train; tests/unit + tests/config
+# GPU validation on a lent device machine (the device tool's `run`), in calls of under 8 minutes each, most important
+# first (a lease is 15 minutes of device time, starts included: A and C fit one lease):
+#   bash tests/gpu/device_validate.sh A   # env, tests/gpu, offload-train at the offload issue's 2.43B shape
 #   bash tests/gpu/device_validate.sh C   # bench infer at issue 28's 16-layer shape (K=4 of 16), bench serve
+#   bash tests/gpu/device_validate.sh B   # bench moe-layer, ring, offload; tests/unit + tests/config
+#   bash tests/gpu/device_validate.sh D   # pinned H2D bandwidth, tiny training none/cpu/ssd and a big model vs plan
 # Needs hydra-core 1.3.2, omegaconf 2.3.0, antlr4-python3-runtime 4.9.3 as wheels in WHL (default .whl), carried.
 # Logs: $OUT/logs-PART.tgz (re-packed after every step, so a killed call still returns what ran) and
 # $OUT/summary-PART.txt (one line per step: name, exit status, seconds).
@@ -39,6 +41,9 @@ TRAIN="$TRAIN train.final_checkpoint=false --json"
 
 if [ "$PART" = A ]; then
   step env 30 'nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; moesys --help | head -5; nproc; free -g; df -h /tmp'
+  step tests_gpu 150 'python3 -m pytest -p no:cacheprovider -q -rs tests/gpu tests/unit/train/test_worker_device.py'
+  step offload_train 330 'python3 tests/gpu/offload_train_shape.py 300 none,cpu,cpu_delayed,ssd'
+elif [ "$PART" = D ]; then
   step h2d 60 'python3 - <<EOF
 import torch, time
 n = 1 << 30
@@ -52,7 +57,6 @@ for pinned, s in (("pinned", src), ("pageable", torch.empty(n, dtype=torch.uint8
     print(pinned, "H2D GB/s per rep", [round(n / x / 1e9, 2) for x in times], "best", n / min(times) / 1e9)
 t = time.perf_counter(); src.copy_(dst, non_blocking=True); torch.cuda.synchronize(); print("pinned D2H GB/s", n / (time.perf_counter() - t) / 1e9)
 EOF'
-  step tests_gpu 150 'python3 -m pytest -p no:cacheprovider -q -rs tests/gpu tests/unit/train/test_worker_device.py'
   for mode in none cpu ssd; do
     step "train_$mode" 90 "$TRAIN storage=$mode train.max_steps=60 train.run_dir=$R/$mode && moesys plan --compare $R/$mode --json"
   done
@@ -69,9 +73,6 @@ else
   step bench_moe_layer 90 'moesys bench moe-layer --json'
   step bench_ring 150 'moesys bench ring --json'
   step bench_offload 150 'moesys bench offload --json'
-  # The offload issue's shape: 2.43B parameters, 2.2B in 64 experts, every expert active at 8,192 tokens a step.
-  SHAPE="recipe=tiny topology=local model=mixtral-8x7b model.num_layers=8 model.hidden_size=2048 model.num_heads=16 model.num_kv_heads=4 model.ffn_hidden_size=5632 model.max_seq_len=4096 train.precision=bf16 train.micro_batch_size=4 train.seq_len=2048 train.lr=1e-4"
-  step bench_offload_train 420 "moesys bench offload-train $SHAPE --json"
   step tests_unit 200 'python3 -m pytest -p no:cacheprovider -q -x -n 8 tests/unit tests/config'
 fi
 cat "$OUT/summary-$PART.txt"

@@ -44,3 +44,18 @@ def test_offload_train_bench_runs_each_mode_and_reports_ratios_and_mfu():
     assert r["cpu_vs_none"] == r["cpu"]["tokens_per_s"] / r["none"]["tokens_per_s"]
     assert r["cpu"]["experts_active"] > 0 and 0 <= r["cpu"]["host_hidden_share"] <= 1
     assert "adamw" in r["cpu"]["time_s"] and "time_s" not in r["none"]  # where the offloaded step's time went
+
+
+def test_a_failed_job_is_reported_by_the_line_its_rank_wrote(tmp_path):
+    """A worker's user error is one line in its stderr.log under torchrun's log tree, not the launcher's rules."""
+    from runtime.bench.offload_train import _failure
+    from runtime.process import TorchrunLogs
+
+    logs = TorchrunLogs(tmp_path)
+    rank = tmp_path / "run-id" / "attempt_0" / "0"
+    rank.mkdir(parents=True)
+    (rank / "stderr.log").write_text("error: host tier: 7751073856 bytes of expert states exceed its budget\n")
+    launcher = "ChildFailedError:\n" + "=" * 60 + "\n"
+    assert _failure(logs, launcher) == "rank 0: error: host tier: 7751073856 bytes of expert states exceed its budget"
+    (rank / "stderr.log").write_text("")
+    assert _failure(logs, launcher) == "ChildFailedError:"
