@@ -2,9 +2,10 @@
 
 A layer's gradients are taken in as soon as its backward has sent them home, while the backward of the layers below
 goes on (their squared norms come along, summed where the gradients were made). Gradients in the compute dtype stay
-in it: the update widens them to fp32 a chunk at a time, in cache. The update needs only the global norm (clipping stays exact), then steps layer by layer in forward order, so that the next forward finds
-its first layers updated first; with a delayed update the whole next step runs beside it (ZeRO-Offload's one-step
-delayed parameter update).
+in that dtype: the update widens them to fp32 a chunk at a time, in cache. The update needs only the global norm
+(clipping stays exact), then steps layer by layer in forward order, so that the next forward finds its first layers
+updated first; with a delayed update the whole next step runs beside it (ZeRO-Offload's one-step delayed parameter
+update).
 """
 
 from __future__ import annotations
