@@ -1,6 +1,6 @@
 """Offloaded training against resident training on the same shape, side by side in one run: the resolved config
 trained by real `torchrun` jobs with storage.offload=none, cpu (and cpu with the delayed update) and ssd, each on its
-own run directory. Reports tokens/s after warm-up, the ratios to none, MFU against the device's measured matmul
+own run directory; on request also cpu with the first half of the MoE layers kept on the device (cpu_half). Reports tokens/s after warm-up, the ratios to none, MFU against the device's measured matmul
 peak, and the host side of each offloaded step from its metrics (host work, the hidden share, fetch stalls)."""
 
 from __future__ import annotations
@@ -22,13 +22,20 @@ from runtime.files.run_dir import read_metrics
 from runtime.model.precision import PRECISION_DTYPES
 from runtime.process import TorchrunLogs
 
-VARIANTS = {"none": ("none", False), "cpu": ("cpu", False), "cpu_delayed": ("cpu", True), "ssd": ("ssd", False)}
-"""Name -> (storage.offload, storage.delayed_update)."""
+VARIANTS = {"none": ("none", False, 0.0), "cpu": ("cpu", False, 0.0), "cpu_delayed": ("cpu", True, 0.0),
+            "ssd": ("ssd", False, 0.0), "cpu_half": ("cpu", False, 0.5), "cpu_half_delayed": ("cpu", True, 0.5)}
+"""Name -> (storage.offload, storage.delayed_update, share of the MoE layers kept on the device: the first half
+with storage.resident_layers, 0 keeps the config's)."""
+DEFAULT_VARIANTS = ("none", "cpu", "cpu_delayed", "ssd")
 
 
 def _variant(base: MoesysConfig, root: Path, name: str, steps: int) -> MoesysConfig:
     cfg = copy.deepcopy(base)
-    cfg.storage.offload, cfg.storage.delayed_update = VARIANTS[name]
+    cfg.storage.offload, cfg.storage.delayed_update, kept = VARIANTS[name]
+    if cfg.storage.offload == "none":
+        cfg.storage.resident_layers = 0
+    elif kept:
+        cfg.storage.resident_layers = int(cfg.model.num_moe_layers * kept)
     cfg.storage.ssd_path = ""
     tr = cfg.train
     tr.max_steps, tr.checkpoint_every, tr.final_checkpoint, tr.max_restarts = steps, 0, False, 0
@@ -77,7 +84,7 @@ def _failure(logs: TorchrunLogs, stderr: str) -> str:
 
 
 def run_offload_train_bench(base: MoesysConfig, steps: int = 10, warmup: int = 3, time_limit_s: float = 1200.0,
-                            variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
+                            variants: tuple[str, ...] = DEFAULT_VARIANTS) -> dict:
     """`variants` (names of VARIANTS; the ratios need none) on the resolved config; `time_limit_s` is shared by the
     jobs (a job that runs out is reported with its error, not waited for)."""
     device = torch.device("cuda" if base.topology.gpus_per_node and torch.cuda.is_available() else "cpu")

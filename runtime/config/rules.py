@@ -32,6 +32,15 @@ def experts_split_over_ranks(cfg: MoesysConfig) -> list[str]:
     return []
 
 
+def resident_layers_leave_some_offloaded(cfg: MoesysConfig) -> list[str]:
+    """storage.resident_layers keeps fewer MoE layers on the device than the model has (all of them is offload=none)."""
+    resident, moe = cfg.storage.resident_layers, cfg.model.num_moe_layers
+    if resident and resident >= moe:
+        return [f"storage.resident_layers={resident} keeps every one of the model's {moe} MoE layers on the device; "
+                f"set it below {moe}, or storage.offload=none"]
+    return []
+
+
 def node_rank_in_range(cfg: MoesysConfig) -> list[str]:
     """A multinode launch's node rank names one of topology.nodes."""
     rank, nodes = cfg.launcher.node_rank, cfg.topology.nodes
@@ -124,7 +133,7 @@ def distillation_student(cfg: MoesysConfig) -> list[str]:
 CROSS_SECTION_RULES: tuple[Callable[[MoesysConfig], list[str]], ...] = (
     experts_split_over_ranks, node_rank_in_range, endpoint_reachable, hierarchical_spans_nodes,
     embedding_columns_split, vocab_holds_bytes, eval_needs_language_model, sequence_fits_model,
-    distillation_student,
+    distillation_student, resident_layers_leave_some_offloaded,
 )
 """The rules that read more than one section, in the order their messages are listed."""
 

@@ -178,18 +178,25 @@ class StorageConfig(ConfigSection):
     """storage.offload=ssd: the store's reads and writes bypass the page cache (O_DIRECT) where its filesystem
     allows, so the disk moves the states without a CPU copy. false: through the page cache, which costs 4-6x a
     memcpy of CPU per byte but keeps recently written experts in free RAM (faster only where it holds the store)."""
+    resident_layers: int = 0
+    """storage.offload=cpu|ssd: the first N MoE layers keep their expert states on the device, trained by the resident
+    optimizer as with offload=none; the rest are offloaded (ZeRO-Offload++'s Twin-Flow, by layer). Spends spare GPU
+    memory so that the CPU optimizer steps fewer experts; `moesys plan` counts both parts."""
     delayed_update: bool = False
     """ZeRO-Offload's one-step delayed parameter update (storage.offload=cpu): step t's CPU AdamW runs during step
     t+1's forward and backward, which see the weights of step t-1. Hides the CPU optimizer when it is slower than
     the device's step; not bit-equal to training without it."""
 
     BOUNDS = (("in (0, 1]", "alpha"), (">= 0", "cpu_cache_experts hit_threshold"), ("in (0, 1]", "decay_beta"),
-              ("positive", "decay_every"), (">= 0", "prefetch_depth"))
+              ("positive", "decay_every"), (">= 0", "prefetch_depth resident_layers"))
 
     def rules(self, p: Problems, at: str) -> None:
         p.need(self.direct_io or self.offload in ("ssd", "auto"),
                f"{at}.direct_io=false applies to the SSD store only (got {at}.offload={self.offload}); set "
                f"{at}.offload=ssd or drop {at}.direct_io")
+        p.need(not self.resident_layers or self.offload in ("cpu", "ssd"),
+               f"{at}.resident_layers={self.resident_layers} needs {at}.offload=cpu or ssd (got {self.offload}): it "
+               f"keeps some offloaded layers on the device; set {at}.offload or drop {at}.resident_layers")
         p.need(not self.delayed_update or self.offload == "cpu",
                f"{at}.delayed_update=true needs {at}.offload=cpu (got {self.offload}): the update runs beside the next "
                f"step on expert states held in host memory; set {at}.offload=cpu or {at}.delayed_update=false")

@@ -87,12 +87,18 @@ def device_memory_per_node(cfg: MoesysConfig) -> float:
 
 
 def eq1_budget(cfg: MoesysConfig, params: ParamCounts) -> Eq1Budget:
-    a, n, layers = cfg.storage.alpha, cfg.topology.nodes, max(params.moe_layers, 1)
-    d, s = params.dense, params.sparse
+    """Eq. 1 for this config. With storage.resident_layers (offloaded modes) the experts of those layers count with
+    the dense parameters on the GPU (S_r, 16 bytes each) and S, L are the offloaded experts and layers."""
+    st = cfg.storage
+    a, n = st.alpha, cfg.topology.nodes
+    kept = min(st.resident_layers, params.moe_layers) if st.offload in ("cpu", "ssd") else 0
+    d, s_kept = params.dense, params.sparse * kept // max(params.moe_layers, 1)
+    s, layers = params.sparse - s_kept, max(params.moe_layers - kept, 1)
+    resident = "16(D + S_r)" if kept else "16D"
     return Eq1Budget(
         params=params, alpha=a, layers=params.moe_layers, nodes=n,
-        gpu=TierRequirement(int(DENSE_STATE_BYTES * d + ACTIVE_SPARSE_BYTES * a * s / layers),
-                 int(device_memory_per_node(cfg) * n), "16D + 4aS/L <= M_GPU*N"),
+        gpu=TierRequirement(int(DENSE_STATE_BYTES * (d + s_kept) + ACTIVE_SPARSE_BYTES * a * s / layers),
+                            int(device_memory_per_node(cfg) * n), f"{resident} + 4aS/L <= M_GPU*N"),
         cpu=TierRequirement(int(CACHED_SPARSE_BYTES * a * s), int(cfg.topology.cpu_memory_gb * GB * n), "16aS <= M_CPU*N"),
         ssd=TierRequirement(int(STORED_SPARSE_BYTES * s), int(cfg.topology.ssd_gb * GB * n), "12S <= M_SSD*N"),
     )

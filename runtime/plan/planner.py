@@ -60,6 +60,9 @@ class RankEstimate:
     expert_window: int = 0
     """Offloaded modes: MoE layers whose active experts the device holds at once (the layer computing and
     storage.prefetch_depth ahead, more where a GPU has room)."""
+    resident_layers: int = 0
+    """MoE layers whose expert states stay on the device: every one with offload=none, storage.resident_layers
+    with cpu or ssd."""
 
     @property
     def ok(self) -> bool:
@@ -139,10 +142,13 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> Rank
     t, st = cfg.topology, cfg.storage
     world = world_size(cfg)
     ep = t.expert_parallel
-    local_experts = p.moe_layers * cfg.model.num_experts // ep
-    local_sparse = local_experts * p.per_expert
+    # storage.resident_layers: the first MoE layers' experts stay on the device, as with offload=none
+    kept = min(st.resident_layers, p.moe_layers) if mode.offloaded else p.moe_layers
+    offloaded_layers = p.moe_layers - kept
     layer_experts = cfg.model.num_experts // ep
     layer_sparse = p.per_expert * layer_experts
+    local_experts = offloaded_layers * layer_experts if mode.offloaded else p.moe_layers * layer_experts
+    local_sparse = local_experts * p.per_expert
     dense_share = p.dense / world if st.dense_shard else p.dense
     device = {"dense_states": int(DENSE_STATE_BYTES * dense_share), "activations": activation_bytes(cfg)}
     if cfg.distill.teacher:  # every rank holds the whole frozen teacher, fp32 as its checkpoint stores it
@@ -162,20 +168,20 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> Rank
     runtime = PROCESS_RUNTIME_BYTES + (CUDA_HOST_BYTES if t.gpus_per_node else 0)
     ram_per_rank = max(0, int((t.cpu_memory_gb * GB - LAUNCHER_BYTES) / ranks_per_node) - runtime)
     window, layer_active = 0, int(active_expert_bytes(cfg) * st.alpha * layer_sparse)
-    if not mode.offloaded:
-        device["expert_states"] = int(DENSE_STATE_BYTES * local_sparse)
-    else:
-        window = min(p.moe_layers, 1 + st.prefetch_depth) or 1
+    resident_experts = kept * layer_sparse
+    if resident_experts:
+        device["expert_states"] = int(DENSE_STATE_BYTES * resident_experts)
+    if mode.offloaded:
+        window = min(offloaded_layers, 1 + st.prefetch_depth) or 1
         device["expert_buffers"] = layer_active * window
     # Parameters with their states and torch's AdamW on this rank (dense share, resident experts), and what a step
     # adds around them (runtime/plan/step_memory.py).
-    resident_experts = 0 if mode.offloaded else local_sparse
     resident = device["dense_states"] // DENSE_STATE_BYTES + resident_experts
     partitioned = cfg.model.vocab_size * cfg.model.hidden_size // world if cfg.model.embedding_partition else 0
     bucketed = (0 if st.dense_shard else resident - resident_experts - partitioned) + resident_experts
     device["weight_casts"] = 2 * weight_cast_params(cfg, p, resident_experts)
     device["grad_buckets"] = 4 * max(0, bucketed)  # Replicated's flat buffers, allocated for every world size
-    device["optimizer_step"] = optimizer_step_bytes(cfg, resident, 0 if mode.offloaded else layer_experts)
+    device["optimizer_step"] = optimizer_step_bytes(cfg, resident, layer_experts if kept else 0)
     if t.gpus_per_node:
         device["cuda_workspace"] = CUDA_WORKSPACE_BYTES
     device = {k: v for k, v in device.items() if v or k == "activations"}
@@ -195,7 +201,7 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> Rank
     if window and t.gpus_per_node and layer_active:
         # The GPU's spare memory keeps more layers' active experts from their forward to their backward, each
         # then copied once a step (runtime/storage/transfers.py); without a GPU the layers are used in place.
-        extra = min(p.moe_layers - window, max(0, device_capacity - peak) // layer_active)
+        extra = min(offloaded_layers - window, max(0, device_capacity - peak) // layer_active)
         if extra > 0:
             window += extra
             device["expert_buffers"] = layer_active * window
@@ -203,7 +209,7 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> Rank
     return RankEstimate(device=device, host=host, ssd=ssd, device_capacity=device_capacity,
                         host_capacity=host_capacity, cache_experts=cache_experts, local_experts=local_experts,
                         device_total=peak, device_peak_at=moment, ram_share=0 if t.gpus_per_node else ram_per_rank,
-                        expert_window=window)
+                        expert_window=window, resident_layers=kept)
 
 
 def active_expert_bytes(cfg: MoesysConfig) -> int:
@@ -369,7 +375,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "placement": {"offload": str(plan.mode), "dense": str(TierName.GPU), "sparse": str(plan.mode.home),
                       "device": plan.device,
                       "cpu_cache_experts": r.cache_experts, "local_experts": r.local_experts,
-                      "device_expert_layers": r.expert_window},
+                      "device_expert_layers": r.expert_window, "resident_layers": r.resident_layers},
         "per_rank": {"world_size": plan.world_size, "device": r.device, "device_total": r.device_total,
                      "device_capacity": r.device_capacity, "device_peak_at": r.device_peak_at,
                      "host": r.host, "host_capacity": r.host_capacity,

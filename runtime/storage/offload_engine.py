@@ -407,15 +407,16 @@ def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.d
                     decay_beta: float = 0.5, decay_every: int = 10, prefetch_depth: int = 1,
                     adamw: AdamWHyper = AdamWHyper(), tiers: Tiers | None = None, groups=None,
                     fetch_all: bool = False, write_initial: bool = True, compute_dtype: torch.dtype = torch.float32,
-                    delayed_update: bool = False, window: int | None = None) -> OffloadEngine:
-    """Swap every MoE layer's experts for OffloadedGroupedExperts whose states live in host memory (`store` None:
-    storage.offload=cpu) or in `store` behind an LFU cache of `cache_experts` (ssd).
+                    delayed_update: bool = False, window: int | None = None,
+                    resident_layers: int = 0) -> OffloadEngine:
+    """Swap every MoE layer's experts but the first `resident_layers` for OffloadedGroupedExperts whose states live
+    in host memory (`store` None: storage.offload=cpu) or in `store` behind an LFU cache of `cache_experts` (ssd).
 
     With `write_initial` each expert is created in its home one at a time (fp32 master weights drawn from
     (seed, name, global expert) as a resident model draws them, zero moments); without it a checkpoint's load fills
     them. `window`: layers of active experts the device holds at once (default 1 + prefetch_depth). The model may
     be on the meta device: its expert tensors are never read."""
-    pairs = layer_specs(model)
+    pairs = layer_specs(model)[resident_layers:]
     specs = [s for _, s in pairs]
     tiers = tiers or Tiers.with_budgets()
     pin = device.type == "cuda"
@@ -473,4 +474,4 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, pla
                            prefetch_depth=st.prefetch_depth, lr_schedule=lambda step: lr_at(step, cfg.train),
                            adamw=AdamWHyper(weight_decay=cfg.train.weight_decay), tiers=tiers, groups=groups,
                            write_initial=write_initial, compute_dtype=dtype, delayed_update=st.delayed_update,
-                           window=placement.device_expert_layers or None)
+                           window=placement.device_expert_layers or None, resident_layers=st.resident_layers)

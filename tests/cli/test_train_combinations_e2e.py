@@ -75,10 +75,12 @@ def test_a_pair_of_features_trains_like_the_run_without_them(workdir, pair):
 
 @pytest.mark.extended
 def test_a_killed_worker_of_an_offload_and_dense_shard_run_resumes_to_the_same_losses(workdir, reap):  # noqa: F811
+    """With one MoE layer's experts kept on the device: its checkpoint holds both kinds of expert files."""
     ref = train(workdir, "ssd+dense_shard", ("ssd", "dense_shard"))
     run_dir = workdir / "killed"
-    proc = start(*FAST_TINY, FEATURES["ssd"], FEATURES["dense_shard"], f"train.max_steps={STEPS}",
-                 "train.checkpoint_every=5", "train.max_restarts=1", f"train.run_dir={run_dir}",
+    proc = start(*FAST_TINY, FEATURES["ssd"], FEATURES["dense_shard"], "storage.resident_layers=1",
+                 f"train.max_steps={STEPS}", "train.checkpoint_every=5", "train.max_restarts=1",
+                 f"train.run_dir={run_dir}",
                  cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for_step(run_dir, 12, proc)
     workers(run_dir)[-1].send_signal(signal.SIGKILL)
@@ -95,14 +97,15 @@ def test_a_killed_worker_of_an_offload_and_dense_shard_run_resumes_to_the_same_l
 
 @pytest.mark.extended
 def test_fp16_with_offload_delayed_update_and_dense_sharding_tracks_fp16_resident(workdir):
-    """The paper's precision with every offload feature on 2 ranks: the loss scale's overflow check spans the CPU
-    optimizer's gradients on both ranks, and the delayed update trains within a few percent of the exact run."""
+    """The paper's precision with every offload feature on 2 ranks (one MoE layer kept on the device): the loss
+    scale's overflow check spans the CPU optimizer's gradients on both ranks, and the delayed update trains within a
+    few percent of the exact run."""
     fp16 = ("train.precision=fp16",)
     ref = run_moesys("train", *FAST_TINY, *fp16, f"train.max_steps={STEPS}", "train.run_dir=fp16", "--json",
                      cwd=workdir, timeout=900)
     got = run_moesys("train", *FAST_TINY, *fp16, "storage.offload=cpu", "storage.delayed_update=true",
-                     FEATURES["dense_shard"], f"train.max_steps={STEPS}", "train.run_dir=fp16-all", "--json",
-                     cwd=workdir, timeout=900)
+                     "storage.resident_layers=1", FEATURES["dense_shard"], f"train.max_steps={STEPS}",
+                     "train.run_dir=fp16-all", "--json", cwd=workdir, timeout=900)
     assert ref.returncode == 0 and got.returncode == 0, got.stderr[-3000:]
     ref_losses, got_losses = losses(workdir / "fp16"), losses(workdir / "fp16-all")
     assert len(got_losses) == STEPS and got_losses != ref_losses

@@ -43,11 +43,16 @@ def idle_steps(run_dir: Path) -> int:
     return sum(1 for m in lines if m.get("offload/experts_active", 16) < 16)
 
 
-@pytest.mark.parametrize("mode", [pytest.param("ssd", marks=pytest.mark.extended), "cpu"])
-def test_offloaded_training_matches_resident(workdir, resident, mode):
-    """The default cache (the plan's size for ssd; every local expert for cpu, where a smaller cache is moot)."""
-    got = train(workdir, mode, f"storage.offload={mode}")
-    assert idle_steps(workdir / "runs" / mode) > 0
+@pytest.mark.parametrize("mode,resident_layers", [pytest.param("ssd", 0, marks=pytest.mark.extended), ("cpu", 0),
+                                                   ("cpu", 1)])
+def test_offloaded_training_matches_resident(workdir, resident, mode, resident_layers):
+    """The default cache (the plan's size for ssd; every local expert for cpu, where a smaller cache is moot); with
+    storage.resident_layers=1 the first of the 4 MoE layers keeps its experts on the device."""
+    name = f"{mode}-resident{resident_layers}"
+    got = train(workdir, name, f"storage.offload={mode}", f"storage.resident_layers={resident_layers}")
+    plan = json.loads((workdir / "runs" / name / "plan.json").read_text())["plan"]
+    assert plan["placement"]["resident_layers"] == resident_layers, plan["placement"]
+    assert idle_steps(workdir / "runs" / name) > 0
     assert got[-1] == pytest.approx(resident[-1], rel=1e-5)
     assert got == pytest.approx(resident, rel=1e-5)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -161,3 +162,13 @@ def test_student_experts_are_taken_with_a_teacher_only():
         config_from_dict(data)
     data["distill"]["teacher"] = "/runs/teacher/checkpoints/step_00000010"
     assert config_from_dict(data).student.num_experts == 4  # as moesys distill writes it: both at once
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["storage.resident_layers=1"], "storage.resident_layers=1 needs storage.offload=cpu or ssd (got none)"),
+    (["storage=cpu", "storage.resident_layers=4"], "keeps every one of the model's 4 MoE layers on the device"),
+    (["storage=cpu", "storage.resident_layers=-1"], "storage.resident_layers must be >= 0"),
+])
+def test_resident_layers_need_an_offloaded_mode_and_leave_a_layer_offloaded(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve_config(["recipe=tiny", *overrides])

@@ -199,3 +199,22 @@ def test_without_a_gpu_a_host_cache_beyond_the_ram_leaves_the_device_pool_nothin
     (problem,) = plan.training_problems
     assert problem.startswith("per-rank RAM ") and not re.search(r"-\d", problem)
     assert f"> {r.ram_share / GB:.2f} GB" in problem
+
+
+def test_layers_kept_on_the_device_move_their_expert_states_from_the_host_to_the_device():
+    """storage.resident_layers: each kept layer's experts cost 16 bytes a parameter on the device (Eq. 1's dense
+    term) and nothing on the host; too many for the GPU is a plan that does not fit, saying where."""
+    def plan(resident_layers: int):
+        cfg = mixtral_on_one_gpu("train")
+        cfg.storage = StorageConfig(offload="cpu", resident_layers=resident_layers)
+        return plan_placement(cfg)
+
+    offloaded, kept, too_many = plan(0), plan(1), plan(8)
+    layer = 16 * MIXTRAL.num_experts * offloaded.params.per_expert
+    assert kept.per_rank.device["expert_states"] == layer and "expert_states" not in offloaded.per_rank.device
+    assert offloaded.per_rank.host - kept.per_rank.host == layer
+    assert (offloaded.per_rank.local_experts, kept.per_rank.local_experts) == (32 * 8, 31 * 8)
+    assert kept.budget.gpu.formula.startswith("16(D + S_r)")
+    assert kept.budget.gpu.required_bytes > offloaded.budget.gpu.required_bytes + layer * 0.99
+    assert plan_to_dict(kept)["placement"]["resident_layers"] == 1
+    assert not too_many.feasible and any("device memory" in p for p in too_many.problems)

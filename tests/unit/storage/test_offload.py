@@ -37,7 +37,7 @@ class Run:
     """A model, its optimizer and (optionally) the offload manager, stepped like runtime.train.loop.train_step."""
 
     def __init__(self, cfg, store_dir=None, cache=3, threshold=1, depth=1, fetch_all=False, write_initial=True,
-                 durable=False, direct=True):
+                 durable=False, direct=True, resident_layers=0):
         """store_dir: None trains resident, "cpu" keeps the experts in host memory (storage.offload=cpu), a path
         keeps them in an SSD store there."""
         self.cfg, self.groups = cfg, build_groups(1, 0, 1, 1)
@@ -48,7 +48,8 @@ class Run:
             self.mgr = install_offload(self.model, store, CPU, seed=cfg.train.seed, cache_experts=cache,
                                        hit_threshold=threshold, prefetch_depth=depth, fetch_all=fetch_all,
                                        adamw=AdamWHyper(weight_decay=cfg.train.weight_decay),
-                                       lr_schedule=lambda step: lr_at(step, cfg.train), write_initial=write_initial)
+                                       lr_schedule=lambda step: lr_at(step, cfg.train), write_initial=write_initial,
+                                       resident_layers=resident_layers)
         self.opt = build_optimizer(self.model, cfg)
         self.data = TokenDataset.from_path(None, cfg.train.seq_len, cfg.train.seed)
         self.metrics = []
@@ -180,6 +181,20 @@ def test_host_memory_offload_equals_resident_bitwise_with_idle_experts():
     assert any(m["offload/experts_active"] < 16 for m in run.metrics)
     assert sum(m["offload/catch_up_steps"] for m in run.metrics) > 0
     assert all(m["offload/copied_bytes"] == 0 and m["offload/device_peak_bytes"] == 0 for m in run.metrics)
+
+
+@pytest.mark.parametrize("home", ["cpu", "ssd"])
+def test_layers_kept_on_the_device_and_offloaded_ones_train_like_resident_together(tmp_path, home):
+    """storage.resident_layers=1 of 2 MoE layers: layer 0's experts stay GroupedExperts stepped by the resident
+    AdamW, layer 1's are offloaded; the losses are resident training's, bit for bit."""
+    cfg = config()
+    ref = Run(cfg).train(5)
+    run = Run(cfg, "cpu" if home == "cpu" else tmp_path, resident_layers=1)
+    kinds = [type(layer.experts).__name__ for layer in run.model.moe_layers()]
+    got = run.train(5)
+    run.close()
+    assert kinds == ["GroupedExperts", "OffloadedGroupedExperts"] and list(run.mgr.specs) == [1]
+    assert got == ref
 
 
 def test_idle_experts_are_not_fetched_written_or_stepped(tmp_path):

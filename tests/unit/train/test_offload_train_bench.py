@@ -36,12 +36,13 @@ def test_offload_train_bench_runs_each_mode_and_reports_ratios_and_mfu():
     cfg = MoesysConfig(model=ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_experts=4, max_seq_len=32),
                        topology=TopologyConfig(nproc_per_node=1, expert_parallel=1),
                        train=TrainConfig(seq_len=16, micro_batch_size=2))
-    r = run_offload_train_bench(cfg, steps=4, warmup=1, variants=("none", "cpu"), time_limit_s=300)
+    r = run_offload_train_bench(cfg, steps=4, warmup=1, variants=("none", "cpu", "cpu_half"), time_limit_s=300)
     assert r["device"] == "cpu" and r["peak_flops"] > 0
     for name in ("none", "cpu"):
         assert "error" not in r[name], r[name]
         assert r[name]["tokens_per_s"] > 0 and r[name]["steps_timed"] == 3 and 0 < r[name]["mfu"] < 2
-    assert r["cpu_vs_none"] == r["cpu"]["tokens_per_s"] / r["none"]["tokens_per_s"]
+    assert r["cpu_vs_none"] == r["cpu"]["tokens_per_s"] / r["none"]["tokens_per_s"] and r["cpu_half_vs_none"] > 0
+    assert r["cpu_half"]["experts_active"] <= 4 < r["cpu"]["experts_active"]  # one of the 2 layers offloaded
     assert r["cpu"]["experts_active"] > 0 and 0 <= r["cpu"]["host_hidden_share"] <= 1
     assert "adamw" in r["cpu"]["time_s"] and "time_s" not in r["none"]  # where the offloaded step's time went
 
