@@ -63,7 +63,9 @@ def _render(recipe: str | None, r: dict) -> None:
                   f"(dense D {human_count(p['dense'])}, sparse S {human_count(p['sparse'])}, "
                   f"active/token {human_count(p['active'])}, embedding {human_count(p['embedding'])})")
     b = r["budget"]
-    eq1 = Table(title=f"Eq. 1  (alpha={b['alpha']}, L={b['layers']} MoE layers, N={b['nodes']} nodes)")
+    kept = r["placement"].get("resident_layers", 0) if r["placement"]["offload"] != "none" else 0
+    layers = f"L={b['layers']} offloaded MoE layers, {kept} kept" if kept else f"L={b['layers']} MoE layers"
+    eq1 = Table(title=f"Eq. 1  (alpha={b['alpha']}, {layers}, N={b['nodes']} nodes)")
     for col in ("tier", "inequality", "required", "capacity", "holds"):
         eq1.add_column(col)
     for name, t in b["tiers"].items():

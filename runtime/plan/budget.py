@@ -52,6 +52,7 @@ class Eq1Budget:
     params: ParamCounts
     alpha: float
     layers: int
+    """L: the MoE layers whose experts are offloaded (every one unless storage.resident_layers keeps some)."""
     nodes: int
     gpu: TierRequirement
     cpu: TierRequirement
@@ -96,7 +97,7 @@ def eq1_budget(cfg: MoesysConfig, params: ParamCounts) -> Eq1Budget:
     s, layers = params.sparse - s_kept, max(params.moe_layers - kept, 1)
     resident = "16(D + S_r)" if kept else "16D"
     return Eq1Budget(
-        params=params, alpha=a, layers=params.moe_layers, nodes=n,
+        params=params, alpha=a, layers=params.moe_layers - kept, nodes=n,
         gpu=TierRequirement(int(DENSE_STATE_BYTES * (d + s_kept) + ACTIVE_SPARSE_BYTES * a * s / layers),
                             int(device_memory_per_node(cfg) * n), f"{resident} + 4aS/L <= M_GPU*N"),
         cpu=TierRequirement(int(CACHED_SPARSE_BYTES * a * s), int(cfg.topology.cpu_memory_gb * GB * n), "16aS <= M_CPU*N"),
