@@ -42,7 +42,8 @@ def configs(draw) -> tuple[MoesysConfig, bool]:
         ssd_gb=draw(st.sampled_from([0.0, 0.01, 100.0, 15000.0])))
     storage = StorageConfig(offload=draw(st.sampled_from(["none", "cpu", "ssd", "auto"])),
                             alpha=draw(st.sampled_from([0.1, 0.5, 1.0])), dense_shard=draw(st.booleans()),
-                            prefetch_depth=draw(st.integers(0, 2)), cpu_cache_experts=draw(st.sampled_from([0, 0, 3])))
+                            prefetch_depth=draw(st.integers(0, 2)), cpu_cache_experts=draw(st.sampled_from([0, 0, 3])),
+                            resident_layers=draw(st.sampled_from([0, 0, 1])))
     train = TrainConfig(micro_batch_size=draw(st.integers(1, 16)), seq_len=draw(st.integers(1, max_seq)),
                         precision=draw(st.sampled_from(["fp32", "bf16", "fp16"])))
     infer = InferConfig(ring_slots=draw(st.integers(1, 8)), offload=draw(st.sampled_from(["ring", "ondemand", "none"])))
