@@ -1,7 +1,8 @@
-"""Offloaded training against resident training on the same shape, side by side in one run: the resolved config
-trained by real `torchrun` jobs with storage.offload=none, cpu (and cpu with the delayed update) and ssd, each on its
-own run directory; on request also cpu with the first half of the MoE layers kept on the device (cpu_half). Reports tokens/s after warm-up, the ratios to none, MFU against the device's measured matmul
-peak, and the host side of each offloaded step from its metrics (host work, the hidden share, fetch stalls)."""
+"""Offloaded training against resident training on the same shape, side by side in one run: the resolved config trained
+by real `torchrun` jobs with storage.offload=none, cpu (and cpu with the delayed update) and ssd, each on its own run
+directory; on request also cpu with the first half of the MoE layers kept on the device (cpu_half). Reports tokens/s
+after warm-up, the ratios to none, MFU against the device's measured matmul peak, and the host side of each offloaded
+step from its metrics (host work, the hidden share, fetch stalls)."""
 
 from __future__ import annotations
 
