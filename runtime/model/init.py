@@ -9,6 +9,8 @@ order of creation. GPT-2 style values: normal(0, 0.02) weights, zero biases, uni
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +43,23 @@ def fill_(tensor: Tensor, kind: str, seed: int, name: str, expert: int | None = 
         if tensor.device.type == "cpu" and tensor.dtype == torch.float32:
             return tensor.normal_(0.0, INIT_STD, generator=gen)
         return tensor.copy_(torch.empty(tensor.shape).normal_(0.0, INIT_STD, generator=gen))
+
+
+T = TypeVar("T")
+
+
+def drawn_in_parallel(draw: Callable[[int], T], indices: Iterable[int]) -> Iterator[T]:
+    """draw(i) for each index, in order, computed `torch.get_num_threads()` at a time on threads: a generator's
+    normal_ runs on one core (about 5 ns a value), and each expert's draws have their own generator, so the values
+    do not depend on the threads. At most that many results are held at once."""
+    indices = list(indices)
+    workers = max(1, min(torch.get_num_threads(), len(indices)))
+    if workers == 1:
+        yield from map(draw, indices)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="moesys-init") as pool:
+        for start in range(0, len(indices), workers):
+            yield from pool.map(draw, indices[start:start + workers])
 
 
 def expert_kind(param_name: str) -> str:
@@ -76,7 +95,9 @@ def init_parameters(model: nn.Module, seed: int) -> None:
                 continue
             qualified = f"{prefix}.{pname}" if prefix else pname
             if first is not None:
-                for j in range(param.shape[0]):
-                    fill_(param.data[j], expert_kind(qualified), seed, qualified, first + j)
+                kind = expert_kind(qualified)
+                for _ in drawn_in_parallel(lambda j: fill_(param.data[j], kind, seed, qualified, first + j),
+                                           range(param.shape[0])):
+                    pass
             else:
                 fill_(param.data, _module_kind(module, pname), seed, qualified)

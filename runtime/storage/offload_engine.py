@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from runtime.model.init import init_expert
+from runtime.model.init import drawn_in_parallel, init_expert
 from runtime.moe.experts import GroupedExperts, expert_ffn, output_dtype
 from runtime.moe.layer import EXPERT_PARAM_NAMES
 from runtime.optim import AdamWHyper, catch_up
@@ -437,9 +437,11 @@ def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.d
                            window if window is not None else 1 + prefetch_depth, make_home)
     for layer, spec in pairs:
         if write_initial:
-            for j in range(spec.num_local):
+            shapes = dict(zip(spec.names, spec.layout.shapes))
+            drawn = drawn_in_parallel(lambda j: init_expert(seed, spec.param_prefix, shapes, spec.key(j)[1]),
+                                      range(spec.num_local))
+            for j, params in enumerate(drawn):
                 key = spec.key(j)
-                params = init_expert(seed, spec.param_prefix, dict(zip(spec.names, spec.layout.shapes)), key[1])
                 engine.home.restore(key, initial_slot(engine.home.restore_target(key), spec.layout, params))
         if store is not None:
             tiers.ssd.allocate(spec.num_local * spec.expert_bytes)
