@@ -72,12 +72,13 @@ def test_auto_placement_on_cuda_matches_resident(tmp_path):
         offloader.close()
 
 
-@pytest.mark.parametrize("offload", ["cpu", "ssd"])
+@pytest.mark.parametrize("offload,resident_layers", [("cpu", 0), ("ssd", 0), ("cpu", 1)])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_offloaded_training_on_cuda_tracks_resident(tmp_path, offload, precision):
-    """Experts copied from pinned host slots on the side stream, gradients home on it, the CPU AdamW."""
+def test_offloaded_training_on_cuda_tracks_resident(tmp_path, offload, resident_layers, precision):
+    """Experts copied from pinned host slots on the side stream, gradients home on it, the CPU AdamW; with one of
+    the two MoE layers kept on the GPU beside them."""
     ref, _ = losses(precision, device=CUDA)
-    got, _ = losses(precision, device=CUDA, offload=offload, run_dir=tmp_path)
+    got, _ = losses(precision, device=CUDA, offload=offload, run_dir=tmp_path, resident_layers=resident_layers)
     assert got == pytest.approx(ref, rel=1e-5 if precision == "fp32" else 2e-2)
 
 
