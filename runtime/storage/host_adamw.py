@@ -118,7 +118,8 @@ class HostOptimizer:
         until no copy reads a layer's stages), the update also writes each slot's stage from its new master, chunk
         by chunk while the master is in cache where it widens gradients, and finishes each layer as it goes. Without
         it `finish` refreshes the stages and may wait for the step running beside the update to stop reading them:
-        it then runs once every layer is updated, so that no layer's update waits behind it."""
+        it then runs once every layer is updated, so that no layer's update waits behind it, last layer first, as
+        that step's backward frees them."""
         self.wait()
         # the kernel divides the gradients by grad_scale as it reads them: the multiplier folds in (no extra pass)
         factor = divisor if multiplier is None else divisor / multiplier
@@ -131,8 +132,8 @@ class HostOptimizer:
                 self._update_layer(lg, step, lr, scale, stages is not None)
                 if stages is not None:
                     finish(lg)
-            if stages is None:
-                for lg in layers:
+            if stages is None:  # last layer first: the step beside frees stages in its backward's order
+                for lg in reversed(layers):
                     finish(lg)
 
         self._job = self._run(self._update, job)

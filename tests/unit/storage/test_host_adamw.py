@@ -55,8 +55,9 @@ def test_flat_and_per_tensor_gradients_give_the_same_update(dtype, chunk, monkey
 
 
 def test_a_finish_that_waits_for_the_step_beside_holds_up_no_layer_update():
-    """A delayed update's finish waits until the next step has read a layer's stages (the first layer's comes
-    last, in that step's backward): every layer must be stepped before the first finish blocks."""
+    """A delayed update's finish waits until the next step has read a layer's stages, which that step's backward
+    frees last layer first: every layer must be stepped before the first finish blocks, and the finishes go from
+    the last layer to the first."""
     import threading
 
     layers = {i: LAYOUT for i in range(3)}
@@ -64,15 +65,16 @@ def test_a_finish_that_waits_for_the_step_beside_holds_up_no_layer_update():
     slots = {i: new_slots(LAYOUT.numel, 1, torch.bfloat16, True) for i in layers}
     for i in layers:
         opt.take_in(i, [(i, 0)], slots[i], LAYOUT.views(torch.ones(1, LAYOUT.numel)), [0], None, [])
-    stepped_before_first_finish, read = [], threading.Event()
+    stepped_before_first_finish, finished, read = [], [], threading.Event()
 
     def finish(lg):
-        if lg.layer == 0:
+        if not finished:
             stepped_before_first_finish.extend(float(slots[i][0].step) for i in layers)
             assert read.wait(10)
+        finished.append(lg.layer)
 
     opt.submit(opt.gathered(), 0, 1e-2, None, 1, finish)
     read.set()
     opt.wait()
     opt.close()
-    assert stepped_before_first_finish == [1.0, 1.0, 1.0]
+    assert stepped_before_first_finish == [1.0, 1.0, 1.0] and finished == [2, 1, 0]
