@@ -48,12 +48,17 @@ def fill_(tensor: Tensor, kind: str, seed: int, name: str, expert: int | None = 
 T = TypeVar("T")
 
 
-def drawn_in_parallel(draw: Callable[[int], T], indices: Iterable[int]) -> Iterator[T]:
-    """draw(i) for each index, in order, computed `torch.get_num_threads()` at a time on threads: a generator's
-    normal_ runs on one core (about 5 ns a value), and each expert's draws have their own generator, so the values
-    do not depend on the threads. At most that many results are held at once."""
+PARALLEL_DRAW_BYTES = 1 << 30
+"""Most bytes of drawn values held at once by `drawn_in_parallel` (memory the plan does not count)."""
+
+
+def drawn_in_parallel(draw: Callable[[int], T], indices: Iterable[int], item_bytes: int) -> Iterator[T]:
+    """draw(i) for each index, in order, computed up to `torch.get_num_threads()` at a time on threads: a
+    generator's normal_ runs on one core (about 5 ns a value), and each expert's draws have their own generator, so
+    the values do not depend on the threads. `item_bytes`: the memory one draw holds until it is consumed; the
+    threads hold at most PARALLEL_DRAW_BYTES of it (one draw at a time for an expert larger than that)."""
     indices = list(indices)
-    workers = max(1, min(torch.get_num_threads(), len(indices)))
+    workers = max(1, min(torch.get_num_threads(), len(indices), PARALLEL_DRAW_BYTES // max(1, item_bytes)))
     if workers == 1:
         yield from map(draw, indices)
         return
@@ -96,8 +101,9 @@ def init_parameters(model: nn.Module, seed: int) -> None:
             qualified = f"{prefix}.{pname}" if prefix else pname
             if first is not None:
                 kind = expert_kind(qualified)
+                row_bytes = param[0].numel() * 4  # fp32 values drawn on the CPU (a temporary unless they land there)
                 for _ in drawn_in_parallel(lambda j: fill_(param.data[j], kind, seed, qualified, first + j),
-                                           range(param.shape[0])):
+                                           range(param.shape[0]), row_bytes):
                     pass
             else:
                 fill_(param.data, _module_kind(module, pname), seed, qualified)

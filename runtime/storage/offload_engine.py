@@ -439,7 +439,7 @@ def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.d
         if write_initial:
             shapes = dict(zip(spec.names, spec.layout.shapes))
             drawn = drawn_in_parallel(lambda j: init_expert(seed, spec.param_prefix, shapes, spec.key(j)[1]),
-                                      range(spec.num_local))
+                                      range(spec.num_local), 4 * spec.layout.numel)
             for j, params in enumerate(drawn):
                 key = spec.key(j)
                 engine.home.restore(key, initial_slot(engine.home.restore_target(key), spec.layout, params))
