@@ -402,6 +402,15 @@ def layer_specs(model: nn.Module) -> list[tuple[nn.Module, LayerSpec]]:
     return out
 
 
+def spare_slots(specs: list[LayerSpec], cache_experts: int, prefetch_depth: int, fetch_all: bool) -> int:
+    """Released slots an SSD home keeps for the next reads: the experts a step moves through host memory beside the
+    cache (read, stepped, written home; the plan's host term counts them on their way home while the next step
+    reads its own), at least the read-ahead's."""
+    local = sum(s.num_local for s in specs)
+    ahead = max(1, prefetch_depth) * max((s.num_local for s in specs), default=0)
+    return max(ahead, local - (0 if fetch_all else cache_experts))
+
+
 def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.device, *, seed: int,
                     lr_schedule: Callable[[int], float], cache_experts: int = 0, hit_threshold: float = 1,
                     decay_beta: float = 0.5, decay_every: int = 10, prefetch_depth: int = 1,
@@ -428,7 +437,7 @@ def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.d
         home = SSDHome(store, engine.layouts, engine.order, cache_experts, hit_threshold, decay_beta, decay_every,
                        prefetch_depth, compute_dtype, engine.separate_stage, pin, tiers, engine.timeline,
                        engine.wait_updated, engine.in_use,
-                       spare_slots=max(1, prefetch_depth) * max((s.num_local for s in specs), default=0))
+                       spare_slots=spare_slots(specs, cache_experts, prefetch_depth, fetch_all))
         if fetch_all:
             home.fetch_everything()
         return home

@@ -29,9 +29,9 @@ class SSDHome:
                  hit_threshold: float, decay_beta: float, decay_every: int, prefetch_depth: int,
                  compute_dtype: torch.dtype, separate_stage: bool, pin: bool, tiers: Tiers, timeline: StepTimeline,
                  wait_updated: Callable[[int], None], in_use: Callable[[ExpertKey], bool], spare_slots: int = 0):
-        """spare_slots: released slots kept for the next reads to take over (the staging the plan counts: layers
-        read ahead x experts per layer); a fresh slot costs its pages' faults and the kernel's zeroing of them,
-        which for a multi-GB expert exceeds the read itself."""
+        """spare_slots: released slots kept for the next reads to take over (install_offload: the experts a step
+        moves through host memory beside the cache; a spare holds what its slot held, so the host tier's peak does
+        not grow); a fresh slot costs its pages' faults and the kernel's zeroing of them, more CPU than the read."""
         self.store, self.layouts, self.order = store, layouts, order
         self.dtype, self.separate_stage, self.pin = compute_dtype, separate_stage, pin
         self.tiers, self.timeline, self.in_use = tiers, timeline, in_use
