@@ -64,6 +64,12 @@ def fused_adamw_counted(params: list[torch.Tensor], grads: list[torch.Tensor], e
                         found_inf=None)
 
 
+CATCH_UP_CHUNK = 1 << 20
+"""Elements of an expert's states taken through all of its missed steps before the next ones are read: 16 MB of
+master, moments and zero gradient, which stay in cache from one step to the next, so a catch-up of k steps reads
+memory once instead of k times (the kernel is elementwise: the same numbers as k whole passes)."""
+
+
 @functools.lru_cache(maxsize=8)
 def _zeros(numel: int) -> torch.Tensor:
     """A zero gradient of `numel` fp32 elements, kept: catch-up steps only read it (a fresh one each time pays its
@@ -74,12 +80,21 @@ def _zeros(numel: int) -> torch.Tensor:
 def catch_up(slot: ExpertSlot, upto: int, lr_schedule, h: AdamWHyper) -> int:
     """Apply the zero-gradient AdamW steps an expert missed while it received no tokens (its step count is below
     `upto`): resident AdamW steps every expert every iteration, decaying its weights and moments, so an offloaded
-    expert stepped only when active must do the same to train identically. Returns the steps applied; the caller
-    refreshes the slot's stage."""
+    expert stepped only when active must do the same to train identically. Each CATCH_UP_CHUNK of its states goes
+    through every missed step while it is in cache. Returns the steps applied; the caller refreshes the slot's
+    stage."""
     done = int(slot.step)
     if done >= upto:
         return 0
-    zeros = _zeros(slot.master.numel())
-    for step in range(done, upto):
-        fused_adamw([slot.master], [zeros], [slot.exp_avg], [slot.exp_avg_sq], [slot.step], lr_schedule(step), h)
+    lrs = [lr_schedule(step) for step in range(done, upto)]
+    numel = slot.master.numel()
+    zeros = _zeros(min(numel, CATCH_UP_CHUNK))
+    for lo in range(0, numel, CATCH_UP_CHUNK):
+        part = slice(lo, min(lo + CATCH_UP_CHUNK, numel))
+        count = slot.step.clone()
+        for lr in lrs:
+            count += 1
+            fused_adamw_counted([slot.master[part]], [zeros[:part.stop - lo]], [slot.exp_avg[part]],
+                                [slot.exp_avg_sq[part]], [count], lr, h)
+    slot.step.fill_(upto)
     return upto - done

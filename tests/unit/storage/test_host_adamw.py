@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime import optim
 from runtime.optim import AdamWHyper
 from runtime.storage.expert_slots import SlotLayout, new_slots
 from runtime.storage import host_adamw
@@ -78,3 +79,25 @@ def test_a_finish_that_waits_for_the_step_beside_holds_up_no_layer_update():
     opt.wait()
     opt.close()
     assert stepped_before_first_finish == [1.0, 1.0, 1.0] and finished == [2, 1, 0]
+
+
+@pytest.mark.parametrize("chunk", [optim.CATCH_UP_CHUNK, 64], ids=["one-chunk", "chunks-of-64"])
+def test_catch_up_in_chunks_equals_every_missed_step_over_the_whole_slot(monkeypatch, chunk):
+    """A catch-up takes each chunk of an expert's states through all of its missed steps at once (one pass over
+    memory): the plain reference steps the whole slot once per missed step with the resident optimizer's kernel."""
+    monkeypatch.setattr(optim, "CATCH_UP_CHUNK", chunk)
+    torch.manual_seed(0)
+    lr = lambda s: 1e-2 / (1 + s)  # noqa: E731
+    h = AdamWHyper()
+    slot = initial_slot(new_slots(LAYOUT.numel, 1, torch.float32, False)[0], LAYOUT,
+                        {n: torch.randn(shape) for n, shape in zip(LAYOUT.names, LAYOUT.shapes)})
+    slot.exp_avg.normal_()
+    slot.exp_avg_sq.uniform_()
+    slot.step.fill_(2)
+    master, exp_avg, exp_avg_sq, step = (t.clone() for t in (slot.master, slot.exp_avg, slot.exp_avg_sq, slot.step))
+    for s in range(2, 7):
+        optim.fused_adamw([master], [torch.zeros_like(master)], [exp_avg], [exp_avg_sq], [step], lr(s), h)
+    assert optim.catch_up(slot, 7, lr, h) == 5 and optim.catch_up(slot, 7, lr, h) == 0
+    assert LAYOUT.numel % 64 and float(slot.step) == float(step) == 7
+    for got, want in ((slot.master, master), (slot.exp_avg, exp_avg), (slot.exp_avg_sq, exp_avg_sq)):
+        assert torch.equal(got, want)
