@@ -37,8 +37,9 @@ from runtime.data.dataset import TokenDataset
 from runtime.train.loop import forward_backward, optimizer_step
 
 CPU = torch.device("cpu")
-PRICED_STEPS = 3
-"""Steps after the timed ones whose host work is priced without overlap (background jobs run inline)."""
+PRICED_STEPS = 5
+"""Steps after the timed ones whose host work is priced without overlap (background jobs run inline), each beside
+its floor."""
 START_S = 120.0
 """Seconds a fresh process may take to start and build its trainer before its result is waited for in vain."""
 
@@ -204,31 +205,32 @@ def _measure(cfg: MoesysConfig, mode: str, store_dir: str, cache_experts: int, s
 
 
 def _host_side(trainer: _Trainer, metrics: list[dict], floors: list[float], overlapped: list[dict]) -> dict:
-    """The host work of the priced steps per active expert parameter and its floor measured beside each; the
-    hidden share of the timed (overlapped) steps."""
-    n = len(metrics)
-    mean = lambda key, ms=metrics: sum(m[f"offload/{key}"] for m in ms) / len(ms)  # noqa: E731
-    per_expert = count_parameters(trainer.cfg.model).per_expert
-    params = mean("experts_active") * per_expert
-    cost = mean("host_cost_s")
-    floor = sum(floors) / len(floors)
-    overlapped_cost, exposed = mean("host_cost_s", overlapped), mean("host_exposed_s", overlapped)
-    kinds = sorted({k[len("offload/time_"):-2] for m in metrics for k in m if k.startswith("offload/time_")})
+    """The host work of a priced step per active expert parameter beside the floor measured right after it: the
+    step whose ratio to its own floor is the median (the two measured back to back, on a machine whose memory
+    bandwidth drifts from one second to the next); the hidden share of the timed (overlapped) steps."""
+    ratios = [m["offload/host_cost_s"] / f if f > 0 else 0.0 for m, f in zip(metrics, floors)]
+    middle = sorted(range(len(metrics)), key=ratios.__getitem__)[len(metrics) // 2]
+    step, floor = metrics[middle], floors[middle]
+    of = lambda key, m=step: m[f"offload/{key}"]  # noqa: E731
+    params = float(of("experts_active") * count_parameters(trainer.cfg.model).per_expert)
+    mean = lambda key: sum(of(key, m) for m in overlapped) / len(overlapped)  # noqa: E731
+    overlapped_cost, exposed = mean("host_cost_s"), mean("host_exposed_s")
     per_param = lambda seconds: seconds / params * 1e9 if params else 0.0  # noqa: E731
-    return {"host": {"cpu_side_ns_per_param": per_param(cost),
-                     "work_ns_per_param": per_param(mean("host_work_s")),
-                     "idle_wait_ns_per_param": per_param(mean("host_idle_wait_s")),
+    return {"host": {"cpu_side_ns_per_param": per_param(of("host_cost_s")),
+                     "work_ns_per_param": per_param(of("host_work_s")),
+                     "idle_wait_ns_per_param": per_param(of("host_idle_wait_s")),
                      "floor_ns_per_param": per_param(floor),
-                     "cpu_side_vs_floor": cost / floor if floor else 0.0,
+                     "cpu_side_vs_floor": ratios[middle],
+                     "priced_ratios": ratios,
                      "hidden_share": (0.0 if overlapped_cost <= 0
                                       else max(0.0, min(1.0, 1 - exposed / overlapped_cost))),
-                     "active_params_per_step": params, "copied_bytes_per_step": mean("copied_bytes"),
-                     "store_read_bytes_per_step": sum(m.get("offload/ssd_read_bytes", 0) for m in metrics) / n,
-                     "store_write_bytes_per_step": sum(m.get("offload/ssd_write_bytes", 0) for m in metrics) / n,
-                     "host_s_per_step": cost, "overlapped_host_s_per_step": overlapped_cost,
+                     "active_params_per_step": params, "copied_bytes_per_step": float(of("copied_bytes")),
+                     "store_read_bytes_per_step": float(step.get("offload/ssd_read_bytes", 0)),
+                     "store_write_bytes_per_step": float(step.get("offload/ssd_write_bytes", 0)),
+                     "host_s_per_step": of("host_cost_s"), "overlapped_host_s_per_step": overlapped_cost,
                      "exposed_s_per_step": exposed,
-                     "seconds_by_kind": {k: sum(m.get(f"offload/time_{k}_s", 0.0) for m in metrics) / n
-                                         for k in kinds},
+                     "seconds_by_kind": {k[len("offload/time_"):-2]: v for k, v in step.items()
+                                         if k.startswith("offload/time_")},
                      "timeline": trainer.last_step}}
 
 
@@ -284,10 +286,13 @@ def _compare(cfg: MoesysConfig, pool: ProcessPoolExecutor, tmp: Path, data: str,
 
 
 def _median_host(runs: list[dict]) -> dict:
-    """The host-side figures of a mode: medians over rounds of the numbers, the last round's timeline."""
+    """The host-side figures of a mode: medians over rounds of the numbers, every round's priced ratios, the last
+    round's timeline."""
     out = {}
     for key, value in runs[-1].items():
-        if isinstance(value, float):
+        if key == "priced_ratios":
+            out[key] = [ratio for r in runs for ratio in r[key]]
+        elif isinstance(value, float):
             out[key] = statistics.median(r[key] for r in runs)
         elif key == "seconds_by_kind":
             out[key] = {k: statistics.median(r[key].get(k, 0.0) for r in runs) for k in value}
