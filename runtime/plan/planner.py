@@ -17,11 +17,11 @@ from runtime.config import MoesysConfig
 from runtime.plan.params import ParamCounts, count_parameters
 from runtime.plan.embedding_bytes import embedding_bytes_per_rank
 from runtime.plan.modes import MODES, OffloadMode, TierName, requested_modes
-from runtime.plan.budget import (CACHED_SPARSE_BYTES, DENSE_STATE_BYTES, GB,
+from runtime.plan.budget import (DENSE_STATE_BYTES, GB,
                                     STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
 from runtime.plan.disk import DiskPlan, disk_plan, disk_problem, fewer_checkpoints, kept_checkpoints
 from runtime.plan.step_memory import (CUDA_CONTEXT_BYTES, CUDA_HOST_BYTES, CUDA_WORKSPACE_BYTES, activation_bytes,
-                                         optimizer_step_bytes, step_peak, weight_cast_params)
+                                         compute_bytes, optimizer_step_bytes, step_peak, weight_cast_params)
 from runtime.plan.suggest import serving_suggestions, training_suggestions
 
 PROCESS_RUNTIME_BYTES = int(0.30 * GB)
@@ -118,23 +118,38 @@ def teacher_parameters(checkpoint: str) -> int:
         return 0
 
 
+def host_slot_bytes(cfg: MoesysConfig) -> int:
+    """Host bytes of an offloaded expert parameter's slot (runtime/storage/expert_slots.py): fp32 master and
+    moments, and the stage the device copies in the compute dtype unless the master itself is that stage (fp32
+    training without a delayed update)."""
+    width = compute_bytes(cfg)
+    separate = width != 4 or cfg.storage.delayed_update
+    return STORED_SPARSE_BYTES + (width if separate else 0)
+
+
+def host_grad_bytes(cfg: MoesysConfig) -> int:
+    """Host bytes of an active offloaded parameter's gradient, which comes home in the compute dtype: two steps'
+    with a delayed update (step t's are stepped while step t+1's come home)."""
+    return compute_bytes(cfg) * (2 if cfg.storage.delayed_update else 1)
+
+
 def _ssd_host(cfg: MoesysConfig, p: ParamCounts, local_experts: int, layer_experts: int,
               host_capacity: int) -> tuple[int, int]:
     """storage=ssd: (host bytes, cached experts) of a rank."""
     st = cfg.storage
     # A step keeps every expert it fetched on the host, with its gradient, from its forward to the CPU
     # AdamW step (Eq. 1's CPU tier, 16aS): the cache may be smaller than that, the host may not. Cached
-    # experts hold their states (12 bytes a parameter) and, when active, a gradient (4). Those the cache does
-    # not keep are still on their way to SSD (write-behind) while the next step fetches its own, and the
-    # prefetcher stages the next prefetch_depth layers' experts (runtime/storage/ssd_home.py).
+    # experts hold their slots and, when active, a gradient. Those the cache does not keep are still on their way
+    # to SSD (write-behind) while the next step fetches its own, and the prefetcher stages the next
+    # prefetch_depth layers' experts (runtime/storage/ssd_home.py).
+    slot = host_slot_bytes(cfg)
     step_active = math.ceil(st.alpha * local_experts)
-    staged = STORED_SPARSE_BYTES * math.ceil(st.alpha * layer_experts) * st.prefetch_depth
-    grads = (CACHED_SPARSE_BYTES - STORED_SPARSE_BYTES) * step_active
-    fit = max(0, host_capacity - (staged + grads) * p.per_expert) // max(STORED_SPARSE_BYTES * p.per_expert, 1)
+    staged = slot * math.ceil(st.alpha * layer_experts) * st.prefetch_depth
+    grads = host_grad_bytes(cfg) * step_active
+    fit = max(0, host_capacity - (staged + grads) * p.per_expert) // max(slot * p.per_expert, 1)
     cache_experts = st.cpu_cache_experts or int(min(local_experts, fit))
-    going_home = STORED_SPARSE_BYTES * max(0, step_active - cache_experts)
-    host = int((STORED_SPARSE_BYTES * max(cache_experts, step_active) + grads + going_home + staged)
-               * p.per_expert)
+    going_home = slot * max(0, step_active - cache_experts)
+    host = int((slot * max(cache_experts, step_active) + grads + going_home + staged) * p.per_expert)
     return host, cache_experts
 
 
@@ -190,7 +205,8 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> Rank
     host_capacity = ram_per_rank if t.gpus_per_node else max(0, ram_per_rank - peak)
     if mode.offloaded:
         if mode is OffloadMode.CPU:
-            host = int(CACHED_SPARSE_BYTES * local_sparse)
+            host = int(host_slot_bytes(cfg) * local_sparse + host_grad_bytes(cfg) * math.ceil(st.alpha * local_experts)
+                       * p.per_expert)
             cache_experts = local_experts
         else:
             ssd = int(STORED_SPARSE_BYTES * local_sparse)
