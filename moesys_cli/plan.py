@@ -89,6 +89,10 @@ def _render(recipe: str | None, r: dict) -> None:
     if OffloadMode(pl["offload"]) is OffloadMode.SSD:
         rank.add_row("CPU cache", f"{pl['cpu_cache_experts']} of {pl['local_experts']} local experts")
     console.print(rank)
+    fit = pl.get("resident_layers_fit", 0)
+    if fit > pl.get("resident_layers", 0):
+        console.print(f"the GPU has room to keep {fit} of the {p['moe_layers']} MoE layers' experts: "
+                      f"storage.resident_layers={fit} takes their update off the CPU optimizer", markup=False)
     _render_disk(r["disk"], b["tiers"]["ssd"]["capacity_bytes"] / max(1, b["nodes"]))
     inf = r["inference"]
     console.print(f"inference (ring memory): dense {human_bytes(inf['dense_bytes'])} resident, "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from runtime.plan.budget import (DENSE_STATE_BYTES, GB,
 from runtime.plan.disk import DiskPlan, disk_plan, disk_problem, fewer_checkpoints, kept_checkpoints
 from runtime.plan.step_memory import (CUDA_CONTEXT_BYTES, CUDA_HOST_BYTES, CUDA_WORKSPACE_BYTES, activation_bytes,
                                          compute_bytes, optimizer_step_bytes, step_peak, weight_cast_params)
-from runtime.plan.suggest import serving_suggestions, training_suggestions
+from runtime.plan.suggest import first_passing, serving_suggestions, training_suggestions
 
 PROCESS_RUNTIME_BYTES = int(0.30 * GB)
 """Host memory a worker process takes beyond the states and activations the estimate counts, as anonymous RSS (what
@@ -92,6 +92,9 @@ class Plan:
     """What the device tier is: gpu, or cpu (no GPU: a budgeted pool in host RAM)."""
     disk: DiskPlan = DiskPlan(0, 0, 0)
     """What a training run writes to disk (expert store, checkpoints)."""
+    keepable_layers: int = 0
+    """Offloaded training on GPUs: the most MoE layers storage.resident_layers could keep on the device with the
+    plan still fitting (at least one layer left offloaded); 0 where none could."""
 
 
 def world_size(cfg: MoesysConfig) -> int:
@@ -312,7 +315,22 @@ def plan_placement(cfg: MoesysConfig) -> Plan:
                 feasible=not verdict, problems=verdict, suggestions=suggestions, assumptions=_assumptions(cfg),
                 inference=inference, purpose=cfg.purpose, training_problems=problems,
                 process_host_bytes=process_host_bytes(cfg, est), device="gpu" if cfg.topology.gpus_per_node else "cpu",
-                disk=disk)
+                disk=disk, keepable_layers=0 if problems else keepable_layers(cfg, p, chosen))
+
+
+def keepable_layers(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> int:
+    """The most MoE layers storage.resident_layers could keep on the GPU with `mode`'s plan still fitting, leaving
+    at least one offloaded; 0 without GPUs (the device pool is the host's RAM: nothing moves off the CPU). Each
+    kept layer's update leaves the CPU optimizer, which bounds an offloaded step on a GPU when most experts are
+    active; device memory only grows with the layers kept, so a binary search finds the most."""
+    if not (mode.offloaded and cfg.topology.gpus_per_node and p.moe_layers > 1):
+        return 0
+
+    def fits(kept: int) -> bool:
+        trial = replace(cfg, storage=replace(cfg.storage, offload=mode.value, resident_layers=kept))
+        return not _fits(trial, eq1_budget(trial, p), _rank_estimate(trial, p, mode), mode)
+
+    return first_passing(range(p.moe_layers - 1, -1, -1), fits) or 0
 
 
 def _problems_of(p: ParamCounts):
@@ -391,7 +409,8 @@ def plan_to_dict(plan: Plan) -> dict:
         "placement": {"offload": str(plan.mode), "dense": str(TierName.GPU), "sparse": str(plan.mode.home),
                       "device": plan.device,
                       "cpu_cache_experts": r.cache_experts, "local_experts": r.local_experts,
-                      "device_expert_layers": r.expert_window, "resident_layers": r.resident_layers},
+                      "device_expert_layers": r.expert_window, "resident_layers": r.resident_layers,
+                      "resident_layers_fit": plan.keepable_layers},
         "per_rank": {"world_size": plan.world_size, "device": r.device, "device_total": r.device_total,
                      "device_capacity": r.device_capacity, "device_peak_at": r.device_peak_at,
                      "host": r.host, "host_capacity": r.host_capacity,

@@ -141,3 +141,25 @@ def test_the_papers_fp16_recipe_offloads_when_the_model_outgrows_the_gpu():
     assert not plan.feasible and "storage.offload=cpu fits" in plan.suggestions
     cfg = resolve_config([*args, "storage.offload=cpu"])
     assert cfg.train.precision == "fp16" and plan_placement(cfg).feasible
+
+
+def test_the_plan_says_how_many_moe_layers_the_gpu_could_keep(tmp_path):
+    """Offloaded training on a GPU with memory to spare: the plan names the most layers storage.resident_layers
+    could keep there (their update then leaves the CPU optimizer); the plan with that many still fits, with one
+    more it does not, or no layer would be left offloaded."""
+    shape = ["recipe=tiny", "topology=local", "model=mixtral-8x7b", "model.num_layers=8", "model.hidden_size=2048",
+             "model.num_heads=16", "model.num_kv_heads=4", "model.ffn_hidden_size=5632", "train.precision=bf16",
+             "train.micro_batch_size=4", "train.seq_len=2048", "train.lr=1e-4", "topology.detect=false",
+             "topology.gpus_per_node=1", "topology.cpu_memory_gb=128", "topology.gpu_memory_gb=40", "storage=cpu"]
+
+    def plan(*extra):
+        out = run_moesys("plan", *shape, *extra, "--json", cwd=tmp_path)
+        return json.loads(out.stdout)
+
+    fit = plan()["placement"]["resident_layers_fit"]
+    assert 0 < fit < 7
+    assert plan(f"storage.resident_layers={fit}")["feasible"]
+    assert not plan(f"storage.resident_layers={fit + 1}")["feasible"]
+    table = run_moesys("plan", *shape, cwd=tmp_path)
+    assert f"storage.resident_layers={fit} takes their update off the CPU optimizer" in " ".join(table.stdout.split())
+    assert plan("topology.gpus_per_node=0")["placement"]["resident_layers_fit"] == 0  # no GPU: nothing leaves the CPU
