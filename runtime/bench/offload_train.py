@@ -1,8 +1,9 @@
 """Offloaded training against resident training on the same shape, side by side in one run: the resolved config trained
 by real `torchrun` jobs with storage.offload=none, cpu (and cpu with the delayed update) and ssd, each on its own run
-directory; on request also cpu with the first half of the MoE layers kept on the device (cpu_half). Reports tokens/s
-after warm-up, the ratios to none, MFU against the device's measured matmul peak, and the host side of each offloaded
-step from its metrics (host work, the hidden share, fetch stalls)."""
+directory; on request also cpu with the first half of the MoE layers kept on the device (cpu_half), or as many as the
+plan says the GPU holds (cpu_fit). Reports tokens/s after warm-up, the ratios to none, MFU against the device's
+measured matmul peak, and the host side of each offloaded step from its metrics (host work, the hidden share, fetch
+stalls)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,15 @@ from runtime.launch import build_launch
 from runtime.train.run_setup import prepare_run_dir
 from runtime.files.run_dir import read_metrics
 from runtime.model.precision import PRECISION_DTYPES
+from runtime.plan.planner import plan_placement
 from runtime.process import TorchrunLogs
 
 VARIANTS = {"none": ("none", False, 0.0), "cpu": ("cpu", False, 0.0), "cpu_delayed": ("cpu", True, 0.0),
-            "ssd": ("ssd", False, 0.0), "cpu_half": ("cpu", False, 0.5), "cpu_half_delayed": ("cpu", True, 0.5)}
-"""Name -> (storage.offload, storage.delayed_update, share of the MoE layers kept on the device: the first half
-with storage.resident_layers, 0 keeps the config's)."""
+            "ssd": ("ssd", False, 0.0), "cpu_half": ("cpu", False, 0.5), "cpu_half_delayed": ("cpu", True, 0.5),
+            "cpu_fit": ("cpu", False, "fit"), "cpu_fit_delayed": ("cpu", True, "fit")}
+"""Name -> (storage.offload, storage.delayed_update, MoE layers kept on the device with storage.resident_layers:
+a share of them, the first half for 0.5, 0 keeps the config's; "fit": as many as the plan says the GPU holds,
+placement.resident_layers_fit)."""
 DEFAULT_VARIANTS = ("none", "cpu", "cpu_delayed", "ssd")
 
 
@@ -35,6 +39,8 @@ def _variant(base: MoesysConfig, root: Path, name: str, steps: int) -> MoesysCon
     cfg.storage.offload, cfg.storage.delayed_update, kept = VARIANTS[name]
     if cfg.storage.offload == "none":
         cfg.storage.resident_layers = 0
+    elif kept == "fit":
+        cfg.storage.resident_layers = plan_placement(cfg).keepable_layers
     elif kept:
         cfg.storage.resident_layers = int(cfg.model.num_moe_layers * kept)
     cfg.storage.ssd_path = ""

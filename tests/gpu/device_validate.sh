@@ -2,7 +2,7 @@
 # GPU validation on a lent device machine (the device tool's `run`), in calls of under 9 minutes each, most important
 # first (a lease is 15 minutes of device time, starts included: A, then C where time is left):
 #   bash tests/gpu/device_validate.sh A   # env, tests/gpu, offload-train at the offload issue's 2.43B shape (also
-#                                         # with half its MoE layers kept on the GPU)
+#                                         # with half its MoE layers, and as many as the plan fits, kept on the GPU)
 #   bash tests/gpu/device_validate.sh C   # bench infer at issue 28's 16-layer shape (K=4 of 16), bench serve
 #   bash tests/gpu/device_validate.sh B   # bench moe-layer, ring, offload; tests/unit + tests/config
 #   bash tests/gpu/device_validate.sh D   # pinned H2D bandwidth, tiny training none/cpu/ssd and a big model vs plan
@@ -43,7 +43,7 @@ TRAIN="$TRAIN train.final_checkpoint=false --json"
 if [ "$PART" = A ]; then
   step env 30 'nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; moesys --help | head -5; nproc; free -g; df -h /tmp'
   step tests_gpu 150 'python3 -m pytest -p no:cacheprovider -q -rs tests/gpu tests/unit/train/test_worker_device.py'
-  step offload_train 450 'python3 tests/gpu/offload_train_shape.py 420 none,cpu,cpu_delayed,ssd,cpu_half,cpu_half_delayed'
+  step offload_train 450 'python3 tests/gpu/offload_train_shape.py 420 none,cpu,cpu_delayed,ssd,cpu_half_delayed,cpu_fit_delayed'
 elif [ "$PART" = D ]; then
   step h2d 60 'python3 - <<EOF
 import torch, time

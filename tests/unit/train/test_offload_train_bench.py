@@ -3,6 +3,8 @@ ratios to resident, MFU from a FLOP count that matches torch's own count of the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -60,3 +62,20 @@ def test_a_failed_job_is_reported_by_the_line_its_rank_wrote(tmp_path):
     assert _failure(logs, launcher) == "rank 0: error: host tier: 7751073856 bytes of expert states exceed its budget"
     (rank / "stderr.log").write_text("")
     assert _failure(logs, launcher) == "ChildFailedError:"
+
+
+def test_the_fit_variants_keep_as_many_layers_as_the_plan_says_the_gpu_holds(tmp_path):
+    from runtime.bench.offload_train import _variant
+    from runtime.plan.planner import plan_placement
+
+    model = ModelConfig(hidden_size=1024, ffn_hidden_size=4096, num_layers=8, num_heads=8, num_experts=8,
+                        max_seq_len=512)
+    gpu = TopologyConfig(detect=False, gpus_per_node=1, gpu_memory_gb=8, cpu_memory_gb=64, nproc_per_node=1,
+                         expert_parallel=1)
+    cfg = MoesysConfig(model=model, topology=gpu, train=TrainConfig(seq_len=512, micro_batch_size=1,
+                                                                     precision="bf16"))
+    fit = _variant(cfg, tmp_path, "cpu_fit_delayed", 4)
+    assert fit.storage.offload == "cpu" and fit.storage.delayed_update
+    assert 0 < fit.storage.resident_layers == plan_placement(fit).keepable_layers < 7
+    cpu_only = dataclasses.replace(cfg, topology=dataclasses.replace(gpu, gpus_per_node=0))
+    assert _variant(cpu_only, tmp_path, "cpu_fit", 4).storage.resident_layers == 0  # nothing fits off the CPU
