@@ -208,8 +208,7 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> Rank
     host_capacity = ram_per_rank if t.gpus_per_node else max(0, ram_per_rank - peak)
     if mode.offloaded:
         if mode is OffloadMode.CPU:
-            host = int(host_slot_bytes(cfg) * local_sparse + host_grad_bytes(cfg) * math.ceil(st.alpha * local_experts)
-                       * p.per_expert)
+            host = int((host_slot_bytes(cfg) + host_grad_bytes(cfg)) * local_sparse)  # a gradient each, at most
             cache_experts = local_experts
         else:
             ssd = int(STORED_SPARSE_BYTES * local_sparse)
