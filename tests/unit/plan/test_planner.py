@@ -224,8 +224,7 @@ def test_layers_kept_on_the_device_move_their_expert_states_from_the_host_to_the
 def test_host_bytes_of_an_offloaded_parameter_follow_its_slot_and_gradients(precision, slot, grad):
     """An offloaded expert's slot holds fp32 master and moments (12 bytes a parameter) and, unless the master is
     what the device copies (fp32 without a delayed update), a stage in the compute dtype; its gradient comes home in
-    the compute dtype, two steps' worth with a delayed update. Measured on this machine's CPU device, fp32 with the
-    delayed update: 1.14-1.22x a plan that counted 16 bytes a parameter, 0.92-0.98x after."""
+    the compute dtype, two steps' worth with a delayed update (which a flat 16 bytes a parameter under-counted)."""
     def host(mode: str, delayed: bool) -> tuple[int, int]:
         cfg = mixtral_on_one_gpu("train", precision=precision)
         cfg.storage = StorageConfig(offload=mode, delayed_update=delayed)
