@@ -14,7 +14,7 @@ from moesys_cli.resolve import lr_warning, resolve_config
 from runtime.errors import UserError
 from runtime.launch import launch_ram_problem
 from runtime.plan.modes import OffloadMode
-from runtime.plan.planner import plan_placement, plan_to_dict
+from runtime.plan.planner import keep_layers_hint, plan_placement, plan_to_dict
 from runtime.plan.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
 
 Compare = Annotated[Optional[Path], typer.Option(
@@ -43,6 +43,7 @@ def plan(overrides: Overrides = None, json_out: Json = False, compare: Compare =
     cfg = resolve_config(overrides or [])
     planned = plan_placement(cfg)
     result = plan_to_dict(planned)
+    hint = keep_layers_hint(planned) if cfg.purpose == "train" else None
     machine = launch_ram_problem(cfg, planned.process_host_bytes) if cfg.purpose == "train" else None
     if machine:  # what moesys train would refuse here before launching
         result["problems"].append(machine)
@@ -53,7 +54,7 @@ def plan(overrides: Overrides = None, json_out: Json = False, compare: Compare =
     if json_out:
         print_json({"recipe": cfg.recipe, **result})
     else:
-        _render(cfg.recipe, result)
+        _render(cfg.recipe, {**result, "keep_layers_hint": hint})
     raise typer.Exit(0 if result["feasible"] else 1)
 
 
@@ -89,10 +90,8 @@ def _render(recipe: str | None, r: dict) -> None:
     if OffloadMode(pl["offload"]) is OffloadMode.SSD:
         rank.add_row("CPU cache", f"{pl['cpu_cache_experts']} of {pl['local_experts']} local experts")
     console.print(rank)
-    fit = pl.get("resident_layers_fit", 0)
-    if fit > pl.get("resident_layers", 0):
-        console.print(f"the GPU has room to keep {fit} of the {p['moe_layers']} MoE layers' experts: "
-                      f"storage.resident_layers={fit} takes their update off the CPU optimizer", markup=False)
+    if r.get("keep_layers_hint"):
+        console.print(r["keep_layers_hint"], markup=False)
     _render_disk(r["disk"], b["tiers"]["ssd"]["capacity_bytes"] / max(1, b["nodes"]))
     inf = r["inference"]
     console.print(f"inference (ring memory): dense {human_bytes(inf['dense_bytes'])} resident, "

@@ -28,7 +28,7 @@ from runtime.train.run_setup import prepare_run_dir
 from runtime.topology import host_memory_bytes
 from runtime.plan.compare import recorded_plan
 from runtime.plan.checks import check_disk, check_plan
-from runtime.plan.planner import plan_placement
+from runtime.plan.planner import keep_layers_hint, plan_placement
 from runtime.train.preflight import check_before_launch
 from runtime.plan.placement import record as record_placement
 from runtime.files.resume import apply_resume_from
@@ -75,6 +75,9 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
     check_plan(cfg, plan)  # a run the plan says does not fit fails later on a tier's budget or by the OOM killer
     check_run_dir(cfg.train.run_dir)  # before the lock file is written into it
     check_disk(cfg, plan)  # the store and checkpoints must fit where they go, or the disk fills minutes in
+    hint = keep_layers_hint(plan)
+    if hint and not quiet:
+        notice(f"note: {hint}")
     lock = RunLock(Path(cfg.train.run_dir), cfg.launcher.node_rank)  # held until exit: one job per run directory
     run_dir = prepare_run_dir(cfg)
     # the checkpoint train.resume_from names becomes the newest; node 0 moves the later ones, before any worker starts

@@ -332,6 +332,15 @@ def keepable_layers(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> int
     return first_passing(range(p.moe_layers - 1, -1, -1), fits) or 0
 
 
+def keep_layers_hint(plan: Plan) -> str | None:
+    """One line naming the most MoE layers the GPU could keep, when that is more than the plan keeps; else None."""
+    kept = plan.per_rank.resident_layers if plan.mode.offloaded else 0
+    if plan.keepable_layers <= kept:
+        return None
+    return (f"the GPU has room to keep {plan.keepable_layers} of the {plan.params.moe_layers} MoE layers' experts: "
+            f"storage.resident_layers={plan.keepable_layers} takes their update off the CPU optimizer")
+
+
 def _problems_of(p: ParamCounts):
     """Every reason a changed config (same model, so same counts p) does not fit in a mode, its disk included."""
     def problems(trial: MoesysConfig, mode: OffloadMode) -> list[str]:

@@ -236,3 +236,20 @@ def test_host_bytes_of_an_offloaded_parameter_follow_its_slot_and_gradients(prec
     delayed, _ = host("cpu", True)
     assert delayed == (12 + (4 if precision == "fp32" else 2) + 2 * grad) * local  # fp32: 24, bf16: 18
     assert planner.host_slot_bytes(mixtral_on_one_gpu("train", precision=precision)) == slot
+
+
+def test_the_hint_to_keep_layers_names_the_fit_only_while_more_would_fit():
+    """`moesys plan` and `moesys train` print it for offloaded training on GPUs with room to keep more layers."""
+    cfg = mixtral_on_one_gpu("train", seq_len=512)
+    cfg.topology.gpu_memory_gb = 141  # room for a layer or two of Mixtral's 22.5 GB of expert states per layer
+    cfg.storage = StorageConfig(offload="cpu")
+    plan = plan_placement(cfg)
+    fit = plan.keepable_layers
+    assert 0 < fit < MIXTRAL.num_layers - 1
+    assert planner.keep_layers_hint(plan) == (
+        f"the GPU has room to keep {fit} of the {MIXTRAL.num_layers} MoE layers' experts: "
+        f"storage.resident_layers={fit} takes their update off the CPU optimizer")
+    cfg.storage = StorageConfig(offload="cpu", resident_layers=fit)
+    assert planner.keep_layers_hint(plan_placement(cfg)) is None
+    cfg.storage = StorageConfig(offload="none")
+    assert planner.keep_layers_hint(plan_placement(cfg)) is None
