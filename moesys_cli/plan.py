@@ -54,11 +54,11 @@ def plan(overrides: Overrides = None, json_out: Json = False, compare: Compare =
     if json_out:
         print_json({"recipe": cfg.recipe, **result})
     else:
-        _render(cfg.recipe, {**result, "keep_layers_hint": hint})
+        _render(cfg.recipe, result, hint)
     raise typer.Exit(0 if result["feasible"] else 1)
 
 
-def _render(recipe: str | None, r: dict) -> None:
+def _render(recipe: str | None, r: dict, hint: str | None = None) -> None:
     p = r["params"]
     console.print(f"[bold]moesys plan[/] recipe={literal(recipe)}: {human_count(p['total'])} parameters "
                   f"(dense D {human_count(p['dense'])}, sparse S {human_count(p['sparse'])}, "
@@ -90,8 +90,8 @@ def _render(recipe: str | None, r: dict) -> None:
     if OffloadMode(pl["offload"]) is OffloadMode.SSD:
         rank.add_row("CPU cache", f"{pl['cpu_cache_experts']} of {pl['local_experts']} local experts")
     console.print(rank)
-    if r.get("keep_layers_hint"):
-        console.print(r["keep_layers_hint"], markup=False)
+    if hint:
+        console.print(hint, markup=False)
     _render_disk(r["disk"], b["tiers"]["ssd"]["capacity_bytes"] / max(1, b["nodes"]))
     inf = r["inference"]
     console.print(f"inference (ring memory): dense {human_bytes(inf['dense_bytes'])} resident, "

@@ -6,7 +6,6 @@ estimate and the smallest change that fits by the plan re-run with the memory re
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +14,7 @@ from runtime.config import MoesysConfig
 from runtime.errors import JobError
 from runtime.plan.budget import GB
 from runtime.plan.planner import plan_placement
+from runtime.plan.suggest import changed
 from runtime.topology import memory_cgroup, oom_kill_count
 
 if TYPE_CHECKING:
@@ -75,17 +75,13 @@ class OomWatch:
         return self.killed[0] if self.before is not None and now is not None and now > self.before else None
 
 
-def _with(cfg: MoesysConfig, section: str, **changes) -> MoesysConfig:
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
-
-
 def smallest_fix(cfg: MoesysConfig, available_bytes: int | None, gpu: bool) -> str:
     """The plan's smallest change that fits the memory really there (`available_bytes`: a GPU's memory, or the
     node's RAM or cgroup limit), or, when the plan says the run already fits there, that it under-estimated."""
     key = "topology.gpu_memory_gb" if gpu else "topology.cpu_memory_gb"
     if available_bytes:
         gb = int(available_bytes / GB * 100) / 100
-        here = _with(cfg, "topology", **{key.split(".")[1]: gb})
+        here = changed(cfg, "topology", **{key.split(".")[1]: gb})
         plan = plan_placement(here)
         if not plan.feasible:
             fits = [s for s in plan.suggestions if "=" in s]

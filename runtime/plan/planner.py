@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from runtime.plan.budget import (DENSE_STATE_BYTES, GB,
 from runtime.plan.disk import DiskPlan, disk_plan, disk_problem, fewer_checkpoints, kept_checkpoints
 from runtime.plan.step_memory import (CUDA_CONTEXT_BYTES, CUDA_HOST_BYTES, CUDA_WORKSPACE_BYTES, activation_bytes,
                                          compute_bytes, optimizer_step_bytes, step_peak, weight_cast_params)
-from runtime.plan.suggest import first_passing, serving_suggestions, training_suggestions
+from runtime.plan.suggest import changed, first_passing, serving_suggestions, training_suggestions
 
 PROCESS_RUNTIME_BYTES = int(0.30 * GB)
 """Host memory a worker process takes beyond the states and activations the estimate counts, as anonymous RSS (what
@@ -325,9 +325,10 @@ def keepable_layers(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> int
     if not (mode.offloaded and cfg.topology.gpus_per_node and p.moe_layers > 1):
         return 0
 
+    problems = _problems_of(p)
+
     def fits(kept: int) -> bool:
-        trial = replace(cfg, storage=replace(cfg.storage, offload=mode.value, resident_layers=kept))
-        return not _fits(trial, eq1_budget(trial, p), _rank_estimate(trial, p, mode), mode)
+        return not problems(changed(cfg, "storage", offload=mode.value, resident_layers=kept), mode)
 
     return first_passing(range(p.moe_layers - 1, -1, -1), fits) or 0
 

@@ -64,7 +64,8 @@ def node_counts(cfg: MoesysConfig) -> Sequence[int]:
     return [n for n in _divisors(hidden // per_node) if first <= n <= MAX_NODES and n % step == 0]
 
 
-def _with(cfg: MoesysConfig, section: str, **changes) -> MoesysConfig:
+def changed(cfg: MoesysConfig, section: str, **changes) -> MoesysConfig:
+    """A copy of `cfg` with fields of one section changed (the plan's trials of other settings)."""
     return replace(cfg, **{section: replace(getattr(cfg, section), **changes)})
 
 
@@ -78,19 +79,19 @@ def training_suggestions(cfg: MoesysConfig, budget: Eq1Budget, mode: OffloadMode
     def usable(trial: MoesysConfig) -> bool:
         return not strict or _valid(trial)
 
-    order = tuple(m for m in dict.fromkeys((mode, *modes)) if usable(_with(cfg, "storage", offload=m.value)))
+    order = tuple(m for m in dict.fromkeys((mode, *modes)) if usable(changed(cfg, "storage", offload=m.value)))
 
     def fitting(trial: MoesysConfig) -> Optional[OffloadMode]:
         return next((m for m in order if not problems(trial, m)), None)
 
     out = [f"storage.offload={m} fits" for m in order if m != mode and not problems(cfg, m)][:1]
-    sharded = _with(cfg, "storage", dense_shard=True)
+    sharded = changed(cfg, "storage", dense_shard=True)
     if not cfg.storage.dense_shard and usable(sharded) and not problems(sharded, mode):
         out.append("storage.dense_shard=true fits")
     t = cfg.topology
     wider = next((ep for ep in _wider_expert_parallel(cfg) if t.world_size % ep == 0
-                  and usable(_with(cfg, "topology", expert_parallel=ep))
-                  and not problems(_with(cfg, "topology", expert_parallel=ep), mode)), None)
+                  and usable(changed(cfg, "topology", expert_parallel=ep))
+                  and not problems(changed(cfg, "topology", expert_parallel=ep), mode)), None)
     if wider:
         out.append(f"topology.expert_parallel={wider} fits")
     nodes = _more_nodes(cfg, mode, order, problems, usable)
@@ -125,19 +126,19 @@ def _more_nodes(cfg: MoesysConfig, mode: OffloadMode, order: Sequence[OffloadMod
     in use is kept when it can be."""
     best: Optional[tuple[int, int, MoesysConfig]] = None
     for ep in [cfg.topology.expert_parallel, *_wider_expert_parallel(cfg)]:
-        base = _with(cfg, "topology", expert_parallel=ep)
+        base = changed(cfg, "topology", expert_parallel=ep)
         for tried in (tuple(m for m in order if m == mode), tuple(order)):
             nodes = first_passing(node_counts(base) if tried else [],
-                                  lambda n: any(not problems(_with(base, "topology", nodes=n), m) for m in tried))
+                                  lambda n: any(not problems(changed(base, "topology", nodes=n), m) for m in tried))
             if nodes is not None:
                 if best is None or nodes < best[0]:
-                    best = (nodes, ep, _with(base, "topology", nodes=nodes))
+                    best = (nodes, ep, changed(base, "topology", nodes=nodes))
                 break
     if best is None:
         return None
     nodes, ep, trial = best
     found = next(m for m in order if not problems(trial, m))
-    if not (usable(trial) and usable(_with(trial, "storage", offload=found.value))):
+    if not (usable(trial) and usable(changed(trial, "storage", offload=found.value))):
         return None
     widen = f" topology.expert_parallel={ep}" if ep != cfg.topology.expert_parallel else ""
     return f"topology.nodes={nodes}{widen} with storage.offload={found} fits"
@@ -154,15 +155,15 @@ def _smaller_run(cfg: MoesysConfig, fitting: Callable[[MoesysConfig], Optional[O
         return "" if cfg.storage.offload in (AUTO, m) else f" with storage.offload={m}"
 
     batch = first_passing(range(tr.micro_batch_size - 1, 0, -1),
-                          lambda b: fitting(_with(cfg, "train", micro_batch_size=b)) is not None)
-    if batch is not None and usable(_with(cfg, "train", micro_batch_size=batch)):
-        return f"train.micro_batch_size={batch}{note(_with(cfg, 'train', micro_batch_size=batch))} fits"
-    one = _with(cfg, "train", micro_batch_size=1)
-    seq = first_passing(range(tr.seq_len - 1, 0, -1), lambda s: fitting(_with(one, "train", seq_len=s)) is not None)
-    if seq is None or not usable(_with(one, "train", seq_len=seq)):
+                          lambda b: fitting(changed(cfg, "train", micro_batch_size=b)) is not None)
+    if batch is not None and usable(changed(cfg, "train", micro_batch_size=batch)):
+        return f"train.micro_batch_size={batch}{note(changed(cfg, 'train', micro_batch_size=batch))} fits"
+    one = changed(cfg, "train", micro_batch_size=1)
+    seq = first_passing(range(tr.seq_len - 1, 0, -1), lambda s: fitting(changed(one, "train", seq_len=s)) is not None)
+    if seq is None or not usable(changed(one, "train", seq_len=seq)):
         return None
     prefix = "train.micro_batch_size=1 " if tr.micro_batch_size > 1 else ""
-    return f"{prefix}train.seq_len={seq}{note(_with(one, 'train', seq_len=seq))} fits"
+    return f"{prefix}train.seq_len={seq}{note(changed(one, 'train', seq_len=seq))} fits"
 
 
 TIER_KEYS = {TierName.CPU: "topology.cpu_memory_gb", TierName.SSD: "topology.ssd_gb"}
