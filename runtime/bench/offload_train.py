@@ -3,7 +3,7 @@ by real `torchrun` jobs with storage.offload=none, cpu (and cpu with the delayed
 directory; on request also cpu with the first half of the MoE layers kept on the device (cpu_half), or as many as the
 plan says the GPU holds (cpu_fit). Reports tokens/s after warm-up, the ratios to none, MFU against the device's
 measured matmul peak, and the host side of each offloaded step from its metrics (host work, the hidden share, fetch
-stalls)."""
+stalls, alpha: the share of the offloaded experts a step activates)."""
 
 from __future__ import annotations
 
@@ -68,11 +68,20 @@ def _run(cfg: MoesysConfig, warmup: int, timeout_s: float) -> dict:
         value = median(f"offload/{key}")
         if value is not None:
             out[key] = value
+    if "experts_active" in out:
+        out["alpha"] = out["experts_active"] / _offloaded_experts(cfg)
     kinds = sorted({k for m in steps for k in m if k.startswith("offload/time_")})
     if kinds:  # where an offloaded step's host time goes, per timeline kind (seconds a step, median; 0 if absent)
         out["time_s"] = {k[len("offload/time_"):-len("_s")]: statistics.median(m.get(k, 0.0) for m in steps)
                          for k in kinds}
     return out
+
+
+def _offloaded_experts(cfg: MoesysConfig) -> int:
+    """The experts a rank keeps off the device: its local experts of every MoE layer past storage.resident_layers
+    (the share of them a step activates is Eq. 1's alpha)."""
+    local = cfg.model.num_experts // cfg.topology.expert_parallel
+    return local * (cfg.model.num_moe_layers - cfg.storage.resident_layers)
 
 
 def _failure(logs: TorchrunLogs, stderr: str) -> str:

@@ -47,6 +47,20 @@ def test_offload_train_bench_runs_each_mode_and_reports_ratios_and_mfu():
     assert r["cpu_half"]["experts_active"] <= 4 < r["cpu"]["experts_active"]  # one of the 2 layers offloaded
     assert r["cpu"]["experts_active"] > 0 and 0 <= r["cpu"]["host_hidden_share"] <= 1
     assert "adamw" in r["cpu"]["time_s"] and "time_s" not in r["none"]  # where the offloaded step's time went
+    assert r["cpu_half"]["alpha"] == r["cpu_half"]["experts_active"] / 4 and 0 < r["cpu"]["alpha"] <= 1
+
+
+def test_a_corpus_of_one_token_activates_top_k_of_the_experts_each_step(tmp_path):
+    """The GPU script's alpha <= 0.25 case: with rotary positions every position of a one-token text has the same
+    hidden state, so each MoE layer sends all its tokens to the same top_k experts: alpha = top_k / experts."""
+    one_token = tmp_path / "a.txt"
+    one_token.write_text("a" * 4096)
+    cfg = MoesysConfig(model=ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_experts=8, top_k=2,
+                                         max_seq_len=32, position="rope"),
+                       topology=TopologyConfig(nproc_per_node=1, expert_parallel=1),
+                       train=TrainConfig(seq_len=16, micro_batch_size=4, data=str(one_token)))
+    r = run_offload_train_bench(cfg, steps=4, warmup=1, variants=("cpu",), time_limit_s=300)
+    assert r["cpu"]["experts_active"] == 2 * 2 and r["cpu"]["alpha"] == 0.25
 
 
 def test_a_failed_job_is_reported_by_the_line_its_rank_wrote(tmp_path):
