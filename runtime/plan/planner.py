@@ -34,6 +34,22 @@ then allocator and autograd growth that levels off: RSS after a step is 248 MiB 
 which counts private file pages too. The tiny recipe's 300-step peak is then 1.03-1.04x the plan's 381 MB
 (moesys plan --compare)."""
 
+ONEDNN_BF16_BYTES = int(0.70 * GB)
+"""Host memory a CPU process that computes in bf16 adds to PROCESS_RUNTIME_BYTES: oneDNN, which runs torch's bf16
+matmuls on a CPU, keeps a compiled kernel for every GEMM shape it has run (its primitive cache, 1,024 entries by
+default, and the JIT kernels' own cache), and the expert GEMMs of an MoE step take a new shape most steps, as their
+token counts change. Both fill up and level off at 0.64 GB of anonymous RSS (torch 2.13) whatever the matrices'
+sizes; fp32 and fp16 matmuls keep none (tests/unit/plan/test_onednn_bf16_memory.py). 0.70 GB leaves a margin."""
+
+
+def process_runtime_bytes(cfg: MoesysConfig) -> int:
+    """Host memory a worker takes beyond the states, activations and cache the estimate counts: the runtime, CUDA's
+    host side with a GPU, oneDNN's bf16 kernels without one."""
+    if cfg.topology.gpus_per_node:
+        return PROCESS_RUNTIME_BYTES + CUDA_HOST_BYTES
+    return PROCESS_RUNTIME_BYTES + (ONEDNN_BF16_BYTES if cfg.train.precision == "bf16" else 0)
+
+
 LAUNCHER_BYTES = int(0.32 * GB)
 """Host memory of a node's launchers: the `moesys` command and torchrun (anonymous RSS 0.17 + 0.15 GB with
 torch 2.13 CPU)."""
@@ -104,7 +120,7 @@ def world_size(cfg: MoesysConfig) -> int:
 def process_host_bytes(cfg: MoesysConfig, est: RankEstimate) -> int:
     """Host RAM one worker process needs: its expert cache, its runtime and, without a GPU, its device tier (with
     one, the CUDA runtime's host memory instead)."""
-    return est.host + PROCESS_RUNTIME_BYTES + (CUDA_HOST_BYTES if cfg.topology.gpus_per_node else est.device_total)
+    return est.host + process_runtime_bytes(cfg) + (0 if cfg.topology.gpus_per_node else est.device_total)
 
 
 @functools.lru_cache(maxsize=8)
@@ -181,10 +197,8 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> Rank
     host = ssd = 0
     cache_experts = 0
     ranks_per_node = t.processes_per_node
-    # What a rank's states may use of the node's RAM: its share after the launcher's, less its own runtime (with
-    # CUDA's, on a GPU).
-    runtime = PROCESS_RUNTIME_BYTES + (CUDA_HOST_BYTES if t.gpus_per_node else 0)
-    ram_per_rank = max(0, int((t.cpu_memory_gb * GB - LAUNCHER_BYTES) / ranks_per_node) - runtime)
+    # What a rank's states may use of the node's RAM: its share after the launcher's, less its own runtime.
+    ram_per_rank = max(0, int((t.cpu_memory_gb * GB - LAUNCHER_BYTES) / ranks_per_node) - process_runtime_bytes(cfg))
     window, layer_active = 0, int(active_expert_bytes(cfg) * st.alpha * layer_sparse)
     resident_experts = kept * layer_sparse
     if resident_experts:
@@ -390,9 +404,11 @@ def _assumptions(cfg: MoesysConfig) -> list[str]:
         out.append(f"on a GPU: {CUDA_CONTEXT_BYTES / GB:.1f} GB of each GPU for the CUDA context (not allocatable), "
                    f"{CUDA_WORKSPACE_BYTES / 2**20:.0f} MiB of cuBLAS workspaces; device bytes are CUDA's allocated "
                    "peak, the caching allocator's reserve above it is not counted")
-    host_runtime = PROCESS_RUNTIME_BYTES + (CUDA_HOST_BYTES if t.gpus_per_node else 0)
-    out.append(f"each worker process needs {host_runtime / GB:.1f} GB of host RAM for its runtime"
-               f"{' (CUDA included)' if t.gpus_per_node else ''} besides the states counted here")
+    runtime = process_runtime_bytes(cfg)
+    bf16_kernels = runtime > PROCESS_RUNTIME_BYTES and not t.gpus_per_node
+    what = " (CUDA included)" if t.gpus_per_node else " (oneDNN's bf16 kernels included)" if bf16_kernels else ""
+    out.append(f"each worker process needs {runtime / GB:.1f} GB of host RAM for its runtime{what} besides the states "
+               "counted here")
     out.append(f"disk: the expert store is each rank's experts at 12 bytes a parameter (storage.offload=ssd; cpu "
                f"writes none); a checkpoint is every parameter at 12 bytes, {kept_checkpoints(cfg)} kept and one more "
                "while the next is written; judged against topology.ssd_gb per node")
