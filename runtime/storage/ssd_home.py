@@ -110,7 +110,7 @@ class SSDHome:
         if keys:
             with self.timeline.span("wait_prefetch", True):
                 self.prefetcher.wait(keys[0][0])
-        with self.timeline.span("acquire", True):
+        with self.timeline.io_span("acquire", critical=True):  # reads the prefetch did not predict wait for the disk
             return [self.cache.request(key)[0] for key in keys]
 
     # ---- writes ----

@@ -54,13 +54,14 @@ class StepTimeline:
             self.add(kind, critical, began, time.perf_counter())
 
     @contextmanager
-    def io_span(self, kind: str) -> Iterator[None]:
-        """Background I/O: its work is the thread's CPU time, not the time the disk took."""
+    def io_span(self, kind: str, critical: bool = False) -> Iterator[None]:
+        """Work that waits on a disk: its work is the thread's CPU time, not the time the disk took (on the training
+        path, the rest is a wait)."""
         began, cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
-            self.add(kind, False, began, time.perf_counter(), time.thread_time() - cpu)
+            self.add(kind, critical, began, time.perf_counter(), time.thread_time() - cpu)
 
     def add(self, kind: str, critical: bool, start: float, end: float, cpu: float | None = None) -> None:
         span = Span(kind, critical, start, end, threading.current_thread().name, cpu)
@@ -92,13 +93,16 @@ def _covered(wait: tuple[float, float], work: list[tuple[float, float]]) -> floa
 def host_cost(spans: list[Span]) -> dict[str, float]:
     """work_s: seconds of host work (every thread; I/O counts its CPU time); idle_wait_s: seconds the training path
     waited with no host work running (a copy engine, a disk, another rank; background I/O, which mostly waits for
-    its disk, does not count as running); exposed_s: seconds the training path spent in the offload machinery,
+    its disk, does not count as running; I/O on the training path waits for its time off the CPU); exposed_s: seconds the training path spent in the offload machinery,
     working or waiting; cost_s = work_s + idle_wait_s, the host side's cost; hidden_share = the part of it the
     training path did not see."""
     background = [(s.start, s.end) for s in spans if not s.critical and not s.is_wait and s.cpu is None]
     waits = [(s.start, s.end) for s in spans if s.critical and s.is_wait]
     work = sum(s.work for s in spans if not s.is_wait)
     idle = sum((b - a) - _covered((a, b), background) for a, b in waits)
+    for s in spans:  # training-path I/O: the time it was off the CPU is a wait, uncovered in proportion
+        if s.critical and s.cpu is not None and s.seconds > 0:
+            idle += max(0.0, s.seconds - s.cpu) * (1 - _covered((s.start, s.end), background) / s.seconds)
     exposed = sum(s.seconds for s in spans if s.critical)
     cost = work + idle
     return {"work_s": work, "idle_wait_s": idle, "exposed_s": exposed, "cost_s": cost,

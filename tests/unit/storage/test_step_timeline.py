@@ -35,3 +35,19 @@ def test_an_io_span_records_the_threads_cpu_time_beside_its_wall_time():
     sleep, busy = timeline.take()
     assert sleep.seconds >= 0.2 and sleep.cpu < 0.05
     assert busy.cpu >= 0.1 and not busy.critical and not busy.is_wait
+
+
+def test_io_on_the_training_path_is_work_for_its_cpu_time_and_an_idle_wait_for_the_rest():
+    spans = [Span("adamw", False, 0.0, 1.0, "optimizer"),
+             Span("acquire", True, 0.0, 2.0, "main", cpu=0.5),  # a read nobody predicted: 1.5 s off the CPU
+             Span("h2d", True, 2.0, 2.5, "main")]
+    cost = host_cost(spans)
+    assert cost["work_s"] == pytest.approx(1.0 + 0.5 + 0.5)
+    assert cost["idle_wait_s"] == pytest.approx(1.5 * 0.5)  # the AdamW ran through half of it
+    assert cost["exposed_s"] == pytest.approx(2.5)
+    assert by_kind(spans)["acquire"] == pytest.approx(0.5)
+    timeline = StepTimeline()
+    with timeline.io_span("acquire", critical=True):
+        time.sleep(0.05)
+    (read,) = timeline.take()
+    assert read.critical and read.cpu < read.seconds
