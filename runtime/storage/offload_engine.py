@@ -350,6 +350,10 @@ class OffloadEngine:
         self._updated[lg.layer].set()
 
     def wait_step(self) -> None:
+        """Wait for the update in flight, between steps: a delayed one is completed now, as no step runs beside it
+        any more (else it would wait for that step to free the stages, and so would this)."""
+        for event in self._stage_free.values():
+            event.set()
         self.optimizer.wait()
 
     # ---- metrics, checkpoints ----
@@ -373,11 +377,8 @@ class OffloadEngine:
         return {f"offload/{k}": v for k, v in out.items()}
 
     def drain(self) -> None:
-        """Wait for all background work: the update (a delayed one is completed now, as no step runs beside it),
-        the SSD reads and the write-behind queue."""
-        for event in self._stage_free.values():
-            event.set()
-        self.optimizer.wait()
+        """Wait for all background work: the update (wait_step), the SSD reads and the write-behind queue."""
+        self.wait_step()
         self.home.drain()
 
     def close(self) -> None:

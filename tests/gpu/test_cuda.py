@@ -82,6 +82,21 @@ def test_offloaded_training_on_cuda_tracks_resident(tmp_path, offload, resident_
     assert got == pytest.approx(ref, rel=1e-5 if precision == "fp32" else 2e-2)
 
 
+@pytest.mark.parametrize("resident_layers", [0, 1])
+def test_the_delayed_update_on_cuda_trains_as_on_the_cpu(tmp_path, resident_layers):
+    """ZeRO-Offload's one-step delayed update with the copies, stages and events of a GPU gives the CPU device's
+    numbers (the same schedule); in bf16 it tracks fp32; with one MoE layer kept on the GPU (plan's fit) too."""
+    def run(name, precision, device):
+        return losses(precision, steps=4, device=device, offload="cpu", run_dir=tmp_path / name,
+                      resident_layers=resident_layers, delayed_update=True)[0]
+
+    on_cpu, on_cuda = run("cpu", "fp32", torch.device("cpu")), run("cuda", "fp32", CUDA)
+    exact, _ = losses("fp32", steps=4, device=CUDA, offload="cpu", run_dir=tmp_path / "exact",
+                      resident_layers=resident_layers)
+    assert on_cuda == pytest.approx(on_cpu, rel=1e-4) and on_cuda != exact
+    assert run("bf16", "bf16", CUDA) == pytest.approx(on_cuda, rel=2e-2)
+
+
 def test_each_active_expert_crosses_the_bus_once_a_step_in_bf16_and_its_gradient_once(tmp_path):
     from runtime.config import MoesysConfig, StorageConfig, TopologyConfig, TrainConfig
     from runtime.parallel.groups import build_groups

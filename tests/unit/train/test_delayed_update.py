@@ -68,3 +68,25 @@ def test_delayed_update_needs_the_experts_in_host_memory():
     cfg.storage.offload = "ssd"
     with pytest.raises(ConfigError, match="storage.delayed_update=true needs storage.offload=cpu"):
         validate(cfg)
+
+
+def test_waiting_for_a_delayed_update_between_steps_completes_it_instead_of_waiting_forever(tmp_path):
+    """The update of the last step waits for a next step to free the stages; wait_step (no step runs beside it any
+    more) lets it go, as drain does."""
+    import threading
+
+    from runtime.train.build import build_components
+    from runtime.train.loop import forward_backward, optimizer_step
+
+    cfg = config(True, run_dir=str(tmp_path))
+    groups = build_groups(1, 0, 1, 1)
+    c = build_components(cfg, groups, CPU)
+    for step in range(2):
+        forward_backward(c, cfg, groups, step, CPU)
+        optimizer_step(c, cfg, groups, step)
+    waiter = threading.Thread(target=c.offload.wait_step, daemon=True)
+    waiter.start()
+    waiter.join(timeout=60)
+    assert not waiter.is_alive()
+    assert all(int(slot.step) == 2 for layer in c.offload.home.slots.values() for slot in layer)
+    c.offload.close()

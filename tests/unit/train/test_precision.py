@@ -17,7 +17,7 @@ CPU = torch.device("cpu")
 
 
 def losses(precision: str, steps: int = 3, device: torch.device = CPU, offload: str = "none",
-           run_dir=None, resident_layers: int = 0) -> tuple[list[float], torch.dtype]:
+           run_dir=None, resident_layers: int = 0, delayed_update: bool = False) -> tuple[list[float], torch.dtype]:
     """Losses of a few steps of a small model (2 MoE layers) at `precision`, and the dtype of its (master)
     parameters."""
     cfg = MoesysConfig()
@@ -25,7 +25,8 @@ def losses(precision: str, steps: int = 3, device: torch.device = CPU, offload: 
     cfg.topology = dataclasses.replace(cfg.topology, nproc_per_node=1, expert_parallel=1)
     cfg.train = dataclasses.replace(cfg.train, micro_batch_size=2, seq_len=32, precision=precision,
                                     run_dir=str(run_dir) if run_dir else None)
-    cfg.storage = dataclasses.replace(cfg.storage, offload=offload, resident_layers=resident_layers)
+    cfg.storage = dataclasses.replace(cfg.storage, offload=offload, resident_layers=resident_layers,
+                                      delayed_update=delayed_update)
     cfg = config_from_dict(dataclasses.asdict(cfg))
     groups = build_groups(1, 0, 1, 1)
     c = build_components(cfg, groups, device)
