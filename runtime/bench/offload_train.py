@@ -68,7 +68,7 @@ def _run(cfg: MoesysConfig, warmup: int, timeout_s: float) -> dict:
         value = median(f"offload/{key}")
         if value is not None:
             out[key] = value
-    if "experts_active" in out:
+    if "experts_active" in out and _offloaded_experts(cfg):
         out["alpha"] = out["experts_active"] / _offloaded_experts(cfg)
     kinds = sorted({k for m in steps for k in m if k.startswith("offload/time_")})
     if kinds:  # where an offloaded step's host time goes, per timeline kind (seconds a step, median; 0 if absent)

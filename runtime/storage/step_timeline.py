@@ -93,9 +93,9 @@ def _covered(wait: tuple[float, float], work: list[tuple[float, float]]) -> floa
 def host_cost(spans: list[Span]) -> dict[str, float]:
     """work_s: seconds of host work (every thread; I/O counts its CPU time); idle_wait_s: seconds the training path
     waited with no host work running (a copy engine, a disk, another rank; background I/O, which mostly waits for
-    its disk, does not count as running; I/O on the training path waits for its time off the CPU); exposed_s: seconds the training path spent in the offload machinery,
-    working or waiting; cost_s = work_s + idle_wait_s, the host side's cost; hidden_share = the part of it the
-    training path did not see."""
+    its disk, does not count as running; I/O on the training path waits for its time off the CPU); exposed_s:
+    seconds the training path spent in the offload machinery, working or waiting; cost_s = work_s + idle_wait_s,
+    the host side's cost; hidden_share = the part of it the training path did not see."""
     background = [(s.start, s.end) for s in spans if not s.critical and not s.is_wait and s.cpu is None]
     waits = [(s.start, s.end) for s in spans if s.critical and s.is_wait]
     work = sum(s.work for s in spans if not s.is_wait)
