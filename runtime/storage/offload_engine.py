@@ -255,7 +255,7 @@ class OffloadEngine:
         mask = torch.tensor([k in mine for k in all_keys], dtype=torch.float32)
         dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=g.edp_group)
         union = [k for k, m in zip(all_keys, mask.tolist()) if m > 0]
-        merged: list[LayerGrads] = []
+        merged: list[tuple[LayerGrads, Tensor]] = []
         for layer in self.order:
             keys = [k for k in union if k[0] == layer]
             if not keys:
@@ -265,26 +265,23 @@ class OffloadEngine:
             with self._use_lock:
                 self._in_use.update(missing)
             layout = self.layouts[layer]
-            grads = {n: torch.zeros(len(keys), *shape) for n, shape in zip(layout.names, layout.shapes)}
+            flat = torch.zeros(len(keys), layout.numel)  # the layer's fp32 gradients, reduced in place
+            grads = layout.views(flat)
             for row, key in enumerate(keys):
                 if key in mine:
                     lg, i = mine[key]
                     for n in layout.names:
                         grads[n][row] = lg.grads[n][lg.rows[i]]
             slots = [mine[k][0].slots[mine[k][1]] if k in mine else extra[k] for k in keys]
-            merged.append(LayerGrads(layer, keys, slots, grads, list(range(len(keys)))))
-        flat = [t for lg in merged for t in lg.grads.values()]
-        if flat:
-            buf = torch.cat([t.flatten() for t in flat])
-            dist.all_reduce(buf, group=g.edp_group)
-            buf.div_(g.edp_size)
-            for t, new in zip(flat, torch._utils._unflatten_dense_tensors(buf, flat)):
-                t.copy_(new)
-        for lg in merged:
+            merged.append((LayerGrads(layer, keys, slots, grads, list(range(len(keys))),
+                                      flat=flat if layout.dense else None), flat))
+        for lg, flat in merged:
+            dist.all_reduce(flat, group=g.edp_group)
+            flat.div_(g.edp_size)
             lg.squares = squares(lg.grads)
         for lg in self._pending:
             lg.applied()  # copied into `merged`
-        self._pending = merged
+        self._pending = [lg for lg, _ in merged]
 
     def grad_sq(self) -> Tensor:
         """Sum of squared expert gradients held by this rank, as the resident experts' reduction leaves them

@@ -1,5 +1,5 @@
-"""storage.offload=ssd on 2 gloo processes (expert parallel, and replicated experts) against offload=none on the
-same world: identical losses (seed 004 section 3.2)."""
+"""storage.offload=ssd and cpu on 2 gloo processes (expert parallel, and replicated experts) against offload=none on
+the same world: identical losses (seed 004 section 3.2)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def run(tmp_path: Path, name: str, ep: int, offload: str) -> list[float]:
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("ep", [2, 1])
-def test_offload_ssd_matches_resident_on_two_processes(tmp_path, ep):
+@pytest.mark.parametrize("ep,offload", [(2, "ssd"), (1, "ssd"), (1, "cpu")])
+def test_offload_matches_resident_on_two_processes(tmp_path, ep, offload):
     ref = run(tmp_path, "none", ep, "none")
     assert len(ref) == 4
-    assert run(tmp_path, "ssd", ep, "ssd") == ref
+    assert run(tmp_path, offload, ep, offload) == ref
