@@ -37,16 +37,16 @@ DEFAULT_VARIANTS = ("none", "cpu", "cpu_delayed", "ssd")
 def _variant(base: MoesysConfig, root: Path, name: str, steps: int) -> MoesysConfig:
     cfg = copy.deepcopy(base)
     cfg.storage.offload, cfg.storage.delayed_update, kept = VARIANTS[name]
-    if cfg.storage.offload == "none":
+    cfg.storage.ssd_path = ""
+    tr = cfg.train
+    tr.max_steps, tr.checkpoint_every, tr.final_checkpoint, tr.max_restarts = steps, 0, False, 0
+    tr.run_dir = str(root / name)
+    if cfg.storage.offload == "none":  # the plan's fit last: the job as it runs (no checkpoints on its disk)
         cfg.storage.resident_layers = 0
     elif kept == "fit":
         cfg.storage.resident_layers = plan_placement(cfg).keepable_layers
     elif kept:
         cfg.storage.resident_layers = int(cfg.model.num_moe_layers * kept)
-    cfg.storage.ssd_path = ""
-    tr = cfg.train
-    tr.max_steps, tr.checkpoint_every, tr.final_checkpoint, tr.max_restarts = steps, 0, False, 0
-    tr.run_dir = str(root / name)
     return cfg
 
 
