@@ -212,14 +212,18 @@ class TransferEngine:
             return grads, None, None, None
         with self.timeline.span("d2h", True):
             base, staging = self.grad_staging.take(copy.buffer)
-            views = self.layouts[copy.layer].views(staging)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                for name, grad in grads.items():
-                    views[name].copy_(grad, non_blocking=True)
-                    grad.record_stream(self.stream)
+                # packed on the device first: a tensor's rows are strided in [a, P], and a copy into strided host
+                # memory goes through a pageable bounce buffer, synchronously; one [a, P] copy is a pinned DMA
+                packed = torch.empty_like(copy.buffer)
+                for name, view in self.layouts[copy.layer].views(packed).items():
+                    view.copy_(grads[name])
+                    grads[name].record_stream(self.stream)
+                staging.copy_(packed, non_blocking=True)
                 landed = torch.cuda.Event()
                 landed.record(self.stream)
+            views = self.layouts[copy.layer].views(staging)
         self.tiers.host.moved(staging.numel() * staging.element_size())
         self.copied_bytes += staging.numel() * staging.element_size()
         return views, staging, landed.synchronize, lambda: self.grad_staging.give(base)
