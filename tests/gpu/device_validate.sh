@@ -11,6 +11,9 @@
 #   bash tests/gpu/device_validate.sh C   # bench infer at issue 28's 16-layer shape (K=4 of 16), bench serve
 #   bash tests/gpu/device_validate.sh B   # bench moe-layer, ring, offload; tests/unit + tests/config
 #   bash tests/gpu/device_validate.sh D   # pinned H2D bandwidth, tiny training none/cpu/ssd and a big model vs plan
+#   bash tests/gpu/device_validate.sh F   # one call for a lease with little time: offload-train at the 2.43B shape
+#                                         # with every MoE layer offloaded (8,192 and 32,768 tokens a step), then
+#                                         # the static decode step at bench infer's large shape with its CUDA profile
 # Needs hydra-core 1.3.2, omegaconf 2.3.0, antlr4-python3-runtime 4.9.3 as wheels in WHL (default .whl), carried.
 # Logs: $OUT/logs-PART.tgz (re-packed after every step, so a killed call still returns what ran) and
 # $OUT/summary-PART.txt (one line per step: name, exit status, seconds).
@@ -79,6 +82,11 @@ elif [ "$PART" = E ]; then
   step train_beyond_cpu 200 "$TRAIN $BEYOND storage=cpu train.max_steps=6 train.log_every=1 train.run_dir=$R/beyond && moesys plan --compare $R/beyond --json"
   python3 -c "open('/tmp/one_token.txt', 'w').write('a' * 400000)"
   step offload_train_alpha25 300 'python3 tests/gpu/offload_train_shape.py 280 none,cpu_delayed,cpu,ssd train.data=/tmp/one_token.txt'
+elif [ "$PART" = F ]; then
+  step env 20 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; nproc; free -g; df -h /tmp'
+  step offload_8k 215 'python3 tests/gpu/offload_train_shape.py 190 none,cpu,cpu_delayed,ssd'
+  step offload_32k 130 'python3 tests/gpu/offload_train_shape.py 110 none,cpu_delayed train.micro_batch_size=16'
+  step decode_large 225 'python3 tests/gpu/decode_shape.py 205 none,profile,auto,transformers 4'
 elif [ "$PART" = C ]; then
   step bench_infer_large 480 'moesys bench infer --size large infer.ring_slots=4 --json'
   step bench_serve 100 'moesys bench serve --json'

@@ -1,0 +1,126 @@
+"""The decode issue's GPU measurements in one call that fits a short device lease: `moesys bench infer`'s systems at
+its large shape (a 16-layer random bf16 Mixtral, 11.9 GB), each in a fresh process with its share of a time limit,
+beside its bandwidth bound, and a CUDA profile of the compiled static step (kernels, launches and GPU-busy share
+per token). Usage: python tests/gpu/decode_shape.py LIMIT_S SYSTEMS [SLOTS [SIZE]], SYSTEMS a comma list of none,
+auto, ring, transformers, accelerate and profile (the compiled step under the CUDA profiler), run in that order; SIZE one of bench infer's (default large)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from runtime.bench import infer as bench
+
+WORKERS = {"transformers": ("_hf_worker", {"offload_dir": None}),
+           "accelerate": ("_hf_worker", {"offload_dir": "offload"}),
+           "none": ("_moesys_worker", {"mode": "none"}), "auto": ("_moesys_worker", {"mode": "auto"}),
+           "ring": ("_moesys_worker", {"mode": "ring"})}
+PROFILE_TOKENS = 8
+
+
+def profile_compiled_token(checkpoint: str, mode: str = "none", slots: int = 4) -> dict:
+    """One compiled static decode token on CUDA under torch.profiler: CUDA kernels and runtime launches per token,
+    the GPU's kernel time against the token's wall time (busy share), from the difference of two generation
+    lengths so the prefill cancels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from runtime.inference.decode import DecodeStep
+    from runtime.inference.generate import generate
+    from runtime.inference.load import open_checkpoint
+    from runtime.inference.offloaders import make_offloader
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    loaded = open_checkpoint(checkpoint, device=device)
+    offloader = make_offloader(loaded.model, mode, device, slots, source=loaded.experts)
+    step = DecodeStep(loaded.model, compile=cuda)
+    run = lambda n: generate(loaded.model, [bench.PROMPT], n, offloader=offloader, step=step)  # noqa: E731
+    run(4)
+    run(2 + PROFILE_TOKENS)
+
+    def measure(n: int) -> dict:
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            start = time.perf_counter()
+            run(n)
+            sync()
+            wall = time.perf_counter() - start
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        launches = [e for e in prof.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",
+                                                             "cuLaunchKernelEx", "cudaLaunchKernelExC")]
+        graphs = [e for e in prof.events() if e.name == "cudaGraphLaunch"]
+        return {"wall_s": wall, "kernels": len(kernels), "launches": len(launches), "graph_launches": len(graphs),
+                "kernel_s": sum(e.device_time_total for e in kernels) / 1e6}
+
+    short, long = measure(2), measure(2 + PROFILE_TOKENS)
+    per = {k: (long[k] - short[k]) / PROFILE_TOKENS for k in short}
+    offloader.close()
+    return {"mode": mode, "per_token": per, "gpu_busy_share": per["kernel_s"] / per["wall_s"] if per["wall_s"] else None,
+            "tokens_per_s_under_profiler": 1 / per["wall_s"] if per["wall_s"] else None}
+
+
+def _profile(checkpoint: Path, slots: int, timeout: float) -> dict:
+    """profile_compiled_token in a fresh process, or {"error": ...}."""
+    code = ("import json, sys; from tests.gpu.decode_shape import profile_compiled_token as p; "
+            "print(json.dumps(p(sys.argv[1], slots=int(sys.argv[2]))))")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(checkpoint), str(slots)], capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"ran past {timeout:.0f} s"}
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(limit_s: float, systems: list[str], slots: int, size: str = "large") -> dict:
+    from runtime.inference.random_checkpoint import write_random_mixtral
+
+    deadline = time.monotonic() + limit_s
+    shape = bench.SIZES[size]
+    root = Path(tempfile.mkdtemp(prefix="moesys-decode-shape-"))
+    out: dict = {"shape": shape, "ring_slots": slots, "systems": {}}
+    try:
+        checkpoint = root / "mixtral"
+        start = time.monotonic()
+        out["checkpoint_bytes"] = write_random_mixtral(checkpoint, shape["hidden"], shape["ffn"], shape["layers"],
+                                                       shape["experts"], shape["vocab"], heads=shape["heads"],
+                                                       kv_heads=shape["kv_heads"])
+        out["write_s"] = time.monotonic() - start
+        out["bandwidth"] = bench._bandwidths()
+        common = {"checkpoint": str(checkpoint), "slots": slots, "new_tokens": bench.NEW_TOKENS,
+                  "repeats": bench.REPEATS}
+        for i, name in enumerate(systems):
+            budget = max(30.0, (deadline - time.monotonic() - 10) / (len(systems) - i))
+            start = time.monotonic()
+            if name == "profile":
+                out["profile"] = _profile(checkpoint, slots, budget)
+                print("profile", json.dumps(out["profile"]), flush=True)
+                continue
+            call, extra = WORKERS[name]
+            extra = {k: (str(root / v) if k == "offload_dir" and v else v) for k, v in extra.items()}
+            key = {"transformers": "transformers", "accelerate": "accelerate_disk"}.get(name, f"moesys_{name}")
+            out["systems"][key] = bench._subprocess(call, {**common, **extra}, timeout=budget)
+            out["systems"][key]["wall_s"] = time.monotonic() - start
+            print(key, json.dumps({k: v for k, v in out["systems"][key].items() if k != "tokens"}), flush=True)
+        names = ("transformers", "accelerate_disk", "moesys_none", "moesys_auto", "moesys_ring", "moesys_none_forward")
+        bench._bounds({**{n: {} for n in names}, **out["systems"]}, out["bandwidth"])
+        reference = out["systems"].get("moesys_none", {}).get("tokens")
+        for result in out["systems"].values():
+            result["matching_prefix"] = bench._matching_prefix(result.get("tokens") or [], reference or [])
+        return out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    result = main(float(sys.argv[1]), sys.argv[2].split(","), int(sys.argv[3]) if len(sys.argv) > 3 else 4,
+                  sys.argv[4] if len(sys.argv) > 4 else "large")
+    print(json.dumps(result, indent=1))
