@@ -19,7 +19,8 @@ def resolve_auto(cfg: MoesysConfig) -> None:
 
 
 BYTE_VOCAB = 256
-"""Tokens of moesys's byte-level tokenizer (runtime/data/tokenizer.py): the smallest vocabulary it can train."""
+"""The bytes of moesys's byte-level tokenizer (runtime/data/tokenizer.py): the smallest vocabulary it can train; its
+special tokens (eos, the chat markers) take the next 3 ids where the vocabulary has them."""
 
 
 # ---- cross-section rules: each reads more than one section and returns its messages ----
@@ -91,11 +92,13 @@ def embedding_columns_split(cfg: MoesysConfig) -> list[str]:
 
 
 def vocab_holds_bytes(cfg: MoesysConfig) -> list[str]:
-    """Training on the byte tokenizer needs a vocabulary of at least its 256 ids."""
+    """Training on the byte tokenizer needs a vocabulary of at least its 256 byte ids."""
     vocab = cfg.model.vocab_size
     if cfg.purpose == "train" and cfg.train.tokenizer == "bytes" and vocab < BYTE_VOCAB:
+        from runtime.data.tokenizer import SPECIAL_VOCAB  # the data package reads this one at import
+
         return [f"model.vocab_size={vocab} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens it trains on; "
-                f"set model.vocab_size>={BYTE_VOCAB}"]
+                f"set model.vocab_size>={SPECIAL_VOCAB} (the bytes, eos and the two chat markers)"]
     return []
 
 

@@ -22,7 +22,8 @@ class ModelConfig(ConfigSection):
     num_kv_heads: Optional[int] = None
     """Key/value heads for grouped-query attention; None means num_heads."""
     vocab_size: int = 256
-    """Vocabulary V: at least train.tokenizer's (256 for bytes); more leaves ids no text maps to."""
+    """Vocabulary V: at least train.tokenizer's (bytes: 259 with eos and the chat markers, 256 without them); more
+    leaves ids no text maps to."""
     ffn_hidden_size: Optional[int] = None
     """Expert / dense FFN width F; None means 4 x hidden_size."""
     num_experts: int = 8

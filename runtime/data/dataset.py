@@ -18,7 +18,7 @@ import torch
 from runtime.config import MoesysConfig
 from runtime.data.text import DataError, check_token_count, source_name
 from runtime.data.pretokenize import read_tokens, run_cache_dir
-from runtime.data.tokenizer import ByteTokenizer, Tokenizer
+from runtime.data.tokenizer import Tokenizer, byte_tokenizer
 
 
 class TokenDataset:
@@ -51,8 +51,9 @@ class TokenDataset:
                   tokenizer: Optional[Tokenizer] = None, key: str = "train.data", text_key: str = "text",
                   cache_dir: Optional[Path] = None, vocab_size: Optional[int] = None) -> "TokenDataset":
         """A text file, a directory of *.txt files, a .jsonl file, a token file (.bin, .npy) or (path None) the
-        shipped corpus; text is read from the run's token cache when `cache_dir` holds it."""
-        tokenizer = tokenizer or ByteTokenizer()
+        shipped corpus; text is read from the run's token cache when `cache_dir` holds it. The tokenizer defaults to
+        the byte tokenizer of `vocab_size` rows."""
+        tokenizer = tokenizer or byte_tokenizer(vocab_size)
         tokens = read_tokens(path, tokenizer, key, text_key, cache_dir)
         return cls(tokens, seq_len, seed, source_name(path, key), vocab_size)
 
@@ -129,5 +130,6 @@ def build_task_datasets(task_data: Mapping[str, Optional[str]], seq_len: int, se
     if cfg is None:
         return {name: TokenDataset.from_path(path, seq_len, task_seed(seed, name), key=f"tasks.{name}.data")
                 for name, path in task_data.items()}
-    return {name: open_dataset(cfg, tokenizer or ByteTokenizer(), f"tasks.{name}.data", path, task_seed(seed, name))
+    tokenizer = tokenizer or byte_tokenizer(cfg.model.vocab_size)
+    return {name: open_dataset(cfg, tokenizer, f"tasks.{name}.data", path, task_seed(seed, name))
             for name, path in task_data.items()}

@@ -1,6 +1,7 @@
-"""Text to token ids: a text source encoded segment batch by segment batch (runtime/data/text.py), written as a
-token file (`moesys tokenize`), or cached in the run directory by `moesys train` before launch, so that every rank
-maps the ids instead of tokenizing the whole corpus itself and reads only the windows of its own share.
+"""Text to token ids: a text source encoded segment batch by segment batch (runtime/data/text.py), its documents
+joined by the tokenizer's eos (by a blank line for a tokenizer without one), written as a token file (`moesys
+tokenize`), or cached in the run directory by `moesys train` before launch, so that every rank maps the ids instead
+of tokenizing the whole corpus itself and reads only the windows of its own share.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from runtime.config import MoesysConfig
 from runtime.io import atomic_write_text
-from runtime.data.text import DataError, Progress, is_token_file, segments, source_name, text_files
+from runtime.data.text import DOCUMENT_BREAK, DataError, Progress, is_token_file, segments, source_name, text_files
 from runtime.data.token_file import open_token_file, write_token_file
 from runtime.files.paths import TOKENIZER_FILE
 from runtime.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype, tokenizer_digest
@@ -24,21 +25,35 @@ from runtime.files.paths import TOKENS
 BATCH_BYTES = 4 << 20
 """Text handed to the tokenizer at once (its threads encode the segments of a batch in parallel)."""
 
-def _encode(tokenizer: Tokenizer, batch: list[bytes]) -> np.ndarray:
+def _encode_text(tokenizer: Tokenizer, pieces: list[bytes]) -> np.ndarray:
     if isinstance(tokenizer, ByteTokenizer):  # the bytes are the ids: no decoding, no copy per byte
-        return np.frombuffer(b"".join(batch), dtype=np.uint8)
-    ids = tokenizer.encode_pieces(batch)
+        return np.frombuffer(b"".join(pieces), dtype=np.uint8)
+    ids = tokenizer.encode_pieces(pieces)
     return np.fromiter(chain.from_iterable(ids), dtype=token_dtype(tokenizer.vocab_size),
                        count=sum(len(i) for i in ids))
 
 
+def _encode(tokenizer: Tokenizer, batch: list[Optional[bytes]]) -> np.ndarray:
+    """The ids of a batch of segments, each DOCUMENT_BREAK as the eos id (only a tokenizer with eos reads breaks)."""
+    parts, run = [], []
+    for segment in batch:
+        if segment is DOCUMENT_BREAK:
+            parts += [_encode_text(tokenizer, run), np.array([tokenizer.eos_id], token_dtype(tokenizer.vocab_size))]
+            run = []
+        else:
+            run.append(segment)
+    parts.append(_encode_text(tokenizer, run))
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
 def encode_source(path: Optional[str | Path], tokenizer: Tokenizer, key: str = "train.data", text_key: str = "text",
                   progress: Optional[Progress] = None) -> Iterator[np.ndarray]:
-    """The ids of a text source in order, one array per batch of segments."""
+    """The ids of a text source in order, one array per batch of segments; documents are joined by eos, or by a
+    blank line for a tokenizer without eos."""
     batch, size = [], 0
-    for segment in segments(path, key, text_key, progress):
+    for segment in segments(path, key, text_key, progress, breaks=tokenizer.eos_id is not None):
         batch.append(segment)
-        size += len(segment)
+        size += len(segment) if segment is not DOCUMENT_BREAK else 0
         if size >= BATCH_BYTES:
             yield _encode(tokenizer, batch)
             batch, size = [], 0
@@ -121,7 +136,7 @@ def data_sources(cfg: MoesysConfig) -> dict[str, Optional[str]]:
 def prepare_run_data(cfg: MoesysConfig, progress: Optional[Callable[[str, int, int], None]] = None) -> None:
     """What `moesys train` writes into the run directory before launch: its tokenizer (tokenizer.json, read by the
     workers, checkpoints and exports) and its text sources as token files (TOKENS/)."""
-    tokenizer = load_tokenizer(cfg.train.tokenizer)
+    tokenizer = load_tokenizer(cfg.train.tokenizer, vocab_size=cfg.model.vocab_size)
     run_dir = Path(cfg.train.run_dir)
     atomic_write_text(run_dir / TOKENIZER_FILE, tokenizer.to_str())
     prepare_tokens(run_dir / TOKENS, data_sources(cfg), tokenizer, cfg.train.data_text_key, progress)

@@ -3,9 +3,10 @@ streamed as segments that any tokenizer encodes one at a time (what `moesys trai
 `moesys tokenize` writes and what the workers read).
 
 A document (a file, or a .jsonl record) is stripped of surrounding whitespace, and documents are joined by a blank
-line (DOC_SEPARATOR). Each document is cut into segments at its blank lines (a segment of its own), and a segment
-longer than MAX_SEGMENT at its last line break before that length: concatenated, the segments are exactly the text,
-and the token stream is the concatenation of each segment's ids, whatever the block size the file was read in.
+line (DOC_SEPARATOR) or, for a tokenizer with eos, marked by DOCUMENT_BREAK, which the tokenizer turns into its eos
+(runtime/data/pretokenize.py). Each document is cut into segments at its blank lines (a segment of its own), and a
+segment longer than MAX_SEGMENT at its last line break before that length: concatenated, the segments are exactly the
+text, and the token stream is the concatenation of each segment's ids, whatever the block size the file was read in.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from runtime.errors import UserError
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 DOC_SEPARATOR = b"\n\n"
+DOCUMENT_BREAK = None
+"""Where one document ends and the next begins, in `segments(..., breaks=True)`."""
 JSONL_SUFFIXES = (".jsonl",)
 TOKEN_SUFFIXES = (".bin", ".npy")
 BLOCK = 8 << 20
@@ -139,8 +142,9 @@ def _jsonl_records(path: Path, key: str, text_key: str) -> Iterator[bytes]:
 
 
 def segments(path: Optional[str | Path], key: str = "train.data", text_key: str = "text",
-             progress: Optional[Progress] = None) -> Iterator[bytes]:
-    """The text of a source as segments (see the module docstring); `progress` is told the bytes read."""
+             progress: Optional[Progress] = None, breaks: bool = False) -> Iterator[Optional[bytes]]:
+    """The text of a source as segments (see the module docstring), documents joined by DOC_SEPARATOR, or by
+    DOCUMENT_BREAK when `breaks`; `progress` is told the bytes read."""
     files = text_files(path, key)
     jsonl = path is not None and Path(path).suffix.lower() in JSONL_SUFFIXES
     total, done, told = sum(f.stat().st_size for f in files), 0, 0
@@ -151,7 +155,7 @@ def segments(path: Optional[str | Path], key: str = "train.data", text_key: str 
             opened = False
             for segment in _document(blocks):
                 if not opened and not first:
-                    yield DOC_SEPARATOR
+                    yield DOCUMENT_BREAK if breaks else DOC_SEPARATOR
                 opened, first = True, False
                 yield segment
                 done += len(segment)

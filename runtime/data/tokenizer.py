@@ -1,16 +1,21 @@
-"""Tokenizers: the byte-level one (token ids are the UTF-8 bytes of the text, vocab 256) and any Hugging Face
-tokenizer.json, loaded with the `tokenizers` library. Both are written as tokenizer.json, so a run, its checkpoints
-and its exports carry the tokenizer they were trained with (train.tokenizer=bytes|PATH).
+"""Tokenizers: the byte-level one (token ids are the UTF-8 bytes of the text, then the special tokens) and any
+Hugging Face tokenizer.json, loaded with the `tokenizers` library. Both are written as tokenizer.json, so a run, its
+checkpoints and its exports carry the tokenizer they were trained with (train.tokenizer=bytes|PATH).
 
-Documents are separated by a blank line (b"\\n\\n") in the text itself; there is no special token.
+The special tokens (SPECIAL_TOKENS) are eos, which joins the documents of training data, ends generation and pads,
+and ChatML's turn markers (runtime/data/chat_template.py). The byte tokenizer gives them ids 256, 257, 258 when the
+model has rows for them; with 256 rows (runs made before the special tokens) it is the bytes alone, its documents
+joined by a blank line and its generations ended by length only. Text given to `encode` may hold the special
+tokens' strings, which become their ids (as transformers' tokenizers read them); training text never does.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from runtime.config import BYTE_VOCAB, MoesysConfig
 from runtime.errors import UserError
@@ -20,6 +25,16 @@ if TYPE_CHECKING:
     import torch
 
 BYTES = "bytes"
+EOS = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (EOS, IM_START, IM_END)
+"""moesys's special tokens in id order: the byte tokenizer's 256, 257, 258, a trained BPE's 0, 1, 2."""
+STOP_TOKENS = (EOS, IM_END)
+"""Tokens that end a generation: the end of a document, the end of a chat turn."""
+SPECIAL_VOCAB = BYTE_VOCAB + len(SPECIAL_TOKENS)
+"""Rows a model needs for the byte tokenizer with its special tokens."""
+_SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
 
 
 class TokenizerError(UserError):
@@ -39,28 +54,78 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
-@lru_cache(maxsize=1)
-def byte_tokenizer_json() -> str:
+@lru_cache(maxsize=2)
+def byte_tokenizer_json(specials: bool = True) -> str:
     """The byte tokenizer as tokenizer.json: a BPE model whose vocabulary is the 256 bytes (id = byte value) and
-    no merges, behind the ByteLevel pre-tokenizer and decoder, so it gives exactly ByteTokenizer's ids."""
+    no merges, behind the ByteLevel pre-tokenizer and decoder, then the special tokens as added tokens 256.., so it
+    gives exactly ByteTokenizer's ids. specials=False: the file runs made before the special tokens carry."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {char: b for b, char in _bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    if specials:
+        tok.add_special_tokens(list(SPECIAL_TOKENS))
     return tok.to_str()
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255."""
+class SpecialTokens:
+    """The special tokens a tokenizer has (`special_ids`: string -> id) and what they mean to moesys."""
 
-    vocab_size: int = BYTE_VOCAB
+    special_ids: dict[str, int]
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        """The id that joins documents, ends a generation and pads; None for a tokenizer without EOS."""
+        return self.special_ids.get(EOS)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids a generation ends at (STOP_TOKENS this tokenizer has)."""
+        return tuple(self.special_ids[t] for t in STOP_TOKENS if t in self.special_ids)
+
+
+class ByteTokenizer(SpecialTokens):
+    """UTF-8 bytes as token ids 0..255, then (specials=True) SPECIAL_TOKENS as 256, 257, 258."""
+
     name: str = BYTES
 
+    def __init__(self, specials: bool = True):
+        self.special_ids = {t: BYTE_VOCAB + i for i, t in enumerate(SPECIAL_TOKENS)} if specials else {}
+        self.vocab_size = BYTE_VOCAB + len(self.special_ids)
+        self._tokens = {i: t for t, i in self.special_ids.items()}
+
+    def _parts(self, text: str) -> list[str]:
+        """`text` split at the special tokens' strings (odd places hold the specials)."""
+        return _SPECIAL_SPLIT.split(text) if self.special_ids else [text]
+
     def encode(self, text: str) -> list[int]:
-        """The UTF-8 bytes of `text`."""
-        return list(text.encode("utf-8"))
+        """The UTF-8 bytes of `text`, a special token's string as its id."""
+        ids: list[int] = []
+        for i, part in enumerate(self._parts(text)):
+            if i % 2:
+                ids.append(self.special_ids[part])
+            else:
+                ids.extend(part.encode("utf-8"))
+        return ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode(text)` and, per id, the (start, end) characters of `text` it comes from."""
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        at = 0
+        for i, part in enumerate(self._parts(text)):
+            if i % 2:
+                ids.append(self.special_ids[part])
+                offsets.append((at, at + len(part)))
+            else:
+                for k, char in enumerate(part):
+                    data = char.encode("utf-8")
+                    ids.extend(data)
+                    offsets.extend([(at + k, at + k + 1)] * len(data))
+            at += len(part)
+        return ids, offsets
 
     def encode_bytes(self, data: bytes) -> "torch.Tensor":
         """Raw bytes (a file's contents) as a uint8 tensor of ids, without decoding them first."""
@@ -71,27 +136,39 @@ class ByteTokenizer:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     def encode_pieces(self, pieces: Sequence[bytes]) -> list[Sequence[int]]:
-        """Each piece of raw text as its ids (its bytes, undecoded)."""
+        """Each piece of raw text as its ids (its bytes, undecoded: training text holds no special token)."""
         return list(pieces)
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids`; ids outside 0..255 are skipped and invalid UTF-8 becomes U+FFFD."""
+        """Text of `ids`, a special token as its string; ids outside the vocabulary are skipped and invalid UTF-8
+        becomes U+FFFD."""
         if hasattr(ids, "reshape"):  # a tensor or an array
             ids = ids.reshape(-1).tolist()
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        text, run = [], bytearray()
+        for i in ids:
+            if 0 <= i < BYTE_VOCAB:
+                run.append(i)
+            elif i in self._tokens:
+                text += [run.decode("utf-8", errors="replace"), self._tokens[i]]
+                run = bytearray()
+        return "".join(text) + run.decode("utf-8", errors="replace")
 
     def to_str(self) -> str:
         """This tokenizer as tokenizer.json."""
-        return byte_tokenizer_json()
+        return byte_tokenizer_json(bool(self.special_ids))
 
 
-class JsonTokenizer:
-    """A Hugging Face tokenizer.json (any model the `tokenizers` library reads: byte-level BPE, WordPiece, ...)."""
+class JsonTokenizer(SpecialTokens):
+    """A Hugging Face tokenizer.json (any model the `tokenizers` library reads: byte-level BPE, WordPiece, ...);
+    its special tokens are those of SPECIAL_TOKENS it holds as special added tokens."""
 
     def __init__(self, tokenizer, name: str):
         self.tokenizer = tokenizer
         self.name = name
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        added = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+        self.special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS if t in added}
+        self._plain = None
 
     @classmethod
     def from_str(cls, text: str, name: str) -> "JsonTokenizer":
@@ -102,10 +179,21 @@ class JsonTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode(text)` and, per id, the (start, end) characters of `text` it comes from."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def encode_pieces(self, pieces: Sequence[bytes]) -> list[Sequence[int]]:
-        """Each piece of raw text (UTF-8, invalid bytes as U+FFFD) as its ids; the library's threads do the work."""
+        """Each piece of raw text (UTF-8, invalid bytes as U+FFFD) as its ids, a special token's string as text;
+        the library's threads do the work."""
+        if self._plain is None:  # a copy that reads special tokens' strings as text
+            from tokenizers import Tokenizer
+
+            self._plain = Tokenizer.from_str(self.tokenizer.to_str())
+            self._plain.encode_special_tokens = True
         texts = [p.decode("utf-8", errors="replace") for p in pieces]
-        encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)  # fast: no offsets
+        encode = getattr(self._plain, "encode_batch_fast", self._plain.encode_batch)  # fast: no offsets
         return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -121,10 +209,18 @@ class JsonTokenizer:
 Tokenizer = ByteTokenizer | JsonTokenizer
 
 
-def load_tokenizer(spec: str | Path = BYTES, key: str = "train.tokenizer") -> Tokenizer:
-    """`bytes`, or the tokenizer.json at the path `spec`; a TokenizerError of one line naming `key` otherwise."""
+def byte_tokenizer(vocab_size: Optional[int] = None) -> ByteTokenizer:
+    """The byte tokenizer of a model with `vocab_size` rows: with the special tokens when it has rows for them (or
+    no size is given), else the bytes alone (a model of 256 rows, as runs made before the special tokens were)."""
+    return ByteTokenizer(specials=vocab_size is None or vocab_size >= SPECIAL_VOCAB)
+
+
+def load_tokenizer(spec: str | Path = BYTES, key: str = "train.tokenizer",
+                   vocab_size: Optional[int] = None) -> Tokenizer:
+    """`bytes` (for a model of `vocab_size` rows: `byte_tokenizer`), or the tokenizer.json at the path `spec`; a
+    TokenizerError of one line naming `key` otherwise."""
     if str(spec) == BYTES:
-        return ByteTokenizer()
+        return byte_tokenizer(vocab_size)
     path = Path(spec).expanduser()
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
@@ -136,14 +232,18 @@ def load_tokenizer(spec: str | Path = BYTES, key: str = "train.tokenizer") -> To
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TokenizerError(f"{key}={spec} is not a Hugging Face tokenizer.json ({reason}); give bytes or the "
                              "path of one (moesys tokenizer train writes one)") from None
-    return ByteTokenizer() if tokenizer.to_str() == byte_tokenizer_json() else tokenizer
+    for specials in (True, False):
+        if tokenizer.to_str() == byte_tokenizer_json(specials):
+            return ByteTokenizer(specials)
+    return tokenizer
 
 
 def run_tokenizer(cfg: MoesysConfig) -> Tokenizer:
-    """The tokenizer a run trains with: bytes, or the copy of train.tokenizer `moesys train` wrote into the run
-    directory (the file the user named may change or go while the run lives), else that file."""
+    """The tokenizer a run trains with: bytes (`byte_tokenizer` of model.vocab_size), or the copy of
+    train.tokenizer `moesys train` wrote into the run directory (the file the user named may change or go while the
+    run lives), else that file."""
     if cfg.train.tokenizer == BYTES:
-        return ByteTokenizer()
+        return byte_tokenizer(cfg.model.vocab_size)
     saved = Path(cfg.train.run_dir) / TOKENIZER_FILE if cfg.train.run_dir else None
     if saved is not None and saved.is_file():
         return load_tokenizer(saved, "train.tokenizer")
@@ -177,7 +277,7 @@ def checkpoint_tokenizer(path: Path, step_dir: Path, cfg: MoesysConfig) -> Token
     if found is not None:
         tokenizer = load_tokenizer(found, "tokenizer")
     elif cfg.train.tokenizer == BYTES:
-        tokenizer = ByteTokenizer()
+        tokenizer = byte_tokenizer(cfg.model.vocab_size)
     else:
         try:
             tokenizer = load_tokenizer(cfg.train.tokenizer)
@@ -186,8 +286,14 @@ def checkpoint_tokenizer(path: Path, step_dir: Path, cfg: MoesysConfig) -> Token
     return tokenizer if tokenizer.vocab_size <= cfg.model.vocab_size else None
 
 
-def hf_tokenizer_config(max_length: int) -> dict:
+def hf_tokenizer_config(max_length: int, tokenizer: Optional[Tokenizer] = None) -> dict:
     """tokenizer_config.json beside tokenizer.json in a Hugging Face export: transformers' AutoTokenizer then loads
-    the file as it is (the generic fast tokenizer, no token added), so its ids are moesys's."""
+    the file as it is (the generic fast tokenizer, no token added), so its ids are moesys's. It names eos, also the
+    pad (None for a tokenizer without one; bos stays unset: these models use none), and the chat template `moesys
+    serve` renders with."""
+    from runtime.data.chat_template import CHATML
+
+    eos = EOS if tokenizer is not None and tokenizer.eos_id is not None else None
     return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-            "clean_up_tokenization_spaces": False}
+            "clean_up_tokenization_spaces": False, "bos_token": None, "eos_token": eos, "pad_token": eos,
+            "chat_template": CHATML}

@@ -1,5 +1,6 @@
 """`moesys tokenizer train`: a byte-level BPE (GPT-2's scheme: the 256 bytes, then learned merges) trained on the
-user's text with the Hugging Face `tokenizers` library, written as the tokenizer.json `train.tokenizer` takes.
+user's text with the Hugging Face `tokenizers` library, written as the tokenizer.json `train.tokenizer` takes. Its
+first ids are the special tokens (runtime/data/tokenizer.py: eos 0, then ChatML's <|im_start|> 1 and <|im_end|> 2).
 
 It learns from the same segments training encodes (runtime/data/text.py), so its merges never span a blank line
 or a segment cut, and a text it was trained on encodes as training reads it.
@@ -11,11 +12,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from runtime.config import BYTE_VOCAB
 from runtime.errors import UserError
 from runtime.io import atomic_write_text
 from runtime.data.text import Progress, is_token_file, segments, source_name, text_files
-from runtime.data.tokenizer import JsonTokenizer
+from runtime.data.tokenizer import EOS, SPECIAL_TOKENS, SPECIAL_VOCAB, JsonTokenizer
 
 MAX_VOCAB = 1 << 32
 """Ids a token file's uint32 can hold."""
@@ -27,9 +27,9 @@ def train_bpe(path: Optional[str | Path], vocab_size: int, out: str | Path, key:
     the `moesys tokenizer train --json` summary. A corpus with fewer distinct merges gives a smaller vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if not BYTE_VOCAB <= vocab_size <= MAX_VOCAB:
-        raise UserError(f"vocab_size={vocab_size} must be between {BYTE_VOCAB} (the bytes a byte-level BPE starts "
-                        f"from) and {MAX_VOCAB}")
+    if not SPECIAL_VOCAB <= vocab_size <= MAX_VOCAB:
+        raise UserError(f"vocab_size={vocab_size} must be between {SPECIAL_VOCAB} (the 256 bytes a byte-level BPE "
+                        f"starts from and its {len(SPECIAL_TOKENS)} special tokens) and {MAX_VOCAB}")
     if is_token_file(path):
         raise UserError(f"{key}={path} is a token file; a tokenizer learns from text (a file, a directory of *.txt, "
                         "a .jsonl)")
@@ -42,11 +42,11 @@ def train_bpe(path: Optional[str | Path], vocab_size: int, out: str | Path, key:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=[], show_progress=False)
+                                  special_tokens=list(SPECIAL_TOKENS), show_progress=False)
     texts = (segment.decode("utf-8", errors="replace") for segment in segments(path, key, text_key, progress))
     tokenizer.train_from_iterator(texts, trainer=trainer)
     trained = JsonTokenizer(tokenizer, str(out))
     atomic_write_text(out, trained.to_str())
     return {"data": source_name(path, key).removeprefix(f"{key}="), "out": str(out.resolve()),
-            "vocab_size": trained.vocab_size, "requested_vocab_size": vocab_size,
+            "vocab_size": trained.vocab_size, "requested_vocab_size": vocab_size, "eos_token": EOS,
             "text_bytes": sum(f.stat().st_size for f in files), "seconds": round(time.perf_counter() - began, 3)}

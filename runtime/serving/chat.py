@@ -1,29 +1,22 @@
 """OpenAI chat completions as `moesys serve` speaks them: messages rendered to one prompt by the chat template the
-tokenizer carries (a Hugging Face tokenizer's `chat_template`), or else by the plain template PLAIN_TEMPLATE
-describes; the chat response and stream chunk bodies."""
+tokenizer carries (a Hugging Face tokenizer's `chat_template`), or else by moesys's ChatML template
+(runtime/data/chat_template.py, the one its exports carry and its chat training renders); the chat response and
+stream chunk bodies."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Optional
 
+from runtime.data.chat_template import ChatTemplateError, render_chat
 from runtime.serving.protocol import (MAX_LOGPROBS, CompletionRequest, Defaults, RequestError, _int, _shown,
                                       check_fields, encode_text, sampling, token_text, usage)
 
 CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_k", "seed", "stream",
                "n", "stop", "logprobs", "top_logprobs")
 ROLES = ("system", "user", "assistant", "developer", "tool")
-PLAIN_TEMPLATE = "{role}: {content}\n per message, then \"assistant:\""
-"""The template of a tokenizer without one: each message as a line `role: content`, then `assistant:`, after
-which the model writes its answer."""
-
-
-def plain_prompt(messages: list[dict[str, str]]) -> str:
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-
-
 def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    """The prompt text of `messages`: the tokenizer's chat template with the generation prompt, or the plain one."""
+    """The prompt text of `messages` with the generation prompt: the tokenizer's chat template, or ChatML."""
     if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
         try:
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -31,7 +24,10 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise RequestError(f"the model's chat template refused the messages: {reason[:200]}",
                                "messages") from None
-    return plain_prompt(messages)
+    try:
+        return render_chat(messages, add_generation_prompt=True)
+    except ChatTemplateError as exc:
+        raise RequestError(str(exc), "messages") from None
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:

@@ -13,7 +13,7 @@ from runtime.config import MoesysConfig
 from runtime.data.text import check_token_count, is_token_file, source_name
 from runtime.data.token_file import check_ids, open_token_file
 from runtime.data.pretokenize import data_sources, encode_source
-from runtime.data.tokenizer import (BYTES, ByteTokenizer, Tokenizer, checkpoint_tokenizer_file, load_tokenizer,
+from runtime.data.tokenizer import (BYTES, Tokenizer, byte_tokenizer, checkpoint_tokenizer_file, load_tokenizer,
                                     tokenizer_digest)
 from runtime.errors import UserError
 from runtime.files.paths import expert_store_root
@@ -38,14 +38,14 @@ def check_tokenizer(cfg: MoesysConfig) -> Tokenizer:
     """train.tokenizer loads, model.vocab_size has a row for each of its ids, and a resume continues with the
     tokenizer its checkpoint was trained with. Also refuses a train.resume_from=step_N the run has no checkpoint of."""
     tr, vocab = cfg.train, cfg.model.vocab_size
-    tokenizer = load_tokenizer(tr.tokenizer)
+    tokenizer = load_tokenizer(tr.tokenizer, vocab_size=vocab)
     if tokenizer.vocab_size > vocab:
         raise UserError(f"train.tokenizer={tr.tokenizer} has {tokenizer.vocab_size} tokens, more than model.vocab_size="
                         f"{vocab}; set model.vocab_size={tokenizer.vocab_size} (or more)")
     start = chosen_checkpoint(cfg)
     if start is not None:
         saved = checkpoint_tokenizer_file(Path(tr.run_dir), start)
-        trained = load_tokenizer(saved, "tokenizer") if saved else ByteTokenizer()
+        trained = load_tokenizer(saved, "tokenizer") if saved else byte_tokenizer(vocab)
         if tokenizer_digest(trained) != tokenizer_digest(tokenizer):
             was = saved or BYTES
             raise UserError(f"cannot resume {tr.run_dir} from {start.name}: it was trained with another tokenizer "

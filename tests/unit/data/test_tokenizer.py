@@ -29,7 +29,8 @@ def test_non_ascii_takes_several_bytes():
 
 def test_decode_skips_out_of_range_and_replaces_invalid_utf8():
     tok = ByteTokenizer()
-    assert tok.decode([72, 256, 105, 999, -1]) == "Hi"
+    assert tok.decode([72, 256, 105, 999, -1]) == "H<|endoftext|>i"  # a special token reads as its string
+    assert ByteTokenizer(specials=False).decode([72, 256, 105, 999, -1]) == "Hi"
     assert tok.decode([0xC3]) == "\ufffd"  # a truncated two-byte sequence
 
 
@@ -49,13 +50,14 @@ TEXTS = ["", "hello world\n\nnext document", "naïve café – 東京 🌧️", 
          "ĠĊ look-alikes of the byte map", "\x00\x7f control"]
 
 
-def test_the_byte_tokenizer_as_tokenizer_json_gives_exactly_the_byte_ids():
-    tok, ours = HFTokenizer.from_str(byte_tokenizer_json()), ByteTokenizer()
-    assert tok.get_vocab_size() == 256
-    for text in TEXTS:
-        assert tok.encode(text).ids == ours.encode(text), text
-        assert tok.decode(tok.encode(text).ids) == text
-    assert ByteTokenizer().to_str() == byte_tokenizer_json()
+@pytest.mark.parametrize("specials,size", [(True, 259), (False, 256)])
+def test_the_byte_tokenizer_as_tokenizer_json_gives_exactly_the_byte_ids(specials, size):
+    tok, ours = HFTokenizer.from_str(byte_tokenizer_json(specials)), ByteTokenizer(specials)
+    assert tok.get_vocab_size() == ours.vocab_size == size
+    for text in TEXTS + ["a<|endoftext|>b<|im_start|>user\n<|im_end|>", "<|im_end"]:
+        assert tok.encode(text, add_special_tokens=False).ids == ours.encode(text), text
+        assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
+    assert ours.to_str() == byte_tokenizer_json(specials)
 
 
 def test_loading_the_byte_tokenizer_json_gives_the_byte_tokenizer_and_other_files_a_json_one(tmp_path):
@@ -93,7 +95,9 @@ def test_a_trained_bpe_round_trips_text_compresses_it_and_stays_within_the_vocab
 
 
 def test_training_refuses_a_vocabulary_below_the_bytes_and_a_token_file(tmp_path):
-    with pytest.raises(ValueError, match="vocab_size=100 must be between 256"):
+    with pytest.raises(ValueError, match="vocab_size=258 must be between 259"):
+        train_bpe(CORPUS_DIR, 258, tmp_path / "t.json")
+    with pytest.raises(ValueError, match="vocab_size=100 must be between 259"):
         train_bpe(CORPUS_DIR, 100, tmp_path / "t.json")
     with pytest.raises(ValueError, match="is a token file"):
         train_bpe(tmp_path / "c.bin", 300, tmp_path / "t.json")
@@ -103,12 +107,13 @@ def test_training_refuses_a_vocabulary_below_the_bytes_and_a_token_file(tmp_path
 def test_transformers_autotokenizer_reads_it_with_the_same_ids(tmp_path):
     transformers = pytest.importorskip("transformers")
     train_bpe(CORPUS_DIR, 400, tmp_path / "tokenizer.json")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(hf_tokenizer_config(256)))
-    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     ours = load_tokenizer(tmp_path / "tokenizer.json")
-    for text in TEXTS[1:]:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(hf_tokenizer_config(256, ours)))
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in TEXTS[1:] + ["<|im_start|>user\nhi<|im_end|>\n<|endoftext|>"]:
         assert auto(text)["input_ids"] == ours.encode(text)
         assert auto.decode(ours.encode(text)) == text
+    assert (auto.eos_token, auto.eos_token_id, auto.pad_token_id, auto.bos_token) == ("<|endoftext|>", 0, 0, None)
 
 
 def test_token_files_take_the_smallest_dtype_the_vocabulary_fits():

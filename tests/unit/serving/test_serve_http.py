@@ -16,15 +16,17 @@ from runtime.inference.generate import run_inference
 from runtime.serving import app
 from runtime.serving.server import BackgroundServer
 from runtime.serving.service import open_service
-from tests.trained_run import train_run_dir
+from runtime.config import ModelConfig
+from tests.trained_run import SMALL_MOE, train_run_dir
 
 INFER = {"max_new_tokens": 6, "ring_slots": 1}
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A real moesys run directory (byte tokenizer): one training step of a 2-layer MoE, single process."""
-    return train_run_dir(tmp_path_factory.mktemp("run"))
+    """A real moesys run directory (the byte tokenizer with its special tokens): one training step of a 2-layer MoE,
+    single process."""
+    return train_run_dir(tmp_path_factory.mktemp("run"), ModelConfig(**{**vars(SMALL_MOE), "vocab_size": 320}))
 
 
 def _server(run_dir, offload="none", **serve):
@@ -143,7 +145,7 @@ BAD = [
     ({"prompt": "hi", "temprature": 0.5}, 400, "unknown field 'temprature'", "temprature"),
     ({}, 400, "prompt is required", "prompt"),
     ({"prompt": 5}, 400, "prompt must be text or a list of token ids", "prompt"),
-    ({"prompt": [1, 256]}, 400, "token id 256 is outside the vocabulary 0..255", "prompt"),
+    ({"prompt": [1, 320]}, 400, "token id 320 is outside the vocabulary 0..319", "prompt"),
     ({"prompt": ""}, 400, "prompt is empty", "prompt"),
     ({"prompt": "x" * 48}, 400, "prompt of 48 tokens does not fit the model's context of 48 tokens", "prompt"),
     ({"prompt": "hi", "max_tokens": 47}, 400, "exceeds the model's context of 48 tokens (at most 46)", "max_tokens"),
