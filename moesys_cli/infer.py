@@ -103,7 +103,8 @@ def _render(r: dict) -> None:
                   f"--offload {r['offload']}{budget}")
     for i, tokens in enumerate(r["tokens"]):
         shown = repr(r["text"][i]) if r["text"] is not None else str(tokens)
-        console.print(f"[dim]{i}:[/] {literal(shown)}", highlight=False)
+        ended = f" [dim](ended at stop token {tokens[-1]})[/]" if tokens and tokens[-1] in r["stop_token_ids"] else ""
+        console.print(f"[dim]{i}:[/] {literal(shown)}{ended}", highlight=False)
     table = Table(show_header=False)
     dev, host = r["peak_bytes"]["device"], r["peak_bytes"]["host"]
     hidden = r["copy_hidden_share"]

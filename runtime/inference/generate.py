@@ -1,6 +1,6 @@
 """Generation with a KV cache: greedy or temperature/top-k sampling, several prompts per batch, prefill and decode
-timed apart; `run_inference` is what `moesys infer` calls (load, offload as the paper's "Ring Memory Offloading" and
-its successors, generate).
+timed apart, each prompt ending at a stop token (the tokenizer's eos) or its length; `run_inference` is what `moesys
+infer` calls (load, offload as the paper's "Ring Memory Offloading" and its successors, generate).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -76,6 +76,19 @@ def sample_next(logits_BV: Tensor, temperature: float, top_k: int, generator: Op
     return probs_BV.div_(torch.empty_like(probs_BV).exponential_(1, generator=generator)).argmax(dim=-1)
 
 
+STOP_CHECK_EVERY = 8
+"""Decode steps between two looks (one host read) at whether every row of a batch has made a stop token: a batch
+that has ends at most this many steps later, and the tokens past each row's stop are dropped."""
+
+
+def until_stop(ids: list[int], stop_ids: Sequence[int]) -> list[int]:
+    """`ids` up to and including the first stop id (as transformers' generate gives them)."""
+    for n, token in enumerate(ids):
+        if token in stop_ids:
+            return ids[:n + 1]
+    return ids
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -85,11 +98,12 @@ def _sync(device: torch.device) -> None:
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, offloader: Optional[Offloader] = None,
              keep_logits: bool = False, on_token: Optional[Callable[[list[int], Tensor], None]] = None,
-             step: Optional[DecodeStep] = None) -> Generation:
+             step: Optional[DecodeStep] = None, stop_ids: Sequence[int] = ()) -> Generation:
     """Prompts of equal length run as one batch (no padding: a row never sees another row's tokens, though its
     logits may differ from a lone run's by float rounding, which can flip a greedy near-tie); each batch is one
-    prefill forward into a static KV cache, then max_new_tokens - 1 decode steps (`step`, eager when not given;
-    pass one to reuse its cache and compiled code across calls), none of which reads the device on the host.
+    prefill forward into a static KV cache, then up to max_new_tokens - 1 decode steps (`step`, eager when not
+    given; pass one to reuse its cache and compiled code across calls), none of which reads the device on the host
+    but every STOP_CHECK_EVERY-th when `stop_ids` are given: a prompt's tokens end with the first of them.
 
     on_token(members, ids_B), when given, sees each step's new ids (on the device) of the batch made of
     prompts[members], between forwards: a streaming server sends them on, and an exception it raises stops the
@@ -99,6 +113,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     device = model.tok_embeddings.weight.device
     step = step if step is not None else DecodeStep(model)
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device) if stop_ids else None
     by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(prompts):
         by_length.setdefault(len(ids), []).append(i)
@@ -111,9 +126,12 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         cache = step.cache_for(len(members), length + max_new_tokens)
         positions = torch.arange(length, length + max_new_tokens, device=device)
         new: list[Tensor] = []
+        stopped_B = torch.zeros(len(members), dtype=torch.bool, device=device)
         _sync(device)
         began = time.perf_counter()
         for n in range(max_new_tokens):
+            if stops is not None and n % STOP_CHECK_EVERY == 0 and n and bool(stopped_B.all()):
+                break
             if n == 0:
                 logits_BV = step.prefill(tokens_BS, cache)
             elif offloader is not None:
@@ -122,6 +140,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             else:
                 logits_BV = step(new[-1][:, None], positions[n - 1:n], cache)
             new.append(sample_next(logits_BV, temperature, top_k, generator))
+            if stops is not None:
+                stopped_B |= torch.isin(new[-1], stops)
             if on_token is not None:
                 on_token(members, new[-1])
             if keep_logits:
@@ -135,14 +155,14 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
                 began = now
         _sync(device)
         out.decode_s += time.perf_counter() - began
-        out.decode_tokens += len(members) * (max_new_tokens - 1)
+        out.decode_tokens += len(members) * (len(new) - 1)
         out.kv_cache_bytes = max(out.kv_cache_bytes, sum(t.numel() * t.element_size()
                                                          for t in cache.keys + cache.values if t is not None))
         ids_BN = torch.stack(new, dim=1).cpu()
         for row, i in enumerate(members):
-            out.tokens[i] = ids_BN[row].tolist()
+            out.tokens[i] = until_stop(ids_BN[row].tolist(), stop_ids)
     if keep_logits:
-        out.logits = [torch.stack(rows) for rows in logits_of]
+        out.logits = [torch.stack(rows[:len(tokens)]) for rows, tokens in zip(logits_of, out.tokens)]
     return out
 
 
@@ -175,7 +195,7 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
             read_before = disk_read_bytes()
             step = DecodeStep(model, compile=compile_default(device) if inf.compile is None else inf.compile)
             gen = generate(model, ids, inf.max_new_tokens, inf.temperature, inf.top_k, inf.seed, offloader,
-                           step=step)
+                           step=step, stop_ids=loaded.stop_ids)
             disk_read = disk_read_bytes() - read_before
             stats = offloader.stats()
         finally:
@@ -193,7 +213,9 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
         "compiled": step.compiled,
         "placement": stats["placement"],
         "prompt_tokens": ids, "tokens": gen.tokens,
-        "text": [tok.decode(t) for t in gen.tokens] if tok is not None else None,
+        "text": [tok.decode(t[:-1] if t and t[-1] in loaded.stop_ids else t) for t in gen.tokens]
+                if tok is not None else None,
+        "stop_token_ids": list(loaded.stop_ids),
         "prefill_tokens_per_s": gen.prefill_tokens_per_s, "decode_tokens_per_s": gen.decode_tokens_per_s,
         "prefill_tokens": gen.prefill_tokens, "decode_tokens": gen.decode_tokens,
         "peak_bytes": {"device": device_peak, "host": {"experts": stats["expert_host_bytes"]}},

@@ -26,7 +26,7 @@ from runtime.inference.mapped import MappedFileError, TensorFiles, copy_to, read
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
 from runtime.moe.layer import is_expert_param
-from runtime.files.paths import CHECKPOINTS, CONFIG, META
+from runtime.files.paths import CHECKPOINTS, CONFIG, GENERATION_CONFIG, META
 from runtime.files.checkpoint_format import MODEL, check_complete, latest_checkpoint, missing_tensor, tensor_key
 from runtime.page_cache import evict
 from runtime.files.tensorfile import verify
@@ -54,6 +54,9 @@ class LoadedModel:
     path: Path
     experts: ExpertSource
     """Where the experts lie; the model's experts stay on the meta device until placed (see open_checkpoint)."""
+    stop_ids: tuple[int, ...] = ()
+    """The ids a generation ends at (after giving them out): the tokenizer's eos and end of turn, or a Hugging Face
+    directory's eos_token_id; none for a model without eos, which generates to its length."""
 
 
 def checkpoint_kind(path: Path) -> str:
@@ -192,7 +195,8 @@ def open_moesys(path: Path, dtype: Optional[torch.dtype] = None, device: torch.d
         raise InferError(f"{step}: a model buffer has no value in the checkpoint")
     tokenizer = checkpoint_tokenizer(path, step, cfg)
     source = ExpertSource(layers, cfg.model.expert_type, dtype, files)
-    return LoadedModel(config_to_dict(cfg), model.eval(), "moesys", tokenizer, path, source)
+    stops = tokenizer.stop_ids if tokenizer is not None else ()
+    return LoadedModel(config_to_dict(cfg), model.eval(), "moesys", tokenizer, path, source, stops)
 
 
 def _shape_checked(tensor: torch.Tensor, param: torch.Tensor, name: str, step: Path) -> torch.Tensor:
@@ -236,6 +240,20 @@ def _hf_tokenizer(path: Path) -> Optional[Tokenizer]:
         return None
 
 
+def _hf_stop_ids(path: Path, vocab_size: int) -> tuple[int, ...]:
+    """eos_token_id (an id or a list) of generation_config.json, else of config.json; () where neither names one."""
+    for name in (GENERATION_CONFIG, "config.json"):
+        try:
+            data = json.loads((path / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and "eos_token_id" in data:
+            eos = data["eos_token_id"]
+            ids = eos if isinstance(eos, list) else [eos]
+            return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size)
+    return ()
+
+
 def open_hf(path: Path, dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu") -> LoadedModel:
     try:
         model_cfg, model, source = open_hf_mixtral(path, dtype=dtype, device=device)
@@ -245,7 +263,8 @@ def open_hf(path: Path, dtype: Optional[torch.dtype] = None, device: torch.devic
         raise InferError(f"checkpoint={path}: cannot read ({_first_line(exc)})") from None
     cfg = MoesysConfig(model=model_cfg, purpose="serve")  # served as it is: its vocabulary need not be bytes
     cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
-    return LoadedModel(config_to_dict(cfg), model, "hf", _hf_tokenizer(path), path, source)
+    return LoadedModel(config_to_dict(cfg), model, "hf", _hf_tokenizer(path), path, source,
+                       _hf_stop_ids(path, model_cfg.vocab_size))
 
 
 def open_checkpoint(checkpoint: str | Path, dtype: Optional[torch.dtype] = None,

@@ -140,7 +140,7 @@ async def _whole(service: Service, request: Request, completion, trace: _Trace, 
     """Queue the job, wait for its choices (or the client leaving, or a timeout), and answer them whole."""
     loop = asyncio.get_running_loop()
     answer: asyncio.Future = loop.create_future()
-    job = ServeJob(completion, tokenizer=service.tokenizer,
+    job = ServeJob(completion, tokenizer=service.tokenizer, stop_ids=service.loaded.stop_ids,
                    finish=lambda choices, error: loop.call_soon_threadsafe(_settle, answer, choices, error))
     trace.job = job
     try:
@@ -254,7 +254,7 @@ def _stream(service: Service, completion, trace: _Trace, render) -> Response:
     choice, and each choice's end (its finish reason)."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    job = ServeJob(completion, tokenizer=service.tokenizer,
+    job = ServeJob(completion, tokenizer=service.tokenizer, stop_ids=service.loaded.stop_ids,
                    finish=lambda choices, error: loop.call_soon_threadsafe(events.put_nowait, (choices, error)),
                    on_token=lambda i, out, piece: loop.call_soon_threadsafe(events.put_nowait, (i, out, piece)))
     trace.job = job

@@ -62,6 +62,9 @@ class ServeJob:
     on_token: Optional[Callable[[int, TokenOut, str], None]] = None
     """Streaming: (choice index, the new token, its new piece of text) as each token is made."""
     tokenizer: Any = None
+    stop_ids: tuple[int, ...] = ()
+    """Ids that end a choice (finish_reason stop): the model's eos and end of turn. The id is given out, its text
+    is not."""
     cancelled: bool = False
     """Set by the server when the client has gone; the worker drops the job's sequences."""
     finished: bool = False
@@ -243,14 +246,18 @@ class GenerationWorker:
             self._emit(seq, out)
 
     def _emit(self, seq: _Seq, out: TokenOut) -> None:
-        """Hand the token on; leave the batch when the sequence is done (length, stop string, client gone)."""
+        """Hand the token on; leave the batch when the sequence is done (length, stop token or string, client
+        gone)."""
         job, choice = seq.job, seq.choice
         if job.first_token_at is None:
             job.first_token_at = time.monotonic()
         choice.tokens.append(out.token)
         if seq.logprobs is not None:
             choice.logprobs.append(out)
-        piece, stopped = seq.text.push([out.token], final=seq.full) if seq.text is not None else ("", False)
+        stop_token = out.token in job.stop_ids
+        piece, stopped = seq.text.push([] if stop_token else [out.token], final=seq.full or stop_token) \
+            if seq.text is not None else ("", False)
+        stopped = stopped or stop_token
         if job.on_token is not None and not job.cancelled:
             try:
                 job.on_token(choice.index, out, piece)

@@ -8,7 +8,7 @@ import torch
 
 from runtime.config import ModelConfig
 from runtime.errors import UserError
-from runtime.inference.generate import generate, run_inference, sample_next
+from runtime.inference.generate import STOP_CHECK_EVERY, generate, run_inference, sample_next
 from runtime.inference.errors import InferError
 from runtime.inference.load import load_model
 from runtime.model.transformer import Transformer
@@ -41,6 +41,23 @@ def test_kv_cache_and_batching_match_a_cache_free_reference():
         assert gen.tokens == [_reference_greedy(model, p, 5) for p in prompts]
     assert gen.prefill_tokens == sum(map(len, prompts)) and gen.decode_tokens == 4 * len(prompts)
     assert gen.prefill_tokens_per_s > 0 and gen.decode_tokens_per_s > 0
+
+
+def test_each_prompt_ends_at_its_first_stop_token_and_a_stopped_batch_ends_early():
+    torch.manual_seed(0)
+    model = Transformer(TINY).eval()
+    prompts = [[5, 6, 7], [70, 80, 90], [1, 2, 3, 4]]
+    full = generate(model, prompts, 20, keep_logits=True)
+    stop = full.tokens[0][2]
+    expected = []
+    for tokens in full.tokens:  # each row through its first stop id, as transformers' generate gives it
+        cut = next((n + 1 for n, t in enumerate(tokens) if t == stop), len(tokens))
+        expected.append(tokens[:cut])
+    got = generate(model, prompts, 20, keep_logits=True, stop_ids=[stop, 9999])
+    assert got.tokens == expected and [len(rows) for rows in got.logits] == list(map(len, expected))
+    assert all(torch.equal(a, b[:len(a)]) for a, b in zip(got.logits, full.logits))
+    alone = generate(model, prompts[:1], 20, stop_ids=[stop])  # stopped at its third token: looked at after 8
+    assert alone.tokens == expected[:1] and alone.decode_tokens == STOP_CHECK_EVERY - 1
 
 
 def test_sampling_greedy_top_k_and_seed():

@@ -102,6 +102,24 @@ def test_stop_strings_cut_the_text_and_end_the_choice():
     assert worker.stop(30)
 
 
+def test_a_stop_token_ends_its_choice_and_is_given_out_without_text():
+    worker = _worker(max_batch_size=2)
+    lone = generate(worker.model, [[1, 2, 3]], 12).tokens[0]
+    k = lone.index(lone[4])  # the first place the stop token comes
+    stopped, going = Answer(), Answer()
+    worker.submit(ServeJob(CompletionRequest([1, 2, 3], 12, 0.0, 0, 0, False), stopped.finish,
+                           on_token=lambda i, out, piece: stopped.streamed.append(piece), tokenizer=ByteTokenizer(),
+                           stop_ids=(lone[4],)))
+    worker.submit(ServeJob(CompletionRequest([1, 2, 3], 12, 0.0, 0, 0, False), going.finish,
+                           tokenizer=ByteTokenizer()))  # beside it in the batch, without stop tokens
+    choice = stopped.wait().choices[0]
+    assert choice.finish_reason == "stop" and choice.tokens == lone[:k + 1]
+    assert choice.text == ByteTokenizer().decode(lone[:k]) == "".join(stopped.streamed)
+    other = going.wait().choices[0]
+    assert other.tokens == lone and other.finish_reason == "length"
+    assert worker.stop(30)
+
+
 def test_a_model_with_expert_capacity_never_batches():
     assert _worker(capacity_factor=1.0, max_batch_size=8).max_batch_size == 1
 
