@@ -39,3 +39,6 @@ def export(args: ExportArgs = None, json_out: Json = False) -> None:
                   f"({result['format']}): {result['tensors']} tensors, {human_bytes(result['bytes'])} in "
                   f"{len(result['files'])} file(s); {source.format(human_bytes(result['checkpoint_bytes']))}",
                   highlight=False)
+    if result["tokenizer"] is not None and result["eos_token"] is None:
+        console.print("its tokenizer has no eos token <|endoftext|> (as runs made before moesys's special tokens): the "
+                      "export names none, and generation runs to its length", highlight=False)

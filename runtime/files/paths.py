@@ -44,6 +44,8 @@ TOKENIZER_FILE = "tokenizer.json"
 """The tokenizer a run, its checkpoints and its exports carry (Hugging Face tokenizer.json format)."""
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 """Beside tokenizer.json in an hf export, so that AutoTokenizer loads it."""
+GENERATION_CONFIG = "generation_config.json"
+"""In an hf export and a Hugging Face model: the token ids generation ends at (eos_token_id)."""
 META = "meta.json"
 """A checkpoint's (and an export's) step, layout and config."""
 MODEL_FILES = ("config.json", META)

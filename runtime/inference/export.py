@@ -11,9 +11,11 @@ tokenizer.json.
 
 - moesys format: config.yaml + meta.json + model safetensors under the checkpoint's own keys, so `moesys infer`
   and `moesys serve` read it as they read a run.
-- hf format: the Hugging Face Mixtral layout (config.json, model.safetensors or shards with an index, and
-  tokenizer_config.json), so transformers loads the model and AutoTokenizer the tokenizer; models that are not
-  Mixtral-style are refused before anything is written.
+- hf format: the Hugging Face Mixtral layout (config.json, model.safetensors or shards with an index,
+  generation_config.json and tokenizer_config.json), so transformers loads the model and AutoTokenizer the
+  tokenizer with its eos (also the pad) and chat template, and `generate` stops where `moesys infer` does; models
+  that are not Mixtral-style are refused before anything is written. A tokenizer without eos (runs made before the
+  special tokens) is exported saying so: eos_token_id null, not Mixtral's default.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from runtime.model.transformer import Transformer
 from runtime.plan.disk import check_free
 from runtime.moe.layer import is_expert_param
 from runtime.files.tensorfile import write_tensors
-from runtime.files.paths import HF_TOKENIZER_CONFIG, META, TOKENIZER_FILE
-from runtime.data.tokenizer import checkpoint_tokenizer, hf_tokenizer_config
+from runtime.files.paths import GENERATION_CONFIG, HF_TOKENIZER_CONFIG, META, TOKENIZER_FILE
+from runtime.data.tokenizer import EOS, Tokenizer, checkpoint_tokenizer, hf_tokenizer_config
 from runtime.model.precision import PRECISION_DTYPES
 
 FORMATS = ("moesys", "hf")
@@ -72,6 +74,16 @@ def _entries(cfg: MoesysConfig, fmt: str) -> list[Entry]:
                 out.append(Entry(tensor_key(MODEL, name), tensor_key(MODEL, name)))
         return out
     return [Entry(hf, tensor_key(MODEL, ours, j)) for hf, ours, j in hf_tensor_names(cfg.model)]
+
+
+def hf_token_ids(tokenizer: Optional[Tokenizer]) -> tuple[dict, dict]:
+    """(config.json's token ids, generation_config.json) of an export carrying `tokenizer`: eos (also the pad),
+    generation ending at each of its stop tokens, no bos; null where the tokenizer has none (transformers would
+    otherwise take Mixtral's defaults, ids 1 and 2)."""
+    eos = tokenizer.eos_id if tokenizer is not None else None
+    stops = list(tokenizer.stop_ids) if tokenizer is not None else []
+    ids = {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": eos}
+    return ids, {**ids, "eos_token_id": stops or None}
 
 
 def _shards(entries: list[Entry], nbytes: dict[str, int], max_bytes: int) -> list[list[Entry]]:
@@ -137,9 +149,11 @@ def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optio
         if tokenizer is not None:  # the export carries the tokenizer the model was trained with
             atomic_write_text(tmp / TOKENIZER_FILE, tokenizer.to_str())
         if fmt == "hf":
-            atomic_write_json(tmp / "config.json", hf_config)
+            token_ids, generation = hf_token_ids(tokenizer)
+            atomic_write_json(tmp / "config.json", {**hf_config, **token_ids})
+            atomic_write_json(tmp / GENERATION_CONFIG, generation)
             if tokenizer is not None:
-                atomic_write_json(tmp / HF_TOKENIZER_CONFIG, hf_tokenizer_config(cfg.model.max_seq_len))
+                atomic_write_json(tmp / HF_TOKENIZER_CONFIG, hf_tokenizer_config(cfg.model.max_seq_len, tokenizer))
         else:
             atomic_write_text(tmp / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
             atomic_write_json(tmp / META, {"step": _step(source.step_dir), "exported_from":
@@ -157,6 +171,7 @@ def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optio
     return {"checkpoint": str(source.step_dir), "out": str(out), "format": fmt, "files": names,
             "tensors": len(entries), "bytes": sum(nbytes.values()),
             "tokenizer": TOKENIZER_FILE if tokenizer is not None else None,
+            "eos_token": EOS if tokenizer is not None and tokenizer.eos_id is not None else None,
             "checkpoint_bytes": sum(f.stat().st_size for f in source.step_dir.glob("*.safetensors")),
             "optimizer_state": any(key.startswith(f"{STATE_KEYS[0]}.") for key in files.where)}
 
