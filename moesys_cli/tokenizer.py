@@ -46,7 +46,8 @@ def train(args: TrainArgs = None, json_out: Json = False) -> None:
         print_json(result)
         return
     console.print(f"[bold]moesys tokenizer train[/] {literal(result['out'])}: byte-level BPE of "
-                  f"{result['vocab_size']} tokens (asked {result['requested_vocab_size']}) from "
+                  f"{result['vocab_size']} tokens (asked {result['requested_vocab_size']}; ids 0-2 are "
+                  f"{result['eos_token']} (eos), <|im_start|>, <|im_end|>) from "
                   f"{result['text_bytes']:,} bytes of {literal(result['data'])} in {result['seconds']:.1f} s; train "
                   f"with train.tokenizer={literal(result['out'])} model.vocab_size>={result['vocab_size']}",
                   highlight=False)
