@@ -14,6 +14,9 @@ from typing import Iterator
 import pytest
 
 FAST_TINY = ["recipe=tiny", "train.seq_len=64", "train.micro_batch_size=4", "train.warmup_steps=2"]
+GPT_STYLE = ["model.expert_type=gelu", "model.norm=layernorm", "model.position=learned", "model.bias=true",
+             "model.tie_embeddings=true"]
+"""The GPT-MoE recipes' layout on the tiny recipe's sizes (recipe=tiny is Mixtral-layout)."""
 
 
 def moesys_bin() -> str:

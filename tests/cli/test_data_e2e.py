@@ -16,8 +16,6 @@ from runtime.data.text import CORPUS_DIR
 from runtime.data.tokenizer import load_tokenizer
 from tests.cli.conftest import FAST_TINY, run_moesys
 
-MIXTRAL_STYLE = ["model.expert_type=swiglu", "model.norm=rmsnorm", "model.position=rope", "model.bias=false",
-                 "model.tie_embeddings=false"]
 PROMPT = "The weather over the hills"
 
 
@@ -50,7 +48,7 @@ def test_a_users_tokenizer_and_token_file_train_evaluate_and_export(tmp_path):
                                (CORPUS_DIR / "weather.txt").read_text().split("\n\n")))
 
     run_dir = tmp_path / "run"
-    args = [*FAST_TINY, *MIXTRAL_STYLE, f"train.tokenizer={tok}", "model.vocab_size=400",
+    args = [*FAST_TINY, f"train.tokenizer={tok}", "model.vocab_size=400",
             f"train.data={tmp_path / 'corpus.bin'}", f"train.eval_data={heldout}", "train.data_text_key=body",
             "train.eval_every=2", "train.eval_windows=8", "train.max_steps=4", "train.checkpoint_every=1",
             "train.keep_checkpoints=2", f"train.run_dir={run_dir}"]
@@ -73,9 +71,11 @@ def test_a_users_tokenizer_and_token_file_train_evaluate_and_export(tmp_path):
 
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     out = tmp_path / "export-hf"
-    assert ok("export", f"checkpoint={run_dir}", f"out={out}", "export.format=hf", "--json")["tokenizer"]
+    exported = ok("export", f"checkpoint={run_dir}", f"out={out}", "export.format=hf", "--json")
+    assert exported["tokenizer"] and exported["eos_token"] == "<|endoftext|>"
     ids = load_tokenizer(tok).encode(PROMPT)
-    assert transformers.AutoTokenizer.from_pretrained(str(out))(PROMPT)["input_ids"] == ids
+    auto = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert auto(PROMPT)["input_ids"] == ids and (auto.eos_token_id, auto.pad_token_id) == (0, 0)  # its first ids
     answer = ok("infer", f"checkpoint={out}", f"prompt={PROMPT}", "infer.max_new_tokens=6", "--json")
     assert answer["prompt_tokens"] == [ids] and answer["text"] == [load_tokenizer(tok).decode(answer["tokens"][0])]
 
@@ -89,13 +89,13 @@ def test_bad_input_to_each_new_key_and_verb_is_one_line_and_writes_nothing(tmp_p
     train = ["train", *FAST_TINY, f"train.run_dir={run_dir}"]
     cases = [
         (train + [f"train.tokenizer={tmp_path / 'missing.json'}"], "train.tokenizer="),
-        (train + [f"train.tokenizer={tok}"], "has 300 tokens, more than model.vocab_size=256"),
+        (train + [f"train.tokenizer={tok}", "model.vocab_size=256"], "has 300 tokens, more than model.vocab_size=256"),
         (train + [f"train.data={tmp_path / 'notes.jsonl'}"], "line 1 has no 'text' string (its keys: body)"),
         (train + [f"train.data={tmp_path / 'odd.bin'}"], "not a whole number of uint16 ids"),
         (train + ["train.keep_checkpoints=0"], "train.keep_checkpoints must be >= 1"),
         (train + ["train.resume_from=step_5"], "has no complete checkpoint of step 5 (it has: none)"),
         (["tokenizer", "train", f"data={CORPUS_DIR}", "vocab_size=100", f"out={tmp_path / 't.json'}"],
-         "vocab_size=100 must be between 256"),
+         "vocab_size=100 must be between 259"),
         (["tokenize", f"data={CORPUS_DIR}", f"out={tmp_path / 'c.txt'}"], "must end in .bin or .npy"),
         (["eval", f"checkpoint={tmp_path / 'norun'}", f"data={CORPUS_DIR}"], "no such directory"),
     ]

@@ -1,7 +1,9 @@
-"""`moesys export` as a user runs it: a run trained the default way (2 processes, expert parallel 2) with dense
-sharding and a partitioned embedding, Mixtral-style, fused into one model. The moesys export gives the run's
-logits; the hf export (sharded, with an index) loads in transformers with the same logits and greedy tokens; an
-export streams (its memory does not grow with the model); a GPT-style model refuses hf in one line."""
+"""`moesys export` as a user runs it: the quickstart's `moesys train recipe=tiny` (2 processes, expert parallel 2)
+exported to hf loads in transformers, which gives `moesys infer`'s greedy ids and, from its chat template, the ids
+`moesys serve` prompts with; a run of the same recipe with dense sharding and a partitioned embedding, fused into one
+model: the moesys export gives the run's logits, the hf export (sharded, with an index) transformers' same logits and
+greedy tokens; an export streams (its memory does not grow with the model); a GPT-style model refuses hf in one
+line."""
 
 from __future__ import annotations
 
@@ -11,28 +13,73 @@ import stat
 import subprocess
 import sys
 import textwrap
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
-from runtime.inference.load import load_model
+from runtime.inference.load import load_model, open_checkpoint
 from runtime.inference.static_graph import StaticDenseModel
-from tests.cli.conftest import FAST_TINY, run_moesys
+from runtime.serving.chat import parse_chat
+from runtime.serving.protocol import Defaults
+from tests.cli.conftest import FAST_TINY, run_moesys, serving
 
-MIXTRAL_STYLE = ["model.expert_type=swiglu", "model.norm=rmsnorm", "model.position=rope", "model.bias=false",
-                 "model.normalize_top_k=true", "model.capacity_factor=0", "model.tie_embeddings=false"]
 IDS = [[60, 61, 62, 63, 70, 71, 72, 104, 101]]
+CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What moves the wind?"},
+        {"role": "assistant", "content": "Air pressure."}, {"role": "user", "content": "And rain, naïve?"}]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("export") / "run"
     done = run_moesys("train", *FAST_TINY, "train.max_steps=30", f"train.run_dir={run_dir}", "storage.dense_shard=true",
-                      "model.embedding_partition=true", *MIXTRAL_STYLE)
+                      "model.embedding_partition=true")
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((run_dir / "checkpoints" / "step_00000030" / "meta.json").read_text())["expert_parallel"] == 2
     return run_dir
+
+
+def test_the_quickstarts_model_exports_to_hf_and_transformers_gives_infers_and_serves_ids(tmp_path):
+    """`moesys train recipe=tiny` as the README runs it (fewer steps), `moesys export ... export.format=hf`: the
+    export carries eos, the pad and the chat template; transformers' greedy ids are `moesys infer`'s, and its
+    apply_chat_template gives the ids `moesys serve` prompts with and the answer it serves."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    run_dir, out = tmp_path / "run", tmp_path / "hf"
+    trained = run_moesys("train", "recipe=tiny", "train.max_steps=10", f"train.run_dir={run_dir}")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    done = run_moesys("export", f"checkpoint={run_dir}", f"out={out}", "export.format=hf", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["eos_token"] == "<|endoftext|>"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "mixtral"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert (tok.eos_token, tok.pad_token, tok.bos_token) == ("<|endoftext|>", "<|endoftext|>", None)
+    infer = run_moesys("infer", f"checkpoint={run_dir}", "prompt=The wind ", "infer.max_new_tokens=24", "--json")
+    assert infer.returncode == 0, infer.stderr[-2000:]
+    ours = json.loads(infer.stdout)
+    ids = tok("The wind ")["input_ids"]
+    assert ours["prompt_tokens"] == [ids] and ours["stop_token_ids"] == [256, 258]
+    with torch.no_grad():  # its generation_config.json: the same stop tokens, the pad
+        greedy = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    assert ours["tokens"] == [greedy]
+
+    prompt = tok.apply_chat_template(CHAT, add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    body = {"messages": CHAT, "max_tokens": 12, "temperature": 0}
+    served = parse_chat(body, Defaults(12, 0.0, 0, 0), open_checkpoint(run_dir).tokenizer, 320, 256)
+    generation_prompt = tok.encode("<|im_start|>assistant\n")
+    assert served.prompt_ids == prompt and prompt[-len(generation_prompt):] == generation_prompt == [257, *b"assistant\n"]
+    with torch.no_grad():
+        answer = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    answer = answer[:-1] if answer[-1] in (256, 258) else answer
+    with serving([f"checkpoint={run_dir}", "--offload", "none"], tmp_path / "serve.log") as (_, url):
+        request = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            chat = json.loads(response.read())
+    assert chat["usage"]["prompt_tokens"] == len(prompt)
+    assert chat["choices"][0]["message"]["content"] == tok.decode(answer)
 
 
 def logits(model, ids=IDS) -> torch.Tensor:

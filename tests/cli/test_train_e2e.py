@@ -18,7 +18,7 @@ from runtime.parallel.groups import build_groups
 from runtime.files.run_dir import load_config
 from runtime.train.build import build_components
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint
-from tests.cli.conftest import FAST_TINY, losses, moesys_bin, run_moesys
+from tests.cli.conftest import FAST_TINY, GPT_STYLE, losses, moesys_bin, run_moesys
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -81,9 +81,10 @@ def test_sigint_checkpoints_then_exits_and_the_run_resumes(tmp_path):
     assert json.loads(resumed.stdout)["steps"] == stopped_at + 2
 
 
-def test_checkpoint_reshards_from_two_to_one_expert_parallel_ranks(tmp_path):
+@pytest.mark.parametrize("layout,expert_tensors", [([], ("w1", "w2", "w3")), (GPT_STYLE, ("w1", "w2", "b1", "b2"))])
+def test_checkpoint_reshards_from_two_to_one_expert_parallel_ranks(tmp_path, layout, expert_tensors):
     run_dir = tmp_path / "ep2"
-    done = run_moesys("train", *FAST_TINY, "train.max_steps=3", f"train.run_dir={run_dir}")
+    done = run_moesys("train", *FAST_TINY, *layout, "train.max_steps=3", f"train.run_dir={run_dir}")
     assert done.returncode == 0, done.stderr
     cfg = load_config(run_dir)
     assert cfg.topology.expert_parallel == 2
@@ -99,6 +100,7 @@ def test_checkpoint_reshards_from_two_to_one_expert_parallel_ranks(tmp_path):
     for name, param in c.model.named_parameters():
         if ".experts." not in name:
             continue
+        assert name.rpartition(".")[2] in expert_tensors
         state = c.optimizer.state[param]
         for g in range(cfg.model.num_experts):
             owner = files[f"experts-ep{g // (cfg.model.num_experts // 2)}.safetensors"]
@@ -107,4 +109,4 @@ def test_checkpoint_reshards_from_two_to_one_expert_parallel_ranks(tmp_path):
             torch.testing.assert_close(state["exp_avg_sq"][g], owner.get_tensor(f"exp_avg_sq.{name}.{g}"),
                                        rtol=0, atol=0)
             checked += 1
-    assert checked == cfg.model.num_experts * cfg.model.num_layers * 4  # w1, w2, b1, b2 per MoE layer
+    assert checked == cfg.model.num_experts * cfg.model.num_layers * len(expert_tensors)  # each per MoE layer

@@ -14,7 +14,8 @@ from runtime.plan.planner import plan_placement
 from runtime.plan.step_memory import activation_bytes, step_peak
 
 ONE_GPU = dict(nodes=1, gpus_per_node=1, gpu_memory_gb=80, cpu_memory_gb=128, expert_parallel=1, nproc_per_node=1)
-TINY = ModelConfig(ffn_hidden_size=256)  # conf/model/tiny.yaml
+TINY = ModelConfig(ffn_hidden_size=256)
+"""The tiny recipe's model as the H100 measured it, GPT-style (the recipe is Mixtral-layout now, of the same sizes)."""
 WIDE = ModelConfig(hidden_size=2048, ffn_hidden_size=4096, num_experts=32, num_layers=6, num_heads=16)
 MIXTRAL_2B = ModelConfig(hidden_size=2048, num_layers=8, num_heads=16, num_kv_heads=4, vocab_size=32000,
                          ffn_hidden_size=5632, num_experts=8, top_k=2, expert_type="swiglu", max_seq_len=4096,
@@ -26,9 +27,10 @@ def one_gpu(model: ModelConfig, micro_batch: int, seq_len: int, offload: str = "
                         train=TrainConfig(micro_batch_size=micro_batch, seq_len=seq_len, precision="bf16"))
 
 
-def test_the_tiny_model_here_is_the_recipes():
+def test_the_tiny_model_here_has_the_recipes_sizes():
     recipe = yaml.safe_load((Path(__file__).resolve().parents[3] / "conf" / "model" / "tiny.yaml").read_text())
-    assert recipe == {k: getattr(TINY, k) for k in recipe}
+    sizes = ("hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "num_experts", "top_k", "max_seq_len")
+    assert {k: recipe[k] for k in sizes} == {k: getattr(TINY, k) for k in sizes}
 
 
 @pytest.mark.parametrize("cfg,measured", [

@@ -18,12 +18,12 @@ from runtime.data.text import CORPUS_DIR
 from runtime.data.tokenizer_train import train_bpe
 
 HUGE = ["recipe=tiny", "model.num_experts=512", "model.hidden_size=8192", "model.ffn_hidden_size=32768",
-        "model.num_layers=12", "model.num_heads=64", "train.lr=1e-4"]  # 3.3T parameters: 40 TB a checkpoint
+        "model.num_layers=12", "model.num_heads=64", "train.lr=1e-4"]  # 4.95T parameters: 59 TB a checkpoint
 NO_CHECKPOINTS = ["train.checkpoint_every=0", "train.final_checkpoint=false"]
 
 
 @pytest.mark.parametrize("extra,target,written", [
-    ([], "checkpoints", "(3 checkpoints of 39624.76 GB at once, 2 kept and the next being written)"),
+    ([], "checkpoints", "(3 checkpoints of 59412.95 GB at once, 2 kept and the next being written)"),
     (["storage.offload=ssd", *NO_CHECKPOINTS], "expert_store", "(expert store "),
 ])
 def test_files_the_disk_cannot_hold_are_refused_in_one_line(tmp_path, extra, target, written):
@@ -59,12 +59,13 @@ def files(tmp_path_factory):
 @pytest.mark.parametrize("overrides,message", [
     (["train.tokenizer={root}/missing.json"], "train.tokenizer={root}/missing.json does not exist; give bytes or "
                                               "the path of a Hugging Face tokenizer.json"),
-    (["train.tokenizer={root}/bpe.json"], "train.tokenizer={root}/bpe.json has 300 tokens, more than "
-                                          "model.vocab_size=256; set model.vocab_size=300 (or more)"),
+    (["train.tokenizer={root}/bpe.json", "model.vocab_size=256"],
+     "train.tokenizer={root}/bpe.json has 300 tokens, more than model.vocab_size=256; set model.vocab_size=300 "
+     "(or more)"),
     (["train.data={root}/docs.jsonl"], "train.data={root}/docs.jsonl line 1 has no 'text' string (its keys: body); "
                                        "set train.data_text_key"),
     (["train.data={root}/floats.npy"], "train.data={root}/floats.npy holds a float32 array"),
-    (["train.data={root}/wide.bin"], "train.data={root}/wide.bin holds token id 999, not below the vocabulary's 256"),
+    (["train.data={root}/wide.bin"], "train.data={root}/wide.bin holds token id 999, not below the vocabulary's 320"),
     (["train.eval_data={root}/short.txt"], "train.eval_data={root}/short.txt holds 9 tokens, fewer than "
                                            "train.seq_len + 1"),
     (["train.eval_data={root}/nothing"], "train.eval_data={root}/nothing does not exist"),
