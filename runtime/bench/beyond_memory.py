@@ -38,6 +38,8 @@ from runtime.files.paths import EXPERT_STORE
 from runtime.files.run_dir import read_metrics
 
 HIDDEN, FFN, LAYERS, HEADS = 1024, 512, 6, 8
+GPT_LAYOUT = {"expert_type": "gelu", "norm": "layernorm", "position": "learned", "bias": True, "tie_embeddings": True}
+"""The model's layout, GPT-MoE's (recipe=tiny gives only the rest): its experts' size decides how many there are."""
 GB = 1e9
 PLANNED_SHARE = 0.85
 TOKENS_PER_RANK = 32
@@ -50,6 +52,7 @@ def _overrides(experts: int, alpha: float, run_dir: Path, steps: int, memory_gb:
             "topology.nproc_per_node=2", "topology.expert_parallel=2",
             f"model.hidden_size={HIDDEN}", f"model.ffn_hidden_size={FFN}", f"model.num_layers={LAYERS}",
             f"model.num_heads={HEADS}", f"model.num_experts={experts}", "model.top_k=1", "model.max_seq_len=64",
+            *(f"model.{key}={str(value).lower()}" for key, value in GPT_LAYOUT.items()),
             f"train.seq_len={TOKENS_PER_RANK}", "train.micro_batch_size=1", f"train.max_steps={steps}",
             "train.warmup_steps=100", "train.checkpoint_every=0", "train.final_checkpoint=false",
             "train.max_restarts=0", "storage.offload=ssd", f"storage.alpha={alpha}", f"train.run_dir={run_dir}"]
@@ -60,7 +63,7 @@ def _experts_for(ratio: float, ram: int) -> int:
     from runtime.config import ModelConfig
 
     one = count_parameters(ModelConfig(hidden_size=HIDDEN, ffn_hidden_size=FFN, num_layers=LAYERS,
-                                       num_heads=HEADS, num_experts=2, top_k=1)).per_expert
+                                       num_heads=HEADS, num_experts=2, top_k=1, **GPT_LAYOUT)).per_expert
     experts = math.ceil(ratio * ram / (12 * one * LAYERS))
     return experts + experts % 2
 

@@ -1,12 +1,15 @@
 """An hf export's special tokens, as transformers reads them: a run with them exports eos (also the pad), no bos,
 its stop tokens for generation and the ChatML template; a run of 256 rows (as runs made before the special tokens)
-exports saying it has no eos, and transformers then generates to the length `moesys infer` does; a Hugging Face
-directory's generation_config.json eos ends `moesys infer` where it ends transformers' generate."""
+serves chat (ChatML as plain bytes) and exports saying it has no eos, and transformers then generates to the length
+`moesys infer` does; a Hugging Face directory's generation_config.json eos ends `moesys infer` where it ends
+transformers' generate."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
+import urllib.request
 
 import pytest
 import torch
@@ -16,6 +19,8 @@ from runtime.data.chat_template import CHATML
 from runtime.inference.export import export_checkpoint
 from runtime.inference.generate import run_inference
 from runtime.inference.load import open_checkpoint
+from runtime.serving.server import BackgroundServer
+from runtime.serving.service import open_service
 from tests.trained_run import train_run_dir
 
 MIXTRAL = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=320, ffn_hidden_size=48,
@@ -60,7 +65,7 @@ def test_an_export_names_eos_pad_its_stop_tokens_and_the_chat_template(tmp_path_
 
 
 def test_a_run_of_256_rows_exports_without_eos_and_generates_to_its_length(tmp_path_factory, transformers):
-    run, out = _export(tmp_path_factory, ModelConfig(**{**vars(MIXTRAL), "vocab_size": 256}))
+    run, out = _export(tmp_path_factory, replace(MIXTRAL, vocab_size=256))
     config = json.loads((out / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (None, None, None)
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] is None
@@ -70,6 +75,14 @@ def test_a_run_of_256_rows_exports_without_eos_and_generates_to_its_length(tmp_p
     ours = run_inference(run, {"max_new_tokens": 12}, prompt_ids=PROMPT)
     assert ours["stop_token_ids"] == [] and len(ours["tokens"][0]) == 12
     assert _hf_greedy(transformers, out, 12, pad_token_id=0) == ours["tokens"][0]  # not Mixtral's eos 2
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    with BackgroundServer(open_service(run, {}, {"port": 0})) as url:
+        request = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode())
+        with urllib.request.urlopen(request, timeout=60) as response:
+            chat = json.loads(response.read())
+    prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n".encode()  # the markers as their bytes
+    assert chat["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 4, "total_tokens": len(prompt) + 4}
+    assert chat["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_hugging_face_directorys_eos_ends_infer_where_it_ends_transformers(tmp_path_factory, transformers):

@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 import pytest
@@ -16,7 +17,6 @@ from runtime.inference.generate import run_inference
 from runtime.serving import app
 from runtime.serving.server import BackgroundServer
 from runtime.serving.service import open_service
-from runtime.config import ModelConfig
 from tests.trained_run import SMALL_MOE, train_run_dir
 
 INFER = {"max_new_tokens": 6, "ring_slots": 1}
@@ -26,7 +26,7 @@ INFER = {"max_new_tokens": 6, "ring_slots": 1}
 def run_dir(tmp_path_factory):
     """A real moesys run directory (the byte tokenizer with its special tokens): one training step of a 2-layer MoE,
     single process."""
-    return train_run_dir(tmp_path_factory.mktemp("run"), ModelConfig(**{**vars(SMALL_MOE), "vocab_size": 320}))
+    return train_run_dir(tmp_path_factory.mktemp("run"), replace(SMALL_MOE, vocab_size=320))
 
 
 def _server(run_dir, offload="none", **serve):

@@ -6,6 +6,7 @@ uninterrupted one, bit for bit, in every format."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -88,11 +89,10 @@ def test_a_rank_reads_only_the_windows_of_its_own_share():
 
 
 def run_config(run_dir: Path, data: str, steps: int, tokenizer: str = "bytes") -> MoesysConfig:
-    vocab = 300 if tokenizer != "bytes" else 256
-    cfg = MoesysConfig(model=SMALL_MOE, train=TrainConfig(max_steps=steps, micro_batch_size=2, seq_len=16,
-                                                          warmup_steps=1, checkpoint_every=2, run_dir=str(run_dir),
-                                                          data=data, tokenizer=tokenizer))
-    cfg.model.vocab_size = vocab
+    vocab = 300 if tokenizer != "bytes" else 256  # a copy: SMALL_MOE is shared with other modules' runs
+    cfg = MoesysConfig(model=replace(SMALL_MOE, vocab_size=vocab),
+                       train=TrainConfig(max_steps=steps, micro_batch_size=2, seq_len=16, warmup_steps=1,
+                                         checkpoint_every=2, run_dir=str(run_dir), data=data, tokenizer=tokenizer))
     cfg.topology.nproc_per_node = 1
     return cfg
 
