@@ -15,6 +15,8 @@ from runtime.serving.protocol import (MAX_LOGPROBS, CompletionRequest, Defaults,
 CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_k", "seed", "stream",
                "n", "stop", "logprobs", "top_logprobs")
 ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
 def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     """The prompt text of `messages` with the generation prompt: the tokenizer's chat template, or ChatML."""
     if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):

@@ -90,7 +90,8 @@ def test_a_template_that_rewrites_earlier_turns_or_refuses_is_a_one_line_error()
                  "{% endfor %}")
     with pytest.raises(ChatTemplateError, match=r"renders messages\[2\] \(an assistant's\)"):
         assistant_text_spans(CHATS[1], last_only)
-    refusing = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message comes first') }}{% endif %}"
+    refusing = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message comes first') }}"
+                "{% endif %}")
     with pytest.raises(ChatTemplateError, match="refused the messages: a system message comes first") as err:
         render_chat(CHATS[0], template=refusing)
     assert "\n" not in str(err.value)
