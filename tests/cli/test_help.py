@@ -12,7 +12,9 @@ from typer.testing import CliRunner
 from moesys_cli.app import app
 from tests.cli.conftest import run_moesys
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+"""The user guide: the README and every page of docs/."""
 
 
 def test_the_verb_list_gives_each_verb_one_whole_sentence():
@@ -49,12 +51,14 @@ def test_the_plan_names_the_device_it_plans_for(tmp_path):
     assert json.loads(gpu.stdout)["placement"]["device"] == "gpu"
 
 
-def test_help_keys_and_readme_cite_papers_by_name_not_by_source_file_number():
+def test_help_keys_and_docs_cite_papers_by_name_not_by_source_file_number():
     seed = re.compile(r"seed 0\d\d|seeds?/")
     runner = CliRunner()  # the installed app, in this process: 14 help texts without 14 interpreter start-ups
     texts = [runner.invoke(app, [verb, "--help"]).output for verb in
              ("plan", "train", "infer", "export", "distill", "serve", "report", "rebalance", "bench", "config",
               "tokenize", "eval", "tokenizer")]
-    texts += [runner.invoke(app, ["config", "--keys"]).output, README.read_text()]
-    assert all("Usage" in text or "model." in text for text in texts[:-1])
+    texts.append(runner.invoke(app, ["config", "--keys"]).output)
+    assert all("Usage" in text or "model." in text for text in texts)
+    assert len(DOCS) > 10, DOCS  # the README and the pages of docs/
+    texts += [path.read_text() for path in DOCS]
     assert not [m.group() for text in texts for m in seed.finditer(text)]
