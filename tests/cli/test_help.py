@@ -1,5 +1,6 @@
-"""What `--help` and the plan's table tell a user: one line per verb, the overrides each verb really takes, the
-device named as it is, and papers cited by title and section, never by a file number of this repository's sources."""
+"""What `--help`, the plan's table and the user guide tell a user: one line per verb, the overrides each verb really
+takes, the device named as it is, an example of every verb in the README, and papers cited by title and section,
+never by a file number of this repository's sources."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from moesys_cli.app import app
+from moesys_cli.app import SHORT, app
 from tests.cli.conftest import run_moesys
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,3 +63,9 @@ def test_help_keys_and_docs_cite_papers_by_name_not_by_source_file_number():
     assert len(DOCS) > 10, DOCS  # the README and the pages of docs/
     texts += [path.read_text() for path in DOCS]
     assert not [m.group() for text in texts for m in seed.finditer(text)]
+
+
+def test_the_readme_shows_every_verb_and_links_the_docs():
+    readme = DOCS[0].read_text()
+    assert [verb for verb in SHORT if f"\nmoesys {verb} " not in readme] == []  # one example per verb
+    assert [p.name for p in DOCS[1:] if f"docs/{p.name}" not in readme and p.name != "README.md"] == []
