@@ -404,13 +404,15 @@ class ServeConfig(ConfigSection):
     row computed as a lone decode step, so every request's tokens are exactly `moesys infer`'s for it alone."""
     max_queue: int = 64
     """Requests waiting for the generation worker; one more is refused with HTTP 503."""
+    max_sequences_per_request: int = 256
+    """Sequences one request may ask for, prompts x n (x best_of when larger); more is refused with HTTP 400."""
     drain_timeout_s: float = 60.0
     """On SIGTERM, how long requests in flight may take to finish before they are cancelled."""
     request_timeout_s: float = 600.0
     """A request with no answer after this many seconds (a stream: no new token for this long) gets HTTP 504 and
     its generation is cancelled; /health says 'stuck' (503) while one generation has run longer than this."""
 
-    BOUNDS = (("between 0 and 65535", "port"), (">= 1", "max_batch_size max_queue"),
+    BOUNDS = (("between 0 and 65535", "port"), (">= 1", "max_batch_size max_queue max_sequences_per_request"),
               ("positive", "drain_timeout_s request_timeout_s"))
 
 
