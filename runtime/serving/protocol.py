@@ -168,7 +168,8 @@ def refuse_not_served(body: dict[str, Any]) -> None:
     """A 400 for a tool call or structured output asked for (NOT_SERVED), which this server does not do."""
     for key in NOT_SERVED:
         value = body.get(key)
-        if value in (None, [], "none") or (key == "response_format" and value == {"type": "text"}):
+        if (value in (None, [], "none") or (key == "response_format" and value == {"type": "text"})
+                or (key == "parallel_tool_calls" and isinstance(value, bool))):
             continue
         raise RequestError(f"{key} is not supported by moesys serve (no tool calls or structured output); leave it "
                            "out", key)
