@@ -1,6 +1,6 @@
-"""Generation with a KV cache: greedy or sampled (runtime/inference/sampling.py), several prompts per batch, prefill and decode
-timed apart; `run_inference` is what `moesys infer` calls (load, offload as the paper's "Ring Memory Offloading" and
-its successors, generate).
+"""Generation with a KV cache: greedy or sampled (runtime/inference/sampling.py), several prompts per batch,
+prefill and decode timed apart; `run_inference` is what `moesys infer` calls (load, offload as the paper's "Ring
+Memory Offloading" and its successors, generate).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What `moesys serve` measures: one log line per request (id, route, status, prompt and completion tokens, time to
-first token, total time; the reason of a refusal and the request's `user` when there are) and Prometheus metrics for GET /metrics (prometheus-client, one registry per service):
-requests by route and status, tokens in and out, queue depth, running sequences, latency and time-to-first-token
-histograms."""
+first token, total time; the reason of a refusal and the request's `user` when there are) and Prometheus metrics
+for GET /metrics (prometheus-client, one registry per service): requests by route and status, tokens in and out,
+queue depth, running sequences, latency and time-to-first-token histograms."""
 
 from __future__ import annotations
 

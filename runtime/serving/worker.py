@@ -1,8 +1,8 @@
 """The one generation worker of `moesys serve`: a thread that owns the model and its offloader, takes requests
 from a bounded queue in arrival order and runs their sequences (per prompt, one per choice: `n`, or `best_of`
-candidates of which the `n` most likely are answered) by continuous batching: a
-sequence joins the decode batch as soon as a row is free and leaves it after its last token, so requests of any
-prompt length, max_tokens and sampling settings share decode steps. Each sequence's tokens are its lone run's."""
+candidates of which the `n` most likely are answered) by continuous batching: a sequence joins the decode batch as
+soon as a row is free and leaves it after its last token, so requests of any prompt count and length, max_tokens
+and sampling settings share decode steps. Each sequence's tokens are its lone run's."""
 
 from __future__ import annotations
 

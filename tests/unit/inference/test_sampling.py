@@ -129,3 +129,20 @@ def test_every_setting_on_keeps_the_decode_step_free_of_host_syncs():
     counts = count_decode(lambda n: generate(model, PROMPT, n, seed=2, offloader=offloader, step=step, sampling=s),
                           MIXTRAL.num_layers)
     assert counts.host_syncs_per_token == 0
+
+
+def test_the_infer_keys_are_checked_and_give_moesys_infer_its_sampling():
+    from runtime.config import config_from_dict
+    from runtime.config.checks import ConfigError
+    from runtime.inference.generate import infer_sampling
+
+    inf = config_from_dict({"infer": {"temperature": 0.5, "top_p": 0.9, "presence_penalty": -1,
+                                      "frequency_penalty": 2, "logit_bias": {104: 5, "7": -100}}}).infer
+    assert infer_sampling(inf) == Sampling(0.5, 0, 0.9, -1.0, 2.0, ((7, -100.0), (104, 5.0)))
+    for bad, message in (({"top_p": 0}, "infer.top_p must be in (0, 1] (got 0"),
+                         ({"presence_penalty": 2.5}, "infer.presence_penalty must be between -2 and 2"),
+                         ({"frequency_penalty": -3}, "infer.frequency_penalty must be between -2 and 2"),
+                         ({"logit_bias": {"a": 1}}, "infer.logit_bias: key 'a' is not a token id"),
+                         ({"logit_bias": {3: 101}}, "infer.logit_bias[3] must be between -100 and 100")):
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            config_from_dict({"infer": bad})

@@ -371,7 +371,8 @@ def test_prompt_arrays_echo_and_the_tokenizer_routes(run_dir, caplog):
             assert c["text"] == text + bytes(c["token_ids"]).decode(errors="replace")
             assert lp["tokens"] == [chr(t) for t in prompt] + [bytes(c["token_ids"]).decode(errors="replace")]
             assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-            assert all(isinstance(v, float) for v in lp["token_logprobs"][1:]) and len(lp["top_logprobs"]) == len(prompt) + 1
+            assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+            assert len(lp["top_logprobs"]) == len(prompt) + 1
             assert lp["text_offset"] == list(range(len(prompt) + 1))
         status, scored = post(url, {"prompt": "x" * 48, "echo": True, "logprobs": 0, "max_tokens": 0})
         assert status == 200 and scored["choices"][0]["token_ids"] == [] and scored["usage"]["completion_tokens"] == 0
