@@ -124,7 +124,8 @@ def test_lm_eval_scores_moesys_serve_as_its_hf_backend_scores_the_export(tmp_pat
             proc, url):
         api = _evaluate("local-completions", {
             "base_url": f"{url}/v1/completions", "model": run.name, "max_length": CONTEXT, "batch_size": 4,
-            "max_retries": 1, "custom_prefix_token_id": 256},  # the prefix the server's eos will give (`tokens`)
+            # perplexity windows start with eos; /tokenizer_info names none until moesys tokenizers have one
+            "max_retries": 1, "custom_prefix_token_id": 256},
             tasks, folder)
         chat = _evaluate("local-chat-completions", {"base_url": f"{url}/v1/chat/completions", "model": run.name,
                                                     "max_retries": 1}, ["moesys_gen"], folder,
