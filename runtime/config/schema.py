@@ -306,6 +306,14 @@ class InferConfig(ConfigSection):
     """0 is greedy."""
     top_k: int = 0
     """Sample from the k most likely tokens; 0 means all."""
+    top_p: float = 1.0
+    """Nucleus sampling: sample from the most likely tokens whose probabilities first add up to top_p; 1 means all."""
+    presence_penalty: float = 0.0
+    """-2..2, subtracted from the logit of every token already generated (OpenAI's presence_penalty)."""
+    frequency_penalty: float = 0.0
+    """-2..2, subtracted from a token's logit once per time it has been generated (OpenAI's frequency_penalty)."""
+    logit_bias: Dict[str, float] = field(default_factory=dict)
+    """{token id: bias}, each bias -100..100 added to that token's logit before sampling (OpenAI's logit_bias)."""
     seed: int = 0
     """Sampling seed."""
     ring_slots: int = 2
@@ -321,7 +329,17 @@ class InferConfig(ConfigSection):
     compile: Optional[bool] = None
     """Wrap the decode step in torch.compile (CUDA graphs on a GPU); null: where it pays, on CUDA, not on the CPU."""
 
-    BOUNDS = (("positive", "max_new_tokens"), (">= 0", "temperature top_k"), (">= 1", "ring_slots"))
+    BOUNDS = (("positive", "max_new_tokens"), (">= 0", "temperature top_k"), (">= 1", "ring_slots"),
+              ("in (0, 1]", "top_p"))
+
+    def rules(self, p: Problems, at: str) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            p.need(-2 <= value <= 2, f"{at}.{name} must be between -2 and 2 (got {value})")
+        for token, bias in self.logit_bias.items():
+            p.need(str(token).isdigit(), f"{at}.logit_bias: key {token!r} is not a token id (give {{104: 5.0}})")
+            p.need(isinstance(bias, (int, float)) and -100 <= bias <= 100,
+                   f"{at}.logit_bias[{token}] must be between -100 and 100 (got {bias})")
 
 
 @dataclass
@@ -386,13 +404,15 @@ class ServeConfig(ConfigSection):
     row computed as a lone decode step, so every request's tokens are exactly `moesys infer`'s for it alone."""
     max_queue: int = 64
     """Requests waiting for the generation worker; one more is refused with HTTP 503."""
+    max_sequences_per_request: int = 256
+    """Sequences one request may ask for, prompts x n (x best_of when larger); more is refused with HTTP 400."""
     drain_timeout_s: float = 60.0
     """On SIGTERM, how long requests in flight may take to finish before they are cancelled."""
     request_timeout_s: float = 600.0
     """A request with no answer after this many seconds (a stream: no new token for this long) gets HTTP 504 and
     its generation is cancelled; /health says 'stuck' (503) while one generation has run longer than this."""
 
-    BOUNDS = (("between 0 and 65535", "port"), (">= 1", "max_batch_size max_queue"),
+    BOUNDS = (("between 0 and 65535", "port"), (">= 1", "max_batch_size max_queue max_sequences_per_request"),
               ("positive", "drain_timeout_s request_timeout_s"))
 
 

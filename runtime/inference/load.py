@@ -204,11 +204,19 @@ def _shape_checked(tensor: torch.Tensor, param: torch.Tensor, name: str, step: P
 # ---- Hugging Face Mixtral directories ----
 
 class _HFTokenizer:
+    """transformers' tokenizer of a Hugging Face directory, with its special tokens (what `moesys serve`'s
+    /tokenizer_info reports)."""
+
+    adds_special_tokens = True
+    """encode() adds the tokens the tokenizer adds to a text (a bos, for some); add_special_tokens=False does not."""
+
     def __init__(self, tok: Any):
         self.tok = tok
+        self.tokenizer_class = type(tok).__name__
+        self.eos_token, self.bos_token, self.pad_token = tok.eos_token, tok.bos_token, tok.pad_token
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
