@@ -83,7 +83,7 @@ def init_expert(seed: int, prefix: str, shapes: dict[str, tuple[int, ...]], expe
 
 
 def _module_kind(module: nn.Module, param_name: str) -> str:
-    if param_name == "bias":
+    if param_name.endswith("bias"):  # a Linear's bias, a router's score_bias
         return "zeros"
     if isinstance(module, (nn.LayerNorm, RMSNorm)):
         return "ones"

@@ -19,6 +19,14 @@ CASES = {
     "every_other_moe": dict(moe_layer_freq=2, ffn_hidden_size=40),
     "swiglu_with_bias": dict(expert_type="swiglu", num_kv_heads=1),
     "layernorm_no_bias": dict(bias=False),
+    "qwen3_parts": dict(expert_type="swiglu", norm="rmsnorm", bias=False, position="rope", qk_norm="head",
+                        head_dim=16, num_kv_heads=2, moe_layers=[0, 2], dense_ffn_hidden_size=24),
+    "olmoe_parts": dict(expert_type="swiglu", norm="rmsnorm", bias=False, position="rope", qk_norm="full",
+                        attention_bias="all"),
+    "qwen2_parts": dict(expert_type="swiglu", norm="rmsnorm", bias=False, position="rope", attention_bias="qkv",
+                        shared_expert_hidden_size=56, shared_expert_gate=True, moe_layer_freq=2),
+    "ernie_parts": dict(expert_type="swiglu", norm="rmsnorm", bias=False, position="rope", router_score_bias=True,
+                        shared_expert_hidden_size=80, moe_layers=[1, 2]),
 }
 
 
