@@ -226,11 +226,11 @@ class InferConfig(ConfigSection):
 
 @dataclass
 class ExportConfig(ConfigSection):
-    """`moesys export`: one servable model from a training checkpoint."""
+    """`moesys export`: one servable model from a training checkpoint or a Hugging Face model directory."""
 
     format: Annotated[str, Literal["moesys", "hf"]] = "moesys"
-    """moesys (a checkpoint `moesys infer` and `moesys serve` read, without optimizer state) or hf (the Hugging
-    Face Mixtral layout; Mixtral-style models only)."""
+    """moesys (a checkpoint `moesys infer` and `moesys serve` read, without optimizer state) or hf (the model's own
+    Hugging Face family, model.family; moesys's own SwiGLU/RoPE models as Mixtral)."""
     dtype: Optional[Annotated[str, Literal["fp32", "bf16", "fp16"]]] = None
     """fp32, bf16 or fp16; null keeps the checkpoint's."""
     max_shard_gb: float = 5.0

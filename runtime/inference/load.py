@@ -1,5 +1,6 @@
 """Open a checkpoint for inference: a moesys run directory (or one of its step_N directories) or a Hugging Face
-Mixtral-layout directory, as one single-process Transformer, its config and tokenizer, and where its experts lie.
+directory of a family moesys reads (runtime/hf/families.py), as one single-process Transformer, its config and
+tokenizer, and where its experts lie.
 
 Files are memory-mapped and streamed: dense weights are copied to the device one tensor at a time, experts are
 read only when an offload mode places or computes them, so opening a model larger than memory costs its dense
@@ -21,7 +22,7 @@ import yaml
 from runtime.config import ConfigError, MoesysConfig, config_from_dict, config_to_dict
 from runtime.errors import UserError
 from runtime.inference.expert_source import ExpertSource
-from runtime.inference.hf_mixtral import open_hf_mixtral
+from runtime.hf.checkpoint import open_hf_model
 from runtime.inference.mapped import MappedFileError, TensorFiles, copy_to, read_header
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
@@ -201,7 +202,7 @@ def _shape_checked(tensor: torch.Tensor, param: torch.Tensor, name: str, step: P
     return tensor
 
 
-# ---- Hugging Face Mixtral directories ----
+# ---- Hugging Face directories ----
 
 class _HFTokenizer:
     def __init__(self, tok: Any):
@@ -238,7 +239,7 @@ def _hf_tokenizer(path: Path) -> Optional[Tokenizer]:
 
 def open_hf(path: Path, dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu") -> LoadedModel:
     try:
-        model_cfg, model, source = open_hf_mixtral(path, dtype=dtype, device=device)
+        model_cfg, model, source = open_hf_model(path, dtype=dtype, device=device)
     except UserError:
         raise
     except Exception as exc:  # torn safetensors files and the like
@@ -250,7 +251,7 @@ def open_hf(path: Path, dtype: Optional[torch.dtype] = None, device: torch.devic
 
 def open_checkpoint(checkpoint: str | Path, dtype: Optional[torch.dtype] = None,
                     device: torch.device | str = "cpu") -> LoadedModel:
-    """Open a moesys run directory or a Hugging Face Mixtral directory for inference without reading its experts:
+    """Open a moesys run directory or a Hugging Face directory for inference without reading its experts:
     dense weights are copied to `device`, experts stay where they lie in the files (`LoadedModel.experts`) and on
     the meta device in the model until an offload mode places them."""
     path = Path(checkpoint).expanduser()
