@@ -29,15 +29,22 @@ from runtime.moe.layer import is_expert_param
 PathLike = Union[str, Path]
 
 
+def read_hf_config(path: PathLike) -> tuple[ModelConfig, Family, dict]:
+    """(model section, family, config.json as a dict) of a model directory from its config.json alone: what a plan
+    needs, with or without the weights beside it."""
+    path = Path(path)
+    data = read_config_json(path)
+    where = str(path / "config.json")
+    family = family_named(data.get("model_type"), where)
+    return family.model_config(data, where), family, data
+
+
 class HFCheckpoint:
     """config.json -> `config` (the model section, `family` its table entry) and the tensors by moesys key."""
 
     def __init__(self, path: PathLike):
         self.path = Path(path)
-        self.source_config = read_config_json(self.path)
-        where = str(self.path / "config.json")
-        self.family: Family = family_named(self.source_config.get("model_type"), where)
-        self.config: ModelConfig = self.family.model_config(self.source_config, where)
+        self.config, self.family, self.source_config = read_hf_config(self.path)
         self.files = HFTensorFiles(self.path)
         self.entries: dict[str, TensorName] = {}
         self._readers: dict[str, Callable[[], Tensor]] = {}
