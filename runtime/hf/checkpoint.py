@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from runtime.config import ModelConfig
 from runtime.files.checkpoint_format import MODEL, tensor_key
@@ -125,6 +125,23 @@ class HFCheckpoint:
     def nbytes(self, key: str) -> int:
         dtype, shape = self.spec(key)
         return int(torch.Size(shape).numel()) * dtype.itemsize
+
+    def copy_into(self, model: nn.Module) -> None:
+        """Copy the weights into a materialized moesys model built from self.config, or into one rank's part of it
+        (its experts module holds global experts first_expert..first_expert + e), one tensor or one expert at a
+        time; parameters still on the meta device (those an offloader keeps elsewhere) are left alone."""
+        with torch.no_grad():
+            for prefix, module in model.named_modules():
+                first = getattr(module, "first_expert", None)
+                for pname, param in module.named_parameters(recurse=False):
+                    if param.is_meta:
+                        continue
+                    name = f"{prefix}.{pname}" if prefix else pname
+                    if first is None:
+                        param.copy_(self.get(tensor_key(MODEL, name)))
+                        continue
+                    for j in range(param.shape[0]):
+                        param[j].copy_(self.get(tensor_key(MODEL, name, first + j)))
 
     def expert_source(self, model: Transformer, dtype: Optional[torch.dtype] = None) -> ExpertSource:
         """Each MoE layer's experts of `model` (built from self.config) as per-expert tensors where they lie."""

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from runtime.hf.checkpoint import HFCheckpoint, load_hf_model
 from runtime.hf.files import HFCheckpointError
 from runtime.inference.export import export_checkpoint
+from runtime.model.transformer import Transformer
 from runtime.moe.losses import expert_load, pooled_load_balancing_loss
 from tests.hf_families import FAMILIES, TOKENS, load_transformers, save_sharded, tiny_model
 
@@ -188,3 +189,22 @@ def test_a_model_its_family_cannot_express_is_refused_before_writing(tmp_path):
     with pytest.raises(HFCheckpointError, match=r"model.qk_norm='head' \(olmoe needs 'full'\)"):
         save_hf_model(model, cfg, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_rank_s_part_of_the_model_is_filled_expert_by_expert(tmp_path):
+    """copy_into: a rank of expert parallel 2 gets its block of each layer's experts (global experts 4..7) and the
+    dense weights, from the files, into the model it built on the meta device."""
+    from runtime.parallel.expert_parallel import shard_experts
+
+    path = save_sharded(tiny_model("qwen3_moe"), tmp_path / "m", tokenizer=False)
+    checkpoint = HFCheckpoint(path)
+    _, full = load_hf_model(path)
+    with torch.device("meta"):
+        part = Transformer(checkpoint.config)
+    shard_experts(part, 2, 1, None, None)
+    part.to_empty(device="cpu")
+    checkpoint.copy_into(part)
+    full_params = dict(full.named_parameters())
+    for name, p in part.named_parameters():
+        want = full_params[name][4:] if ".experts." in name else full_params[name]
+        assert torch.equal(p, want), name
