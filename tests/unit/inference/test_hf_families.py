@@ -208,3 +208,25 @@ def test_a_rank_s_part_of_the_model_is_filled_expert_by_expert(tmp_path):
     for name, p in part.named_parameters():
         want = full_params[name][4:] if ".experts." in name else full_params[name]
         assert torch.equal(p, want), name
+
+
+def test_a_hugging_face_directory_exports_to_moesys_format_too(tmp_path):
+    """export.format=moesys of a released model: a moesys checkpoint `moesys infer` and `serve` read, the same
+    model, that exports back to the family's own tensors bit for bit."""
+    from safetensors.torch import load_file
+
+    from runtime.inference.load import load_model
+
+    path = save_sharded(tiny_model("ernie4_5_moe"), tmp_path / "m")
+    export_checkpoint(path, tmp_path / "moesys", "moesys")
+    loaded = load_model(tmp_path / "moesys")
+    assert loaded.model.cfg.family == "ernie4_5_moe" and loaded.tokenizer is not None
+    _, model = load_hf_model(path)
+    with torch.no_grad():
+        assert torch.equal(loaded.model(TOKENS).logits, model(TOKENS).logits)
+    export_checkpoint(tmp_path / "moesys", tmp_path / "back", "hf")
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    source = {}
+    for shard in set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()):
+        source.update(load_file(str(path / shard)))
+    assert back.keys() == source.keys() and all(torch.equal(back[k], source[k]) for k in source)
