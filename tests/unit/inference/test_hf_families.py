@@ -1,11 +1,12 @@
 """Every released family against transformers' own implementation, each from a tiny random model transformers builds
 from its config class and saves in shards: (a) the import gives transformers' logits and greedy tokens; (b) one
-AdamW step from the import equals transformers' own step (loss and every parameter); (c) the family's router loss
+AdamW step from the import equals transformers' own step (loss, every gradient and every parameter); (c) the family's router loss
 is transformers' pooled load-balancing loss, with the coefficient config.json gives; (d) the export in the family's
 own format loads in transformers with the same logits, tensor names and tokenizer files. Errors name the key."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -60,6 +61,18 @@ def test_import_gives_transformers_logits_and_greedy_tokens(saved):
     assert torch.equal(ours, theirs)
 
 
+def in_moesys_layout(reference, value, where):
+    """value(p) of each of transformers' parameters p (zeros for None), under moesys's names and layout: written in
+    the parameters' place by save_pretrained and read back by moesys's loader."""
+    holder = copy.deepcopy(reference)
+    with torch.no_grad():
+        for mine, theirs in zip(holder.parameters(), reference.parameters()):
+            got = value(theirs)
+            mine.copy_(got if got is not None else torch.zeros_like(mine))
+    holder.save_pretrained(where)
+    return dict(load_hf_model(where)[1].named_parameters())
+
+
 def test_one_adamw_step_from_the_import_equals_transformers_step(saved, tmp_path):
     family, path = saved
     reference = load_transformers(path).train()
@@ -74,6 +87,9 @@ def test_one_adamw_step_from_the_import_equals_transformers_step(saved, tmp_path
     assert out.aux_loss.item() == 0.0
     loss.backward()
     theirs.backward()
+    grads = in_moesys_layout(reference, lambda p: p.grad, tmp_path / "grads")
+    grad_diffs = {name: max_diff(p.grad if p.grad is not None else torch.zeros_like(p), grads[name])
+                  for name, p in model.named_parameters()}
     ours_opt.step()
     theirs_opt.step()
 
@@ -82,9 +98,11 @@ def test_one_adamw_step_from_the_import_equals_transformers_step(saved, tmp_path
     after = dict(stepped.named_parameters())
     diffs = {name: max_diff(p, after[name]) for name, p in model.named_parameters()}
     worst = max(diffs, key=diffs.get)
-    print(f"{family}: step loss diff {abs(loss.item() - theirs.item()):.2e}, worst parameter {worst} "
-          f"{diffs[worst]:.2e}")
+    worst_grad = max(grad_diffs, key=grad_diffs.get)
+    print(f"{family}: step loss diff {abs(loss.item() - theirs.item()):.2e}, worst gradient {worst_grad} "
+          f"{grad_diffs[worst_grad]:.2e}, worst parameter {worst} {diffs[worst]:.2e}")
     assert abs(loss.item() - theirs.item()) <= 1e-6
+    assert grad_diffs[worst_grad] <= 1e-6  # AdamW's first step is about lr x sign(g): the gradients themselves too
     assert diffs[worst] <= 1e-5
     before = dict(load_hf_model(path)[1].named_parameters())
     moved = [n for n, p in model.named_parameters() if max_diff(p, before[n]) > 0]
