@@ -1,8 +1,9 @@
 """Every released family against transformers' own implementation, each from a tiny random model transformers builds
 from its config class and saves in shards: (a) the import gives transformers' logits and greedy tokens; (b) one
-AdamW step from the import equals transformers' own step (loss, every gradient and every parameter); (c) the family's router loss
-is transformers' pooled load-balancing loss, with the coefficient config.json gives; (d) the export in the family's
-own format loads in transformers with the same logits, tensor names and tokenizer files. Errors name the key."""
+AdamW step from the import equals transformers' own step (loss, every gradient and every parameter); (c) the
+family's router loss is transformers' pooled load-balancing loss, with the coefficient config.json gives; (d) the
+export in the family's own format loads in transformers with the same logits, tensor names and tokenizer files.
+Errors name the key."""
 
 from __future__ import annotations
 
