@@ -54,8 +54,8 @@ def qk_norms(cfg: ModelConfig) -> tuple[HeadRMSNorm, HeadRMSNorm] | tuple[None, 
         return None, None
     if cfg.qk_norm not in ("head", "full"):
         raise ValueError(f"model.qk_norm={cfg.qk_norm!r} is not one of none, head, full")
-    per_head, hd = cfg.qk_norm == "head", cfg.head_width
-    return (HeadRMSNorm(cfg.num_heads, hd, cfg.norm_eps, per_head), HeadRMSNorm(cfg.kv_heads, hd, cfg.norm_eps, per_head))
+    per_head, hd, eps = cfg.qk_norm == "head", cfg.head_width, cfg.norm_eps
+    return HeadRMSNorm(cfg.num_heads, hd, eps, per_head), HeadRMSNorm(cfg.kv_heads, hd, eps, per_head)
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:

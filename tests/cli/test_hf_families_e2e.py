@@ -38,7 +38,7 @@ def test_infer_serve_and_export_run_the_family(family, tmp_path):
     assert infer.returncode == 0, infer.stderr[-2000:]
     assert json.loads(infer.stdout)["tokens"] == [expected]
 
-    with serving([f"checkpoint={path}", "--offload", "none"], tmp_path / "serve.log") as (_, url):
+    with serving([f"checkpoint={path}"], tmp_path / "serve.log") as (_, url):  # auto placement
         done = post(f"{url}/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
         assert done["choices"][0]["token_ids"] == expected
         chat = post(f"{url}/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
