@@ -38,7 +38,7 @@ from runtime.hf.checkpoint import HFCheckpoint
 from runtime.hf.files import INDEX
 from runtime.hf.names import TensorName, to_hf
 from runtime.hf.save import hf_config, hf_entries
-from runtime.inference.load import checkpoint_kind, read_moesys
+from runtime.inference.load import checkpoint_kind, read_moesys, served_config
 from runtime.inference.mapped import TensorFiles
 from runtime.io import atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_dir, new_dir_mode
 from runtime.model.transformer import Transformer
@@ -87,9 +87,7 @@ def open_source(checkpoint: str | Path) -> Source:
         source = read_moesys(path)
         return Source(source.config, source.files, source.step_dir)
     hf = HFCheckpoint(path)
-    cfg = MoesysConfig(model=hf.config, purpose="serve")  # served as it is: its vocabulary need not be bytes
-    cfg.train.seq_len = min(cfg.train.seq_len, hf.config.max_seq_len)
-    return Source(cfg, hf, path, hf)
+    return Source(served_config(hf.config), hf, path, hf)
 
 
 def _entries(cfg: MoesysConfig, fmt: str) -> list[Entry]:

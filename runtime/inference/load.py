@@ -19,7 +19,7 @@ from typing import Any, Optional, Protocol
 import torch
 import yaml
 
-from runtime.config import ConfigError, MoesysConfig, config_from_dict, config_to_dict
+from runtime.config import ConfigError, ModelConfig, MoesysConfig, config_from_dict, config_to_dict
 from runtime.errors import UserError
 from runtime.inference.expert_source import ExpertSource
 from runtime.hf.checkpoint import open_hf_model
@@ -244,9 +244,15 @@ def open_hf(path: Path, dtype: Optional[torch.dtype] = None, device: torch.devic
         raise
     except Exception as exc:  # torn safetensors files and the like
         raise InferError(f"checkpoint={path}: cannot read ({_first_line(exc)})") from None
-    cfg = MoesysConfig(model=model_cfg, purpose="serve")  # served as it is: its vocabulary need not be bytes
+    return LoadedModel(config_to_dict(served_config(model_cfg)), model, "hf", _hf_tokenizer(path), path, source)
+
+
+def served_config(model_cfg: ModelConfig) -> MoesysConfig:
+    """The whole config of a released model, as inference and export hold it: its model section, served as it is
+    (its vocabulary need not be bytes), train.seq_len within its max_seq_len."""
+    cfg = MoesysConfig(model=model_cfg, purpose="serve")
     cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
-    return LoadedModel(config_to_dict(cfg), model, "hf", _hf_tokenizer(path), path, source)
+    return cfg
 
 
 def open_checkpoint(checkpoint: str | Path, dtype: Optional[torch.dtype] = None,
