@@ -1,4 +1,5 @@
-"""`moesys export`: fuse a training checkpoint into one servable model (moesys or Hugging Face Mixtral layout)."""
+"""`moesys export`: a training checkpoint or a Hugging Face model directory as one servable model (moesys layout, or the
+model's own Hugging Face family)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from runtime.config import config_from_dict
 
 ExportArgs = Annotated[
     Optional[List[str]],
-    typer.Argument(help="checkpoint=RUN_DIR (or a step directory), out=DIR and export.* overrides, e.g. "
-                        "export.format=hf export.dtype=bf16", show_default=False),
+    typer.Argument(help="checkpoint=RUN_DIR (a step directory, or a Hugging Face model directory), out=DIR and "
+                        "export.* overrides, e.g. export.format=hf export.dtype=bf16", show_default=False),
 ]
 USAGE = "moesys export takes checkpoint=RUN_DIR, out=DIR and export.KEY=VALUE"
 

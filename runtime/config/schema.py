@@ -7,107 +7,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Dict, List, Literal, Optional
 
 from runtime.config.checks import ConfigSection, Problems
-
-
-@dataclass
-class ModelConfig(ConfigSection):
-    """The transformer and its MoE layers (the paper's "Experiment"; Mixtral for the SwiGLU/RoPE family)."""
-
-    hidden_size: int = 128
-    """Model width D."""
-    num_layers: int = 4
-    """Transformer blocks."""
-    num_heads: int = 4
-    """Attention (query) heads."""
-    num_kv_heads: Optional[int] = None
-    """Key/value heads for grouped-query attention; None means num_heads."""
-    vocab_size: int = 256
-    """Vocabulary V: at least train.tokenizer's (256 for bytes); more leaves ids no text maps to."""
-    ffn_hidden_size: Optional[int] = None
-    """Expert / dense FFN width F; None means 4 x hidden_size."""
-    num_experts: int = 8
-    """Experts per MoE layer E."""
-    top_k: int = 2
-    """Experts each token is routed to (1 = Switch, 2 = GShard)."""
-    expert_type: Annotated[str, Literal["gelu", "swiglu"]] = "gelu"
-    """FFN kind: gelu (GPT) or swiglu (Mixtral)."""
-    moe_layer_freq: int = 1
-    """Every k-th block is an MoE block (1 = all)."""
-    max_seq_len: int = 256
-    """Longest sequence; sizes learned positions and the RoPE table."""
-    norm: Annotated[str, Literal["layernorm", "rmsnorm"]] = "layernorm"
-    """layernorm or rmsnorm."""
-    norm_eps: float = 1e-5
-    """Epsilon of the norms."""
-    bias: bool = True
-    """Biases in linear layers and LayerNorm."""
-    position: Annotated[str, Literal["learned", "rope"]] = "learned"
-    """learned positions or rope."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency."""
-    tie_embeddings: bool = True
-    """Share the input embedding with the output head."""
-    capacity_factor: float = 0.0
-    """Expert capacity = factor x tokens x top_k / experts; 0 means dropless."""
-    drop_policy: Annotated[str, Literal["cut", "random", "routing_weight"]] = "cut"
-    """Which tokens an over-full expert drops: cut (latest), random, routing_weight (lowest weight)."""
-    router_jitter: float = 0.0
-    """Multiplicative jitter epsilon on router inputs while training."""
-    router_input_dropout: float = 0.0
-    """Dropout on router inputs while training."""
-    router_gumbel: bool = False
-    """Gumbel-max sampling of the second..k-th expert while training."""
-    normalize_top_k: bool = True
-    """Renormalise the top-k routing weights to sum to 1 (Mixtral)."""
-    aux_loss_weight: float = 0.01
-    """Weight of the Switch load-balancing loss."""
-    z_loss_weight: float = 0.0
-    """Weight of the router z-loss."""
-    sparsity_loss_weight: float = 0.0
-    """Weight of the L1 sparsity loss on routing probabilities."""
-    importance_loss_weight: float = 0.0
-    """Weight of the mean-importance loss."""
-    embedding_partition: bool = False
-    """Split the [V, H] embedding column-wise over data-parallel ranks (the paper's "Embedding Partition in Data
-    Parallelism")."""
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    def is_moe_layer(self, index: int) -> bool:
-        """Block `index` (0-based) is an MoE block when it is the last of each group of moe_layer_freq."""
-        return self.num_experts > 0 and index % self.moe_layer_freq == self.moe_layer_freq - 1
-
-    @property
-    def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
-
-    BOUNDS = (("positive", "hidden_size num_layers num_heads vocab_size max_seq_len moe_layer_freq"),
-              ("positive or null", "num_kv_heads ffn_hidden_size"), (">= 0", "num_experts"), ("positive", "top_k"),
-              (">= 0", "capacity_factor router_jitter router_input_dropout aux_loss_weight z_loss_weight "
-                       "sparsity_loss_weight importance_loss_weight"))
-
-    def rules(self, p: Problems, at: str) -> None:
-        if self.num_experts > 0:
-            p.need(self.top_k <= self.num_experts,
-                   f"{at}.top_k={self.top_k} exceeds {at}.num_experts={self.num_experts}")
-        if self.num_heads > 0:
-            p.need(self.hidden_size % self.num_heads == 0,
-                   f"{at}.num_heads={self.num_heads} must divide {at}.hidden_size={self.hidden_size}")
-            if self.kv_heads > 0:
-                p.need(self.num_heads % self.kv_heads == 0,
-                       f"{at}.num_kv_heads={self.kv_heads} must divide {at}.num_heads={self.num_heads}")
-            if self.position == "rope":
-                p.need(self.head_dim % 2 == 0, f"{at}.position=rope needs an even head dim (got {self.head_dim})")
+from runtime.config.model import ModelConfig
 
 
 @dataclass
@@ -344,11 +244,11 @@ class InferConfig(ConfigSection):
 
 @dataclass
 class ExportConfig(ConfigSection):
-    """`moesys export`: one servable model from a training checkpoint."""
+    """`moesys export`: one servable model from a training checkpoint or a Hugging Face model directory."""
 
     format: Annotated[str, Literal["moesys", "hf"]] = "moesys"
-    """moesys (a checkpoint `moesys infer` and `moesys serve` read, without optimizer state) or hf (the Hugging
-    Face Mixtral layout; Mixtral-style models only)."""
+    """moesys (a checkpoint `moesys infer` and `moesys serve` read, without optimizer state) or hf (the model's own
+    Hugging Face family, model.family; moesys's own SwiGLU/RoPE models as Mixtral)."""
     dtype: Optional[Annotated[str, Literal["fp32", "bf16", "fp16"]]] = None
     """fp32, bf16 or fp16; null keeps the checkpoint's."""
     max_shard_gb: float = 5.0
