@@ -14,7 +14,7 @@ from typing import Iterable
 
 import yaml
 
-from runtime.config import MoesysConfig, config_from_dict
+from runtime.config import ConfigError, MoesysConfig, config_from_dict
 from runtime.errors import UserError
 from runtime.files.paths import CONFIG, FATAL, LOCK, LOGS, MEMORY_DIR, METRICS, MODEL_FILES, RUN_MARKS, SUMMARY
 from runtime.io import atomic_write_text
@@ -61,7 +61,18 @@ def save_config(cfg: MoesysConfig, path: Path) -> None:
 
 
 def load_config(run_dir: str | Path) -> MoesysConfig:
-    return config_from_dict(yaml.safe_load((Path(run_dir) / CONFIG).read_text()))
+    """The resolved config a run directory holds; a config.yaml that is not a moesys config (another tool's, a
+    damaged one) is a UserError naming the file."""
+    path = Path(run_dir) / CONFIG
+    try:
+        data = yaml.safe_load(path.read_text(errors="replace"))
+        if not isinstance(data, dict):
+            raise ConfigError(f"it holds a {type(data).__name__}, not a moesys config")
+        return config_from_dict(data)
+    except (ConfigError, yaml.YAMLError) as exc:
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"{path} is not a moesys run's config ({reason}); pass the train.run_dir of a moesys "
+                          "train run") from None
 
 
 def create_run_dir(cfg: MoesysConfig, run_dir: Path) -> None:
