@@ -254,6 +254,9 @@ class TrainConfig(ConfigSection):
     or uint32) read through a memory map; None uses the corpus shipped with moesys."""
     data_text_key: str = "text"
     """The key of each .jsonl record that holds its text (train.data, train.eval_data)."""
+    data_errors: Annotated[str, Literal["strict", "replace"]] = "strict"
+    """Text sources' bytes that are not UTF-8 text: strict refuses the file naming the first bad byte's offset (a
+    binary file given as text), replace reads each bad sequence as U+FFFD."""
     tokenizer: str = "bytes"
     """bytes (UTF-8 bytes as ids 0..255) or the path of a Hugging Face tokenizer.json (moesys tokenizer train writes
     one); the run, its checkpoints and its exports carry a copy."""
