@@ -8,7 +8,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from moesys_cli.options import Json, required, split_args, train_keys
-from moesys_cli.render import ByteProgress, console, literal, print_json
+from moesys_cli.render import ByteProgress, console, interrupted_writes_nothing, literal, print_json
 
 TokenizeArgs = Annotated[
     Optional[List[str]],
@@ -28,6 +28,7 @@ def parse_tokenize_args(args: list[str]) -> tuple[str, str, str, str, str]:
             tr.data_errors)
 
 
+@interrupted_writes_nothing()
 def tokenize(args: TokenizeArgs = None, json_out: Json = False) -> None:
     """Tokenize text once into a memory-mapped token file for train.data or train.eval_data."""
     data, out, spec, text_key, errors = parse_tokenize_args(args or [])

@@ -8,7 +8,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from moesys_cli.options import Json, required, split_args, train_keys
-from moesys_cli.render import ByteProgress, console, literal, print_json
+from moesys_cli.render import ByteProgress, console, interrupted_writes_nothing, literal, print_json
 from runtime.config import BYTE_VOCAB
 from runtime.data.tokenizer_train import MAX_VOCAB
 from runtime.errors import UserError
@@ -39,6 +39,7 @@ def parse_train_args(args: list[str]) -> tuple[str, int, str, str, str]:
 
 
 @app.command("train", context_settings={"allow_extra_args": False})
+@interrupted_writes_nothing()
 def train(args: TrainArgs = None, json_out: Json = False) -> None:
     """Train a byte-level BPE tokenizer on your text and write it as a Hugging Face tokenizer.json."""
     data, vocab_size, out, text_key, errors = parse_train_args(args or [])

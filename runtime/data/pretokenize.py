@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Mapping, Optional
 import numpy as np
 
 from runtime.config import MoesysConfig
-from runtime.io import atomic_write_text
+from runtime.io import atomic_write_text, remove_stale_temps
 from runtime.data.text import DataError, Progress, is_token_file, segments, source_name, text_files
 from runtime.data.token_file import open_token_file, write_token_file
 from runtime.files.paths import TOKENIZER_FILE
@@ -55,6 +55,7 @@ def tokenize_to_file(path: Optional[str | Path], out: str | Path, tokenizer: Tok
     files = text_files(path, key)
     count = write_token_file(out, encode_source(path, tokenizer, key, text_key, progress, errors),
                              tokenizer.vocab_size)
+    remove_stale_temps(Path(out).expanduser())  # what a tokenize killed mid-write left beside it
     return {"data": str(path) if path else "shipped corpus", "out": str(Path(out).expanduser().resolve()),
             "tokens": count, "dtype": token_dtype(tokenizer.vocab_size), "tokenizer": tokenizer.name,
             "text_bytes": sum(f.stat().st_size for f in files), "seconds": round(time.perf_counter() - began, 3)}

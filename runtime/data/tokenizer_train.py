@@ -13,7 +13,7 @@ from typing import Optional
 
 from runtime.config import BYTE_VOCAB
 from runtime.errors import UserError
-from runtime.io import atomic_write_text
+from runtime.io import atomic_write_text, remove_stale_temps
 from runtime.data.text import Progress, is_token_file, segments, source_name, text_files
 from runtime.data.tokenizer import JsonTokenizer
 
@@ -51,6 +51,7 @@ def train_bpe(path: Optional[str | Path], vocab_size: int, out: str | Path, key:
     tokenizer.train_from_iterator(texts, trainer=trainer)
     trained = JsonTokenizer(tokenizer, str(out))
     atomic_write_text(out, trained.to_str())
+    remove_stale_temps(out)  # what a run killed mid-write left beside it
     return {"data": source_name(path, key).removeprefix(f"{key}="), "out": str(out.resolve()),
             "vocab_size": trained.vocab_size, "requested_vocab_size": vocab_size,
             "text_bytes": sum(f.stat().st_size for f in files), "seconds": round(time.perf_counter() - began, 3)}

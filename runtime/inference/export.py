@@ -34,7 +34,8 @@ from runtime.config import MoesysConfig, config_to_dict
 from runtime.errors import UserError
 from runtime.inference.hf_mixtral import INDEX, config_to_hf, hf_tensor_names
 from runtime.inference.load import MoesysCheckpoint, read_moesys
-from runtime.io import atomic_write_json, atomic_write_text, fsync_dir, new_dir_mode
+from runtime.io import (atomic_write_json, atomic_write_text, fsync_dir, new_dir_mode, remove_stale_temps,
+                       temp_prefix)
 from runtime.model.transformer import Transformer
 from runtime.plan.disk import check_free
 from runtime.moe.layer import is_expert_param
@@ -123,7 +124,7 @@ def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optio
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), suffix=".tmp", dir=out.parent))
     except OSError as exc:
         raise _unwritable(out, exc) from None
     try:
@@ -150,6 +151,7 @@ def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optio
             out.rmdir()  # empty, checked above
         os.rename(tmp, out)
         fsync_dir(out.parent)
+        remove_stale_temps(out)  # what an export killed mid-write left beside it
     except OSError as exc:  # the checkpoint is memory-mapped already: what fails here is a write
         raise _unwritable(out, exc) from None
     finally:
