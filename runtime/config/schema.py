@@ -323,8 +323,14 @@ class InferConfig(ConfigSection):
     routed experts, gained nothing from a cold page cache and halved decode speed under a memory cap."""
     compile: Optional[bool] = None
     """Wrap the decode step in torch.compile (CUDA graphs on a GPU); null: where it pays, on CUDA, not on the CPU."""
+    cache_dir: Optional[str] = None
+    """Where ring and ondemand keep each checkpoint's copy of its experts (reused while the checkpoint is unchanged);
+    null: $XDG_CACHE_HOME/moesys/experts, else ~/.cache/moesys/experts."""
+    cache_gb: float = 100.0
+    """Most GB of copies infer.cache_dir keeps: the least recently used checkpoints' copies go first, never one a
+    running process uses. 100 holds one Mixtral-8x7B's experts in bf16."""
 
-    BOUNDS = (("positive", "max_new_tokens"), (">= 0", "temperature top_k"), (">= 1", "ring_slots"))
+    BOUNDS = (("positive", "max_new_tokens cache_gb"), (">= 0", "temperature top_k"), (">= 1", "ring_slots"))
 
 
 @dataclass
