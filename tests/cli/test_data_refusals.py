@@ -10,20 +10,12 @@ import json
 import pytest
 
 from runtime.data.text import CORPUS_DIR
-from tests.cli.conftest import FAST_TINY, run_moesys
+from tests.cli.conftest import FAST_TINY, refused, run_moesys
 from tests.trained_run import train_run_dir
 
 BINARY = "a café\n".encode() + bytes(range(128, 256)) * 1600 + b"\x00" * 1000
 """About 200 KB whose first byte that is not UTF-8 text is 0x80 at offset 8 (after "a café\\n")."""
 SAYS = "is not UTF-8 text: byte 0x80 at offset 8"
-
-
-def refused(*args: str) -> str:
-    done = run_moesys(*args)
-    line = done.stderr.strip()
-    assert done.returncode == 2, (args, done.stdout[-1000:], line)
-    assert len(line.splitlines()) == 1 and line.startswith("error: ") and "Traceback" not in line, line
-    return line
 
 
 @pytest.fixture(scope="module")
