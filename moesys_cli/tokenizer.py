@@ -35,7 +35,8 @@ def parse_train_args(args: list[str]) -> tuple[str, int, str, str, str]:
         vocab_size = int(size)
     except ValueError:
         raise UserError(f"vocab_size={size!r} is not an integer; {USAGE}") from None
-    return required(values, "data", USAGE), vocab_size, required(values, "out", USAGE), tr.data_text_key, tr.data_errors
+    return (required(values, "data", USAGE), vocab_size, required(values, "out", USAGE), tr.data_text_key,
+            tr.data_errors)
 
 
 @app.command("train", context_settings={"allow_extra_args": False})

@@ -13,9 +13,9 @@ One random bf16 Hugging Face Mixtral checkpoint, written as shards with an index
 Decode tokens/s is the median of `repeats` generations in each process (decode = the tokens after the first,
 timed apart from the prompt). Each system is put beside its bandwidth bound: the bytes its token reads (dense
 weights, routed experts, what it streams or copies from the host tier) over the read bandwidth measured here.
-Then `moesys infer --offload auto` (its library call, in a fresh process) runs inside a memory cgroup of half the checkpoint's size (with the budget that
-fits there, CAPPED_SLOTS), from a cold page cache (the checkpoint's files evicted from it, runtime/page_cache.py)
-and from a warm one, and must give the tokens of uncapped `--offload none`;
+Then `moesys infer --offload auto` (its library call, in a fresh process) runs inside a memory cgroup of half the
+checkpoint's size (with the budget that fits there, CAPPED_SLOTS), from a cold page cache (the checkpoint's files
+evicted from it, runtime/page_cache.py) and from a warm one, and must give the tokens of uncapped `--offload none`;
 accelerate runs in the same cap with the same budget, where its page cache counts against the budget as auto's
 does. A system that fails or runs past its time limit gets an {"error": ...} row instead of results. Greedy tokens
 of transformers are compared too; in bf16 its op order differs, so on a random model they can part after a few

@@ -48,7 +48,9 @@ def encode_source(path: Optional[str | Path], tokenizer: Tokenizer, key: str = "
 
 def tokenize_to_file(path: Optional[str | Path], out: str | Path, tokenizer: Tokenizer, key: str = "data",
                      text_key: str = "text", progress: Optional[Progress] = None, errors: str = "strict") -> dict:
-    """Write a text source's ids as a token file; the `moesys tokenize --json` summary."""
+    """Write a text source's ids as a token file; the `moesys tokenize --json` summary, its fields in this order:
+    data (the source given), out (the token file, absolute), tokens (ids written), dtype (uint16 or uint32),
+    tokenizer (its name), text_bytes (bytes of the text files read), seconds."""
     if is_token_file(path):
         raise DataError(f"{key}={path} is a token file already; give text (a file, a directory of *.txt, a .jsonl)")
     began = time.perf_counter()

@@ -5,8 +5,9 @@ streamed as segments that any tokenizer encodes one at a time (what `moesys trai
 A document (a file, or a .jsonl record) is stripped of surrounding whitespace, and documents are joined by a blank
 line (DOC_SEPARATOR). Each document is cut into segments at its blank lines (a segment of its own), and a segment
 longer than MAX_SEGMENT at its last line break before that length: concatenated, the segments are exactly the text,
-and the token stream is the concatenation of each segment's ids, whatever the block size the file was read in. Text is checked as UTF-8 as it is read: a binary file given as text
-is refused at its first bad byte (train.data_errors=replace reads bad bytes as U+FFFD instead).
+and the token stream is the concatenation of each segment's ids, whatever the block size the file was read in.
+Text is checked as UTF-8 as it is read: a binary file given as text is refused at its first bad byte
+(train.data_errors=replace reads bad bytes as U+FFFD instead).
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ def train_bpe(path: Optional[str | Path], vocab_size: int, out: str | Path, key:
 
     if not BYTE_VOCAB <= vocab_size <= MAX_VOCAB:
         raise UserError(f"vocab_size={vocab_size} must be between {BYTE_VOCAB} (the bytes a byte-level BPE starts "
-                        f"from) and {MAX_VOCAB:,} (the largest moesys trains: vocabularies of released models stay under "
-                        "300,000)")
+                        f"from) and {MAX_VOCAB:,} (the largest moesys trains: vocabularies of released models stay "
+                        "under 300,000)")
     if is_token_file(path):
         raise UserError(f"{key}={path} is a token file; a tokenizer learns from text (a file, a directory of *.txt, "
                         "a .jsonl)")
