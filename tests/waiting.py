@@ -18,11 +18,11 @@ class Running(Protocol):
     def poll(self) -> int | None: ...
 
 
-def wait_until(condition: Callable[[], T], *, what: str, timeout: float = 60.0, process: Running | None = None,
-               log: Path | None = None) -> T:
+def wait_until(condition: Callable[[], T], *, what: str | Callable[[], str], timeout: float = 60.0,
+               process: Running | None = None, log: Path | None = None) -> T:
     """Poll `condition` until it returns something truthy, and return that. Fails, naming `what`, when `timeout`
-    seconds pass first, or when `process` (the one expected to bring it about) ends first; the end of `log`'s text
-    is added to the failure."""
+    seconds pass first, or when `process` (the one expected to bring it about) ends first. `what` may be a function,
+    called then (to say what is still there); the end of `log`'s text is added to the failure."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
@@ -33,7 +33,7 @@ def wait_until(condition: Callable[[], T], *, what: str, timeout: float = 60.0, 
             return value
         if ended or time.monotonic() > deadline:
             why = f"the process ended first (exit code {process.poll()})" if ended else f"not within {timeout:g} s"
-            raise AssertionError(f"waited for {what}: {why}{_tail(log)}")
+            raise AssertionError(f"waited for {what() if callable(what) else what}: {why}{_tail(log)}")
         time.sleep(POLL_S)
 
 
