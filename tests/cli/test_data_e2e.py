@@ -1,4 +1,4 @@
-"""Issue 30's training side as a user runs it, with the installed command and real torchrun workers: a tokenizer
+"""Training on one's own text as a user runs it, with the installed command and real torchrun workers: a tokenizer
 trained on their text, their corpus pre-tokenized, a run on the token file with held-out evaluation and the newest
 checkpoints kept, a resume point that is gone refused, `moesys eval` of the run giving the run's number, and the hf
 export carrying the tokenizer (AutoTokenizer's ids are moesys's; infer takes text). Bad input to each new key and
