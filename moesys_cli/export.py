@@ -1,4 +1,5 @@
-"""`moesys export`: fuse a training checkpoint into one servable model (moesys or Hugging Face Mixtral layout)."""
+"""`moesys export`: a training checkpoint or a Hugging Face model directory as one servable model (moesys layout, or the
+model's own Hugging Face family)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ from typing import Annotated, Any, List, Optional
 import typer
 
 from moesys_cli.options import Json, required, split_args
-from moesys_cli.render import console, human_bytes, literal, print_json
+from moesys_cli.render import console, human_bytes, interrupted_writes_nothing, literal, print_json
 from runtime.config import config_from_dict
 
 ExportArgs = Annotated[
     Optional[List[str]],
-    typer.Argument(help="checkpoint=RUN_DIR (or a step directory), out=DIR and export.* overrides, e.g. "
-                        "export.format=hf export.dtype=bf16", show_default=False),
+    typer.Argument(help="checkpoint=RUN_DIR (a step directory, or a Hugging Face model directory), out=DIR and "
+                        "export.* overrides, e.g. export.format=hf export.dtype=bf16", show_default=False),
 ]
 USAGE = "moesys export takes checkpoint=RUN_DIR, out=DIR and export.KEY=VALUE"
 
@@ -24,6 +25,7 @@ def parse_export_args(args: list[str]) -> tuple[str, str, dict[str, Any]]:
     return required(values, "checkpoint", USAGE), required(values, "out", USAGE), overrides["export"]
 
 
+@interrupted_writes_nothing()
 def export(args: ExportArgs = None, json_out: Json = False) -> None:
     """Write one model without optimizer state, merged across expert-parallel ranks, streamed tensor by tensor."""
     checkpoint, out, overrides = parse_export_args(args or [])

@@ -1,6 +1,6 @@
-"""`moesys infer`: generate from a moesys run directory or a Hugging Face Mixtral directory, streaming the checkpoint
-and placing experts per layer within a device budget (auto), or with ring-memory offloading (the paper's "Ring Memory
-Offloading")."""
+"""`moesys infer`: generate from a moesys run directory or a Hugging Face model directory (Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE, ERNIE-4.5-MoE), streaming the checkpoint and placing experts per layer within a device budget
+(auto), or with ring-memory offloading (the paper's "Ring Memory Offloading")."""
 
 from __future__ import annotations
 

@@ -44,9 +44,11 @@ def _log_requests() -> None:
 
 
 def serve(args: ServeArgs = None, offload: Offload = None, host: Host = None, port: Port = None) -> None:
-    """Serve POST /v1/completions (prompt text or token ids, max_tokens, temperature, top_k, seed, stream, n, stop,
-    logprobs), POST /v1/chat/completions, GET /v1/models, /metrics and /health until SIGTERM or Ctrl-C, which let
-    the requests in flight finish and exit 0. Each request is one log line on stderr."""
+    """Serve POST /v1/completions (one prompt or a list, as text or token ids; max_tokens, temperature, top_k, top_p,
+    presence/frequency_penalty, logit_bias, seed, stream, stream_options, n, best_of, stop, logprobs, echo, user),
+    POST /v1/chat/completions, GET /v1/models, /metrics and /health, and vLLM's GET /tokenizer_info, POST /tokenize
+    and /detokenize, until SIGTERM or Ctrl-C, which let the requests in flight finish and exit 0. Each request is
+    one log line on stderr, with the reason of a refusal."""
     checkpoint, infer_overrides, serve_overrides = parse_serve_args(args or [])
     if host is not None:
         serve_overrides["host"] = host
@@ -64,7 +66,8 @@ def serve(args: ServeArgs = None, offload: Offload = None, host: Host = None, po
 
     def listening(url: str) -> None:
         console.print(f"[bold]moesys serve[/] listening on {url} ({described}); POST {url}/v1/completions, "
-                      f"{url}/v1/chat/completions; GET {url}/v1/models, {url}/metrics, {url}/health",
+                      f"{url}/v1/chat/completions, {url}/tokenize, {url}/detokenize; GET {url}/v1/models, "
+                      f"{url}/tokenizer_info, {url}/metrics, {url}/health",
                       highlight=False, soft_wrap=True)
 
     run_server(service, on_listen=listening)

@@ -1,4 +1,5 @@
-"""Every config key of the schema (runtime/config/schema.py) as a dotted name with its type, default and docstring.
+"""Every config key of the schema (runtime/config/schema.py) as a dotted name with its type, default and docstring,
+and the config reference page (docs/config.md) drawn from them.
 
 The docstrings are the attribute docstrings under each dataclass field, read from the source with ast.
 """
@@ -83,6 +84,61 @@ def config_keys(cls: type = MoesysConfig, prefix: str = "") -> list[ConfigKey]:
         else:
             keys.append(ConfigKey(dotted, type_name(tp), _default(f), docs.get(f.name, "")))
     return keys
+
+
+def value_text(value: Any) -> str:
+    """A config value as it is written on the command line: null, true/false, '' for the empty string."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value == "":
+        return "''"
+    return str(value)
+
+
+REFERENCE_HEAD = """# Configuration reference
+
+Every key of the configuration schema, by section: its type, the schema's default and what it does. The recipes and
+conf/ set other values for some keys; `moesys config recipe=NAME [key=value ...]` prints the values a verb would run
+with, and `moesys config --keys` adds them beside these defaults. Set any key on the command line as `key=value`.
+
+This page is generated from the schema by `moesys config --keys --markdown > docs/config.md`; a test fails when it
+is not current.
+"""
+
+
+def _cell(text: str) -> str:
+    """Text in a Markdown table cell: a pipe escaped (it would end the cell), an asterisk escaped (emphasis)."""
+    return text.replace("|", "\\|").replace("*", "\\*")
+
+
+def _section_doc(cls: type, name: str) -> str:
+    """The first paragraph of the docstring of the schema section `name`, on one line."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    tp = hints.get(name)
+    if typing.get_origin(tp) is dict:
+        tp = typing.get_args(tp)[1]
+    doc = inspect.getdoc(tp) if dataclasses.is_dataclass(tp) else None
+    return " ".join((doc or "").split("\n\n")[0].split())
+
+
+def keys_markdown(cls: type = MoesysConfig) -> str:
+    """The config reference as Markdown: one table per section (key, type, default, what it does), in schema
+    order, the top-level keys last. Schema defaults only, so the page depends on nothing but the schema."""
+    sections: dict[str, list[ConfigKey]] = {}
+    for key in config_keys(cls):
+        head, dot, _ = key.key.partition(".")
+        sections.setdefault(head if dot else "", []).append(key)
+    top = sections.pop("", [])
+    parts = [REFERENCE_HEAD]
+    for name, keys in [*sections.items(), *([("", top)] if top else [])]:
+        title = f"`{name}`" if name else "Top level"
+        doc = _section_doc(cls, name) if name else "Keys outside any section."
+        rows = [f"| `{k.key}` | {_cell(k.type)} | `{_cell(value_text(k.default))}` | {_cell(k.doc)} |" for k in keys]
+        parts.append("\n".join([f"## {title}", "", doc, "", "| key | type | default | what it does |",
+                                 "| --- | --- | --- | --- |", *rows, ""]))
+    return "\n".join(parts)
 
 
 def keys_meant(name: str, sections: tuple[str, ...] | None = None) -> list[str]:

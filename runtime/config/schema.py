@@ -7,108 +7,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Dict, List, Literal, Optional
 
 from runtime.config.checks import ConfigSection, Problems
-
-
-@dataclass
-class ModelConfig(ConfigSection):
-    """The transformer and its MoE layers (the paper's "Experiment"; Mixtral for the SwiGLU/RoPE family)."""
-
-    hidden_size: int = 128
-    """Model width D."""
-    num_layers: int = 4
-    """Transformer blocks."""
-    num_heads: int = 4
-    """Attention (query) heads."""
-    num_kv_heads: Optional[int] = None
-    """Key/value heads for grouped-query attention; None means num_heads."""
-    vocab_size: int = 256
-    """Vocabulary V: at least train.tokenizer's (bytes: 259 with eos and the chat markers, 256 without them); more
-    leaves ids no text maps to."""
-    ffn_hidden_size: Optional[int] = None
-    """Expert / dense FFN width F; None means 4 x hidden_size."""
-    num_experts: int = 8
-    """Experts per MoE layer E."""
-    top_k: int = 2
-    """Experts each token is routed to (1 = Switch, 2 = GShard)."""
-    expert_type: Annotated[str, Literal["gelu", "swiglu"]] = "gelu"
-    """FFN kind: gelu (GPT) or swiglu (Mixtral)."""
-    moe_layer_freq: int = 1
-    """Every k-th block is an MoE block (1 = all)."""
-    max_seq_len: int = 256
-    """Longest sequence; sizes learned positions and the RoPE table."""
-    norm: Annotated[str, Literal["layernorm", "rmsnorm"]] = "layernorm"
-    """layernorm or rmsnorm."""
-    norm_eps: float = 1e-5
-    """Epsilon of the norms."""
-    bias: bool = True
-    """Biases in linear layers and LayerNorm."""
-    position: Annotated[str, Literal["learned", "rope"]] = "learned"
-    """learned positions or rope."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency."""
-    tie_embeddings: bool = True
-    """Share the input embedding with the output head."""
-    capacity_factor: float = 0.0
-    """Expert capacity = factor x tokens x top_k / experts; 0 means dropless."""
-    drop_policy: Annotated[str, Literal["cut", "random", "routing_weight"]] = "cut"
-    """Which tokens an over-full expert drops: cut (latest), random, routing_weight (lowest weight)."""
-    router_jitter: float = 0.0
-    """Multiplicative jitter epsilon on router inputs while training."""
-    router_input_dropout: float = 0.0
-    """Dropout on router inputs while training."""
-    router_gumbel: bool = False
-    """Gumbel-max sampling of the second..k-th expert while training."""
-    normalize_top_k: bool = True
-    """Renormalise the top-k routing weights to sum to 1 (Mixtral)."""
-    aux_loss_weight: float = 0.01
-    """Weight of the Switch load-balancing loss."""
-    z_loss_weight: float = 0.0
-    """Weight of the router z-loss."""
-    sparsity_loss_weight: float = 0.0
-    """Weight of the L1 sparsity loss on routing probabilities."""
-    importance_loss_weight: float = 0.0
-    """Weight of the mean-importance loss."""
-    embedding_partition: bool = False
-    """Split the [V, H] embedding column-wise over data-parallel ranks (the paper's "Embedding Partition in Data
-    Parallelism")."""
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    def is_moe_layer(self, index: int) -> bool:
-        """Block `index` (0-based) is an MoE block when it is the last of each group of moe_layer_freq."""
-        return self.num_experts > 0 and index % self.moe_layer_freq == self.moe_layer_freq - 1
-
-    @property
-    def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
-
-    BOUNDS = (("positive", "hidden_size num_layers num_heads vocab_size max_seq_len moe_layer_freq"),
-              ("positive or null", "num_kv_heads ffn_hidden_size"), (">= 0", "num_experts"), ("positive", "top_k"),
-              (">= 0", "capacity_factor router_jitter router_input_dropout aux_loss_weight z_loss_weight "
-                       "sparsity_loss_weight importance_loss_weight"))
-
-    def rules(self, p: Problems, at: str) -> None:
-        if self.num_experts > 0:
-            p.need(self.top_k <= self.num_experts,
-                   f"{at}.top_k={self.top_k} exceeds {at}.num_experts={self.num_experts}")
-        if self.num_heads > 0:
-            p.need(self.hidden_size % self.num_heads == 0,
-                   f"{at}.num_heads={self.num_heads} must divide {at}.hidden_size={self.hidden_size}")
-            if self.kv_heads > 0:
-                p.need(self.num_heads % self.kv_heads == 0,
-                       f"{at}.num_kv_heads={self.kv_heads} must divide {at}.num_heads={self.num_heads}")
-            if self.position == "rope":
-                p.need(self.head_dim % 2 == 0, f"{at}.position=rope needs an even head dim (got {self.head_dim})")
+from runtime.config.model import ModelConfig
 
 
 @dataclass
@@ -255,6 +154,9 @@ class TrainConfig(ConfigSection):
     or uint32) read through a memory map; None uses the corpus shipped with moesys."""
     data_text_key: str = "text"
     """The key of each .jsonl record that holds its text (train.data, train.eval_data)."""
+    data_errors: Annotated[str, Literal["strict", "replace"]] = "strict"
+    """Text sources' bytes that are not UTF-8 text: strict refuses the file naming the first bad byte's offset (a
+    binary file given as text), replace reads each bad sequence as U+FFFD."""
     tokenizer: str = "bytes"
     """bytes (UTF-8 bytes as ids 0..255) or the path of a Hugging Face tokenizer.json (moesys tokenizer train writes
     one); the run, its checkpoints and its exports carry a copy."""
@@ -307,6 +209,14 @@ class InferConfig(ConfigSection):
     """0 is greedy."""
     top_k: int = 0
     """Sample from the k most likely tokens; 0 means all."""
+    top_p: float = 1.0
+    """Nucleus sampling: sample from the most likely tokens whose probabilities first add up to top_p; 1 means all."""
+    presence_penalty: float = 0.0
+    """-2..2, subtracted from the logit of every token already generated (OpenAI's presence_penalty)."""
+    frequency_penalty: float = 0.0
+    """-2..2, subtracted from a token's logit once per time it has been generated (OpenAI's frequency_penalty)."""
+    logit_bias: Dict[str, float] = field(default_factory=dict)
+    """{token id: bias}, each bias -100..100 added to that token's logit before sampling (OpenAI's logit_bias)."""
     seed: int = 0
     """Sampling seed."""
     ring_slots: int = 2
@@ -321,17 +231,33 @@ class InferConfig(ConfigSection):
     routed experts, gained nothing from a cold page cache and halved decode speed under a memory cap."""
     compile: Optional[bool] = None
     """Wrap the decode step in torch.compile (CUDA graphs on a GPU); null: where it pays, on CUDA, not on the CPU."""
+    cache_dir: Optional[str] = None
+    """Where ring and ondemand keep each checkpoint's copy of its experts (reused while the checkpoint is unchanged);
+    null: $XDG_CACHE_HOME/moesys/experts, else ~/.cache/moesys/experts."""
+    cache_gb: float = 100.0
+    """Most GB of copies infer.cache_dir keeps: the least recently used checkpoints' copies go first, never one a
+    running process uses. 100 holds one Mixtral-8x7B's experts in bf16."""
 
-    BOUNDS = (("positive", "max_new_tokens"), (">= 0", "temperature top_k"), (">= 1", "ring_slots"))
+    BOUNDS = (("positive", "max_new_tokens cache_gb"), (">= 0", "temperature top_k"), (">= 1", "ring_slots"),
+              ("in (0, 1]", "top_p"))
+
+    def rules(self, p: Problems, at: str) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            p.need(-2 <= value <= 2, f"{at}.{name} must be between -2 and 2 (got {value})")
+        for token, bias in self.logit_bias.items():
+            p.need(str(token).isdigit(), f"{at}.logit_bias: key {token!r} is not a token id (give {{104: 5.0}})")
+            p.need(isinstance(bias, (int, float)) and -100 <= bias <= 100,
+                   f"{at}.logit_bias[{token}] must be between -100 and 100 (got {bias})")
 
 
 @dataclass
 class ExportConfig(ConfigSection):
-    """`moesys export`: one servable model from a training checkpoint."""
+    """`moesys export`: one servable model from a training checkpoint or a Hugging Face model directory."""
 
     format: Annotated[str, Literal["moesys", "hf"]] = "moesys"
-    """moesys (a checkpoint `moesys infer` and `moesys serve` read, without optimizer state) or hf (the Hugging
-    Face Mixtral layout; Mixtral-style models only)."""
+    """moesys (a checkpoint `moesys infer` and `moesys serve` read, without optimizer state) or hf (the model's own
+    Hugging Face family, model.family; moesys's own SwiGLU/RoPE models as Mixtral)."""
     dtype: Optional[Annotated[str, Literal["fp32", "bf16", "fp16"]]] = None
     """fp32, bf16 or fp16; null keeps the checkpoint's."""
     max_shard_gb: float = 5.0
@@ -387,13 +313,15 @@ class ServeConfig(ConfigSection):
     row computed as a lone decode step, so every request's tokens are exactly `moesys infer`'s for it alone."""
     max_queue: int = 64
     """Requests waiting for the generation worker; one more is refused with HTTP 503."""
+    max_sequences_per_request: int = 256
+    """Sequences one request may ask for, prompts x n (x best_of when larger); more is refused with HTTP 400."""
     drain_timeout_s: float = 60.0
     """On SIGTERM, how long requests in flight may take to finish before they are cancelled."""
     request_timeout_s: float = 600.0
     """A request with no answer after this many seconds (a stream: no new token for this long) gets HTTP 504 and
     its generation is cancelled; /health says 'stuck' (503) while one generation has run longer than this."""
 
-    BOUNDS = (("between 0 and 65535", "port"), (">= 1", "max_batch_size max_queue"),
+    BOUNDS = (("between 0 and 65535", "port"), (">= 1", "max_batch_size max_queue max_sequences_per_request"),
               ("positive", "drain_timeout_s request_timeout_s"))
 
 

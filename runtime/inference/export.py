@@ -1,21 +1,24 @@
-"""`moesys export`: a training checkpoint fused into one servable model (the paper's "Graph Optimization", its
-inference pipeline figure).
+"""`moesys export`: a training checkpoint, or a Hugging Face model directory, as one servable model (the paper's
+"Graph Optimization", its inference pipeline figure).
 
-The checkpoint's model tensors are already keyed by global name and global expert index whatever the expert-
-parallel size, dense sharding or embedding partition of the run, so fusing is a streamed copy: each tensor is read
-from the checkpoint's memory map and written into the output, one at a time (the model need not fit in memory),
-leaving out optimizer moments, step counts and RNG states. Output files are bounded by export.max_shard_gb and
-carry checksums; the directory is written under a temporary name and renamed when complete, with the mode mkdir
-would give it (readable by whoever may read its parent, e.g. a serving user). Both formats carry the checkpoint's
-tokenizer.json.
+A checkpoint's model tensors are already keyed by global name and global expert index whatever the expert-parallel
+size, dense sharding or embedding partition of the run, and a Hugging Face directory opens under the same keys
+(runtime/hf/checkpoint.py), so exporting is a streamed copy: each tensor is read from its source's memory map and
+written into the output, one at a time (the model need not fit in memory), leaving out optimizer moments, step
+counts and RNG states. Output files are bounded by export.max_shard_gb and carry checksums; the directory is written
+under a temporary name and renamed when complete, with the mode mkdir would give it (readable by whoever may read its
+parent, e.g. a serving user).
 
 - moesys format: config.yaml + meta.json + model safetensors under the checkpoint's own keys, so `moesys infer`
   and `moesys serve` read it as they read a run.
-- hf format: the Hugging Face Mixtral layout (config.json, model.safetensors or shards with an index,
-  generation_config.json and tokenizer_config.json), so transformers loads the model and AutoTokenizer the
-  tokenizer with its eos (also the pad) and chat template, and `generate` stops where `moesys infer` does; models
-  that are not Mixtral-style are refused before anything is written. A tokenizer without eos (runs made before the
-  special tokens) is exported saying so: eos_token_id null, not Mixtral's default.
+- hf format: the model's own family (model.family: its model_type, config keys and tensor names; moesys's own
+  SwiGLU/RoPE models as Mixtral), so transformers loads it with AutoModelForCausalLM; a model its family cannot
+  express is refused before anything is written.
+A training checkpoint's export carries its tokenizer.json; in hf format also a tokenizer_config.json naming eos (also
+the pad) and the chat template, and a generation_config.json, so AutoTokenizer loads it and transformers' `generate`
+stops where `moesys infer` does (a tokenizer without eos, as runs made before the special tokens, is exported saying
+so: eos_token_id null, not the family's default). A Hugging Face directory's export carries the source's tokenizer
+files, chat template, generation config and special token ids as they are.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import torch
 import yaml
@@ -34,9 +37,14 @@ import yaml
 from runtime.files.checkpoint_format import FILES, MODEL, STATE_KEYS, missing_tensor, tensor_key
 from runtime.config import MoesysConfig, config_to_dict
 from runtime.errors import UserError
-from runtime.inference.hf_mixtral import INDEX, config_to_hf, hf_tensor_names
-from runtime.inference.load import MoesysCheckpoint, read_moesys
-from runtime.io import atomic_write_json, atomic_write_text, fsync_dir, new_dir_mode
+from runtime.hf.checkpoint import HFCheckpoint
+from runtime.hf.files import INDEX
+from runtime.hf.names import TensorName, to_hf
+from runtime.hf.save import hf_config, hf_entries
+from runtime.inference.load import checkpoint_kind, read_moesys, served_config
+from runtime.inference.mapped import TensorFiles
+from runtime.io import (atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_dir, new_dir_mode,
+                        remove_stale_temps, temp_prefix)
 from runtime.model.transformer import Transformer
 from runtime.plan.disk import check_free
 from runtime.moe.layer import is_expert_param
@@ -54,26 +62,51 @@ class ExportError(UserError):
 
 @dataclass(frozen=True)
 class Entry:
-    """One output tensor: its name in the export and its key in the checkpoint."""
+    """One output tensor: its name in the export, its key in the source, and its Hugging Face layout (hf format)."""
 
     name: str
     key: str
+    hf: Optional[TensorName] = None
+
+
+@dataclass
+class Source:
+    """What an export reads: the model's config and its tensors by checkpoint key (`model.NAME[.G]`)."""
+
+    config: MoesysConfig
+    tensors: Union[TensorFiles, HFCheckpoint]
+    path: Path
+    """The step directory, or the Hugging Face directory."""
+    hf: Optional[HFCheckpoint] = None
+    """The Hugging Face directory's checkpoint, when the source is one."""
+
+    def close(self) -> None:
+        self.tensors.close()  # done with the source: its maps go once the last view is dropped
+
+
+def open_source(checkpoint: str | Path) -> Source:
+    """A moesys run, step directory or export, or a Hugging Face directory of a family moesys reads."""
+    path = Path(checkpoint).expanduser()
+    if checkpoint_kind(path) == "moesys":
+        source = read_moesys(path)
+        return Source(source.config, source.files, source.step_dir)
+    hf = HFCheckpoint(path)
+    return Source(served_config(hf.config), hf, path, hf)
 
 
 def _entries(cfg: MoesysConfig, fmt: str) -> list[Entry]:
     """Every model tensor in output order: dense weights, then each MoE layer's router and experts."""
+    if fmt == "hf":
+        return [Entry(e.hf, tensor_key(MODEL, e.ours, e.expert), e) for e in hf_entries(cfg.model)]
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    params = dict(model.named_parameters())
-    if fmt == "moesys":
-        out = []
-        for name, p in params.items():
-            if is_expert_param(name):
-                out += [Entry(tensor_key(MODEL, name, g), tensor_key(MODEL, name, g)) for g in range(p.shape[0])]
-            else:
-                out.append(Entry(tensor_key(MODEL, name), tensor_key(MODEL, name)))
-        return out
-    return [Entry(hf, tensor_key(MODEL, ours, j)) for hf, ours, j in hf_tensor_names(cfg.model)]
+    out = []
+    for name, p in model.named_parameters():
+        if is_expert_param(name):
+            out += [Entry(tensor_key(MODEL, name, g), tensor_key(MODEL, name, g)) for g in range(p.shape[0])]
+        else:
+            out.append(Entry(tensor_key(MODEL, name), tensor_key(MODEL, name)))
+    return out
 
 
 def hf_token_ids(tokenizer: Optional[Tokenizer]) -> tuple[dict, dict]:
@@ -101,22 +134,23 @@ def _shards(entries: list[Entry], nbytes: dict[str, int], max_bytes: int) -> lis
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "moesys", dtype: Optional[str] = None,
                       max_shard_gb: float = 5.0) -> dict:
-    """Write the checkpoint's model as one model in `out` (which must not exist or be empty); a summary dict."""
+    """Write the checkpoint's (or Hugging Face directory's) model as one model in `out` (which must not exist or be
+    empty); a summary dict."""
     if fmt not in FORMATS:
         raise ExportError(f"export.format={fmt!r} is not one of {', '.join(FORMATS)}")
-    source = read_moesys(Path(checkpoint).expanduser())
+    source = open_source(checkpoint)
     try:
         return _export(source, out, fmt, PRECISION_DTYPES[dtype] if dtype else None, max_shard_gb)
     finally:
-        source.files.close()  # done with the checkpoint: its maps go once the last view is dropped
+        source.close()
 
 
-def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optional[torch.dtype],
-            max_shard_gb: float) -> dict:
-    cfg, files = source.config, source.files
+def _export(source: Source, out: str | Path, fmt: str, to_dtype: Optional[torch.dtype], max_shard_gb: float) -> dict:
+    cfg, files = source.config, source.tensors
     if fmt == "hf":
         try:
-            hf_config = config_to_hf(cfg.model, to_dtype or files.get(tensor_key(MODEL, "tok_embeddings.weight")).dtype)
+            config_json = hf_config(cfg.model, to_dtype or files.spec(tensor_key(MODEL, "tok_embeddings.weight"))[0],
+                                    source.hf.source_config if source.hf else None)
         except UserError as exc:
             raise ExportError(f"export.format=hf: {exc}; use export.format=moesys") from None
     out = Path(out).expanduser()
@@ -125,9 +159,9 @@ def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optio
     entries = _entries(cfg, fmt)
     missing = [e.key for e in entries if e.key not in files]
     if missing:
-        raise missing_tensor(source.step_dir, missing[0])
-    itemsize = {e.key: (to_dtype or files.get(e.key).dtype).itemsize for e in entries}
-    nbytes = {e.key: files.nbytes(e.key) // files.get(e.key).element_size() * itemsize[e.key] for e in entries}
+        raise missing_tensor(source.path, missing[0])
+    specs = {e.key: files.spec(e.key) for e in entries}
+    nbytes = {e.key: torch.Size(specs[e.key][1]).numel() * (to_dtype or specs[e.key][0]).itemsize for e in entries}
     shards = _shards(entries, nbytes, max(1, int(max_shard_gb * 1e9)))
     smaller = "" if (to_dtype or torch.float32).itemsize < 4 else ", or export.dtype=bf16 (half the bytes of fp32)"
     check_free([(out, sum(nbytes.values()), f"{len(entries)} tensors of the {fmt} export")],
@@ -135,45 +169,71 @@ def _export(source: MoesysCheckpoint, out: str | Path, fmt: str, to_dtype: Optio
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), suffix=".tmp", dir=out.parent))
     except OSError as exc:
         raise _unwritable(out, exc) from None
     try:
         os.chmod(tmp, new_dir_mode())  # mkdtemp's 0700 would lock everyone else out of the renamed model
-        names = _write_shards(tmp, shards, files, to_dtype, fmt)
+        names = _write_shards(tmp, shards, files, to_dtype)
         if len(shards) > 1:
             weight_map = {e.name: name for name, shard in zip(names, shards) for e in shard}
             atomic_write_json(tmp / INDEX, {"metadata": {"total_size": sum(nbytes.values())},
                                             "weight_map": weight_map})
-        tokenizer = checkpoint_tokenizer(source.step_dir, source.step_dir, cfg)
-        if tokenizer is not None:  # the export carries the tokenizer the model was trained with
-            atomic_write_text(tmp / TOKENIZER_FILE, tokenizer.to_str())
+        tokenizer, eos_token, token_ids = _write_tokenizer(tmp, source, fmt)
         if fmt == "hf":
-            token_ids, generation = hf_token_ids(tokenizer)
-            atomic_write_json(tmp / "config.json", {**hf_config, **token_ids})
-            atomic_write_json(tmp / GENERATION_CONFIG, generation)
-            if tokenizer is not None:
-                atomic_write_json(tmp / HF_TOKENIZER_CONFIG, hf_tokenizer_config(cfg.model.max_seq_len, tokenizer))
+            atomic_write_json(tmp / "config.json", {**config_json, **token_ids})
         else:
             atomic_write_text(tmp / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-            atomic_write_json(tmp / META, {"step": _step(source.step_dir), "exported_from":
-                                                  str(source.step_dir.resolve()), "format": "moesys-export",
-                                                  FILES: names})
+            atomic_write_json(tmp / META, {"step": _step(source.path), "exported_from": str(source.path.resolve()),
+                                           "format": "moesys-export", FILES: names})
         fsync_dir(tmp)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.rename(tmp, out)
         fsync_dir(out.parent)
+        remove_stale_temps(out)  # what an export killed mid-write left beside it
     except OSError as exc:  # the checkpoint is memory-mapped already: what fails here is a write
         raise _unwritable(out, exc) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"checkpoint": str(source.step_dir), "out": str(out), "format": fmt, "files": names,
-            "tensors": len(entries), "bytes": sum(nbytes.values()),
-            "tokenizer": TOKENIZER_FILE if tokenizer is not None else None,
-            "eos_token": EOS if tokenizer is not None and tokenizer.eos_id is not None else None,
-            "checkpoint_bytes": sum(f.stat().st_size for f in source.step_dir.glob("*.safetensors")),
-            "optimizer_state": any(key.startswith(f"{STATE_KEYS[0]}.") for key in files.where)}
+    return {"checkpoint": str(source.path), "out": str(out), "format": fmt, "files": names,
+            "tensors": len(entries), "bytes": sum(nbytes.values()), "tokenizer": tokenizer, "eos_token": eos_token,
+            "checkpoint_bytes": sum(f.stat().st_size for f in source.path.glob("*.safetensors")),
+            "optimizer_state": source.hf is None and any(key.startswith(f"{STATE_KEYS[0]}.") for key in files.where)}
+
+
+def _write_tokenizer(directory: Path, source: Source, fmt: str) -> tuple[Optional[str], Optional[str], dict]:
+    """The tokenizer the export carries: (its file name, None without one; its eos token; config.json's special
+    token ids, {} where the source's own are kept). A Hugging Face source's tokenizer files are copied as they are; a
+    training checkpoint's tokenizer.json is written, in hf format with a tokenizer_config.json for AutoTokenizer and
+    a generation_config.json of its stop tokens."""
+    if source.hf is not None:
+        files = source.hf.tokenizer_files()
+        for file in files:
+            atomic_write_bytes(directory / file.name, file.read_bytes())
+        name = TOKENIZER_FILE if any(f.name == TOKENIZER_FILE for f in files) else (files[0].name if files else None)
+        return name, _named_eos(source.path / HF_TOKENIZER_CONFIG), {}
+    tokenizer = checkpoint_tokenizer(source.path, source.path, source.config)
+    if tokenizer is not None:
+        atomic_write_text(directory / TOKENIZER_FILE, tokenizer.to_str())  # the tokenizer the model was trained with
+    token_ids, generation = hf_token_ids(tokenizer)
+    if fmt == "hf":
+        atomic_write_json(directory / GENERATION_CONFIG, generation)
+        if tokenizer is not None:
+            atomic_write_json(directory / HF_TOKENIZER_CONFIG,
+                              hf_tokenizer_config(source.config.model.max_seq_len, tokenizer))
+    eos = EOS if tokenizer is not None and tokenizer.eos_id is not None else None
+    return (TOKENIZER_FILE if tokenizer is not None else None), eos, token_ids
+
+
+def _named_eos(tokenizer_config: Path) -> Optional[str]:
+    """The eos token a Hugging Face tokenizer_config.json names (a string, or an added token's content)."""
+    try:
+        eos = json.loads(tokenizer_config.read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return eos if isinstance(eos, str) else None
 
 
 def _unwritable(out: Path, exc: OSError) -> ExportError:
@@ -181,21 +241,21 @@ def _unwritable(out: Path, exc: OSError) -> ExportError:
                        "choose another out=")
 
 
-def _write_shards(directory: Path, shards: list[list[Entry]], files, to_dtype: Optional[torch.dtype],
-                  fmt: str) -> list[str]:
+def _write_shards(directory: Path, shards: list[list[Entry]], files, to_dtype: Optional[torch.dtype]) -> list[str]:
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     metadata = {"format": "pt"}  # transformers refuses safetensors files without it
 
     def tensor(e: Entry) -> torch.Tensor:
         t = files.get(e.key)
+        t = t if e.hf is None else to_hf(e.hf, t)
         return t.to(to_dtype) if to_dtype is not None else t
 
     for name, shard in zip(names, shards):
         specs = {}
         for e in shard:
-            t = files.get(e.key)
-            specs[e.name] = (to_dtype or t.dtype, tuple(t.shape))
+            dtype, shape = files.spec(e.key)
+            specs[e.name] = (to_dtype or dtype, shape if e.hf is None else e.hf.hf_shape)
         stream: Iterator = ((e.name, tensor(e)) for e in shard)
         write_tensors(directory / name, specs, stream, metadata)
     return names

@@ -1,6 +1,7 @@
-"""Generation with a KV cache: greedy or temperature/top-k sampling, several prompts per batch, prefill and decode
-timed apart, each prompt ending at a stop token (the tokenizer's eos) or its length; `run_inference` is what `moesys
-infer` calls (load, offload as the paper's "Ring Memory Offloading" and its successors, generate).
+"""Generation with a KV cache: greedy or sampled (runtime/inference/sampling.py), several prompts per batch,
+prefill and decode timed apart, each prompt ending at a stop token (the tokenizer's eos) or its length;
+`run_inference` is what `moesys infer` calls (load, offload as the paper's "Ring Memory Offloading" and its
+successors, generate).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from runtime.inference.errors import InferError
 from runtime.inference.load import resolve_infer_config
 from runtime.inference.offload import Offloader
 from runtime.inference.offloaders import open_for_inference
+from runtime.inference.sampling import Sampler, Sampling
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 from runtime.memory_probe import PeakMemory, disk_read_bytes
@@ -62,20 +64,6 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int
                              f"model.max_seq_len={max_seq_len}; shorten the prompt or generate fewer tokens")
 
 
-def sample_next(logits_BV: Tensor, temperature: float, top_k: int, generator: Optional[torch.Generator]) -> Tensor:
-    """Next ids [B], on the device: argmax when temperature is 0, else a draw from softmax(logits / temperature) over
-    the top k. The draw is torch.multinomial's own for one sample (argmax of probs / Exp(1) noise from the same
-    generator: the same ids) without its validity checks, which read the probabilities on the host."""
-    if temperature <= 0:
-        return logits_BV.argmax(dim=-1)
-    logits_BV = logits_BV.float() / temperature
-    if 0 < top_k < logits_BV.shape[-1]:
-        kth = logits_BV.topk(top_k, dim=-1).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
-    probs_BV = logits_BV.softmax(dim=-1)
-    return probs_BV.div_(torch.empty_like(probs_BV).exponential_(1, generator=generator)).argmax(dim=-1)
-
-
 STOP_CHECK_EVERY = 8
 """Decode steps between two looks (one host read) at whether every row of a batch has made a stop token: a batch
 that has ends at most this many steps later, and the tokens past each row's stop are dropped."""
@@ -98,7 +86,8 @@ def _sync(device: torch.device) -> None:
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, offloader: Optional[Offloader] = None,
              keep_logits: bool = False, on_token: Optional[Callable[[list[int], Tensor], None]] = None,
-             step: Optional[DecodeStep] = None, stop_ids: Sequence[int] = ()) -> Generation:
+             step: Optional[DecodeStep] = None, sampling: Optional[Sampling] = None,
+             stop_ids: Sequence[int] = ()) -> Generation:
     """Prompts of equal length run as one batch (no padding: a row never sees another row's tokens, though its
     logits may differ from a lone run's by float rounding, which can flip a greedy near-tie); each batch is one
     prefill forward into a static KV cache, then up to max_new_tokens - 1 decode steps (`step`, eager when not
@@ -107,12 +96,15 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
 
     on_token(members, ids_B), when given, sees each step's new ids (on the device) of the batch made of
     prompts[members], between forwards: a streaming server sends them on, and an exception it raises stops the
-    generation there (its client has gone) without leaving a forward half done."""
+    generation there (its client has gone) without leaving a forward half done.
+
+    sampling, when given, is every setting (top_p, penalties, logit_bias too) and temperature and top_k are not
+    read; the seed seeds one generator for all the prompts."""
     cfg = model.cfg
     check_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_seq_len)
     device = model.tok_embeddings.weight.device
     step = step if step is not None else DecodeStep(model)
-    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    sampler = Sampler(sampling or Sampling(temperature, top_k), cfg.vocab_size, device, seed)
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device) if stop_ids else None
     by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(prompts):
@@ -123,6 +115,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         if offloader is not None:
             offloader.reset()
         tokens_BS = torch.tensor([prompts[i] for i in members], dtype=torch.long, device=device)
+        sampler.begin(len(members))
         cache = step.cache_for(len(members), length + max_new_tokens)
         positions = torch.arange(length, length + max_new_tokens, device=device)
         new: list[Tensor] = []
@@ -139,7 +132,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
                     logits_BV = step(new[-1][:, None], positions[n - 1:n], cache)
             else:
                 logits_BV = step(new[-1][:, None], positions[n - 1:n], cache)
-            new.append(sample_next(logits_BV, temperature, top_k, generator))
+            new.append(sampler(logits_BV))
             if stops is not None:
                 stopped_B |= torch.isin(new[-1], stops)
             if on_token is not None:
@@ -164,6 +157,12 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     if keep_logits:
         out.logits = [torch.stack(rows[:len(tokens)]) for rows, tokens in zip(logits_of, out.tokens)]
     return out
+
+
+def infer_sampling(inf: Any) -> Sampling:
+    """The sampling settings of an infer config section."""
+    return Sampling.of(inf.temperature, inf.top_k, inf.top_p, inf.presence_penalty, inf.frequency_penalty,
+                       inf.logit_bias)
 
 
 def _prompt_ids(loaded, cfg, prompts: Optional[list[str]], prompt_ids: Optional[list[list[int]]]) -> list[list[int]]:
@@ -194,8 +193,8 @@ def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, An
                 torch.cuda.reset_peak_memory_stats(device)
             read_before = disk_read_bytes()
             step = DecodeStep(model, compile=compile_default(device) if inf.compile is None else inf.compile)
-            gen = generate(model, ids, inf.max_new_tokens, inf.temperature, inf.top_k, inf.seed, offloader,
-                           step=step, stop_ids=loaded.stop_ids)
+            gen = generate(model, ids, inf.max_new_tokens, seed=inf.seed, offloader=offloader, step=step,
+                           sampling=infer_sampling(inf), stop_ids=loaded.stop_ids)
             disk_read = disk_read_bytes() - read_before
             stats = offloader.stats()
         finally:

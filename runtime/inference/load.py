@@ -1,5 +1,6 @@
 """Open a checkpoint for inference: a moesys run directory (or one of its step_N directories) or a Hugging Face
-Mixtral-layout directory, as one single-process Transformer, its config and tokenizer, and where its experts lie.
+directory of a family moesys reads (runtime/hf/families.py), as one single-process Transformer, its config and
+tokenizer, and where its experts lie.
 
 Files are memory-mapped and streamed: dense weights are copied to the device one tensor at a time, experts are
 read only when an offload mode places or computes them, so opening a model larger than memory costs its dense
@@ -18,10 +19,10 @@ from typing import Any, Optional, Protocol
 import torch
 import yaml
 
-from runtime.config import ConfigError, MoesysConfig, config_from_dict, config_to_dict
+from runtime.config import ConfigError, ModelConfig, MoesysConfig, config_from_dict, config_to_dict
 from runtime.errors import UserError
 from runtime.inference.expert_source import ExpertSource
-from runtime.inference.hf_mixtral import open_hf_mixtral
+from runtime.hf.checkpoint import open_hf_model
 from runtime.inference.mapped import MappedFileError, TensorFiles, copy_to, read_header
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
@@ -205,14 +206,22 @@ def _shape_checked(tensor: torch.Tensor, param: torch.Tensor, name: str, step: P
     return tensor
 
 
-# ---- Hugging Face Mixtral directories ----
+# ---- Hugging Face directories ----
 
 class _HFTokenizer:
+    """transformers' tokenizer of a Hugging Face directory, with its special tokens (what `moesys serve`'s
+    /tokenizer_info reports)."""
+
+    adds_special_tokens = True
+    """encode() adds the tokens the tokenizer adds to a text (a bos, for some); add_special_tokens=False does not."""
+
     def __init__(self, tok: Any):
         self.tok = tok
+        self.tokenizer_class = type(tok).__name__
+        self.eos_token, self.bos_token, self.pad_token = tok.eos_token, tok.bos_token, tok.pad_token
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
@@ -256,20 +265,26 @@ def _hf_stop_ids(path: Path, vocab_size: int) -> tuple[int, ...]:
 
 def open_hf(path: Path, dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu") -> LoadedModel:
     try:
-        model_cfg, model, source = open_hf_mixtral(path, dtype=dtype, device=device)
+        model_cfg, model, source = open_hf_model(path, dtype=dtype, device=device)
     except UserError:
         raise
     except Exception as exc:  # torn safetensors files and the like
         raise InferError(f"checkpoint={path}: cannot read ({_first_line(exc)})") from None
-    cfg = MoesysConfig(model=model_cfg, purpose="serve")  # served as it is: its vocabulary need not be bytes
-    cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
-    return LoadedModel(config_to_dict(cfg), model, "hf", _hf_tokenizer(path), path, source,
+    return LoadedModel(config_to_dict(served_config(model_cfg)), model, "hf", _hf_tokenizer(path), path, source,
                        _hf_stop_ids(path, model_cfg.vocab_size))
+
+
+def served_config(model_cfg: ModelConfig) -> MoesysConfig:
+    """The whole config of a released model, as inference and export hold it: its model section, served as it is
+    (its vocabulary need not be bytes), train.seq_len within its max_seq_len."""
+    cfg = MoesysConfig(model=model_cfg, purpose="serve")
+    cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
+    return cfg
 
 
 def open_checkpoint(checkpoint: str | Path, dtype: Optional[torch.dtype] = None,
                     device: torch.device | str = "cpu") -> LoadedModel:
-    """Open a moesys run directory or a Hugging Face Mixtral directory for inference without reading its experts:
+    """Open a moesys run directory or a Hugging Face directory for inference without reading its experts:
     dense weights are copied to `device`, experts stay where they lie in the files (`LoadedModel.experts`) and on
     the meta device in the model until an offload mode places them."""
     path = Path(checkpoint).expanduser()

@@ -153,6 +153,11 @@ class TensorFiles:
     def nbytes(self, name: str) -> int:
         return self.where[name].nbytes(name)
 
+    def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """(dtype, shape) of tensor `name`, from its file's header (nothing read)."""
+        entry = self.where[name].header[name]
+        return DTYPES[entry["dtype"]], tuple(entry["shape"])
+
     def file_of(self, name: str) -> Path:
         return self.where[name].path
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.inference.hf_mixtral import INDEX
+from runtime.hf.files import INDEX
 from runtime.io import atomic_write_json
 from runtime.files.tensorfile import save_tensors
 

@@ -25,7 +25,7 @@ from runtime.model.ffn import DenseFFN
 from runtime.model.transformer import Block, Transformer
 from runtime.moe.experts import GroupedExperts, combine_choices, grouped_mm_in_place, sort_by_expert, sorted_ffn
 from runtime.moe.layer import MoELayer
-from runtime.moe.router import routing_weights, select_top_k
+from runtime.moe.shared import SharedExperts
 
 
 def row_linear(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -85,8 +85,8 @@ def _attention(att: Attention, x_B1D: Tensor, cache: StaticKVCache, pos_B: Tenso
     B = x_B1D.shape[0]
     KV, hd = att.num_kv_heads, att.head_dim
     group = att.num_heads // KV
-    q = row_linear(x_B1D, att.wq.weight, att.wq.bias).view(B, KV, group, hd)
-    k = row_linear(x_B1D, att.wk.weight, att.wk.bias).view(B, KV, 1, hd)
+    q, k = att.norm_qk(row_linear(x_B1D, att.wq.weight, att.wq.bias), row_linear(x_B1D, att.wk.weight, att.wk.bias))
+    q, k = q.view(B, KV, group, hd), k.view(B, KV, 1, hd)
     v = row_linear(x_B1D, att.wv.weight, att.wv.bias).view(B, KV, 1, hd)
     if att.rope:
         q, k = rotate(torch.cat((q, k), dim=2), *rope).split((group, 1), dim=2)
@@ -214,12 +214,19 @@ def _moe(layer: MoELayer, x_B1D: Tensor) -> Tensor:
     B = x_B1D.shape[0]
     logits_TE = logits.view(B, -1)
     probs_TE = torch.softmax(logits_TE, dim=-1)
-    ids_TK = select_top_k(logits_TE, router.top_k)
-    weights_TK = routing_weights(probs_TE, ids_TK, router.normalize_top_k)
+    ids_TK, weights_TK = router.choose(logits_TE, probs_TE)
     ids_B1K, weights_B1K = ids_TK.view(B, 1, -1), weights_TK.view(B, 1, -1)
     if isinstance(layer.experts, GroupedExperts):
-        return _grouped_ffn(x_B1D, ids_B1K, weights_B1K, layer.experts)
-    return layer.experts.routed(x_B1D, ids_B1K, weights_B1K)  # an offloader's stand-in: per token already
+        y = _grouped_ffn(x_B1D, ids_B1K, weights_B1K, layer.experts)
+    else:
+        y = layer.experts.routed(x_B1D, ids_B1K, weights_B1K)  # an offloader's stand-in: per token already
+    return y if layer.shared_experts is None else y + _shared(layer.shared_experts, x_B1D)
+
+
+def _shared(shared: SharedExperts, x_B1D: Tensor) -> Tensor:
+    """SharedExperts.forward per row: its FFN as `_dense`, times the per-row gate when it has one."""
+    y = _dense(shared, x_B1D)
+    return y if shared.gate is None else torch.sigmoid(row_linear(x_B1D, shared.gate.weight)) * y
 
 
 def _block(block: Block, x: Tensor, cache: StaticKVCache, pos_B: Tensor, rows_B: Tensor, rope, mask,

@@ -78,7 +78,7 @@ class _Captured:
         tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
         x = torch.zeros(batch, seq, cfg.hidden_size, dtype=dtype, device=device)
         self.rope = None if model.pos_embeddings is not None else rope_cos_sin(
-            torch.arange(seq, device=device), cfg.head_dim, cfg.rope_theta)
+            torch.arange(seq, device=device), cfg.head_width, cfg.rope_theta)
         cos, sin = self.rope if self.rope is not None else (None, None)
         self.embedding = _export(_Embedding(model), (tokens,))
         self.attention = [_export(_AttentionPart(b), (x, cos, sin)) for b in model.layers]

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.config import ModelConfig
+from runtime.model.norms import qk_norms
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,20 +133,28 @@ class StaticKVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    """wq [H*hd, D], wk/wv [KV*hd, D], wo [D, H*hd]; biases iff cfg.bias; KV heads repeated for H query heads."""
+    """wq [H*hd, D], wk/wv [KV*hd, D], wo [D, H*hd] (biases as cfg.qkv_bias and cfg.out_bias); queries and keys
+    normalised after their projection when cfg.qk_norm asks; KV heads repeated for H query heads."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.kv_heads, cfg.head_width
         if cfg.num_heads % cfg.kv_heads:
             raise ValueError(f"model.num_kv_heads={cfg.kv_heads} must divide model.num_heads={cfg.num_heads}")
         self.rope = cfg.position == "rope"
         D, H, KV, hd = cfg.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        self.wq = nn.Linear(D, H * hd, bias=cfg.bias)
-        self.wk = nn.Linear(D, KV * hd, bias=cfg.bias)
-        self.wv = nn.Linear(D, KV * hd, bias=cfg.bias)
-        self.wo = nn.Linear(H * hd, D, bias=cfg.bias)
+        self.wq = nn.Linear(D, H * hd, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(D, KV * hd, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(D, KV * hd, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(H * hd, D, bias=cfg.out_bias)
+        self.q_norm, self.k_norm = qk_norms(cfg)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected queries [..., H*hd] and keys [..., KV*hd] through the q/k norms (as they are without them)."""
+        if self.q_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def forward(
         self,
@@ -156,8 +165,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [B, S, D] at positions start_pos..start_pos+S-1 -> [B, S, D]; attends to cached positions too."""
         B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.norm_qk(self.wq(x), self.wk(x))
+        q = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.rope:
             cos, sin = rope
@@ -185,8 +195,9 @@ class Attention(nn.Module):
         B = x_B1D.shape[0]
         KV, hd = self.num_kv_heads, self.head_dim
         group = self.num_heads // KV
-        q = self.wq(x_B1D).view(B, KV, group, hd)  # [B, 1, H*hd] holds heads in order h = kv * group + g
-        k = self.wk(x_B1D).view(B, KV, 1, hd)
+        q, k = self.norm_qk(self.wq(x_B1D), self.wk(x_B1D))
+        q = q.view(B, KV, group, hd)  # [B, 1, H*hd] holds heads in order h = kv * group + g
+        k = k.view(B, KV, 1, hd)
         v = self.wv(x_B1D).view(B, KV, 1, hd)
         if self.rope:
             q, k = rotate(torch.cat((q, k), dim=2), *rope).split((group, 1), dim=2)

@@ -10,14 +10,15 @@ from runtime.config import ModelConfig
 
 
 class DenseFFN(nn.Module):
-    """gelu: w2(gelu(w1 x + b1)) + b2.  swiglu: w2(silu(w1 x) * w3 x) (+ biases iff cfg.bias)."""
+    """gelu: w2(gelu(w1 x + b1)) + b2.  swiglu: w2(silu(w1 x) * w3 x) (+ biases iff cfg.bias), of width `width`
+    (default: a dense block's, cfg.dense_ffn_size)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
         if cfg.expert_type not in ("gelu", "swiglu"):
             raise ValueError(f"model.expert_type={cfg.expert_type!r} is not one of gelu, swiglu")
         self.swiglu = cfg.expert_type == "swiglu"
-        D, Fh = cfg.hidden_size, cfg.ffn_size
+        D, Fh = cfg.hidden_size, width or cfg.dense_ffn_size
         self.w1 = nn.Linear(D, Fh, bias=cfg.bias)
         self.w2 = nn.Linear(Fh, D, bias=cfg.bias)
         self.w3 = nn.Linear(D, Fh, bias=cfg.bias) if self.swiglu else None

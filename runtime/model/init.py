@@ -83,27 +83,33 @@ def init_expert(seed: int, prefix: str, shapes: dict[str, tuple[int, ...]], expe
 
 
 def _module_kind(module: nn.Module, param_name: str) -> str:
-    if param_name == "bias":
+    if param_name.endswith("bias"):  # a Linear's bias, a router's score_bias
         return "zeros"
     if isinstance(module, (nn.LayerNorm, RMSNorm)):
         return "ones"
     return "normal"
 
 
-def init_parameters(model: nn.Module, seed: int) -> None:
-    """Initialize every parameter of `model` that is not on the meta device. A module with stacked experts says so
-    with `first_expert` (its row j is global expert first_expert + j); each row is drawn as `init_expert` draws it."""
+def materialized_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Parameter, int | None]]:
+    """(qualified name, owning module, parameter, first global expert) of every parameter of `model` not on the meta
+    device. A module with stacked experts says so with `first_expert` (its row j is global expert first_expert + j:
+    expert parallelism keeps a block of a layer's experts on each rank); None for every other parameter."""
     for prefix, module in model.named_modules():
         first = getattr(module, "first_expert", None)
         for pname, param in module.named_parameters(recurse=False):
-            if param.is_meta:
-                continue
-            qualified = f"{prefix}.{pname}" if prefix else pname
-            if first is not None:
-                kind = expert_kind(qualified)
-                row_bytes = param[0].numel() * 4  # fp32 values drawn on the CPU (a temporary unless they land there)
-                for _ in drawn_in_parallel(lambda j: fill_(param.data[j], kind, seed, qualified, first + j),
-                                           range(param.shape[0]), row_bytes):
-                    pass
-            else:
-                fill_(param.data, _module_kind(module, pname), seed, qualified)
+            if not param.is_meta:
+                yield (f"{prefix}.{pname}" if prefix else pname), module, param, first
+
+
+def init_parameters(model: nn.Module, seed: int) -> None:
+    """Initialize every parameter of `model` that is not on the meta device; each row of stacked experts is drawn as
+    `init_expert` draws its global expert."""
+    for qualified, module, param, first in materialized_parameters(model):
+        if first is not None:
+            kind = expert_kind(qualified)
+            row_bytes = param[0].numel() * 4  # fp32 values drawn on the CPU (a temporary unless they land there)
+            for _ in drawn_in_parallel(lambda j: fill_(param.data[j], kind, seed, qualified, first + j),
+                                       range(param.shape[0]), row_bytes):
+                pass
+        else:
+            fill_(param.data, _module_kind(module, qualified.rsplit(".", 1)[-1]), seed, qualified)

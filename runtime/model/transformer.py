@@ -1,5 +1,6 @@
 """Decoder-only transformer for both families (GPT: learned positions, LayerNorm, gelu, tied head; Mixtral: RoPE,
-RMSNorm, SwiGLU, GQA), with MoE blocks every cfg.moe_layer_freq (the paper's "Experiment"; Mixtral of Experts)."""
+RMSNorm, SwiGLU, GQA), with MoE blocks where cfg.is_moe_layer says (the paper's "Experiment"; Mixtral of Experts)
+and the parts released families add, each chosen by the config (q/k norms, shared experts, a router score bias)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from runtime.model.ffn import DenseFFN
 from runtime.model.init import draw_seed, init_parameters
 from runtime.model.norms import build_norm
 from runtime.moe.layer import MoELayer
+from runtime.moe.losses import model_aux_loss
 
 @dataclass
 class ModelOutput:
@@ -88,7 +90,7 @@ class Transformer(nn.Module):
         """A zeroed static KV cache of `capacity` positions for `batch` rows, in this model's dtype and device."""
         weight = self.tok_embeddings.weight
         theta = self.cfg.rope_theta if self.pos_embeddings is None else None
-        return StaticKVCache(len(self.layers), batch, self.cfg.kv_heads, capacity, self.cfg.head_dim, weight.dtype,
+        return StaticKVCache(len(self.layers), batch, self.cfg.kv_heads, capacity, self.cfg.head_width, weight.dtype,
                              weight.device, rope_theta=theta)
 
     def reset_parameters(self, seed: int | None = None) -> None:
@@ -112,7 +114,7 @@ class Transformer(nn.Module):
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions)
         else:
-            rope = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+            rope = rope_cos_sin(positions, self.cfg.head_width, self.cfg.rope_theta)
         stats = []
         for block in self.layers:
             h, layer_stats = block(h, rope, cache, start_pos, moe_stats)
@@ -120,7 +122,8 @@ class Transformer(nn.Module):
                 stats.append(layer_stats)
         h = self.norm(h)
         logits = self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
-        aux = sum((s.aux_loss for s in stats), h.new_zeros(()))
+        aux = model_aux_loss([s.aux_loss for s in stats], [s.load for s in stats if s.load is not None], self.cfg,
+                             h.new_zeros(()))
         return ModelOutput(logits=logits, aux_loss=aux, moe_stats=stats)
 
     def prefill(self, tokens_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:

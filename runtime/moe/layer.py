@@ -1,5 +1,5 @@
-"""The MoE layer: router -> capacity -> dispatch -> experts -> combine, plus aux losses and gate metrics
-(GShard section 2.2; Switch Transformers section 2; the production feature list of ORT MoE).
+"""The MoE layer: router -> capacity -> dispatch -> experts -> combine, plus the shared experts beside them, aux
+losses and gate metrics (GShard section 2.2; Switch Transformers section 2; the production feature list of ORT MoE).
 
 Legend: T tokens, D model dim, E experts, e local experts, K top-k, R routed rows.
 """
@@ -16,9 +16,10 @@ from runtime.config import ModelConfig
 from runtime.moe.capacity import expert_capacity, keep_mask
 from runtime.moe.dispatch import LocalDispatcher
 from runtime.moe.experts import Experts, GroupedExperts
-from runtime.moe.losses import router_losses
+from runtime.moe.losses import ExpertLoad, expert_load, router_losses
 from runtime.moe.metrics import gate_metrics
 from runtime.moe.router import Router
+from runtime.moe.shared import shared_experts
 
 EXPERT_PARAM_NAMES = ("w1", "w2", "w3", "b1", "b2", "b3")
 
@@ -33,10 +34,13 @@ class MoEStats:
     """Unweighted, detached router losses by name (load_balancing, z, sparsity, importance)."""
     metrics: dict[str, Tensor] = field(default_factory=dict)
     """Detached gate metrics by name (see runtime.moe.metrics.gate_metrics)."""
+    load: ExpertLoad | None = None
+    """The layer's part of the pooled load-balancing loss (model.load_balancing=pooled), else None."""
 
 
 class MoELayer(nn.Module):
-    """A drop-in FFN replacement: x [..., D] -> (y [..., D], MoEStats).
+    """A drop-in FFN replacement: x [..., D] -> (y [..., D], MoEStats); y is the routed experts' combined output plus
+    the shared experts' (cfg.shared_expert_hidden_size), which see every token where they are.
 
     num_local_experts: experts held by this process (default: all E); fewer needs an expert-parallel
     dispatcher that returns rows for those experts only.
@@ -54,6 +58,7 @@ class MoELayer(nn.Module):
         self.router = Router(cfg)
         self.experts: Experts = GroupedExperts(local, cfg.hidden_size, cfg.ffn_size, cfg.expert_type, cfg.bias)
         self.dispatcher = LocalDispatcher(cfg.num_experts) if dispatcher is None else dispatcher
+        self.shared_experts = shared_experts(cfg)
 
     def forward(self, x: Tensor, generator: torch.Generator | None = None,
                 stats: bool = True) -> tuple[Tensor, MoEStats | None]:
@@ -70,10 +75,13 @@ class MoELayer(nn.Module):
         x_RD, tokens_per_expert, meta = self.dispatcher.dispatch(x_TD, routing, keep_TK)
         y_RD = self.experts(x_RD, tokens_per_expert)
         y_TD = self.dispatcher.combine(y_RD, meta)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
         if not stats:
             return y_TD.view(x.shape), None
         aux_loss, losses = router_losses(routing, cfg)
-        stats = MoEStats(aux_loss, losses, gate_metrics(routing, keep_TK))
+        load = expert_load(routing.probs_TE, cfg.top_k) if cfg.load_balancing == "pooled" else None
+        stats = MoEStats(aux_loss, losses, gate_metrics(routing, keep_TK), load)
         return y_TD.view(x.shape), stats
 
     def decode(self, x: Tensor) -> Tensor:
@@ -87,7 +95,8 @@ class MoELayer(nn.Module):
         if self.training or (capacity is not None and capacity < tokens):
             return self.forward(x)[0]
         routing = self.router(x)
-        return self.experts.routed(x, routing.expert_ids_TK, routing.weights_TK)
+        y = self.experts.routed(x, routing.expert_ids_TK, routing.weights_TK)
+        return y if self.shared_experts is None else y + self.shared_experts(x)
 
 
 def is_expert_param(name: str) -> bool:

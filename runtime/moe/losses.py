@@ -1,6 +1,6 @@
-"""Router auxiliary losses (ORT MoE "Loss Functions"): Switch load balancing (Switch Transformers eq. 4),
-router z-loss (ST-MoE eq. 5), SpeechMoE's sparsity L1 and mean-importance losses (importance as Shazeer 2017
-section 4), and the top-2 second-place ratio metric.
+"""Router auxiliary losses (ORT MoE "Loss Functions"): Switch load balancing (Switch Transformers eq. 4) per layer or
+pooled over the layers (transformers' load_balancing_loss_func), router z-loss (ST-MoE eq. 5), SpeechMoE's sparsity
+L1 and mean-importance losses (importance as Shazeer 2017 section 4), and the top-2 second-place ratio metric.
 
 Legend: T tokens, E experts, K top-k.
 """
@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from dataclasses import dataclass
+from typing import Sequence
 
 from runtime.config import ModelConfig
 from runtime.moe.router import Routing, expert_counts
@@ -29,6 +32,35 @@ def load_balancing_loss(probs_TE: Tensor, expert_ids_TK: Tensor) -> Tensor:
     counts_E = expert_counts(expert_ids_TK, num_experts)
     f_E = counts_E.to(probs_TE.dtype) / max(expert_ids_TK.numel(), 1)
     return num_experts * (f_E * probs_TE.mean(dim=0)).sum()
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """One layer's share of the pooled load-balancing loss: what transformers' load_balancing_loss_func sums over
+    layers before it normalises."""
+
+    counts_E: Tensor
+    """Top-k choices of the unbiased softmax per expert (fp32, detached): the choices the function recomputes."""
+    prob_sum_E: Tensor
+    """Router probabilities summed over the layer's tokens (fp32, differentiable)."""
+    tokens: int
+
+
+def expert_load(probs_TE: Tensor, top_k: int) -> ExpertLoad:
+    """The layer's ExpertLoad from its router probabilities."""
+    with torch.no_grad():
+        counts_E = expert_counts(torch.topk(probs_TE, top_k, dim=-1).indices, probs_TE.shape[1]).float()
+    return ExpertLoad(counts_E, probs_TE.float().sum(dim=0), probs_TE.shape[0])
+
+
+def pooled_load_balancing_loss(loads: Sequence[ExpertLoad]) -> Tensor:
+    """E * sum_e f_e * P_e with f_e = choices of e per token and P_e = mean probability of e, both over the tokens of
+    every layer together (transformers pools all layers' router logits; 1 x top_k under uniform routing). Not the
+    mean of per-layer Switch losses: a layer's imbalance can offset another's."""
+    tokens = sum(load.tokens for load in loads)
+    f_E = torch.stack([load.counts_E for load in loads]).sum(0) / tokens
+    p_E = torch.stack([load.prob_sum_E for load in loads]).sum(0) / tokens
+    return f_E.shape[0] * (f_E * p_E).sum()
 
 
 def z_loss(logits_TE: Tensor) -> Tensor:
@@ -58,7 +90,8 @@ def second_place_ratio(weights_TK: Tensor) -> Tensor:
 
 def router_losses(routing: Routing, cfg: ModelConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """(aux_loss, losses): aux_loss is the config-weighted, differentiable sum; losses are the unweighted,
-    detached values by name. Losses with weight 0 are still reported but kept out of the graph."""
+    detached values by name. Losses with weight 0 are still reported but kept out of the graph, as is the layer's
+    Switch loss when cfg.load_balancing=pooled (the model adds the pooled one: `model_aux_loss`)."""
     if routing.num_tokens == 0:
         zero = routing.logits_TE.sum()
         return zero, {name: zero.detach() for name in LOSS_WEIGHTS}
@@ -72,6 +105,8 @@ def router_losses(routing: Routing, cfg: ModelConfig) -> tuple[Tensor, dict[str,
     losses: dict[str, Tensor] = {}
     for name, fn in fns.items():
         weight = getattr(cfg, LOSS_WEIGHTS[name])
+        if name == "load_balancing" and cfg.load_balancing == "pooled":
+            weight = 0.0
         if weight > 0:
             value = fn()
             aux = aux + weight * value
@@ -80,3 +115,13 @@ def router_losses(routing: Routing, cfg: ModelConfig) -> tuple[Tensor, dict[str,
             with torch.no_grad():
                 losses[name] = fn()
     return aux, losses
+
+
+def model_aux_loss(layer_losses: Sequence[Tensor], loads: Sequence[ExpertLoad], cfg: ModelConfig,
+                   zero: Tensor) -> Tensor:
+    """The model's aux loss: its MoE layers' weighted losses summed, plus aux_loss_weight times the pooled
+    load-balancing loss of their `loads` when cfg.load_balancing=pooled. `zero`: the scalar to start from."""
+    aux = sum(layer_losses, zero)
+    if cfg.load_balancing == "pooled" and cfg.aux_loss_weight > 0 and loads:
+        aux = aux + cfg.aux_loss_weight * pooled_load_balancing_loss(loads)
+    return aux

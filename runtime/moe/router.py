@@ -1,5 +1,7 @@
 """Top-k gating in fp32 (Switch k=1, GShard k=2) with the ORT MoE gating utilities: multiplicative jitter,
-input dropout and Gumbel-max sampling (ORT MoE "Gating Utilities"; Switch Transformers section 2.2).
+input dropout and Gumbel-max sampling (ORT MoE "Gating Utilities"; Switch Transformers section 2.2), and a score
+bias that moves the choice but not the weights (ERNIE-4.5's score correction; DeepSeek-V3's auxiliary-loss-free
+balancing, section 2.1.2).
 
 Legend: T tokens, D model dim, E experts, K top-k.
 """
@@ -87,7 +89,8 @@ def _fp32(t: Tensor) -> Tensor:
 
 
 class Router(nn.Module):
-    """Linear gate D -> E (no bias) computed in fp32 whatever the input dtype."""
+    """Linear gate D -> E (no bias) computed in fp32 whatever the input dtype; with cfg.router_score_bias, experts
+    are chosen by softmax + score_bias [E] (a parameter without gradient) and weighted by the softmax alone."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -98,6 +101,17 @@ class Router(nn.Module):
         self.gumbel = cfg.router_gumbel
         self.normalize_top_k = cfg.normalize_top_k
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.score_bias = (nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+                           if cfg.router_score_bias else None)
+
+    def choose(self, logits_TE: Tensor, probs_TE: Tensor, gumbel: bool = False,
+               generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """(expert_ids_TK, weights_TK) from a token's logits and softmax: the top-k of the logits (of the
+        probabilities plus score_bias when there is one), weighted by their probabilities."""
+        with torch.no_grad():
+            scores_TE = logits_TE if self.score_bias is None else probs_TE + _fp32(self.score_bias)
+            expert_ids_TK = select_top_k(scores_TE, self.top_k, gumbel, generator)
+        return expert_ids_TK, routing_weights(probs_TE, expert_ids_TK, self.normalize_top_k)
 
     def forward(self, x_TD: Tensor, generator: torch.Generator | None = None) -> Routing:
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
@@ -113,7 +127,5 @@ class Router(nn.Module):
                     x_TD = x_TD * keep / (1.0 - self.input_dropout)
             logits_TE = F.linear(x_TD, _fp32(self.gate.weight))
             probs_TE = torch.softmax(logits_TE, dim=-1)
-            with torch.no_grad():
-                expert_ids_TK = select_top_k(logits_TE, self.top_k, self.training and self.gumbel, generator)
-            weights_TK = routing_weights(probs_TE, expert_ids_TK, self.normalize_top_k)
+            expert_ids_TK, weights_TK = self.choose(logits_TE, probs_TE, self.training and self.gumbel, generator)
         return Routing(expert_ids_TK, weights_TK, probs_TE, logits_TE)

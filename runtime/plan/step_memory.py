@@ -70,11 +70,16 @@ def activation_bytes(cfg: MoesysConfig) -> int:
         """A norm's output as its projections keep it: a copy each under autocast, else the fp32 output once."""
         return readers * c * T * D if half else 4 * T * D
 
-    attention = 4 * T * D + rms + inputs(3) + 4 * c * T * m.num_heads * m.head_dim
+    attention = 4 * T * D + rms + inputs(3) + 4 * c * T * m.num_heads * m.head_width
     R = routed_rows(cfg, T)
     moe = (4 * T * D + rms + 4 * T * D + 12 * T * m.num_experts  # residual, norm output for the router, routing
            + 2 * c * R * D + (3 if swiglu else 2) * c * R * F)  # routed rows in and out, the experts' [R, F]
-    dense_ffn = 4 * T * D + rms + inputs(2 if swiglu else 1) + (4 if swiglu else 2) * c * T * F
+    def dense_ffn_rows(width: int) -> int:
+        return inputs(2 if swiglu else 1) + (4 if swiglu else 2) * c * T * width
+
+    dense_ffn = 4 * T * D + rms + dense_ffn_rows(m.dense_ffn_size)
+    if m.shared_expert_hidden_size:  # every token's shared expert beside the routed rows
+        moe += dense_ffn_rows(m.shared_expert_hidden_size)
     layers = sum(attention + (moe if m.is_moe_layer(i) else dense_ffn) for i in range(m.num_layers))
     logits = (c if half else 0) * T * V + 4 * T * V + 8 * T * V
     return int(layers + 4 * T * D + rms + inputs(1) + logits)
@@ -87,11 +92,11 @@ def weight_cast_params(cfg: MoesysConfig, p: ParamCounts, resident_experts: int)
     m = cfg.model
     if compute_bytes(cfg) == 4:
         return 0
-    hd = m.head_dim
-    bias = m.bias
-    attention = ((m.num_heads * hd + 2 * m.kv_heads * hd) * (m.hidden_size + bias)
-                 + m.hidden_size * (m.num_heads * hd + bias))
-    dense_ffns = (m.num_layers - p.moe_layers) * ffn_params(m)
+    hd = m.head_width
+    attention = ((m.num_heads * hd + 2 * m.kv_heads * hd) * (m.hidden_size + m.qkv_bias)
+                 + m.hidden_size * (m.num_heads * hd + m.out_bias))
+    dense_ffns = (m.num_layers - p.moe_layers) * ffn_params(m, m.dense_ffn_size)
+    dense_ffns += p.moe_layers * ffn_params(m, m.shared_expert_hidden_size) if m.shared_expert_hidden_size else 0
     return m.num_layers * attention + dense_ffns + m.vocab_size * m.hidden_size + resident_experts
 
 
@@ -99,7 +104,7 @@ def largest_tensor(cfg: MoesysConfig, local_experts_per_layer: int) -> int:
     """Elements of the largest parameter tensor a rank steps with torch's AdamW."""
     m = cfg.model
     return max(m.vocab_size * m.hidden_size, m.max_seq_len * m.hidden_size if m.position == "learned" else 0,
-               m.num_heads * m.head_dim * m.hidden_size, m.ffn_size * m.hidden_size * max(1, local_experts_per_layer))
+               m.num_heads * m.head_width * m.hidden_size, m.ffn_size * m.hidden_size * max(1, local_experts_per_layer))
 
 
 def optimizer_step_bytes(cfg: MoesysConfig, resident_params: int, local_experts_per_layer: int) -> int:

@@ -1,7 +1,8 @@
 """The HTTP surface of `moesys serve` (a Starlette ASGI app): POST /v1/completions and /v1/chat/completions in
-OpenAI's shapes, plain or streamed as server-sent events, GET /v1/models, /metrics (Prometheus) and /health.
-Requests are checked here and handed to the generation worker; every refusal is a 4xx/5xx with OpenAI's error
-object; every request ends in one log line."""
+OpenAI's shapes, plain or streamed as server-sent events, GET /v1/models, /metrics (Prometheus) and /health, and
+vLLM's tokenizer routes (GET /tokenizer_info, POST /tokenize, /detokenize). Requests are checked here and handed to
+the generation worker; every refusal is a 4xx/5xx with OpenAI's error object; every request ends in one log line,
+which names the reason of a refusal."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from runtime.errors import UserError
 from runtime.serving.batch import TokenOut
 from runtime.serving.chat import chat_body, chat_chunk, chat_logprobs, parse_chat
 from runtime.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from runtime.serving.protocol import (RequestError, chunk_body, completion_body, completion_logprobs, error_body,
-                                      parse_completion, parse_json, sse)
+from runtime.serving.protocol import RequestError, parse_completion, parse_json
+from runtime.serving.responses import chunk_body, completion_body, error_body, logprobs_object, sse, usage_chunk
 from runtime.serving.service import Service
+from runtime.serving.tokenizer_routes import TOKENIZER_ROUTES
 from runtime.serving.worker import Choice, ServeJob, WorkerDied
 
 log = logging.getLogger("moesys.serve")
@@ -36,8 +38,15 @@ POLL_S = 1.0
 """How often a request waiting for its answer checks that the generation worker is still running."""
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None) -> Response:
+def _refused(trace: "_Trace", status: int, message: str, kind: str = "invalid_request_error",
+             param: Optional[str] = None) -> Response:
+    """OpenAI's error object with this status; the request's log line names the reason."""
+    trace.end(status, message)
     return JSONResponse(error_body(message, kind, param), status_code=status)
+
+
+def _refused_by(trace: "_Trace", exc: RequestError) -> Response:
+    return _refused(trace, exc.status, str(exc), exc.kind, exc.param)
 
 
 def _refusal(exc: BaseException) -> tuple[int, dict[str, Any]]:
@@ -60,15 +69,17 @@ class _Trace:
         self.began = time.monotonic()
         self.prompt_tokens = self.completion_tokens = 0
         self.job: Optional[ServeJob] = None
+        self.user: Optional[str] = None
         self.done = False
 
-    def end(self, status: int) -> None:
+    def end(self, status: int, reason: Optional[str] = None) -> None:
         if self.done:
             return
         self.done = True
         first = self.job.first_token_at if self.job is not None else None
         self.service.metrics.record(self.id, self.route, status, self.prompt_tokens, self.completion_tokens,
-                                    None if first is None else first - self.began, time.monotonic() - self.began)
+                                    None if first is None else first - self.began, time.monotonic() - self.began,
+                                    error=reason, user=self.user)
 
 
 def build_app(service: Service) -> Starlette:
@@ -82,22 +93,22 @@ def build_app(service: Service) -> Starlette:
                 body = parse_json(await asyncio.wait_for(_read_body(request), BODY_TIMEOUT_S))
                 completion = parse(body, service.defaults, service.tokenizer, model.vocab_size, model.max_seq_len)
             except RequestError as exc:
-                return _traced(trace, _error(exc.status, str(exc), exc.kind, exc.param))
+                return _refused_by(trace, exc)
             except ClientDisconnect:  # left while sending its request
-                return _traced(trace, _error(499, "the client closed the connection"))
+                return _refused(trace, 499, "the client closed the connection")
             except asyncio.TimeoutError:
-                return _traced(trace, _error(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s"))
-            trace.prompt_tokens = len(completion.prompt_ids)
+                return _refused(trace, 408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s")
+            trace.prompt_tokens, trace.user = completion.prompt_tokens, completion.user
             if completion.stream:
                 return _stream(service, completion, trace, chunks)
             return await _whole(service, request, completion, trace, render)
         return endpoint
 
     def _render_completion(trace, completion, choices):
-        return completion_body(trace.id, service.name, choices, trace.prompt_tokens, service.tokenizer)
+        return completion_body(trace.id, service.name, choices, completion, service.tokenizer)
 
     def _render_chat(trace, completion, choices):
-        return chat_body(trace.id, service.name, choices, trace.prompt_tokens, service.tokenizer)
+        return chat_body(trace.id, service.name, choices, completion, service.tokenizer)
 
     async def models(request: Request) -> Response:
         """The one served model, in OpenAI's list shape."""
@@ -115,12 +126,31 @@ def build_app(service: Service) -> Starlette:
         return JSONResponse(state, status_code=200 if state["status"] == "ok" else 503)
 
     async def http_error(request: Request, exc: Exception) -> Response:
+        """No such route (404) or method (405): logged under the route `unrouted` (a label per path would grow
+        the metrics without bound)."""
         assert isinstance(exc, HTTPException)
-        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        return _refused(_Trace(service, "unrouted"), exc.status_code,
+                        f"{request.method} {request.url.path[:200]}: {exc.detail}")
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         log.exception("request failed")
-        return _error(500, f"internal error: {type(exc).__name__}", "server_error")
+        return _refused(_Trace(service, request.url.path if request.url.path in known else "unrouted"), 500,
+                        f"internal error: {type(exc).__name__}", "server_error")
+
+    def tokenizer_route(path: str, answer):
+        async def endpoint(request: Request) -> Response:
+            trace = _Trace(service, path)
+            try:
+                body = {} if request.method == "GET" else parse_json(
+                    await asyncio.wait_for(_read_body(request), BODY_TIMEOUT_S))
+                return _traced(trace, JSONResponse(answer(service, body)))
+            except RequestError as exc:
+                return _refused_by(trace, exc)
+            except ClientDisconnect:
+                return _refused(trace, 499, "the client closed the connection")
+            except asyncio.TimeoutError:
+                return _refused(trace, 408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s")
+        return endpoint
 
     routes = [Route("/v1/completions", handler("/v1/completions", parse_completion, _render_completion,
                                                _completion_chunks), methods=["POST"]),
@@ -128,6 +158,9 @@ def build_app(service: Service) -> Starlette:
                     methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
               Route("/health", health, methods=["GET"])]
+    routes += [Route(path, tokenizer_route(path, answer), methods=[method])
+               for path, method, answer in TOKENIZER_ROUTES]
+    known = {route.path for route in routes}
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: internal_error})
 
 
@@ -146,7 +179,7 @@ async def _whole(service: Service, request: Request, completion, trace: _Trace, 
     try:
         service.worker.submit(job)
     except RequestError as exc:
-        return _traced(trace, _error(exc.status, str(exc), exc.kind, exc.param))
+        return _refused_by(trace, exc)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await _answer_or_leave(service, answer, gone, service.config.serve.request_timeout_s)
@@ -156,10 +189,11 @@ async def _whole(service: Service, request: Request, completion, trace: _Trace, 
         if not answer.done():
             answer.cancel()
     if answer.cancelled():
-        return _traced(trace, _error(499, "the client closed the connection"))  # nobody reads it
+        return _refused(trace, 499, "the client closed the connection")  # nobody reads it
     if answer.exception() is not None:
         status, content = _refusal(answer.exception())
-        return _traced(trace, JSONResponse(content, status_code=status))
+        trace.end(status, content["error"]["message"])
+        return JSONResponse(content, status_code=status)
     choices = answer.result()
     trace.completion_tokens = sum(len(c.tokens) for c in choices)
     return _traced(trace, JSONResponse(render(trace, completion, choices)))
@@ -237,7 +271,7 @@ def _completion_chunks(trace: _Trace, service: Service, index: int, out: Optiona
     text = piece if tok is not None else None
     if out is None:
         return chunk_body(trace.id, service.name, [], text, finish_reason=finish, index=index)
-    lp = completion_logprobs(Choice(index, logprobs=[out]), tok) if out.logprob is not None else None
+    lp = logprobs_object([(out.token, out.logprob, out.top)], tok) if out.logprob is not None else None
     return chunk_body(trace.id, service.name, [out.token], text, index=index, logprobs=lp)
 
 
@@ -251,7 +285,8 @@ def _chat_chunks(trace: _Trace, service: Service, index: int, out: Optional[Toke
 
 def _stream(service: Service, completion, trace: _Trace, render) -> Response:
     """Queue the job first (a full queue is a 503, not a broken stream), then stream one chunk per token per
-    choice, and each choice's end (its finish reason)."""
+    choice, each choice's end (its finish reason) and, with stream_options.include_usage, a last chunk of usage
+    (every other chunk then has `"usage": null`, as OpenAI's)."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     job = ServeJob(completion, tokenizer=service.tokenizer, stop_ids=service.loaded.stop_ids,
@@ -261,40 +296,52 @@ def _stream(service: Service, completion, trace: _Trace, render) -> Response:
     try:
         service.worker.submit(job)
     except RequestError as exc:
-        return _traced(trace, _error(exc.status, str(exc), exc.kind, exc.param))
+        return _refused_by(trace, exc)
     chat = render is _chat_chunks
+
+    def event(chunk: dict[str, Any]) -> bytes:
+        if completion.include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
 
     async def chunks():
         waiting = _Waiting(service, service.config.serve.request_timeout_s)  # a stream's news: each token
-        status, told = 200, set()
+        status, reason, told = 200, None, set()
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(events.get(), POLL_S)
+                    news = await asyncio.wait_for(events.get(), POLL_S)
                     waiting.news()
                 except asyncio.TimeoutError:
-                    event = (None, waiting.failure())
-                    if event[1] is None:
+                    news = (None, waiting.failure())
+                    if news[1] is None:
                         continue
-                if len(event) == 3:
-                    index, out, piece = event
+                if len(news) == 3:
+                    index, out, piece = news
                     if chat and index not in told:  # a chat stream opens each choice with its role
                         told.add(index)
-                        yield sse(chat_chunk(trace.id, service.name, index, {"role": "assistant", "content": ""}))
+                        yield event(chat_chunk(trace.id, service.name, index, {"role": "assistant", "content": ""}))
                     trace.completion_tokens += 1
-                    yield sse(render(trace, service, index, out, piece, None))
+                    yield event(render(trace, service, index, out, piece, None))
                     continue
-                choices, error = event
+                choices, error = news
                 if error is not None:
-                    status = _refusal(error)[0]
-                    yield sse(_refusal(error)[1])
+                    status, content = _refusal(error)
+                    reason = content["error"]["message"]
+                    yield sse(content)
                 else:
                     for c in choices:
-                        yield sse(render(trace, service, c.index, None, "", c.finish_reason))
+                        yield event(render(trace, service, c.index, None, "", c.finish_reason))
+                    if completion.include_usage:
+                        yield sse(usage_chunk(trace.id, service.name, "chat.completion.chunk" if chat else
+                                              "text_completion", trace.prompt_tokens, trace.completion_tokens))
                 yield sse("[DONE]")
                 return
         finally:
             job.cancelled = True  # a no-op once finished; stops the generation when the client went away
-            trace.end(status if job.finished else 499)
+            if job.finished or reason is not None:
+                trace.end(status, reason)
+            else:
+                trace.end(499, "the client closed the connection")
 
     return StreamingResponse(chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,7 +1,9 @@
 """Continuous batching: sequences join and leave a shared decode batch at token granularity, each in its own row
 of one static KV cache. A sequence joins by a prefill of its prompt alone (as `generate` runs it), then takes a
 row; every step decodes all rows at once with `decode_rows`, whose rows are computed as lone decode steps are,
-and samples each row with its own generator: each sequence's tokens are its lone run's (`moesys infer`)."""
+and samples each row with its own sampler: each sequence's tokens are its lone run's (`moesys infer`). A sequence
+may also score its prompt (echo): the prefill's logits at every position give each prompt token's log-probability;
+one that generates nothing leaves after its prefill without taking a row."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ import torch
 from torch import Tensor
 
 from runtime.inference.decode import CACHE_BUCKET
-from runtime.inference.generate import sample_next
 from runtime.inference.offload import Offloader
 from runtime.inference.rows import decode_rows
+from runtime.inference.sampling import Sampler, Sampling
 from runtime.model.attention import StaticKVCache
 from runtime.model.transformer import Transformer
 
@@ -25,7 +27,7 @@ def _bucket(positions: int) -> int:
 
 @dataclass
 class TokenOut:
-    """One new token, with its log-probability and the `top` most likely alternatives (when asked)."""
+    """One token, with its log-probability and the `top` most likely alternatives (when asked)."""
 
     token: int
     logprob: Optional[float] = None
@@ -38,13 +40,18 @@ class Sequence:
 
     prompt_ids: list[int]
     max_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
+    sampling: Sampling = Sampling()
     seed: int = 0
     logprobs: Optional[int] = None
     """None: no log-probabilities; N >= 0: the chosen token's and the N most likely alternatives'."""
+    scored: bool = False
+    """Each token's log-probability even without `logprobs` (best_of ranks sequences by their sum)."""
+    echo: bool = False
+    """Score the prompt too (`prompt_outs`), with `logprobs` alternatives per token."""
     tokens: list[int] = field(default_factory=list)
-    generator: Optional[torch.Generator] = None
+    prompt_outs: list[TokenOut] = field(default_factory=list)
+    """With echo: prompt tokens 1.. as TokenOuts (nothing predicts token 0)."""
+    sampler: Optional[Sampler] = None
 
     @property
     def position(self) -> int:
@@ -81,20 +88,28 @@ class ContinuousBatch:
         return self._cache
 
     @torch.no_grad()
-    def join(self, seq: Sequence) -> TokenOut:
-        """Prefill `seq` alone (a cache of the size its lone run uses), take the next row, return its first token."""
-        if not self.free:
+    def join(self, seq: Sequence) -> Optional[TokenOut]:
+        """Prefill `seq` alone (a cache of the size its lone run uses), score its prompt when it echoes, and take
+        the next row and return its first token; None for a sequence that generates nothing (it takes no row)."""
+        if not self.free and seq.max_tokens:
             raise RuntimeError("no free row in the batch")
         length = len(seq.prompt_ids)
-        if seq.temperature > 0:
-            seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
+        seq.sampler = Sampler(seq.sampling, self.model.cfg.vocab_size, self.device, seq.seed)
+        seq.sampler.begin(1)
         if self.offloader is not None:
             if not self.rows:  # its timeline would otherwise grow with every forward for the server's life
                 self.offloader.reset_stats()
             self.offloader.reset()
         alone = self.model.new_static_cache(1, seq.span)
         tokens = torch.tensor([seq.prompt_ids], dtype=torch.long, device=self.device)
-        logits_1V = self.model.prefill(tokens, alone)
+        if seq.echo:
+            logits_SV = self.model(tokens, alone, 0, moe_stats=False).logits[0]
+            seq.prompt_outs = _scored(logits_SV[:-1], seq.prompt_ids[1:], seq.logprobs or 0)
+            logits_1V = logits_SV[-1:]
+        else:
+            logits_1V = self.model.prefill(tokens, alone)
+        if not seq.max_tokens:
+            return None
         cache, row = self._batch_cache(), len(self.rows)
         for mine, its in zip(cache.keys + cache.values, alone.keys + alone.values):
             mine[row, :, :length] = its[0, :, :length]
@@ -129,14 +144,21 @@ class ContinuousBatch:
         self.rows = []
 
     def _take(self, seq: Sequence, logits_1V: Tensor) -> TokenOut:
-        """Sample the row's next token as a lone run does (its own generator), and its log-probabilities."""
-        token = int(sample_next(logits_1V, seq.temperature, seq.top_k, seq.generator)[0])
+        """Sample the row's next token as a lone run does (its own sampler), and its log-probabilities: the model's,
+        before any sampling setting."""
+        token = int(seq.sampler(logits_1V)[0])
         seq.tokens.append(token)
-        out = TokenOut(token)
-        if seq.logprobs is not None:
-            logp_V = torch.log_softmax(logits_1V[0].float(), dim=-1)
-            out.logprob = float(logp_V[token])
-            if seq.logprobs > 0:
-                values, ids = logp_V.topk(seq.logprobs)
-                out.top = list(zip(ids.tolist(), values.tolist()))
-        return out
+        if seq.logprobs is None and not seq.scored:
+            return TokenOut(token)
+        return _scored(logits_1V, [token], seq.logprobs or 0)[0]
+
+
+def _scored(logits_SV: Tensor, tokens: list[int], top: int) -> list[TokenOut]:
+    """Token s's log-probability under logits_SV[s] and the `top` most likely tokens there, for each s."""
+    logp_SV = torch.log_softmax(logits_SV.float(), dim=-1)
+    ids_S1 = torch.tensor(tokens, dtype=torch.long, device=logp_SV.device)[:, None]
+    chosen = logp_SV.gather(1, ids_S1)[:, 0].tolist()
+    if not top:
+        return [TokenOut(t, lp) for t, lp in zip(tokens, chosen)]
+    values, ids = logp_SV.topk(top, dim=-1)
+    return [TokenOut(t, lp, list(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]

@@ -8,18 +8,29 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from runtime.data.chat_template import ChatTemplateError, render_chat
-from runtime.serving.protocol import (MAX_LOGPROBS, CompletionRequest, Defaults, RequestError, _int, _shown,
-                                      check_fields, encode_text, sampling, token_text, usage)
+from runtime.data.chat_template import CHATML, ChatTemplateError, render_chat
+from runtime.serving.protocol import (MAX_LOGPROBS, NOT_SERVED, SAMPLING, CompletionRequest, Defaults, RequestError,
+                                      _int, _shown, check_fields, encode_text, refuse_not_served, request_fields)
+from runtime.serving.responses import token_text, usage
 
-CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_k", "seed", "stream",
-               "n", "stop", "logprobs", "top_logprobs")
+CHAT_FIELDS = ("model", "messages", "max_completion_tokens", "logprobs", "top_logprobs") + SAMPLING + NOT_SERVED
 ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def own_template(tokenizer: Any) -> Optional[str]:
+    """The chat template a (Hugging Face) tokenizer ships and renders itself; None for moesys's tokenizers."""
+    template = getattr(tokenizer, "chat_template", None)
+    return template if template and hasattr(tokenizer, "apply_chat_template") else None
+
+
+def served_template(tokenizer: Any) -> str:
+    """The template `chat_prompt` renders with for this tokenizer: its own, or ChatML."""
+    return own_template(tokenizer) or CHATML
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     """The prompt text of `messages` with the generation prompt: the tokenizer's chat template, or ChatML."""
-    if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
+    if own_template(tokenizer):
         try:
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # a template that refuses these messages (e.g. roles out of order)
@@ -56,6 +67,7 @@ def parse_chat(body: dict[str, Any], defaults: Defaults, tokenizer: Any, vocab_s
                context: int) -> CompletionRequest:
     """Check every field of a /v1/chat/completions body into a CompletionRequest of the rendered prompt."""
     check_fields(body, CHAT_FIELDS)
+    refuse_not_served(body)
     if tokenizer is None:
         raise RequestError("this model has no tokenizer: chat needs one; use /v1/completions with token ids",
                            "messages")
@@ -71,7 +83,7 @@ def parse_chat(body: dict[str, Any], defaults: Defaults, tokenizer: Any, vocab_s
     if top and not wanted:
         raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
     ids = encode_text(chat_prompt(tokenizer, messages), tokenizer, "messages")
-    return sampling(body, ids, defaults, tokenizer, vocab_size, context, top if wanted else None)
+    return request_fields(body, [ids], defaults, tokenizer, vocab_size, context, top if wanted else None)
 
 
 def chat_logprobs(outs: list[Any], tokenizer: Any) -> Optional[dict[str, Any]]:
@@ -87,11 +99,12 @@ def chat_logprobs(outs: list[Any], tokenizer: Any) -> Optional[dict[str, Any]]:
                         for o in outs]}
 
 
-def chat_body(request_id: str, model: str, choices: list[Any], prompt_tokens: int, tokenizer: Any) -> dict[str, Any]:
+def chat_body(request_id: str, model: str, choices: list[Any], request: CompletionRequest,
+              tokenizer: Any) -> dict[str, Any]:
     out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
             "logprobs": chat_logprobs(c.logprobs, tokenizer), "finish_reason": c.finish_reason} for c in choices]
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": out, "usage": usage(prompt_tokens, sum(len(c.tokens) for c in choices))}
+            "choices": out, "usage": usage(request.prompt_tokens, sum(len(c.tokens) for c in choices))}
 
 
 def chat_chunk(request_id: str, model: str, index: int, delta: dict[str, Any], finish_reason: Optional[str] = None,

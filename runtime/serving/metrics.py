@@ -1,10 +1,11 @@
-"""What `moesys serve` measures: one log line per request (id, route, prompt and completion tokens, time to first
-token, total time, status) and Prometheus metrics for GET /metrics (prometheus-client, one registry per service):
-requests by route and status, tokens in and out, queue depth, running sequences, latency and time-to-first-token
-histograms."""
+"""What `moesys serve` measures: one log line per request (id, route, status, prompt and completion tokens, time to
+first token, total time; the reason of a refusal and the request's `user` when there are) and Prometheus metrics
+for GET /metrics (prometheus-client, one registry per service): requests by route and status, tokens in and out,
+queue depth, running sequences, latency and time-to-first-token histograms."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Callable, Optional
 
@@ -14,6 +15,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 log = logging.getLogger("moesys.serve.requests")
 BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+MAX_LOGGED_CHARS = 300
+"""A logged `user` or refusal reason is cut to this many characters (JSON-quoted: the line stays one line)."""
 
 
 class ServeMetrics:
@@ -35,7 +38,8 @@ class ServeMetrics:
         Gauge("moesys_running_sequences", "Sequences in the decode batch", registry=r).set_function(running)
 
     def record(self, request_id: str, route: str, status: int, prompt_tokens: int, completion_tokens: int,
-               ttft_s: Optional[float], total_s: float) -> None:
+               ttft_s: Optional[float], total_s: float, error: Optional[str] = None,
+               user: Optional[str] = None) -> None:
         self.requests.labels(route, str(status)).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.completion_tokens.inc(completion_tokens)
@@ -43,8 +47,10 @@ class ServeMetrics:
         if ttft_s is not None:
             self.ttft.labels(route).observe(ttft_s)
         ttft = f"{1e3 * ttft_s:.1f}" if ttft_s is not None else "-"
-        log.info("request id=%s route=%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f",
-                 request_id, route, status, prompt_tokens, completion_tokens, ttft, 1e3 * total_s)
+        extra = "".join(f" {key}={json.dumps(value[:MAX_LOGGED_CHARS])}" for key, value in
+                        (("user", user), ("error", error)) if value is not None)
+        log.info("request id=%s route=%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f%s",
+                 request_id, route, status, prompt_tokens, completion_tokens, ttft, 1e3 * total_s, extra)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

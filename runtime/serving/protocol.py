@@ -1,21 +1,25 @@
-"""The OpenAI completions protocol as `moesys serve` speaks it: a request body checked field by field into a
-`CompletionRequest`, and the response, stream chunk and error bodies in OpenAI's shapes."""
+"""The OpenAI completions protocol as `moesys serve` reads it: a request body checked field by field into a
+`CompletionRequest` (runtime/serving/responses.py writes the answers)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_k", "seed", "stream", "n", "stop", "logprobs")
-SAMPLING = ("max_tokens", "temperature", "top_k", "seed", "stream", "n", "stop")
+from runtime.inference.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, Sampling
+
+SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "logit_bias",
+            "seed", "stream", "stream_options", "n", "stop", "user")
 """The fields /v1/completions and /v1/chat/completions share."""
+FIELDS = ("model", "prompt", "echo", "best_of", "logprobs") + SAMPLING
+NOT_SERVED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format")
+"""Chat fields the server knows and refuses with a 400 saying so (tool calls, structured output), unless they ask
+for nothing: no tools, tool_choice "none", response_format text."""
 MAX_SEED = 2**63 - 1
 MAX_N = 16
-"""Choices per request (`n`)."""
+"""Choices per prompt (`n`), and candidates per prompt (`best_of`)."""
 MAX_STOPS, MAX_STOP_CHARS = 4, 256
 """At most this many stop strings (as OpenAI), each at most this long."""
 MAX_LOGPROBS = 20
@@ -33,28 +37,45 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class Defaults:
-    """What a request that leaves a field out gets: the checkpoint's infer.* settings, as `moesys infer` uses."""
+    """What a request that leaves a field out gets (the checkpoint's infer.* settings, as `moesys infer` uses them),
+    and the most sequences one request may ask for (serve.max_sequences_per_request)."""
 
     max_tokens: int
-    temperature: float
-    top_k: int
+    sampling: Sampling
     seed: int
+    max_sequences: int = 256
 
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    """One checked request, its prompt as token ids."""
+    """One checked request: its prompts as token ids, and how to answer each."""
 
-    prompt_ids: list[int]
+    prompts: list[list[int]]
     max_tokens: int
-    temperature: float
-    top_k: int
+    sampling: Sampling
     seed: int
-    stream: bool
+    stream: bool = False
     n: int = 1
+    """Choices per prompt; choice i of a prompt samples with seed + i."""
     stop: tuple[str, ...] = ()
     logprobs: Optional[int] = None
     """None: no log-probabilities; N: the chosen token's and the N most likely alternatives' per token."""
+    best_of: int = 0
+    """Candidates per prompt (0: n) of which the n of highest cumulative log-probability are answered."""
+    echo: bool = False
+    """Answer each prompt's tokens (and their log-probabilities) before the generated ones."""
+    include_usage: bool = False
+    """stream_options.include_usage: a last stream chunk with the usage."""
+    user: Optional[str] = None
+
+    @property
+    def candidates(self) -> int:
+        """Sequences generated per prompt."""
+        return max(self.n, self.best_of)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
 
 
 def _is_int(value: Any) -> bool:
@@ -76,6 +97,25 @@ def _int(body: dict, key: str, default: int, low: int, high: int) -> int:
     return value
 
 
+def _bool(body: dict, key: str, default: bool = False) -> bool:
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise RequestError(f"{key} must be true or false (got {_shown(value)})", key)
+    return value
+
+
+def _number(value: Any, key: str, low: float, high: float, what: str) -> float:
+    """A finite number in low..high as a float (an integer too large for a float is refused, not an
+    OverflowError); `what` says the range in the message."""
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:
+        number = math.inf
+    if not (math.isfinite(number) and low <= number <= high):
+        raise RequestError(f"{key} must be a number {what} (got {_shown(value)})", key)
+    return number
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a RequestError saying why it is not one."""
     try:
@@ -89,21 +129,31 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 def parse_completion(body: dict[str, Any], defaults: Defaults, tokenizer: Any, vocab_size: int,
                      context: int) -> CompletionRequest:
-    """Check every field of a /v1/completions body; the prompt must leave room for max_tokens in the context."""
+    """Check every field of a /v1/completions body; each prompt must leave room for max_tokens in the context
+    (with echo and max_tokens=0 it may fill the context: it is only scored)."""
     check_fields(body, FIELDS)
     if "prompt" not in body:
-        raise RequestError("prompt is required: text, or a list of token ids", "prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, str):
-        ids = encode_text(prompt, tokenizer, "prompt")
-    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        ids = list(prompt)
-    else:
-        raise RequestError("prompt must be text or a list of token ids (one prompt per request)", "prompt")
+        raise RequestError("prompt is required: text, token ids, or a list of either", "prompt")
     logprobs = body.get("logprobs")
     if logprobs is not None:
         logprobs = _int(body, "logprobs", 0, 0, MAX_LOGPROBS)
-    return sampling(body, ids, defaults, tokenizer, vocab_size, context, logprobs)
+    return request_fields(body, _prompts(body["prompt"], tokenizer), defaults, tokenizer, vocab_size, context,
+                          logprobs, echo=_bool(body, "echo"))
+
+
+def _prompts(prompt: Any, tokenizer: Any) -> list[list[int]]:
+    """One prompt (text or token ids) or several (a list of texts or of token id lists), as token ids."""
+    if isinstance(prompt, str):
+        return [encode_text(prompt, tokenizer, "prompt")]
+    if isinstance(prompt, list):
+        if all(_is_int(t) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return [encode_text(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise RequestError("prompt must be text, a list of token ids, or a list of texts or of token id lists "
+                       "(one per prompt)", "prompt")
 
 
 def check_fields(body: dict[str, Any], fields: tuple[str, ...]) -> None:
@@ -112,6 +162,17 @@ def check_fields(body: dict[str, Any], fields: tuple[str, ...]) -> None:
         raise RequestError(f"unknown field {unknown[0]!r}; this route takes {', '.join(fields)}", unknown[0])
     if "model" in body and not isinstance(body["model"], str):
         raise RequestError("model must be a string", "model")
+
+
+def refuse_not_served(body: dict[str, Any]) -> None:
+    """A 400 for a tool call or structured output asked for (NOT_SERVED), which this server does not do."""
+    for key in NOT_SERVED:
+        value = body.get(key)
+        if (value in (None, [], "none") or (key == "response_format" and value == {"type": "text"})
+                or (key == "parallel_tool_calls" and isinstance(value, bool))):
+            continue
+        raise RequestError(f"{key} is not supported by moesys serve (no tool calls or structured output); leave it "
+                           "out", key)
 
 
 def encode_text(text: str, tokenizer: Any, param: str) -> list[int]:
@@ -126,33 +187,102 @@ def encode_text(text: str, tokenizer: Any, param: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-def sampling(body: dict[str, Any], ids: list[int], defaults: Defaults, tokenizer: Any, vocab_size: int,
-             context: int, logprobs: Optional[int]) -> CompletionRequest:
-    """The prompt ids checked against the vocabulary and context, and the sampling fields both routes share."""
-    if not ids:
-        raise RequestError("prompt is empty: give at least one token", "prompt")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise RequestError(f"prompt token id {_shown(bad[0])} is outside the vocabulary 0..{vocab_size - 1}", "prompt")
-    if len(ids) >= context:
-        raise RequestError(f"prompt of {len(ids)} tokens does not fit the model's context of {context} tokens "
-                           "with a token to generate", "prompt")
-    room = context - len(ids)
-    max_tokens = body.get("max_tokens", min(defaults.max_tokens, room))
+def _check_prompts(prompts: list[list[int]], vocab_size: int, context: int, scored_only: bool) -> None:
+    for i, ids in enumerate(prompts):
+        name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not ids:
+            raise RequestError(f"{name} is empty: give at least one token", "prompt")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"{name} token id {_shown(bad[0])} is outside the vocabulary 0..{vocab_size - 1}",
+                               "prompt")
+        if len(ids) > context or (len(ids) == context and not scored_only):
+            tail = "" if len(ids) > context else " with a token to generate (echo with max_tokens=0 scores it)"
+            raise RequestError(f"{name} of {len(ids)} tokens does not fit the model's context of {context} "
+                               f"tokens{tail}", "prompt")
+
+
+def request_fields(body: dict[str, Any], prompts: list[list[int]], defaults: Defaults, tokenizer: Any,
+                   vocab_size: int, context: int, logprobs: Optional[int], echo: bool = False) -> CompletionRequest:
+    """The prompts checked against the vocabulary and context, and the fields both routes share."""
+    room = context - max((len(p) for p in prompts), default=0)
+    max_tokens = body.get("max_tokens", max(0, min(defaults.max_tokens, room)) if echo else
+                          min(defaults.max_tokens, room))
+    _check_prompts(prompts, vocab_size, context, scored_only=echo and max_tokens == 0)
     if _is_int(max_tokens) and max_tokens > room:
-        raise RequestError(f"max_tokens={_shown(max_tokens)} with a prompt of {len(ids)} tokens exceeds the model's "
-                           f"context of {context} tokens (at most {room})", "max_tokens")
-    max_tokens = _int(body, "max_tokens", max_tokens, 1, room)
-    temperature = _temperature(body.get("temperature", defaults.temperature))
-    top_k = _int(body, "top_k", defaults.top_k, 0, vocab_size)
-    seed = _int(body, "seed", defaults.seed, 0, MAX_SEED)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError(f"stream must be true or false (got {_shown(stream)})", "stream")
+        raise RequestError(f"max_tokens={_shown(max_tokens)} with a prompt of {context - room} tokens exceeds the "
+                           f"model's context of {context} tokens (at most {room})", "max_tokens")
+    max_tokens = _int(body, "max_tokens", max_tokens, 0 if echo else 1, room)
+    stream = _bool(body, "stream")
     n = _int(body, "n", 1, 1, MAX_N)
-    if n > 1 and seed > MAX_SEED - n:
-        raise RequestError(f"seed={seed} leaves no room for n={n} seeds (choice i samples with seed + i)", "seed")
-    return CompletionRequest(ids, max_tokens, temperature, top_k, seed, stream, n, _stops(body, tokenizer), logprobs)
+    best_of = _int(body, "best_of", n, 1, MAX_N)
+    if best_of < n:
+        raise RequestError(f"best_of={best_of} must be >= n={n}", "best_of")
+    if stream and best_of > n:
+        raise RequestError("best_of > n cannot be streamed (the best are known only at the end); leave out stream "
+                           "or best_of", "best_of")
+    if stream and echo:
+        raise RequestError("echo cannot be streamed; leave out stream or echo", "echo")
+    sequences = len(prompts) * best_of
+    if sequences > defaults.max_sequences:
+        raise RequestError(f"{len(prompts)} prompts x {best_of} choices = {sequences} sequences exceed "
+                           f"serve.max_sequences_per_request={defaults.max_sequences}; split the request",
+                           "prompt" if len(prompts) > 1 else "n")
+    seed = _int(body, "seed", defaults.seed, 0, MAX_SEED)
+    if best_of > 1 and seed > MAX_SEED - best_of:
+        raise RequestError(f"seed={seed} leaves no room for {best_of} seeds (choice i samples with seed + i)", "seed")
+    return CompletionRequest(prompts, max_tokens, _sampling(body, defaults.sampling, vocab_size), seed, stream, n,
+                             _stops(body, tokenizer), logprobs, best_of if best_of > n else 0, echo,
+                             _include_usage(body, stream), _user(body))
+
+
+def _sampling(body: dict[str, Any], default: Sampling, vocab_size: int) -> Sampling:
+    def number(key: str, low: float, high: float, what: str) -> float:
+        return _number(body[key], key, low, high, what) if key in body else getattr(default, key)
+
+    top_p = number("top_p", 0.0, 1.0, "in (0, 1]; 1 keeps every token")
+    if top_p == 0:
+        raise RequestError("top_p must be a number in (0, 1]; 1 keeps every token (got 0)", "top_p")
+    penalty = f"between {-MAX_PENALTY:g} and {MAX_PENALTY:g}"
+    return Sampling.of(number("temperature", 0.0, math.inf, ">= 0; 0 is greedy"),
+                       _int(body, "top_k", default.top_k, 0, vocab_size), top_p,
+                       number("presence_penalty", -MAX_PENALTY, MAX_PENALTY, penalty),
+                       number("frequency_penalty", -MAX_PENALTY, MAX_PENALTY, penalty),
+                       _logit_bias(body, vocab_size) if "logit_bias" in body else dict(default.logit_bias))
+
+
+def _logit_bias(body: dict[str, Any], vocab_size: int) -> dict[int, float]:
+    """{token id (a decimal string, as JSON keys are): bias in -100..100}."""
+    bias = body["logit_bias"]
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise RequestError(f"logit_bias must be an object of token id: bias (got {_shown(bias)})", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
+            raise RequestError(f"logit_bias key {_shown(key)} is not a token id 0..{vocab_size - 1}", "logit_bias")
+        out[int(key)] = _number(value, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS,
+                                f"between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g} for each token")
+    return out
+
+
+def _include_usage(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise RequestError("stream_options needs stream=true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise RequestError(f"stream_options takes only include_usage (got {_shown(options)})", "stream_options")
+    return _bool(options, "include_usage")
+
+
+def _user(body: dict[str, Any]) -> Optional[str]:
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise RequestError(f"user must be a string (got {_shown(user)})", "user")
+    return user
 
 
 def _stops(body: dict[str, Any], tokenizer: Any) -> tuple[str, ...]:
@@ -169,90 +299,3 @@ def _stops(body: dict[str, Any], tokenizer: Any) -> tuple[str, ...]:
     for s in stops:
         encode_text(s, tokenizer, "stop")
     return tuple(stops)
-
-
-def _temperature(value: Any) -> float:
-    """A finite number >= 0 as a float (an integer too large for a float is refused, not an OverflowError)."""
-    try:
-        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number) or number < 0:
-        raise RequestError(f"temperature must be a number >= 0 (got {_shown(value)}); 0 is greedy", "temperature")
-    return number
-
-
-# ---- response bodies ----
-
-def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None) -> dict[str, Any]:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
-
-
-def token_text(tokenizer: Any, token: int) -> str:
-    """A token's own text (its id in angle brackets without a tokenizer)."""
-    return tokenizer.decode([token]) if tokenizer is not None else f"<{token}>"
-
-
-def completion_logprobs(choice: Any, tokenizer: Any) -> Optional[dict[str, Any]]:
-    """OpenAI's completions `logprobs` object of a choice (None when not asked)."""
-    if not choice.logprobs:
-        return None
-    texts = [token_text(tokenizer, out.token) for out in choice.logprobs]
-    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
-    return {"tokens": texts, "token_logprobs": [out.logprob for out in choice.logprobs],
-            "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in out.top} for out in choice.logprobs],
-            "text_offset": offsets}
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def completion_body(request_id: str, model: str, choices: list[Any], prompt_tokens: int,
-                    tokenizer: Any) -> dict[str, Any]:
-    """The whole answer: each choice's text (None without a tokenizer), token ids, logprobs and finish reason."""
-    out = [{"index": c.index, "text": c.text, "token_ids": c.tokens, "logprobs": completion_logprobs(c, tokenizer),
-            "finish_reason": c.finish_reason} for c in choices]
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": out, "usage": usage(prompt_tokens, sum(len(c.tokens) for c in choices))}
-
-
-def chunk_body(request_id: str, model: str, tokens: list[int], text: Optional[str],
-               finish_reason: Optional[str] = None, index: int = 0,
-               logprobs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """One server-sent event's completion chunk: the new tokens of choice `index` since its last chunk."""
-    choice = {"index": index, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [choice]}
-
-
-def sse(data: dict[str, Any] | str) -> bytes:
-    """One server-sent event line pair: `data: JSON` (or `data: [DONE]`)."""
-    payload = data if isinstance(data, str) else json.dumps(data)
-    return f"data: {payload}\n\n".encode()
-
-
-class TextStream:
-    """Text of a growing list of ids, given out in pieces whose concatenation is the text of all the ids. Until the
-    last piece, a trailing U+FFFD (maybe a UTF-8 character whose bytes have not all arrived) is held back, and so is
-    everything while the text does not start with what was sent (a tokenizer that decodes a prefix differently
-    from the whole); the last piece is the text past what it has in common with what was sent, so nothing is lost,
-    though then the pieces also hold the prefix's differing end.
-    """
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
-
-    def push(self, ids: list[int], final: bool = False) -> str:
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
-        if final:
-            piece, self.sent = text[len(os.path.commonprefix([text, self.sent])):], text
-            return piece
-        text = text.rstrip("\ufffd")
-        if not text.startswith(self.sent):  # may start with it again once more ids arrive
-            return ""
-        piece, self.sent = text[len(self.sent):], text
-        return piece

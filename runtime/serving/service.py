@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 
 from runtime.config import MoesysConfig
+from runtime.inference.generate import infer_sampling
 from runtime.inference.load import LoadedModel, resolve_infer_config
 from runtime.inference.offloaders import Opened, open_for_inference
 from runtime.inference.offload import Offloader
@@ -55,7 +56,7 @@ class Service:
     @property
     def defaults(self) -> Defaults:
         inf = self.config.infer
-        return Defaults(inf.max_new_tokens, inf.temperature, inf.top_k, inf.seed)
+        return Defaults(inf.max_new_tokens, infer_sampling(inf), inf.seed, self.config.serve.max_sequences_per_request)
 
     def health(self) -> dict[str, Any]:
         """status: the worker's state ('ok' while it takes requests; 'dead' with an `error`), the model and counters."""
@@ -101,7 +102,7 @@ def open_service(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any
                  serve_overrides: Optional[dict[str, Any]] = None, offload: Optional[str] = None,
                  device: Optional[str | torch.device] = None, cache_dir: Optional[Path] = None) -> Service:
     """Open and place a checkpoint as `run_inference` does (offload overrides infer.offload), and start its worker.
-    Requests default to the checkpoint's infer.max_new_tokens, temperature, top_k and seed. The opening runs on a
+    Requests default to the checkpoint's infer.max_new_tokens, sampling settings and seed. The opening runs on a
     thread of its own (`on_passing_thread`): from then on the worker's thread is the only one that computes."""
     def open_and_place() -> tuple[Opened, Offloader]:
         opened = open_for_inference(

@@ -1,7 +1,8 @@
 """The one generation worker of `moesys serve`: a thread that owns the model and its offloader, takes requests
-from a bounded queue in arrival order and runs their sequences (one per choice, `n`) by continuous batching: a
-sequence joins the decode batch as soon as a row is free and leaves it after its last token, so requests of any
-prompt length, max_tokens and sampling settings share decode steps. Each sequence's tokens are its lone run's."""
+from a bounded queue in arrival order and runs their sequences (per prompt, one per choice: `n`, or `best_of`
+candidates of which the `n` most likely are answered) by continuous batching: a sequence joins the decode batch as
+soon as a row is free and leaves it after its last token, so requests of any prompt count and length, max_tokens
+and sampling settings share decode steps. Each sequence's tokens are its lone run's."""
 
 from __future__ import annotations
 
@@ -43,13 +44,18 @@ class WorkerDied(RequestError):
 @dataclass
 class Choice:
     """One finished choice: its new token ids, text (None without a tokenizer), why it ended and, when asked,
-    a TokenOut per token."""
+    a TokenOut per token (and, with echo, per prompt token after the first)."""
 
     index: int
     tokens: list[int] = field(default_factory=list)
     text: Optional[str] = None
     finish_reason: str = "length"
     logprobs: list[TokenOut] = field(default_factory=list)
+    prompt: int = 0
+    """Which of the request's prompts it answers."""
+    prompt_logprobs: list[TokenOut] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    """The sum of its tokens' log-probabilities (computed for best_of)."""
 
 
 @dataclass(eq=False)
@@ -84,13 +90,32 @@ class _Seq(Sequence):
 
 
 def _sequences(job: ServeJob) -> list[_Seq]:
-    """One sequence per choice; choice i samples with seed + i (choice 0 is the lone run of the request)."""
+    """Per prompt, one sequence per candidate (n, or best_of); candidate i samples with seed + i, so candidate 0 is
+    the lone run of the prompt. Candidate i of prompt p is choice p * candidates + i until best_of picks."""
     r = job.request
-    job.choices = [Choice(i) for i in range(r.n)]
-    job.running = r.n
-    return [_Seq(r.prompt_ids, r.max_tokens, r.temperature, r.top_k, r.seed + i, r.logprobs, job=job,
-                 choice=job.choices[i], text=StopText(job.tokenizer, r.stop) if job.tokenizer is not None else None)
-            for i in range(r.n)]
+    k = r.candidates
+    job.choices = [Choice(p * k + i, prompt=p) for p in range(len(r.prompts)) for i in range(k)]
+    job.running = len(job.choices)
+    return [_Seq(r.prompts[c.prompt], r.max_tokens, r.sampling, r.seed + c.index % k, r.logprobs,
+                 scored=r.best_of > r.n, echo=r.echo, job=job, choice=c,
+                 text=StopText(job.tokenizer, r.stop) if job.tokenizer is not None else None)
+            for c in job.choices]
+
+
+def best_choices(job: ServeJob) -> list[Choice]:
+    """The answer's choices in index order: per prompt the n of highest cumulative log-probability of its best_of
+    candidates (the earlier on a tie), numbered p * n + i; all of them, as they are, without best_of."""
+    r = job.request
+    if r.best_of <= r.n:
+        return job.choices
+    k, picked = r.candidates, []
+    for p in range(len(r.prompts)):
+        candidates = job.choices[p * k:(p + 1) * k]
+        best = sorted(candidates, key=lambda c: (-c.cumulative_logprob, c.index))[:r.n]
+        for i, c in enumerate(best):
+            c.index = p * r.n + i
+            picked.append(c)
+    return picked
 
 
 class GenerationWorker:
@@ -226,7 +251,11 @@ class GenerationWorker:
                     continue
                 finally:
                     self._joining -= 1
-                self._emit(seq, out)
+                seq.choice.prompt_logprobs = seq.prompt_outs
+                if out is None:  # scored its prompt, generates nothing
+                    self._done(seq, stopped=False)
+                else:
+                    self._emit(seq, out)
             if self.batch.rows:
                 self._decode()
             self._step_started = None
@@ -254,6 +283,8 @@ class GenerationWorker:
         choice.tokens.append(out.token)
         if seq.logprobs is not None:
             choice.logprobs.append(out)
+        if out.logprob is not None:
+            choice.cumulative_logprob += out.logprob
         stop_token = out.token in job.stop_ids
         piece, stopped = seq.text.push([] if stop_token else [out.token], final=seq.full or stop_token) \
             if seq.text is not None else ("", False)
@@ -263,8 +294,12 @@ class GenerationWorker:
                 job.on_token(choice.index, out, piece)
             except Exception:  # its event loop has closed: the client is gone
                 job.cancelled = True
-        if not (seq.full or stopped or job.cancelled or job.finished):
-            return
+        if seq.full or stopped or job.cancelled or job.finished:
+            self._done(seq, stopped)
+
+    def _done(self, seq: _Seq, stopped: bool) -> None:
+        """The sequence leaves the batch; its job ends with its last sequence (or at once when cancelled)."""
+        job, choice = seq.job, seq.choice
         if seq in self.batch.rows:
             self.batch.leave(seq)
         if job.finished:
@@ -276,7 +311,7 @@ class GenerationWorker:
         choice.finish_reason = "stop" if stopped else "length"
         job.running -= 1
         if job.running == 0:
-            self._end(job, job.choices, None)
+            self._end(job, best_choices(job), None)
 
     def _end(self, job: ServeJob, choices: Optional[list[Choice]], error: Optional[BaseException]) -> None:
         """Finish a job once; its sequences still in the batch leave it."""

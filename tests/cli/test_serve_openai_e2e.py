@@ -14,7 +14,7 @@ from runtime.inference.generate import generate, run_inference
 from runtime.inference.load import open_checkpoint
 from runtime.inference.offloaders import make_offloader
 from runtime.inference.random_checkpoint import write_random_mixtral
-from tests.cli.conftest import serving
+from tests.cli.conftest import run_moesys, serving
 
 openai = pytest.importorskip("openai")
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
@@ -91,3 +91,56 @@ def test_the_openai_client_gets_moesys_infer_answers(tmp_path):
     assert len(lines) == 7 and "route=/v1/models status=200" in lines[0]
     assert "route=/v1/completions status=200 prompt_tokens=5 completion_tokens=8 ttft_ms=" in lines[1]
     assert "route=/v1/chat/completions status=400" in lines[-1]
+
+
+def test_openai_clients_default_fields_echo_and_prompt_arrays_against_the_real_server(tmp_path):
+    """The fields OpenAI clients send by default, and what an evaluation harness sends: a seeded request with
+    top_p, penalties and logit_bias equals `moesys infer` run with the same infer.* settings; several prompts in one
+    request, echoed with their log-probabilities (max_tokens=0 scores without generating); best_of; a chat stream
+    ending with its usage; every refusal's reason in the request log, and the request's user."""
+    checkpoint = tmp_path / "tiny-mixtral"
+    _checkpoint(checkpoint)
+    settings = {"temperature": 0.9, "top_p": 0.8, "presence_penalty": 0.5, "frequency_penalty": 0.3}
+    infer = run_moesys("infer", f"checkpoint={checkpoint}", "prompt=Hello", "--offload", "none", "--json",
+                       "infer.max_new_tokens=8", "infer.seed=5", "infer.logit_bias={101: 3.0}",
+                       *(f"infer.{k}={v}" for k, v in settings.items()))
+    assert infer.returncode == 0, infer.stderr
+    expected = json.loads(infer.stdout)["text"][0]
+    log = tmp_path / "serve.log"
+    with serving([f"checkpoint={checkpoint}", "--offload", "none", "serve.max_batch_size=4"], log) as (proc, url):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        seeded = client.completions.create(model="m", prompt="Hello", max_tokens=8, seed=5, logit_bias={"101": 3},
+                                           user="alice", **settings)
+        assert seeded.choices[0].text == expected
+
+        prompts = ["Hello", "the weather is", "x"]
+        scored = client.completions.create(model="m", prompt=prompts, max_tokens=0, echo=True, logprobs=1)
+        assert [c.index for c in scored.choices] == [0, 1, 2] and scored.usage.completion_tokens == 0
+        for c, text in zip(scored.choices, prompts):
+            assert c.text == text and c.logprobs.tokens == list(text)
+            assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.token_logprobs) == len(text)
+        echoed = client.completions.create(model="m", prompt=[list(b"Hello"), list(b"Hi")], max_tokens=2, n=2,
+                                           echo=True, temperature=0)
+        assert [c.text for c in echoed.choices] == [
+            t + _infer(checkpoint, t, 2) for t in ("Hello", "Hello", "Hi", "Hi")]
+        best = client.completions.create(model="m", prompt="Hi", max_tokens=4, n=2, best_of=4, temperature=1.2,
+                                         seed=1)
+        candidates = [_infer(checkpoint, "Hi", 4, 1.2, 1 + i) for i in range(4)]
+        assert len(best.choices) == 2 and all(c.text in candidates for c in best.choices)
+
+        streamed = list(client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0, stream=True,
+            stream_options={"include_usage": True}, top_p=1.0, user="bob"))
+        assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == 3
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                           tools=[{"type": "function", "function": {"name": "f"}}])
+        assert refused.value.body["param"] == "tools" and "not supported" in refused.value.body["message"]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    output = log.read_text()
+    assert proc.returncode == 0, output
+    lines = [line for line in output.splitlines() if " request id=" in line]
+    assert 'user="alice"' in lines[0] and "status=200 prompt_tokens=5 completion_tokens=8" in lines[0]
+    assert "status=200 prompt_tokens=20 completion_tokens=0" in lines[1]
+    assert 'status=400' in lines[-1] and 'error="tools is not supported by moesys serve' in lines[-1]

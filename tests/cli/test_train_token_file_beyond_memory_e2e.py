@@ -1,7 +1,7 @@
 """A pre-tokenized corpus larger than the memory the run has: `moesys train` on a 1 GiB token file inside a memory
 cgroup of 0.75 GiB (page cache included, as the kernel counts it) completes with no OOM kill, because the workers map
 the file and read only the windows of their steps. The file is out of the page cache when the run starts, so every
-page the run reads is charged to its cap. (The README's 1 GB benchmark is the same with two processes.)"""
+page the run reads is charged to its cap. (docs/data.md gives the same run with two processes, by hand.)"""
 
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ from runtime.config import ModelConfig
 from runtime.inference.auto import AutoOffloader, ExpertCosts
 from runtime.inference.decode import DecodeStep
 from runtime.inference.expert_source import ExpertSource
-from runtime.inference.generate import generate, sample_next
+from runtime.inference.generate import generate
+from runtime.inference.sampling import sample_next
 from runtime.inference.errors import InferError
 from runtime.inference.offloaders import make_offloader
 from runtime.inference.step_counts import count_decode

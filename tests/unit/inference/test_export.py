@@ -15,7 +15,6 @@ from runtime.config import ModelConfig, MoesysConfig, config_to_dict
 from runtime.errors import UserError
 from runtime.inference import load
 from runtime.inference.export import export_checkpoint
-from runtime.inference.errors import InferError
 from runtime.inference.load import load_model, read_moesys
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
@@ -89,14 +88,14 @@ def test_loaded_expert_parameters_keep_requires_grad_like_the_dense_ones(tmp_pat
 
 @pytest.mark.parametrize("where,message", [
     ("missing", "missing: no such directory"),
-    ("hf", "a Hugging Face directory, not a moesys run or step directory"),
+    ("hf", "model_type=None is not one of mixtral, qwen2_moe, qwen3_moe, olmoe, ernie4_5_moe"),
 ])
 def test_a_missing_or_foreign_checkpoint_is_named(tmp_path, where, message):
     path = tmp_path / where
-    if where == "hf":
+    if where == "hf":  # a Hugging Face directory of no family moesys reads
         path.mkdir()
         (path / "config.json").write_text("{}")
-    with pytest.raises(InferError, match=message):
+    with pytest.raises(UserError, match=message):
         export_checkpoint(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -8,7 +8,8 @@ import torch
 
 from runtime.config import ModelConfig
 from runtime.errors import UserError
-from runtime.inference.generate import STOP_CHECK_EVERY, generate, run_inference, sample_next
+from runtime.inference.generate import STOP_CHECK_EVERY, generate, run_inference
+from runtime.inference.sampling import sample_next
 from runtime.inference.errors import InferError
 from runtime.inference.load import load_model
 from runtime.model.transformer import Transformer

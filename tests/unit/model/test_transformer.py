@@ -27,7 +27,7 @@ CONFIGS = {
 def expected_params(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The parameter set the parameter counter assumes, written out from the spec."""
     D, V, F, E, H, KV, hd = (cfg.hidden_size, cfg.vocab_size, cfg.ffn_size, cfg.num_experts, cfg.num_heads,
-                             cfg.kv_heads, cfg.head_dim)
+                             cfg.kv_heads, cfg.head_width)
     swiglu = cfg.expert_type == "swiglu"
     out = {"tok_embeddings.weight": (V, D)}
     if cfg.position == "learned":

@@ -80,3 +80,33 @@ def test_balanced_router_has_unit_load_balancing_and_zero_importance():
     assert load_balancing_loss(probs, ids).item() == pytest.approx(1.0)
     assert importance_loss(probs).item() == pytest.approx(0.0)
     assert sparsity_l1_loss(probs).item() == pytest.approx(2.0)  # sqrt(E) when uniform
+
+
+def plain_pooled_loss(probs_per_layer, top_k):
+    """transformers' load_balancing_loss_func written out: every layer's tokens as one batch, choices counted with a
+    loop, E * sum_e (choices of e / tokens) * (mean probability of e)."""
+    probs = torch.cat(probs_per_layer)
+    tokens, experts = probs.shape
+    counts = torch.zeros(experts)
+    for row in probs:
+        for e in torch.topk(row, top_k).indices.tolist():
+            counts[e] += 1
+    return experts * sum(counts[e] / tokens * probs[:, e].mean() for e in range(experts))
+
+
+def test_pooled_load_balancing_is_the_model_s_one_loss_over_all_layers():
+    from runtime.model.transformer import Transformer
+
+    cfg = ModelConfig(hidden_size=16, num_layers=3, num_heads=2, vocab_size=32, ffn_hidden_size=8, num_experts=4,
+                      top_k=2, max_seq_len=16, load_balancing="pooled", aux_loss_weight=0.3, moe_layers=[0, 2])
+    model = Transformer(cfg)
+    probs = []
+    for layer in model.moe_layers():
+        layer.router.register_forward_hook(lambda _m, _i, routing: probs.append(routing.probs_TE.detach()))
+    out = model(torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(0)))
+    assert len(probs) == 2 and all(s.load is not None for s in out.moe_stats)
+    assert out.aux_loss.item() == pytest.approx(0.3 * plain_pooled_loss(probs, 2).item(), rel=1e-6)
+    switch = sum(s.losses["load_balancing"] for s in out.moe_stats)  # the per-layer losses, still reported
+    assert out.aux_loss.item() != pytest.approx(0.3 * switch.item(), rel=1e-3)
+    out.aux_loss.backward()
+    assert model.moe_layers()[0].router.gate.weight.grad.abs().sum() > 0

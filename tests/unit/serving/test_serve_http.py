@@ -7,7 +7,6 @@ import http.client
 import json
 import socket
 import threading
-import time
 from dataclasses import replace
 from urllib.parse import urlsplit
 
@@ -18,6 +17,7 @@ from runtime.serving import app
 from runtime.serving.server import BackgroundServer
 from runtime.serving.service import open_service
 from tests.trained_run import SMALL_MOE, train_run_dir
+from tests.waiting import wait_until
 
 INFER = {"max_new_tokens": 6, "ring_slots": 1}
 
@@ -144,7 +144,34 @@ BAD = [
     (b"[1, 2]", 400, "must be a JSON object", None),
     ({"prompt": "hi", "temprature": 0.5}, 400, "unknown field 'temprature'", "temprature"),
     ({}, 400, "prompt is required", "prompt"),
-    ({"prompt": 5}, 400, "prompt must be text or a list of token ids", "prompt"),
+    ({"prompt": 5}, 400, "prompt must be text, a list of token ids, or a list of texts or of token id", "prompt"),
+    ({"prompt": ["hi", [1]]}, 400, "prompt must be text, a list of token ids, or a list of", "prompt"),
+    ({"prompt": [[1], []]}, 400, "prompt[1] is empty", "prompt"),
+    ({"prompt": [[1], [330]]}, 400, "prompt[1] token id 330 is outside the vocabulary 0..319", "prompt"),
+    ({"prompt": [[1]] * 20, "n": 13}, 400,
+     "20 prompts x 13 choices = 260 sequences exceed serve.max_sequences_per_request=256", "prompt"),
+    ({"prompt": "x" * 48, "echo": True, "max_tokens": 1}, 400, "with a token to generate (echo with max_tokens=0",
+     "prompt"),
+    ({"prompt": "x" * 49, "echo": True, "max_tokens": 0}, 400, "prompt of 49 tokens does not fit", "prompt"),
+    ({"prompt": "hi", "echo": "yes"}, 400, "echo must be true or false", "echo"),
+    ({"prompt": "hi", "echo": True, "stream": True}, 400, "echo cannot be streamed", "echo"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p must be a number in (0, 1]", "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p must be a number in (0, 1]", "top_p"),
+    ({"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty must be a number between -2 and 2",
+     "presence_penalty"),
+    ({"prompt": "hi", "frequency_penalty": "x"}, 400, "frequency_penalty must be a number between -2 and 2",
+     "frequency_penalty"),
+    ({"prompt": "hi", "logit_bias": [1]}, 400, "logit_bias must be an object of token id: bias", "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"999": 1}}, 400, 'logit_bias key "999" is not a token id 0..319', "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias must be a number between -100 and 100",
+     "logit_bias"),
+    ({"prompt": "hi", "user": 5}, 400, "user must be a string", "user"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options needs stream=true",
+     "stream_options"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"x": 1}}, 400, "stream_options takes only include_usage",
+     "stream_options"),
+    ({"prompt": "hi", "n": 2, "best_of": 1}, 400, "best_of=1 must be >= n=2", "best_of"),
+    ({"prompt": "hi", "best_of": 3, "stream": True}, 400, "best_of > n cannot be streamed", "best_of"),
     ({"prompt": [1, 320]}, 400, "token id 320 is outside the vocabulary 0..319", "prompt"),
     ({"prompt": ""}, 400, "prompt is empty", "prompt"),
     ({"prompt": "x" * 48}, 400, "prompt of 48 tokens does not fit the model's context of 48 tokens", "prompt"),
@@ -177,6 +204,11 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 2},
      "not both", "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 17}, "n=17 is out of range 1..16", "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools is not supported by moesys serve", "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format is not supported", "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "best_of": 2}, "unknown field 'best_of'", "best_of"),
 ]
 
 
@@ -219,29 +251,33 @@ def test_a_body_that_does_not_arrive_is_refused_in_time(run_dir, monkeypatch):
         assert sock.recv(4096).startswith(b"HTTP/1.1 408")
 
 
-def _slowed(server: BackgroundServer, monkeypatch, seconds: float) -> BackgroundServer:
-    """Each forward of the served model takes `seconds` more: a 46-token answer outlasts its client by far."""
-    model = server.service.loaded.model
-    forward = model.forward
+def _outlasting(server: BackgroundServer, monkeypatch) -> threading.Event:
+    """While the returned event is set, an answer stops after its first token (its prefill) until its client has
+    gone and its job is cancelled: it outlasts its client however fast the machine."""
+    worker = server.service.worker
+    submit, decode, jobs, holding = worker.submit, worker.batch.step, [], threading.Event()
 
-    def slow_forward(*args, **kwargs):
-        time.sleep(seconds)
-        return forward(*args, **kwargs)
+    def submitted(job):
+        jobs.append(job)
+        submit(job)
 
-    monkeypatch.setattr(model, "forward", slow_forward)
-    return server
+    def held_decode():
+        if holding.is_set():
+            job = jobs[-1]
+            wait_until(lambda: job.cancelled, what="the client to leave and its answer to be cancelled")
+        return decode()
 
-
-def _until(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+    monkeypatch.setattr(worker, "submit", submitted)
+    monkeypatch.setattr(worker.batch, "step", held_decode)
+    holding.set()
+    return holding
 
 
 def test_clients_leaving_mid_answer_cancel_it_and_the_server_keeps_serving(run_dir, monkeypatch):
-    with _slowed(_server(run_dir, "ring"), monkeypatch, 0.05) as url:
-        for stream_it in (True, False):
+    server = _server(run_dir, "ring")
+    holding = _outlasting(server, monkeypatch)
+    with server as url:
+        for left, stream_it in enumerate((True, False), 1):
             body = json.dumps({"prompt": "x", "max_tokens": 46, "stream": stream_it}).encode()
             with _raw(url, b"Content-Length: %d\r\n" % len(body), body) as sock:
                 if stream_it:  # leave after the first token
@@ -252,7 +288,11 @@ def test_clients_leaving_mid_answer_cancel_it_and_the_server_keeps_serving(run_d
                         received += chunk
                     assert received.startswith(b"HTTP/1.1 200")
                 else:  # leave once the generation has begun
-                    _until(lambda: post(url, b"", "/health", "GET")[1]["running"] == 1)
+                    wait_until(lambda: post(url, b"", "/health", "GET")[1]["running"] == 1,
+                               what="the generation to begin")
+            wait_until(lambda: post(url, b"", "/health", "GET")[1]["cancelled"] == left,
+                       what="the answer its client left to be cancelled")
+        holding.clear()
         status, got = post(url, {"prompt": "the weather"})
         assert status == 200
         assert got["choices"][0]["token_ids"] == run_inference(run_dir, INFER, prompts=["the weather"],
@@ -282,18 +322,18 @@ def test_a_dead_worker_is_a_503_and_health_says_so(run_dir, monkeypatch):
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_hung_generation_times_out_with_504_and_health_says_stuck_until_it_ends(run_dir, monkeypatch, streamed):
     server = _server(run_dir, request_timeout_s=1)
-    release = threading.Event()
+    release, returned = threading.Event(), threading.Event()
     model = server.service.loaded.model
     forward = model.forward
 
     def hung_forward(*args, **kwargs):  # a forward that does not come back until released
         assert release.wait(60)
+        returned.set()
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward", hung_forward)
     with server as url:
         try:
-            started = time.monotonic()
             if streamed:  # the stream has begun (200): the timeout is its last event
                 chunks, done = stream(url, {"prompt": "hi", "max_tokens": 2})
                 message = chunks[-1]["error"]["message"]
@@ -303,16 +343,81 @@ def test_a_hung_generation_times_out_with_504_and_health_says_stuck_until_it_end
                 message = got["error"]["message"]
                 assert status == 504
             assert "no answer within serve.request_timeout_s=1 s" in message
-            assert time.monotonic() - started < 10
-            _until(lambda: post(url, b"", "/health", "GET")[1]["status"] == "stuck")
+            assert not returned.is_set()  # answered while the forward still hangs
+            wait_until(lambda: post(url, b"", "/health", "GET")[1]["status"] == "stuck", what="health to say stuck")
             status, health = post(url, b"", "/health", "GET")
             assert status == 503 and health["running"] == 1
             status, got = post(url, {"prompt": "hi", "stream": True})
             assert status == 503 and "more than serve.request_timeout_s=1 s" in got["error"]["message"]
         finally:
             release.set()
-        _until(lambda: post(url, b"", "/health", "GET")[1]["status"] == "ok")
+        wait_until(lambda: post(url, b"", "/health", "GET")[1]["status"] == "ok", what="health to say ok again")
         status, got = post(url, {"prompt": "hi", "max_tokens": 2})
         assert status == 200 and len(got["choices"][0]["token_ids"]) == 2
         health = post(url, b"", "/health", "GET")[1]
     assert (health["cancelled"], health["completed"], health["failed"]) == (1, 1, 0)
+
+
+def test_prompt_arrays_echo_and_the_tokenizer_routes(run_dir, caplog):
+    """lm-eval's requests: several prompts (texts, or token id lists) in one body, one choice per prompt and n,
+    ordered by index; echo with logprobs scores each prompt; /tokenizer_info, /tokenize and /detokenize in vLLM's
+    shapes; every refusal is logged with its reason."""
+    texts = ["the weather", "a machine"]
+    with caplog.at_level("INFO", "moesys.serve.requests"), _server(run_dir, max_batch_size=4) as url:
+        status, got = post(url, {"prompt": texts, "n": 2, "temperature": 0.8, "seed": 3})
+        assert status == 200 and [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+        for c in got["choices"]:
+            p, i = divmod(c["index"], 2)
+            alone = run_inference(run_dir, {**INFER, "temperature": 0.8, "seed": 3 + i}, prompts=[texts[p]],
+                                  offload="auto")
+            assert c["token_ids"] == alone["tokens"][0] and c["text"] == alone["text"][0]
+        assert got["usage"]["prompt_tokens"] == sum(len(t) for t in texts)
+
+        ids = [list(t.encode()) for t in texts]
+        status, got = post(url, {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0})
+        assert status == 200
+        for c, prompt, text in zip(got["choices"], ids, texts):
+            lp = c["logprobs"]
+            assert c["text"] == text + bytes(c["token_ids"]).decode(errors="replace")
+            assert lp["tokens"] == [chr(t) for t in prompt] + [bytes(c["token_ids"]).decode(errors="replace")]
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+            assert len(lp["top_logprobs"]) == len(prompt) + 1
+            assert lp["text_offset"] == list(range(len(prompt) + 1))
+        status, scored = post(url, {"prompt": "x" * 48, "echo": True, "logprobs": 0, "max_tokens": 0})
+        assert status == 200 and scored["choices"][0]["token_ids"] == [] and scored["usage"]["completion_tokens"] == 0
+        assert len(scored["choices"][0]["logprobs"]["token_logprobs"]) == 48
+
+        status, info = post(url, b"", "/tokenizer_info", "GET")
+        assert status == 200 and "eos_token" in info and info["model_max_length"] == 48
+        assert post(url, {"prompt": "hi", "add_special_tokens": False}, "/tokenize") == (200, {
+            "count": 2, "max_model_len": 48, "tokens": [104, 105], "token_strs": None})
+        status, chat = post(url, {"messages": [{"role": "user", "content": "hi"}]}, "/tokenize")
+        assert status == 200 and bytes(chat["tokens"]).decode() == "user: hi\nassistant:"
+        assert post(url, {"tokens": [104, 105]}, "/detokenize") == (200, {"prompt": "hi"})
+        status, bad = post(url, {"tokens": [104, 999]}, "/detokenize")
+        assert status == 400 and bad["error"]["message"] == "token id 999 is outside the vocabulary 0..319"
+        assert post(url, {"prompt": "hi", "tokens": [1]}, "/tokenize")[0] == 400
+        assert post(url, {"prompt": "hi"}, "/nowhere")[0] == 404
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request id=")]
+    assert any("route=/detokenize status=400" in line and
+               'error="token id 999 is outside the vocabulary 0..319"' in line for line in lines)
+    assert any("route=unrouted status=404" in line and 'error="POST /nowhere: Not Found"' in line for line in lines)
+
+
+def test_every_sampling_field_seeded_gives_moesys_infers_tokens_and_a_stream_can_end_with_its_usage(run_dir):
+    settings = {"temperature": 0.9, "top_k": 50, "top_p": 0.85, "presence_penalty": 0.6, "frequency_penalty": 1.1,
+                "seed": 11}
+    with _server(run_dir) as url:
+        for body, infer in (({**settings, "logit_bias": {"101": 4.0, "32": -100}},
+                             {**settings, "logit_bias": {101: 4.0, 32: -100.0}}),
+                            ({"temperature": 0, "logit_bias": {"120": 100}, "frequency_penalty": 2.0},
+                             {"temperature": 0.0, "logit_bias": {"120": 100}, "frequency_penalty": 2.0})):
+            expected = run_inference(run_dir, {**INFER, **infer}, prompts=["the weather"], offload="none")
+            status, got = post(url, {"prompt": "the weather", "user": "eval-7", **body})
+            assert status == 200 and got["choices"][0]["token_ids"] == expected["tokens"][0]
+        assert expected["tokens"][0] == [120] * 6  # a bias of 100 outweighs 5 x 2.0 of frequency penalty
+        chunks, done = stream(url, {"prompt": "hi", "max_tokens": 3, "stream_options": {"include_usage": True}})
+        assert done and chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+            "prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+        assert all("usage" in c and c["usage"] is None for c in chunks[:-1])

@@ -3,7 +3,6 @@ drops sequences whose clients have gone; a bounded queue, a bounded stop that re
 fails every job held; the protocol's field checks and streamed text pieces."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -12,10 +11,12 @@ from runtime.config import ModelConfig
 from runtime.inference.generate import generate
 from runtime.inference.offloaders import make_offloader
 from runtime.model.transformer import Transformer
-from runtime.serving.protocol import (CompletionRequest, Defaults, RequestError, TextStream, parse_completion,
-                                      parse_json)
+from runtime.inference.sampling import Sampling
+from runtime.serving.protocol import CompletionRequest, Defaults, RequestError, parse_completion, parse_json
+from runtime.serving.responses import TextStream
 from runtime.serving.worker import Cancelled, GenerationWorker, ServeJob, Stopped, WorkerDied
 from runtime.data.tokenizer import ByteTokenizer
+from tests.waiting import wait_until
 
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, vocab_size=256, ffn_hidden_size=64, num_experts=4,
                    top_k=2, max_seq_len=48)
@@ -49,7 +50,7 @@ class Answer:
 
 
 def _request(ids, max_tokens=5, temperature=0.0, seed=0):
-    return CompletionRequest(ids, max_tokens, temperature, 0, seed, False)
+    return CompletionRequest([ids], max_tokens, Sampling(temperature), seed)
 
 
 def _held(worker: GenerationWorker) -> Answer:
@@ -67,7 +68,7 @@ def test_requests_of_mixed_shapes_and_sampling_share_steps_and_each_gets_its_lon
     requests = [_request([4, 5, 6, 7, 8, 9, 10], max_tokens=9), _request([7, 8], temperature=1.0, seed=3),
                 _request([10, 11, 12], max_tokens=2), _request([13, 14, 15, 16], temperature=0.7, seed=5),
                 _request([15], max_tokens=12), _request([18, 19, 20, 21, 22], max_tokens=4, temperature=2.0, seed=9),
-                CompletionRequest([30, 31], 6, 0.9, 7, 11, False, n=3)]
+                CompletionRequest([[30, 31]], 6, Sampling(0.9, 7), 11, n=3)]
     answers = [Answer() for _ in requests]
     for request, answer in zip(requests, answers):
         worker.submit(ServeJob(request, answer.finish))
@@ -76,8 +77,8 @@ def test_requests_of_mixed_shapes_and_sampling_share_steps_and_each_gets_its_lon
         answer.wait()
         assert answer.error is None and len(answer.choices) == request.n
         for choice in answer.choices:  # choice i samples with seed + i: choice 0 is the request's lone run
-            lone = generate(worker.model, [request.prompt_ids], request.max_tokens, request.temperature,
-                            request.top_k, request.seed + choice.index).tokens[0]
+            lone = generate(worker.model, request.prompts, request.max_tokens, request.sampling.temperature,
+                            request.sampling.top_k, request.seed + choice.index).tokens[0]
             assert choice.tokens == lone
     assert len({tuple(c.tokens) for c in answers[-1].choices}) == 3  # the choices differ: a mix-up would show
     steps = worker.batches
@@ -91,7 +92,7 @@ def test_stop_strings_cut_the_text_and_end_the_choice():
     text = ByteTokenizer().decode(lone)
     stop = text[3:5]
     answer = Answer()
-    worker.submit(ServeJob(CompletionRequest([1, 2, 3], 12, 0.0, 0, 0, False, stop=(stop,), logprobs=2),
+    worker.submit(ServeJob(CompletionRequest([[1, 2, 3]], 12, Sampling(), 0, stop=(stop,), logprobs=2),
                            answer.finish, tokenizer=ByteTokenizer()))
     choice = answer.wait().choices[0]
     cut = text.find(stop)
@@ -160,11 +161,16 @@ def test_a_client_leaving_a_batch_that_goes_on_counts_as_cancelled():
 
 def test_stop_cancels_a_batch_that_outlasts_its_timeout():
     worker = _worker()
-    slow = Answer()
-    # 45 tokens of 0.1 s each: far longer than the stop's timeout
-    worker.submit(ServeJob(_request([1, 2, 3], max_tokens=45), slow.finish,
-                           on_token=lambda i, out, piece: time.sleep(0.1)))
-    time.sleep(0.2)  # the generation is under way
+    slow, under_way = Answer(), threading.Event()
+    job = ServeJob(_request([1, 2, 3], max_tokens=45), slow.finish)
+
+    def outlasting(index, out, piece):  # the first token does not leave the step until the stop cancels the job
+        under_way.set()
+        wait_until(lambda: job.cancelled, what="the stop to cancel the batch")
+
+    job.on_token = outlasting
+    worker.submit(job)
+    assert under_way.wait(30)
     assert worker.stop(1.0)
     assert isinstance(slow.wait().error, Cancelled) and worker.cancelled == 1
 
@@ -227,13 +233,13 @@ def test_a_full_queue_is_refused_and_stop_refuses_what_is_left():
         worker.submit(ServeJob(_request([4]), Answer().finish))
 
 
-DEFAULTS = Defaults(max_tokens=8, temperature=0.0, top_k=0, seed=0)
+DEFAULTS = Defaults(max_tokens=8, sampling=Sampling(), seed=0)
 
 
 def test_request_fields_default_to_infer_settings_and_max_tokens_fits_the_context():
     tok = ByteTokenizer()
     got = parse_completion({"prompt": "hi"}, DEFAULTS, tok, 256, 48)
-    assert got == CompletionRequest([104, 105], 8, 0.0, 0, 0, False)
+    assert got == CompletionRequest([[104, 105]], 8, Sampling(), 0)
     full = parse_completion({"prompt": "hi", "n": 2, "stop": ["x", "yz"], "logprobs": 3}, DEFAULTS, tok, 256, 48)
     assert (full.n, full.stop, full.logprobs) == (2, ("x", "yz"), 3)
     for body, param in (({"n": 0}, "n"), ({"n": 99}, "n"), ({"stop": [""]}, "stop"), ({"stop": 3}, "stop"),

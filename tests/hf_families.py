@@ -1,0 +1,82 @@
+"""Tiny random models of every released family moesys reads, built by transformers from its own config classes (no
+download) and saved with `save_pretrained` in shards: what the family tests import, train, export, infer and serve."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from runtime.data.tokenizer import byte_tokenizer_json, hf_tokenizer_config
+
+COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+              max_position_embeddings=128, tie_word_embeddings=False)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    # explicit head_dim apart from hidden / heads, one dense block of its own width, renormalised top-k
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=4, head_dim=32, norm_topk_prob=True, mlp_only_layers=[1])),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=4, pad_token_id=1,
+                                  eos_token_id=2)),
+    # q/k/v biases, MoE every 2nd block, a gated shared expert, raw top-k probabilities
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2, shared_expert_intermediate_size=48,
+                                         decoder_sparse_step=2)),
+    # MoE blocks 1..3, two shared experts, a score correction bias, interleaved RoPE, tied embeddings
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32, moe_num_experts=8,
+                                                moe_k=2, moe_num_shared_experts=2, moe_layer_start_index=1,
+                                                moe_layer_end_index=3, tie_word_embeddings=True)),
+}
+TOKENS = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+"""A batch with no pad id in it (transformers' embedding never trains its padding row)."""
+
+
+def transformers_module():
+    import transformers  # optional dependency: the tests that use these skip without it
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", module="transformers")
+    return transformers
+
+
+def family_config(family: str, **overrides):
+    transformers = transformers_module()
+    name, own = FAMILIES[family]
+    return getattr(transformers, name)(**{**COMMON, **own, **overrides})
+
+
+def tiny_model(family: str, seed: int = 0, **overrides):
+    """A random transformers model of `family` in eval mode, its norms, biases and score bias drawn at random too (a
+    swapped or missing one shows)."""
+    transformers = transformers_module()
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(family_config(family, **overrides)).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):  # attention biases and ERNIE's score correction
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def save_sharded(model, path: Path, tokenizer: bool = True) -> Path:
+    """save_pretrained in shards of 100 KB (an index names them), with a byte tokenizer and a chat template."""
+    model.save_pretrained(path, max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    if tokenizer:
+        (path / "tokenizer.json").write_text(byte_tokenizer_json())
+        template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}<assistant>{% endif %}")
+        (path / "tokenizer_config.json").write_text(json.dumps({**hf_tokenizer_config(128), "chat_template": template}))
+    return path
+
+
+def load_transformers(path: Path, **kwargs):
+    """transformers' own model of a saved directory, fp32, with its eager experts and attention (the reference)."""
+    transformers = transformers_module()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager",
+                                                             attn_implementation="eager", **kwargs).eval()
