@@ -64,11 +64,12 @@ def tiny_model(family: str, seed: int = 0, **overrides):
 
 
 def save_sharded(model, path: Path, tokenizer: bool = True) -> Path:
-    """save_pretrained in shards of 100 KB (an index names them), with a byte tokenizer and a chat template."""
+    """save_pretrained in shards of 100 KB (an index names them), with the byte tokenizer of its 256 rows (no special
+    tokens: its stop ids are its generation_config.json's) and a chat template."""
     model.save_pretrained(path, max_shard_size="100KB")
     assert (path / "model.safetensors.index.json").is_file()
     if tokenizer:
-        (path / "tokenizer.json").write_text(byte_tokenizer_json())
+        (path / "tokenizer.json").write_text(byte_tokenizer_json(specials=False))
         template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
                     "{% if add_generation_prompt %}<assistant>{% endif %}")
         (path / "tokenizer_config.json").write_text(json.dumps({**hf_tokenizer_config(128), "chat_template": template}))

@@ -85,6 +85,20 @@ class SpecialTokens:
         """The ids a generation ends at (STOP_TOKENS this tokenizer has)."""
         return tuple(self.special_ids[t] for t in STOP_TOKENS if t in self.special_ids)
 
+    @property
+    def eos_token(self) -> Optional[str]:
+        """EOS's string when the tokenizer has it (as a Hugging Face tokenizer names it: what /tokenizer_info
+        reports); None without it."""
+        return EOS if EOS in self.special_ids else None
+
+    @property
+    def pad_token(self) -> Optional[str]:
+        """The pad is eos (as the export's tokenizer_config.json names it)."""
+        return self.eos_token
+
+    bos_token: Optional[str] = None
+    """These tokenizers have no bos."""
+
 
 class ByteTokenizer(SpecialTokens):
     """UTF-8 bytes as token ids 0..255, then (specials=True) SPECIAL_TOKENS as 256, 257, 258."""
@@ -293,7 +307,7 @@ def hf_tokenizer_config(max_length: int, tokenizer: Optional[Tokenizer] = None) 
     serve` renders with."""
     from runtime.data.chat_template import CHATML
 
-    eos = EOS if tokenizer is not None and tokenizer.eos_id is not None else None
+    eos = tokenizer.eos_token if tokenizer is not None else None
     return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
             "clean_up_tokenization_spaces": False, "bos_token": None, "eos_token": eos, "pad_token": eos,
             "chat_template": CHATML}

@@ -50,7 +50,7 @@ from runtime.plan.disk import check_free
 from runtime.moe.layer import is_expert_param
 from runtime.files.tensorfile import write_tensors
 from runtime.files.paths import GENERATION_CONFIG, HF_TOKENIZER_CONFIG, META, TOKENIZER_FILE
-from runtime.data.tokenizer import EOS, Tokenizer, checkpoint_tokenizer, hf_tokenizer_config
+from runtime.data.tokenizer import Tokenizer, checkpoint_tokenizer, hf_tokenizer_config
 from runtime.model.precision import PRECISION_DTYPES
 
 FORMATS = ("moesys", "hf")
@@ -222,8 +222,7 @@ def _write_tokenizer(directory: Path, source: Source, fmt: str) -> tuple[Optiona
         if tokenizer is not None:
             atomic_write_json(directory / HF_TOKENIZER_CONFIG,
                               hf_tokenizer_config(source.config.model.max_seq_len, tokenizer))
-    eos = EOS if tokenizer is not None and tokenizer.eos_id is not None else None
-    return (TOKENIZER_FILE if tokenizer is not None else None), eos, token_ids
+    return (TOKENIZER_FILE if tokenizer is not None else None), (tokenizer.eos_token if tokenizer else None), token_ids
 
 
 def _named_eos(tokenizer_config: Path) -> Optional[str]:

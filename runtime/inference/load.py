@@ -196,7 +196,10 @@ def open_moesys(path: Path, dtype: Optional[torch.dtype] = None, device: torch.d
         raise InferError(f"{step}: a model buffer has no value in the checkpoint")
     tokenizer = checkpoint_tokenizer(path, step, cfg)
     source = ExpertSource(layers, cfg.model.expert_type, dtype, files)
-    stops = tokenizer.stop_ids if tokenizer is not None else ()
+    if (step / GENERATION_CONFIG).is_file():  # a released model's export: the stop ids its family gives
+        stops = _hf_stop_ids(step, cfg.model.vocab_size)
+    else:
+        stops = tokenizer.stop_ids if tokenizer is not None else ()
     return LoadedModel(config_to_dict(cfg), model.eval(), "moesys", tokenizer, path, source, stops)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.serving.chat import _messages, chat_prompt
+from runtime.serving.chat import _messages, chat_prompt, served_template
 from runtime.serving.protocol import _bool, _is_int, _shown, check_fields, encode_text, RequestError
 from runtime.serving.responses import token_text
 
@@ -22,11 +22,12 @@ def _tokenizer(service: Any) -> Any:
 
 
 def tokenizer_info(service: Any, body: dict[str, Any]) -> dict[str, Any]:
-    """The tokenizer's class, special tokens (null where it has none), chat template and context."""
+    """The tokenizer's class, special tokens (null where it has none), the chat template the chat route renders
+    with and the context."""
     tok = _tokenizer(service)
     return {"tokenizer_class": getattr(tok, "tokenizer_class", type(tok).__name__),
             "eos_token": getattr(tok, "eos_token", None), "bos_token": getattr(tok, "bos_token", None),
-            "pad_token": getattr(tok, "pad_token", None), "chat_template": getattr(tok, "chat_template", None),
+            "pad_token": getattr(tok, "pad_token", None), "chat_template": served_template(tok),
             "model_max_length": service.config.model.max_seq_len}
 
 

@@ -393,7 +393,9 @@ def test_prompt_arrays_echo_and_the_tokenizer_routes(run_dir, caplog):
         assert post(url, {"prompt": "hi", "add_special_tokens": False}, "/tokenize") == (200, {
             "count": 2, "max_model_len": 48, "tokens": [104, 105], "token_strs": None})
         status, chat = post(url, {"messages": [{"role": "user", "content": "hi"}]}, "/tokenize")
-        assert status == 200 and bytes(chat["tokens"]).decode() == "user: hi\nassistant:"
+        assert status == 200 and post(url, {"tokens": chat["tokens"]}, "/detokenize") == (
+            200, {"prompt": "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"})
+        assert chat["tokens"][0] == 257 and info["eos_token"] == "<|endoftext|>"
         assert post(url, {"tokens": [104, 105]}, "/detokenize") == (200, {"prompt": "hi"})
         status, bad = post(url, {"tokens": [104, 999]}, "/detokenize")
         assert status == 400 and bad["error"]["message"] == "token id 999 is outside the vocabulary 0..319"
