@@ -10,7 +10,7 @@ from typing import NoReturn
 import typer
 
 from moesys_cli.render import print_json
-from runtime.launch import LaunchSpec, submit_slurm
+from runtime.launch.command import LaunchSpec, submit_slurm
 from runtime.files.paths import METRICS
 
 

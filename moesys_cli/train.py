@@ -17,10 +17,10 @@ from moesys_cli.render import ByteProgress, console, error, notice, print_json, 
 from moesys_cli.resolve import config_yaml, lr_warning, resolve_config
 from moesys_cli.slurm import submit
 from runtime.config import MoesysConfig
-from runtime.launch import build_launch, check_launchable, rendezvous_connect_s, rendezvous_join_s
-from runtime.node_watch import LostNodeWatch
-from runtime.oom import OUT_OF_MEMORY_EXIT, OomWatch, oom_message, smallest_fix
-from runtime.process import LauncherJob, TorchrunLogs, exception_line, resume_point, worker_pids
+from runtime.launch.command import build_launch, check_launchable, rendezvous_connect_s, rendezvous_join_s
+from runtime.launch.node_watch import LostNodeWatch
+from runtime.launch.oom import OUT_OF_MEMORY_EXIT, OomWatch, oom_message, smallest_fix
+from runtime.launch.process import LauncherJob, TorchrunLogs, exception_line, resume_point, worker_pids
 from runtime.files.run_dir import (RunLock, check_run_dir, clear_fatal, clear_rank_memory, last_step_metrics,
                                    read_fatal, read_rank_memory, record_fatal, run_summary)
 from runtime.files.paths import default_run_dir, node_logs

@@ -19,7 +19,7 @@ from pathlib import Path
 from runtime.config import MoesysConfig, TaskConfig
 from runtime.elastic.allocation import allocate
 from runtime.elastic.workload import workload_from_config, workload_from_metrics
-from runtime.launch import build_launch
+from runtime.launch.command import build_launch
 from runtime.train.run_setup import prepare_run_dir
 from runtime.files.run_dir import read_metrics
 

@@ -18,12 +18,12 @@ import torch
 
 from runtime.bench.mfu import peak_flops, training_flops_per_token
 from runtime.config import MoesysConfig
-from runtime.launch import build_launch
+from runtime.launch.command import build_launch
 from runtime.train.run_setup import prepare_run_dir
 from runtime.files.run_dir import read_metrics
 from runtime.model.precision import PRECISION_DTYPES
 from runtime.plan.planner import plan_placement
-from runtime.process import TorchrunLogs
+from runtime.launch.process import TorchrunLogs
 
 VARIANTS = {"none": ("none", False, 0.0), "cpu": ("cpu", False, 0.0), "cpu_delayed": ("cpu", True, 0.0),
             "ssd": ("ssd", False, 0.0), "cpu_half": ("cpu", False, 0.5), "cpu_half_delayed": ("cpu", True, 0.5),

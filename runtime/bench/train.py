@@ -20,7 +20,7 @@ import torch
 
 from runtime.bench.mfu import peak_flops, training_flops_per_token
 from runtime.config import MoesysConfig
-from runtime.launch import build_launch
+from runtime.launch.command import build_launch
 from runtime.train.run_setup import prepare_run_dir
 from runtime.files.run_dir import read_metrics
 

@@ -13,8 +13,8 @@ import pytest
 from moesys_cli.resolve import resolve_config
 from runtime.config import ConfigError
 from runtime.errors import UserError
-from runtime.launch import build_launch, check_node_address, rendezvous_join_s
-from runtime.node_watch import LostNodeWatch, reachable
+from runtime.launch.command import build_launch, check_node_address, rendezvous_join_s
+from runtime.launch.node_watch import LostNodeWatch, reachable
 from runtime.files.paths import node_logs
 from tests.waiting import wait_until
 
@@ -91,7 +91,7 @@ def test_a_node_whose_workers_ended_and_whose_rendezvous_is_gone_is_lost():
 
 def test_a_node_that_never_rejoined_is_named_with_the_failure_before_it(tmp_path):
     from moesys_cli.train import _last_error
-    from runtime.process import TorchrunLogs
+    from runtime.launch.process import TorchrunLogs
 
     cfg = resolve_config([*NODE, "launcher.node_rank=0", "train.collective_timeout_s=5"])
     logs_dir = node_logs(tmp_path, cfg)
@@ -116,7 +116,7 @@ def test_a_node_that_never_rejoined_is_named_with_the_failure_before_it(tmp_path
 
 def test_a_node_that_could_not_reach_node_0s_store_names_the_endpoint(tmp_path):
     from moesys_cli.train import _last_error
-    from runtime.process import TorchrunLogs
+    from runtime.launch.process import TorchrunLogs
 
     refused = ("Traceback (most recent call last):\n  File \"torchrun\", line 8, in <module>\n"
                "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store "

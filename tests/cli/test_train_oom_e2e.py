@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from runtime import memcap
-from runtime.oom import OUT_OF_MEMORY_EXIT
+from runtime.launch.oom import OUT_OF_MEMORY_EXIT
 from tests.cli.conftest import losses, moesys_bin
 from tests.cli.test_train_e2e import wait_for_step
 from tests.cli.test_train_signals_e2e import job_processes, reap  # noqa: F401 (a fixture)

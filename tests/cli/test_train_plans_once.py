@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import moesys_cli.train as cli_train
 from runtime.files.paths import PLAN
-from runtime.launch import LaunchSpec
+from runtime.launch.command import LaunchSpec
 from runtime.plan import planner
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TopologyConfig, TrainConfig
 from runtime.errors import UserError
-from runtime.launch import check_host_memory, check_launchable, host_memory_problem
+from runtime.launch.command import check_host_memory, check_launchable, host_memory_problem
 from runtime.plan.budget import GB
 from runtime.plan.planner import LAUNCHER_BYTES, PROCESS_RUNTIME_BYTES, plan_placement
 from runtime.topology import detect_machine
@@ -46,7 +46,7 @@ def test_a_micro_batch_of_one_is_not_asked_to_shrink():
 def test_slurm_jobs_skip_the_ram_check(monkeypatch):
     slurm = cpu_run(64)
     slurm.launcher.name = "slurm"
-    monkeypatch.setattr("runtime.launch.shutil.which", lambda name: "/usr/bin/sbatch")
+    monkeypatch.setattr("runtime.launch.command.shutil.which", lambda name: "/usr/bin/sbatch")
     check_launchable(slurm, ram_bytes=1 * GB)  # the nodes are not this machine
 
 

@@ -66,7 +66,7 @@ def test_a_corpus_of_one_token_activates_top_k_of_the_experts_each_step(tmp_path
 def test_a_failed_job_is_reported_by_the_line_its_rank_wrote(tmp_path):
     """A worker's user error is one line in its stderr.log under torchrun's log tree, not the launcher's rules."""
     from runtime.bench.offload_train import _failure
-    from runtime.process import TorchrunLogs
+    from runtime.launch.process import TorchrunLogs
 
     logs = TorchrunLogs(tmp_path)
     rank = tmp_path / "run-id" / "attempt_0" / "0"

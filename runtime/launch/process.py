@@ -127,7 +127,7 @@ def worker_pids(agent_pid: int) -> frozenset[int]:
     torchrun has ended, or between two attempts."""
     import psutil
 
-    from runtime.launch import WORKER_MODULE
+    from runtime.launch.command import WORKER_MODULE
 
     found = set()
     try:
