@@ -19,10 +19,11 @@ from runtime.launch.oom import OUT_OF_MEMORY_EXIT, OutOfMemory, cuda_oom_message
 from runtime.io import atomic_write_json
 from runtime.parallel.groups import build_groups
 from runtime.launch.process import die_with_parent
-from runtime.files.paths import SUMMARY
+from runtime.files.paths import PLAN, SUMMARY
 from runtime.files.run_dir import load_config, read_fatal, record_fatal
 from runtime.topology import set_cpu_threads
 from runtime.plan.compare import recorded_plan
+from runtime.plan.placement import read as read_placement
 from runtime.train.loop import train
 
 
@@ -104,6 +105,9 @@ def _stop_unwritable(run_dir: Path, exc: OSError) -> int:
 
 def run(run_dir: Path) -> int:
     cfg = load_config(run_dir)
+    if read_placement(run_dir) is None:  # the launch plans once (runtime/launch/job.py); no worker plans again
+        raise UserError(f"{run_dir / PLAN} is missing: launch training with moesys train (runtime.launch.job), which "
+                        "plans the run once and writes it for the workers")
     rank, world, local_world, device = init_distributed(cfg.train.collective_timeout_s,
                                                      gpus=bool(cfg.topology.gpus_per_node))
     if device.type == "cpu":  # a share of the CPUs this process may use; torchrun's OMP_NUM_THREADS=1 is its default
