@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psutil
 
-from runtime import memcap
+from runtime.host import memcap
 from runtime.bench.disk import measure_disk
 from runtime.config import ModelConfig, MoesysConfig, validate
 from runtime.errors import UserError

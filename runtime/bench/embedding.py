@@ -18,7 +18,7 @@ import torch
 from runtime.bench.embedding_worker import REPORT, SPEC
 from runtime.bench.jobs import job_root
 from runtime.config import ModelConfig, MoesysConfig
-from runtime.io import atomic_write_json
+from runtime.host.io import atomic_write_json
 from runtime.launch.job import run_job
 
 MODES = ("replicated", "partitioned")

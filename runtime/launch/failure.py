@@ -8,7 +8,7 @@ from pathlib import Path
 
 from runtime.config import MoesysConfig
 from runtime.files.run_dir import last_step_metrics, read_rank_memory
-from runtime.topology import host_memory_bytes
+from runtime.host.topology import host_memory_bytes
 from runtime.launch.command import rendezvous_join_s
 from runtime.launch.oom import oom_message, smallest_fix
 from runtime.launch.process import TorchrunLogs, exception_line, resume_point

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import memcap
+from runtime.host import memcap
 from runtime.config import ModelConfig, MoesysConfig, TopologyConfig, TrainConfig
 from runtime.files.paths import CONFIG, PLAN
 from runtime.files.run_dir import load_config
