@@ -31,7 +31,7 @@ TIMED_OUT_EXIT = 124
 def launch_and_follow(cfg: MoesysConfig, run_dir: Path, spec: LaunchSpec, watcher: JobWatcher,
                       time_limit_s: float | None = None, preexec: Callable[[], None] | None = None) -> JobResult:
     """Run `spec`'s torchrun in `run_dir` (prepared, plan.json written) and follow it to its end; how it ended."""
-    from runtime.launch.job import JobResult
+    from runtime.launch.job import JobResult  # job.py imports this module: its result type, once both are loaded
 
     logs_dir = node_logs(run_dir, cfg)  # this node's, in a run directory the nodes share
     logs_dir.mkdir(parents=True, exist_ok=True)

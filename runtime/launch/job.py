@@ -15,6 +15,7 @@ from runtime.files.paths import default_run_dir
 from runtime.files.resume import apply_resume_from
 from runtime.files.run_dir import RunLock, check_run_dir, clear_fatal, clear_rank_memory
 from runtime.launch.command import WORKER_MODULE, LaunchSpec, SlurmJob, build_launch, check_launchable, submit_slurm
+from runtime.launch.follow import launch_and_follow
 from runtime.plan.checks import check_disk, check_plan
 from runtime.plan.placement import record as record_placement
 from runtime.plan.planner import Plan, keep_layers_hint, plan_placement
@@ -133,8 +134,6 @@ class Job:
         end, holding the run directory's lock (one job per run directory) until its processes have ended. A SLURM
         job is submitted and left to the scheduler. `time_limit_s`: a job still running then is stopped and fails;
         `preexec`: run in torchrun's process before it starts (a memory cap's group to join)."""
-        from runtime.launch.follow import launch_and_follow  # psutil and the log readers: only for a real launch
-
         plan = self.plan()
         lock = RunLock(self.run_dir, self.cfg.launcher.node_rank)
         try:
