@@ -45,7 +45,7 @@ def _offload(cfg: MoesysConfig) -> dict:
 
 def _embedding(cfg: MoesysConfig) -> dict:
     from runtime.bench.embedding import run_embedding_bench
-    return run_embedding_bench()
+    return run_embedding_bench(cfg)
 
 
 def _elastic(cfg: MoesysConfig, **steps: int) -> dict:
@@ -55,7 +55,7 @@ def _elastic(cfg: MoesysConfig, **steps: int) -> dict:
 
 def _beyond_memory(cfg: MoesysConfig) -> dict:
     from runtime.bench.beyond_memory import run_beyond_memory_bench
-    return run_beyond_memory_bench()
+    return run_beyond_memory_bench(cfg)
 
 
 def _alltoall(cfg: MoesysConfig) -> dict:

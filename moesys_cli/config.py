@@ -12,7 +12,7 @@ from moesys_cli.options import Json, Overrides
 from moesys_cli.render import print_json
 from moesys_cli.resolve import config_yaml, resolve_config
 from runtime.config import ConfigError
-from runtime.config_keys import config_keys, keys_markdown, value_text
+from runtime.config.keys import config_keys, keys_markdown, value_text
 
 Keys = Annotated[bool, typer.Option("--keys", help="List every key (dotted) with its type, schema default, value "
                                                    "with this recipe and overrides, and what it does.")]

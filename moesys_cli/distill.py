@@ -14,11 +14,11 @@ import yaml
 from moesys_cli.options import Json
 from moesys_cli.render import console, human_bytes, human_count, print_json
 from moesys_cli.resolve import resolve_config
-from moesys_cli.train import resume_command, run_job
+from moesys_cli.train import TrainProgress, resume_command, run_job
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.files.run_dir import last_step_metrics
-from runtime.train.preflight import check_before_launch
+from runtime.launch.job import Job
 from runtime.train.student_config import (Teacher, check_student, default_student_dir, find_teacher, recorded_teacher,
                                           student_recipe)
 
@@ -84,7 +84,8 @@ def distill(args: DistillArgs = None, json_out: Json = False) -> None:
         cfg = student_config(teacher, experts, overrides)
         check_student(teacher, cfg)
         cfg.train.run_dir = str(run_dir)
-    check_before_launch(cfg)
+    job = Job(cfg, TrainProgress(quiet=json_out))
+    job.check()
     say(f"distill: teacher {cfg.distill.teacher} ({teacher.num_experts} experts per MoE layer) -> student "
         f"{run_dir} ({experts})")
     from runtime.train.distill import compare_on_heldout  # torch: loaded only once the input is known good
@@ -100,7 +101,7 @@ def distill(args: DistillArgs = None, json_out: Json = False) -> None:
                 f"{directory / SELECTION}")
 
     resume = resume_command(["distill", f"checkpoint={checkpoint}"], overrides, run_dir)
-    summary = run_job(cfg, resume, quiet=json_out, prepare=prepare)
+    summary = run_job(job, resume, quiet=json_out, prepare=prepare)
     result = {**summary, "teacher": cfg.distill.teacher, "teacher_experts": teacher.num_experts,
               "student_experts": experts, "kd_loss": (last_step_metrics(run_dir) or {}).get("kd_loss"),
               "selection": str(run_dir / SELECTION), **compare_on_heldout(cfg, run_dir)}

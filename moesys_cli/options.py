@@ -7,7 +7,7 @@ import typer
 import yaml
 
 from moesys_cli.resolve import available_recipes
-from runtime.config_keys import keys_meant
+from runtime.config.keys import keys_meant
 from runtime.errors import UserError
 
 Overrides = Annotated[

@@ -12,7 +12,7 @@ from moesys_cli.options import Json, Overrides
 from moesys_cli.render import console, human_bytes, human_count, literal, print_json, warn
 from moesys_cli.resolve import lr_warning, resolve_config
 from runtime.errors import UserError
-from runtime.launch import launch_ram_problem
+from runtime.launch.command import launch_ram_problem
 from runtime.plan.modes import OffloadMode
 from runtime.plan.planner import keep_layers_hint, plan_placement, plan_to_dict
 from runtime.plan.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict

@@ -20,9 +20,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runtime.config import ConfigError, MoesysConfig, resolve_auto, validate
-from runtime.config_keys import keys_meant
+from runtime.config.keys import keys_meant
 from runtime.files.paths import expert_store_root
-from runtime.topology import detect_machine
+from runtime.host.topology import detect_machine
 from runtime.train.lr_width import lr_width_warning
 
 GROUPS = ("model", "topology", "storage", "train", "infer", "launcher", "recipe")

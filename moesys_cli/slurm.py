@@ -1,4 +1,4 @@
-"""`moesys train launcher=slurm`: submit the sbatch script, print the job id and how to follow it, exit 0.
+"""`moesys train launcher=slurm`: print the submitted job's id and how to follow it, exit 0.
 
 SLURM runs the job later, on other nodes; nothing here waits for it (unlike the torchrun launchers)."""
 
@@ -10,12 +10,11 @@ from typing import NoReturn
 import typer
 
 from moesys_cli.render import print_json
-from runtime.launch import LaunchSpec, submit_slurm
 from runtime.files.paths import METRICS
+from runtime.launch.command import SlurmJob
 
 
-def submit(spec: LaunchSpec, run_dir: Path, json_out: bool) -> NoReturn:
-    job = submit_slurm(spec, run_dir)
+def submitted(job: SlurmJob, run_dir: Path, json_out: bool) -> NoReturn:
     if json_out:
         print_json({"run_dir": str(run_dir), "job_id": job.job_id, "script": str(job.script),
                     "log": str(job.log) if job.log else None})

@@ -27,7 +27,7 @@ from typing import Sequence
 from runtime.bench.netns import Cluster, ClusterError, ClusterUnavailable, Host, RailCluster, SimulatedCluster
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
-from runtime.process import exception_line
+from runtime.launch.process import exception_line
 
 HOSTS, PER_HOST = 2, 2
 HOST_LINKS_MBIT: tuple[float | None, ...] = (100, 1000, None)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import ModelConfig
-from runtime.io import atomic_write_json
+from runtime.host.io import atomic_write_json
 from runtime.moe.dispatch import LocalDispatcher
 from runtime.moe.router import Router
 from runtime.parallel.alltoall import make_all_to_all

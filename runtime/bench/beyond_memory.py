@@ -1,11 +1,11 @@
 """Training a model whose expert states outgrow the machine's memory (the paper's "Training Phase").
 
-`moesys train` runs as a user types it (2 processes, EP 2, storage.offload=ssd, topology=local) inside a memory cgroup
-smaller than the model (the plan is told 85% of the cap), on a GPT-style MoE sized so that its expert states (fp32
-weights and AdamW moments, 12 bytes per parameter) are `ratio` times the machine's RAM. Reported side by side: the
-states against the RAM and the cap, each rank's peak anonymous memory against the plan's estimate, seconds per step, and
-the store's read and write bytes/s (rank 0's, doubled for the two ranks sharing the disk) against the disk's own
-sequential bandwidth measured in the same run.
+A training job runs as `moesys train` runs it (the job API: 2 processes, EP 2, storage.offload=ssd, topology=single),
+its torchrun and workers inside a memory cgroup smaller than the model (the plan is told 85% of the cap), on a GPT-style
+MoE sized so that its expert states (fp32 weights and AdamW moments, 12 bytes per parameter) are `ratio` times the
+machine's RAM. Reported side by side: the states against the RAM and the cap, each rank's peak anonymous memory against
+the plan's estimate, seconds per step, and the store's read and write bytes/s (rank 0's, doubled for the two ranks
+sharing the disk) against the disk's own sequential bandwidth measured in the same run.
 
 What must fit in memory is Eq. 1's CPU tier, 16aS: a step holds the experts it touches (a share `alpha` of them)
 with their gradients until the CPU AdamW step. The model has many experts and top-1 routing over a few tokens per
@@ -18,24 +18,24 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
 
-from runtime import memcap
-from runtime.errors import UserError
+from runtime.host import memcap
 from runtime.bench.disk import measure_disk
-from runtime.plan.params import count_parameters
+from runtime.config import ModelConfig, MoesysConfig, validate
+from runtime.errors import UserError
 from runtime.files.paths import EXPERT_STORE
 from runtime.files.run_dir import read_metrics
+from runtime.launch.job import run_job
+from runtime.plan.params import count_parameters
 
 HIDDEN, FFN, LAYERS, HEADS = 1024, 512, 6, 8
 GPT_LAYOUT = {"expert_type": "gelu", "norm": "layernorm", "position": "learned", "bias": True, "tie_embeddings": True}
@@ -47,29 +47,37 @@ TOKENS_PER_RANK = 32
 layer's ~500 experts (alpha 1/8) and a rank at most 64 of its ~250 (the plan's device buffers hold 2 alpha)."""
 
 
-def _overrides(experts: int, alpha: float, run_dir: Path, steps: int, memory_gb: float, data: Path) -> list[str]:
-    return ["recipe=tiny", "topology=single", f"train.data={data}", f"topology.cpu_memory_gb={memory_gb:.2f}",
-            "topology.nproc_per_node=2", "topology.expert_parallel=2",
-            f"model.hidden_size={HIDDEN}", f"model.ffn_hidden_size={FFN}", f"model.num_layers={LAYERS}",
-            f"model.num_heads={HEADS}", f"model.num_experts={experts}", "model.top_k=1", "model.max_seq_len=64",
-            *(f"model.{key}={str(value).lower()}" for key, value in GPT_LAYOUT.items()),
-            f"train.seq_len={TOKENS_PER_RANK}", "train.micro_batch_size=1", f"train.max_steps={steps}",
-            "train.warmup_steps=100", "train.checkpoint_every=0", "train.final_checkpoint=false",
-            "train.max_restarts=0", "storage.offload=ssd", f"storage.alpha={alpha}", f"train.run_dir={run_dir}"]
+def bench_config(base: MoesysConfig, experts: int, alpha: float, run_dir: Path, steps: int, memory_gb: float,
+                 data: Path) -> MoesysConfig:
+    """The capped run: `base` (the tiny recipe) on 2 CPU processes with expert parallelism 2 and the plan told
+    `memory_gb` of RAM, a GPT-style MoE (GPT_LAYOUT) of `experts` experts per layer routed top-1, its expert states
+    on SSD, trained on `data` without checkpoints; validated as `moesys train` validates a resolved config."""
+    cfg = replace(
+        base,
+        model=replace(base.model, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_layers=LAYERS, num_heads=HEADS,
+                      num_experts=experts, top_k=1, max_seq_len=64, **GPT_LAYOUT),
+        topology=replace(base.topology, detect=False, nodes=1, gpus_per_node=0, gpu_memory_gb=0, ssd_gb=100,
+                         cpu_memory_gb=round(memory_gb, 2), nproc_per_node=2, expert_parallel=2),
+        train=replace(base.train, data=str(data), seq_len=TOKENS_PER_RANK, micro_batch_size=1, max_steps=steps,
+                      warmup_steps=100, checkpoint_every=0, final_checkpoint=False, max_restarts=0,
+                      run_dir=str(run_dir)),
+        storage=replace(base.storage, offload="ssd", alpha=alpha))
+    validate(cfg)
+    return cfg
 
 
 def _experts_for(ratio: float, ram: int) -> int:
     """The fewest experts per layer (even, for EP 2) whose states are `ratio` x `ram`."""
-    from runtime.config import ModelConfig
-
     one = count_parameters(ModelConfig(hidden_size=HIDDEN, ffn_hidden_size=FFN, num_layers=LAYERS,
                                        num_heads=HEADS, num_experts=2, top_k=1, **GPT_LAYOUT)).per_expert
     experts = math.ceil(ratio * ram / (12 * one * LAYERS))
     return experts + experts % 2
 
 
-def run_beyond_memory_bench(ratio: float = 1.5, cap_fraction: float = 0.75, steps: int = 10,
+def run_beyond_memory_bench(base: MoesysConfig, ratio: float = 1.5, cap_fraction: float = 0.75, steps: int = 10,
                             root: str | None = None) -> dict:
+    """The tiny recipe (`base`) grown until its expert states are `ratio` x this machine's RAM, trained for `steps`
+    steps under a memory cap of `cap_fraction` x the RAM."""
     why = memcap.available()
     if why:
         raise UserError(f"moesys bench beyond-memory needs a memory cgroup: {why}")
@@ -77,32 +85,29 @@ def run_beyond_memory_bench(ratio: float = 1.5, cap_fraction: float = 0.75, step
     cap = int(cap_fraction * ram)
     experts = _experts_for(ratio, ram)
     alpha = min(1.0, 2 * TOKENS_PER_RANK / experts)
-    base = Path(tempfile.mkdtemp(prefix="moesys-bench-beyond-", dir=root))
-    run_dir = base / "run"
+    work = Path(tempfile.mkdtemp(prefix="moesys-bench-beyond-", dir=root))
+    run_dir = work / "run"
     try:
-        disk = measure_disk(base)
+        disk = measure_disk(work)
         # Random printable characters route tokens to experts about uniformly, so a step touches the share alpha
         # the plan assumes (text, a few frequent letters, routes most tokens of a fresh model to a few experts).
-        data = base / "random-text.txt"
+        data = work / "random-text.txt"
         data.write_text("".join(random.Random(0).choices([chr(c) for c in range(32, 127)], k=1 << 20)))
         # The plan gets 85% of the cap: the rest is the page cache the store's reads and writes pass through.
-        overrides = _overrides(experts, alpha, run_dir, steps, PLANNED_SHARE * cap / GB, data)
-        argv = [sys.executable, "-m", "moesys_cli", "train", *overrides, "--json"]
+        cfg = bench_config(base, experts, alpha, run_dir, steps, PLANNED_SHARE * cap / GB, data)
         began = time.perf_counter()
         with memcap.MemoryCap(cap, "moesys-bench") as group:
-            done = subprocess.run(argv, capture_output=True, text=True, preexec_fn=group.preexec,
-                                  env=dict(os.environ, COLUMNS="200"))
+            job = run_job(cfg, preexec=group.preexec)  # torchrun and its workers run in the capped group
             oom_kills, cap_peak = group.oom_kills(), group.max_usage()
         wall = time.perf_counter() - began
-        if done.returncode != 0:
-            tail = " ".join((done.stdout + done.stderr).strip().splitlines()[-6:])
-            raise UserError(f"the capped training run failed (exit {done.returncode}, OOM kills {oom_kills}): "
-                            f"{tail}")
+        if not job.ok:
+            raise UserError(f"the capped training run failed (exit {job.exit_code}, OOM kills {oom_kills}): "
+                            f"{job.error or job.stopped}")
         plan = json.loads((run_dir / "plan.json").read_text())["plan"]
         records = read_metrics(run_dir)
         states = sum(f.stat().st_size for f in (run_dir / EXPERT_STORE).rglob("*.safetensors"))
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     last = records[-1]
     timed = records[1:] or records  # the first step also warms up
     step_s = statistics.median(r["step_time_s"] for r in timed)

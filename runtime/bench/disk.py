@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from runtime.page_cache import evict
+from runtime.host.page_cache import evict
 
 BLOCK = 16 << 20
 

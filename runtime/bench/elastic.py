@@ -2,9 +2,10 @@
 load with a 3:1 imbalance on 4 processes, trained with the naive 2/2 allocation and with the rebalanced one, side by
 side.
 
-Each variant is a real `torchrun` multi-task job on its own run directory; throughput per process is all samples
-of a step over the median step time (steps after the first) over the 4 processes. The rebalanced allocation is
-what `allocate()` (the `moesys rebalance` search) gives for the workload, not a hard-coded 3/1.
+Each variant is a real multi-task training job (the job API: planned once, torchrun) on its own run directory;
+throughput per process is all samples of a step over the median step time (steps after the first) over the 4 processes.
+The rebalanced allocation is what `allocate()` (the `moesys rebalance` search) gives for the workload, not a hard-coded
+3/1.
 """
 
 from __future__ import annotations
@@ -12,16 +13,14 @@ from __future__ import annotations
 import copy
 import os
 import statistics
-import subprocess
-import tempfile
 from pathlib import Path
 
+from runtime.bench.jobs import job_root
 from runtime.config import MoesysConfig, TaskConfig
 from runtime.elastic.allocation import allocate
 from runtime.elastic.workload import workload_from_config, workload_from_metrics
-from runtime.launch import build_launch
-from runtime.train.run_setup import prepare_run_dir
 from runtime.files.run_dir import read_metrics
+from runtime.launch.job import run_job
 
 NPROC = 4
 
@@ -40,22 +39,15 @@ def _variant(base: MoesysConfig, root: Path, name: str, tasks: dict[str, TaskCon
     return cfg
 
 
-def _run(cfg: MoesysConfig) -> Path:
-    run_dir = prepare_run_dir(cfg)
-    done = subprocess.run(build_launch(cfg, run_dir).argv, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"benchmark job {run_dir} failed: {done.stderr.strip().splitlines()[-1:]}")
-    return run_dir
-
-
 def _per_process(run_dir: Path, samples_per_step: int) -> float:
     times = [m["step_time_s"] for m in read_metrics(run_dir) if "loss" in m][1:]
     return samples_per_step / statistics.median(times) / NPROC
 
 
-def run_elastic_bench(base: MoesysConfig, steps: int = 8, rounds: int = 2) -> dict:
+def run_elastic_bench(base: MoesysConfig, steps: int = 8, rounds: int = 2, workdir: Path | None = None) -> dict:
     """{imbalanced,rebalanced}_samples_per_s_per_process and their ratio; the variants alternate for `rounds`
-    rounds (the medians over rounds are reported) so that a noisy neighbour slows both alike."""
+    rounds (the medians over rounds are reported) so that a noisy neighbour slows both alike. The run directories
+    go in `workdir` (kept) or a temporary directory."""
     light = max(1, base.train.micro_batch_size)
     tasks = {"heavy": TaskConfig(batch_size=3 * light), "light": TaskConfig(batch_size=light)}
     workload = workload_from_config(tasks)
@@ -67,15 +59,15 @@ def run_elastic_bench(base: MoesysConfig, steps: int = 8, rounds: int = 2) -> di
     def with_gpus(gpus: dict[str, int]) -> dict[str, TaskConfig]:
         return {t: TaskConfig(batch_size=c.batch_size, gpus=gpus[t]) for t, c in tasks.items()}
 
-    with tempfile.TemporaryDirectory(prefix="moesys-bench-elastic-") as tmp:
+    with job_root("moesys-bench-elastic-", workdir) as root:
         for r in range(rounds):
             for name, gpus in counts.items():
-                run_dir = _run(_variant(base, Path(tmp), f"{name}-{r}", with_gpus(gpus), steps))
+                run_dir = run_job(_variant(base, root, f"{name}-{r}", with_gpus(gpus), steps)).or_raise().run_dir
                 speeds[name].append(_per_process(run_dir, samples))
         # What `moesys rebalance --from-run` finds in the imbalanced job, measured with replicated experts: with
         # expert parallelism every MoE layer's AlltoAll makes a light rank wait for the heavy ones inside its
         # compute time, which hides the imbalance from the per-rank speeds.
-        probe = _run(_variant(base, Path(tmp), "measure", with_gpus(counts["imbalanced"]), steps, 1))
+        probe = run_job(_variant(base, root, "measure", with_gpus(counts["imbalanced"]), steps, 1)).or_raise().run_dir
         measured = workload_from_metrics(probe, {t: c.batch_size for t, c in tasks.items()})
     imbalanced, rebalanced = (statistics.median(speeds[n]) for n in ("imbalanced", "rebalanced"))
     return {

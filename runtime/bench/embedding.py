@@ -2,33 +2,27 @@
 Table 4): per-rank memory and step tokens/s of a small GPT-MoE with a replicated vs a column-partitioned (tied)
 embedding, on torchrun + gloo.
 
-Each (hidden, mode) runs as its own torchrun job, so every job's peak RSS is its own.
+Each (hidden, mode) runs as its own job through the job API (planned once, plan.json beside config.yaml), so every
+job's peak RSS is its own; its ranks run runtime/bench/embedding_worker.py on the run directory.
 """
 
 from __future__ import annotations
 
-import argparse
+import copy
 import json
 import os
-import resource
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from runtime.config import ModelConfig
-from runtime.model.transformer import Transformer
-from runtime.parallel.embedding_partition import partition_embedding, partitioned_parameters
-from runtime.parallel.grad_buckets import GradBucketReducer
+from runtime.bench.embedding_worker import REPORT, SPEC
+from runtime.bench.jobs import job_root
+from runtime.config import ModelConfig, MoesysConfig
+from runtime.host.io import atomic_write_json
+from runtime.launch.job import run_job
 
 MODES = ("replicated", "partitioned")
-REPO = Path(__file__).resolve().parents[2]
+WORKER = "runtime.bench.embedding_worker"
 
 
 def bench_model_config(vocab: int, hidden: int, layers: int, experts: int) -> ModelConfig:
@@ -37,88 +31,47 @@ def bench_model_config(vocab: int, hidden: int, layers: int, experts: int) -> Mo
                        ffn_hidden_size=hidden, num_experts=experts, top_k=1, max_seq_len=1024, tie_embeddings=True)
 
 
-def _state_bytes(params, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the parameters, their gradients and their optimizer state."""
-    total = 0
-    for p in params:
-        total += p.numel() * p.element_size() * (1 + (p.grad is not None))
-        total += sum(t.numel() * t.element_size() for t in optimizer.state.get(p, {}).values()
-                     if isinstance(t, torch.Tensor) and t.dim() > 0)
-    return total
+def bench_config(base: MoesysConfig, run_dir: Path, mode: str, model: ModelConfig, nproc: int, seq_len: int,
+                 micro_batch: int, steps: int) -> MoesysConfig:
+    """One job's config: `model` with the embedding replicated or partitioned on `nproc` CPU processes, each
+    holding every expert (the worker reduces every dense gradient itself), nothing offloaded or checkpointed."""
+    cfg = copy.deepcopy(base)
+    cfg.model = copy.deepcopy(model)
+    cfg.model.embedding_partition = mode == "partitioned"
+    t = cfg.topology
+    t.nodes, t.gpus_per_node, t.nproc_per_node, t.expert_parallel = 1, 0, nproc, 1
+    cfg.parallel.ranks_per_node = 0
+    cfg.storage.offload = "none"
+    tr = cfg.train
+    tr.seq_len, tr.micro_batch_size, tr.max_steps = seq_len, micro_batch, steps
+    tr.checkpoint_every, tr.final_checkpoint, tr.max_restarts = 0, False, 0
+    tr.run_dir = str(run_dir)
+    return cfg
 
 
-def worker(args: argparse.Namespace) -> None:
-    """One torchrun rank: build, warm up, time `steps` optimizer steps, write rank 0's report."""
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = Transformer(bench_model_config(args.vocab, args.hidden, args.layers, args.experts))
-    if args.mode == "partitioned":
-        partition_embedding(model, dist.group.WORLD)
-    shards = {id(p) for _, p in partitioned_parameters(model)}
-    dense = [p for p in model.parameters() if id(p) not in shards]
-    reducer = GradBucketReducer(dense, dist.group.WORLD)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(1 + rank)
-    times = []
-    for step in range(args.warmup + args.steps):
-        tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len + 1), generator=gen)
-        dist.barrier()
-        start = time.perf_counter()
-        out = model(tokens[:, :-1])
-        loss = F.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten()) + out.aux_loss
-        loss.backward()
-        reducer.finish()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-        if step >= args.warmup:
-            times.append(float(elapsed))
-    emb = model.tok_embeddings.weight
-    report = {
-        "embedding_bytes": _state_bytes([emb], optimizer),
-        "model_state_bytes": _state_bytes(list(model.parameters()), optimizer),
-        "params_per_rank": sum(p.numel() for p in model.parameters()),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "step_s": statistics.median(times),
-        "tokens_per_s": world * args.micro_batch * args.seq_len / statistics.median(times),
-    }
-    gathered = [None] * world
-    dist.all_gather_object(gathered, report)
-    if rank == 0:
-        report["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in gathered)  # the worst rank
-        Path(args.out).write_text(json.dumps(report))
-    dist.destroy_process_group()
+def _run(cfg: MoesysConfig, warmup: int, steps: int, timeout: float) -> dict:
+    def write_spec(run_dir: Path) -> None:
+        atomic_write_json(run_dir / SPEC, {"warmup": warmup, "steps": steps})
+
+    run_dir = run_job(cfg, worker=WORKER, prepare=write_spec, time_limit_s=timeout).or_raise().run_dir
+    return json.loads((run_dir / REPORT).read_text())
 
 
-def _launch(nproc: int, out: Path, mode: str, hidden: int, vocab: int, layers: int, experts: int, seq_len: int,
-            micro_batch: int, steps: int, warmup: int, timeout: float) -> dict:
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "runtime.bench.embedding", "--worker", "--out", str(out), "--mode", mode, "--hidden", str(hidden),
-           "--vocab", str(vocab), "--layers", str(layers), "--experts", str(experts), "--seq-len", str(seq_len),
-           "--micro-batch", str(micro_batch), "--steps", str(steps), "--warmup", str(warmup)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"embedding bench ({mode}, hidden {hidden}) failed:\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
-
-
-def run_embedding_bench(vocab: int = 50304, hiddens: tuple[int, ...] = (1024, 2048), nproc: int = 2,
-                        layers: int = 2, experts: int = 4, seq_len: int = 256, micro_batch: int = 1,
-                        steps: int = 3, warmup: int = 1, timeout: float = 900) -> dict:
-    """Replicated vs partitioned on `nproc` gloo ranks for each hidden size; returns a JSON-ready dict.
+def run_embedding_bench(base: MoesysConfig, vocab: int = 50304, hiddens: tuple[int, ...] = (1024, 2048),
+                        nproc: int = 2, layers: int = 2, experts: int = 4, seq_len: int = 256, micro_batch: int = 1,
+                        steps: int = 3, warmup: int = 1, timeout: float = 900, workdir: Path | None = None) -> dict:
+    """Replicated vs partitioned on `nproc` gloo ranks for each hidden size; returns a JSON-ready dict. `base`: the
+    resolved config the jobs start from (data, tokenizer); the run directories go in `workdir` (kept) or a temporary
+    directory.
 
     Ratios are partitioned / replicated: memory below 1 and tokens/s at or above 1 is the Table 4 direction.
     """
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with job_root("moesys-bench-embedding-", workdir) as root:
         for hidden in hiddens:
-            runs = {mode: _launch(nproc, Path(tmp) / f"{mode}-{hidden}.json", mode, hidden, vocab, layers, experts,
-                                  seq_len, micro_batch, steps, warmup, timeout) for mode in MODES}
+            model = bench_model_config(vocab, hidden, layers, experts)
+            runs = {mode: _run(bench_config(base, root / f"{mode}-{hidden}", mode, model, nproc, seq_len,
+                                            micro_batch, warmup + steps), warmup, steps, timeout) for mode in MODES}
             rep, part = runs["replicated"], runs["partitioned"]
             results[str(hidden)] = {
                 **runs,
@@ -135,29 +88,3 @@ def run_embedding_bench(vocab: int = 50304, hiddens: tuple[int, ...] = (1024, 20
         "cpu_count": os.cpu_count(),
         "results": results,
     }
-
-
-def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--worker", action="store_true", help="run as one torchrun rank (internal)")
-    p.add_argument("--out", default="")
-    p.add_argument("--mode", choices=MODES, default="replicated")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    return p.parse_args(argv)
-
-
-if __name__ == "__main__":
-    ns = _parse()
-    if ns.worker:
-        worker(ns)
-    else:
-        print(json.dumps(run_embedding_bench(vocab=ns.vocab, layers=ns.layers, experts=ns.experts,
-                                             seq_len=ns.seq_len, micro_batch=ns.micro_batch, steps=ns.steps,
-                                             warmup=ns.warmup), indent=2))

@@ -15,7 +15,7 @@ timed apart from the prompt). Each system is put beside its bandwidth bound: the
 weights, routed experts, what it streams or copies from the host tier) over the read bandwidth measured here.
 Then `moesys infer --offload auto` (its library call, in a fresh process) runs inside a memory cgroup of half the
 checkpoint's size (with the budget that fits there, CAPPED_SLOTS), from a cold page cache (the checkpoint's files
-evicted from it, runtime/page_cache.py) and from a warm one, and must give the tokens of uncapped `--offload none`;
+evicted from it, runtime/host/page_cache.py) and from a warm one, and must give the tokens of uncapped `--offload none`;
 accelerate runs in the same cap with the same budget, where its page cache counts against the budget as auto's
 does. A system that fails or runs past its time limit gets an {"error": ...} row instead of results. Greedy tokens
 of transformers are compared too; in bf16 its op order differs, so on a random model they can part after a few
@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from runtime import memcap
-from runtime.page_cache import evict_dir
+from runtime.host import memcap
+from runtime.host.page_cache import evict_dir
 
 SIZES = {
     "small": {"hidden": 1024, "ffn": 3584, "layers": 8, "experts": 8, "vocab": 32000, "heads": 8, "kv_heads": 8},
@@ -122,7 +122,7 @@ def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repe
     from runtime.inference.load import open_checkpoint
     from runtime.inference.offloaders import make_offloader
     from runtime.inference.step_counts import count_decode
-    from runtime.topology import set_cpu_threads
+    from runtime.host.topology import set_cpu_threads
 
     set_cpu_threads(1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -166,7 +166,7 @@ def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repe
 
 
 def _read_bytes() -> int:
-    from runtime.memory_probe import disk_read_bytes
+    from runtime.host.memory_probe import disk_read_bytes
 
     return disk_read_bytes()
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from runtime.bench.disk import DiskBandwidth, measure_disk
-from runtime.optim import AdamWHyper, fused_adamw
+from runtime.storage.optim import AdamWHyper, fused_adamw
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.plan.params import count_parameters
 from runtime.parallel.groups import build_groups

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,12 +16,12 @@ import torch
 
 from runtime.bench.mfu import peak_flops, training_flops_per_token
 from runtime.config import MoesysConfig
-from runtime.launch import build_launch
-from runtime.train.run_setup import prepare_run_dir
+from runtime.bench.jobs import job_root
+from runtime.errors import UserError
+from runtime.launch.job import run_job
 from runtime.files.run_dir import read_metrics
 from runtime.model.precision import PRECISION_DTYPES
 from runtime.plan.planner import plan_placement
-from runtime.process import TorchrunLogs
 
 VARIANTS = {"none": ("none", False, 0.0), "cpu": ("cpu", False, 0.0), "cpu_delayed": ("cpu", True, 0.0),
             "ssd": ("ssd", False, 0.0), "cpu_half": ("cpu", False, 0.5), "cpu_half_delayed": ("cpu", True, 0.5),
@@ -51,16 +49,15 @@ def _variant(base: MoesysConfig, root: Path, name: str, steps: int) -> MoesysCon
 
 
 def _run(cfg: MoesysConfig, warmup: int, timeout_s: float) -> dict:
-    """One job: tokens/s (median of the steps after `warmup`) and the medians of its offload metrics."""
-    run_dir = prepare_run_dir(cfg)
-    spec = build_launch(cfg, run_dir)
-    logs = TorchrunLogs(run_dir / "logs")
+    """One job: tokens/s (median of the steps after `warmup`) and the medians of its offload metrics; or the one
+    line of why it was refused or failed."""
     try:
-        done = subprocess.run(spec.argv, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"error": f"did not finish in {timeout_s:.0f} s"}
-    if done.returncode != 0:
-        return {"error": f"exit {done.returncode}: {_failure(logs, done.stderr)}"}
+        job = run_job(cfg, time_limit_s=timeout_s)
+    except UserError as exc:  # refused before launch, as moesys train refuses it (the plan says it does not fit)
+        return {"error": str(exc)}
+    if not job.ok:
+        return {"error": job.error or job.stopped}
+    run_dir = job.run_dir
     steps = read_metrics(run_dir)[warmup:]
     median = lambda key: statistics.median(m[key] for m in steps) if steps and key in steps[0] else None  # noqa
     out = {"tokens_per_s": median("tokens_per_s"), "step_time_s": median("step_time_s"), "steps_timed": len(steps)}
@@ -84,25 +81,11 @@ def _offloaded_experts(cfg: MoesysConfig) -> int:
     return local * (cfg.model.num_moe_layers - cfg.storage.resident_layers)
 
 
-def _failure(logs: TorchrunLogs, stderr: str) -> str:
-    """Why a job failed: the first failing rank's exception, else the last line a rank wrote to its stderr (a
-    user error is one line, no traceback), else the launcher's last line that is not one of its rules."""
-    failure = logs.failure()
-    if failure is not None:
-        return f"rank {failure.local_rank}: {failure.message}"
-    attempts = logs.attempts()
-    for log in sorted(attempts[-1].glob("*/stderr.log")) if attempts else []:
-        written = log.read_text(errors="replace").strip().splitlines()
-        if written:
-            return f"rank {log.parent.name}: {written[-1]}"
-    lines = [line.strip() for line in stderr.splitlines() if set(line.strip()) - set("=- ")]
-    return (lines or ["no output"])[-1]
-
-
 def run_offload_train_bench(base: MoesysConfig, steps: int = 10, warmup: int = 3, time_limit_s: float = 1200.0,
-                            variants: tuple[str, ...] = DEFAULT_VARIANTS) -> dict:
+                            variants: tuple[str, ...] = DEFAULT_VARIANTS, workdir: Path | None = None) -> dict:
     """`variants` (names of VARIANTS; the ratios need none) on the resolved config; `time_limit_s` is shared by the
-    jobs (a job that runs out is reported with its error, not waited for)."""
+    jobs (a job that runs out is reported with its error, not waited for); the run directories go in `workdir`
+    (kept) or a temporary directory."""
     device = torch.device("cuda" if base.topology.gpus_per_node and torch.cuda.is_available() else "cpu")
     dtype = PRECISION_DTYPES[base.train.precision] if device.type == "cuda" else torch.float32
     peak = peak_flops(device, dtype)
@@ -110,7 +93,7 @@ def run_offload_train_bench(base: MoesysConfig, steps: int = 10, warmup: int = 3
     flops = training_flops_per_token(base.model, base.train.seq_len)
     deadline = time.monotonic() + time_limit_s
     results = {}
-    with tempfile.TemporaryDirectory(prefix="moesys-bench-offload-train-") as tmp:
+    with job_root("moesys-bench-offload-train-", workdir) as tmp:
         for i, name in enumerate(variants):
             budget = max(60.0, (deadline - time.monotonic()) / (len(variants) - i))
             results[name] = _run(_variant(base, Path(tmp), name, steps), warmup, budget)

@@ -2,27 +2,25 @@
 flat vs hierarchical AlltoAll on 4 processes arranged as 2 nodes x 2 ranks (the paper's "Resource-Aware Communication"),
 each with its MFU against this machine's measured matmul peak.
 
-Each variant is a real `torchrun` job on its own run directory; its tokens/s is the median over its steps after the
-first (warm-up). The variants run in `rounds` rounds, in turn within a round and in the reverse order the next, so
-that a neighbour's load slows each pair alike: a ratio is taken within each round, the reported one is their median,
-with every round's ratio and the spread (min, median, max) beside it.
+Each variant is a real training job (the job API: planned once, torchrun) on its own run directory; its tokens/s is the
+median over its steps after the first (warm-up). The variants run in `rounds` rounds, in turn within a round and in the
+reverse order the next, so that a neighbour's load slows each pair alike: a ratio is taken within each round, the
+reported one is their median, with every round's ratio and the spread (min, median, max) beside it.
 """
 
 from __future__ import annotations
 
 import copy
 import statistics
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from runtime.bench.jobs import job_root
 from runtime.bench.mfu import peak_flops, training_flops_per_token
 from runtime.config import MoesysConfig
-from runtime.launch import build_launch
-from runtime.train.run_setup import prepare_run_dir
 from runtime.files.run_dir import read_metrics
+from runtime.launch.job import run_job
 
 VARIANTS = {  # name: (processes, expert-parallel size, alltoall, ranks per node)
     "one_process": (1, 1, "flat", 0),
@@ -51,11 +49,7 @@ def _variant(base: MoesysConfig, root: Path, name: str, nproc: int, ep: int, all
 
 
 def _tokens_per_s(cfg: MoesysConfig) -> float:
-    run_dir = prepare_run_dir(cfg)
-    spec = build_launch(cfg, run_dir)
-    done = subprocess.run(spec.argv, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"benchmark job {run_dir} failed: {done.stderr.strip().splitlines()[-1:]}")
+    run_dir = run_job(cfg).or_raise().run_dir
     steps = {m["step"]: m["tokens_per_s"] for m in read_metrics(run_dir) if "tokens_per_s" in m}
     if len(steps) != cfg.train.max_steps:
         raise RuntimeError(f"benchmark job {run_dir} logged {len(steps)} steps, not train.max_steps="
@@ -68,17 +62,18 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def run_train_bench(base: MoesysConfig, steps: int = 8, rounds: int = 3) -> dict:
-    """Every variant `rounds` times for `steps` steps (train.max_steps when the user gives it), alternating."""
+def run_train_bench(base: MoesysConfig, steps: int = 8, rounds: int = 3, workdir: Path | None = None) -> dict:
+    """Every variant `rounds` times for `steps` steps (train.max_steps when the user gives it), alternating; the run
+    directories go in `workdir` (kept) or a temporary directory."""
     if steps < MIN_STEPS:
         raise ValueError(f"train.max_steps={steps}: moesys bench train needs at least {MIN_STEPS} steps (the first "
                          "is warm-up)")
     speeds: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    with tempfile.TemporaryDirectory(prefix="moesys-bench-train-") as tmp:
+    with job_root("moesys-bench-train-", workdir) as root:
         for r in range(rounds):
             order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
             for name in order:
-                cfg = _variant(base, Path(tmp), f"{name}-{r}", *VARIANTS[name], steps)
+                cfg = _variant(base, root, f"{name}-{r}", *VARIANTS[name], steps)
                 speeds[name].append(_tokens_per_s(cfg))
     per_round = {ratio: [a / b for a, b in zip(speeds[num], speeds[den])] for ratio, (num, den) in RATIOS.items()}
     speed = {name: statistics.median(values) for name, values in speeds.items()}

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Mapping, Optional
 import numpy as np
 
 from runtime.config import MoesysConfig
-from runtime.io import atomic_write_text, remove_stale_temps
+from runtime.host.io import atomic_write_text, remove_stale_temps
 from runtime.data.text import DOCUMENT_BREAK, DataError, Progress, is_token_file, segments, source_name, text_files
 from runtime.data.token_file import open_token_file, write_token_file
 from runtime.files.paths import TOKENIZER_FILE

@@ -13,7 +13,7 @@ from typing import Iterable
 
 import numpy as np
 
-from runtime.io import atomic_file
+from runtime.host.io import atomic_file
 from runtime.data.text import TOKEN_SUFFIXES, DataError
 from runtime.data.tokenizer import token_dtype
 

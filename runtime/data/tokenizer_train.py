@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from runtime.errors import UserError
-from runtime.io import atomic_write_text, remove_stale_temps
+from runtime.host.io import atomic_write_text, remove_stale_temps
 from runtime.data.text import Progress, is_token_file, segments, source_name, text_files
 from runtime.data.tokenizer import EOS, SPECIAL_TOKENS, SPECIAL_VOCAB, JsonTokenizer
 

@@ -12,7 +12,7 @@ from runtime.files.paths import CHECKPOINTS, LATEST, META, STEP_PREFIX, SUPERSED
 from runtime.files.checkpoint_format import latest_checkpoint
 from runtime.config import MoesysConfig, resume_step
 from runtime.errors import UserError
-from runtime.io import atomic_write_text, fsync_dir
+from runtime.host.io import atomic_write_text, fsync_dir
 
 
 def checkpoint_steps(run_dir: Path) -> dict[int, Path]:

@@ -18,7 +18,7 @@ from runtime.config import ConfigError, MoesysConfig, config_from_dict
 from runtime.errors import UserError
 from runtime.files.paths import (CONFIG, FATAL, LOCK, LOGS, MEMORY_DIR, METRICS, MODEL_FILES, RUN_MARKS,
                                  RUN_WRITES, SUMMARY)
-from runtime.io import atomic_write_text
+from runtime.host.io import atomic_write_text
 
 
 def model_files(path: Path) -> list[str]:

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from runtime.errors import UserError
-from runtime.io import atomic_file
+from runtime.host.io import atomic_file
 
 CHECKSUM_KEY = "moesys.crc32"
 _CHUNK = 1 << 20

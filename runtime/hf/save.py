@@ -18,7 +18,7 @@ from runtime.config import ModelConfig
 from runtime.hf.families import family_of
 from runtime.hf.files import INDEX, HFCheckpointError
 from runtime.hf.names import TensorName, tensor_names, to_hf
-from runtime.io import fsync_dir, fsync_file
+from runtime.host.io import fsync_dir, fsync_file
 from runtime.model.transformer import Transformer
 
 PathLike = Union[str, os.PathLike]

@@ -43,7 +43,7 @@ from runtime.hf.names import TensorName, to_hf
 from runtime.hf.save import hf_config, hf_entries
 from runtime.inference.load import checkpoint_kind, read_moesys, served_config
 from runtime.inference.mapped import TensorFiles
-from runtime.io import (atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_dir, new_dir_mode,
+from runtime.host.io import (atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_dir, new_dir_mode,
                         remove_stale_temps, temp_prefix)
 from runtime.model.transformer import Transformer
 from runtime.plan.disk import check_free

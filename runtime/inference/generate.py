@@ -22,7 +22,7 @@ from runtime.inference.offloaders import open_for_inference
 from runtime.inference.sampling import Sampler, Sampling
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
-from runtime.memory_probe import PeakMemory, disk_read_bytes
+from runtime.host.memory_probe import PeakMemory, disk_read_bytes
 
 
 @dataclass

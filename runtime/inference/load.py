@@ -29,7 +29,7 @@ from runtime.moe.experts import GroupedExperts
 from runtime.moe.layer import is_expert_param
 from runtime.files.paths import CHECKPOINTS, CONFIG, GENERATION_CONFIG, META
 from runtime.files.checkpoint_format import MODEL, check_complete, latest_checkpoint, missing_tensor, tensor_key
-from runtime.page_cache import evict
+from runtime.host.page_cache import evict
 from runtime.files.tensorfile import verify
 from runtime.data.tokenizer import checkpoint_tokenizer
 from runtime.inference.errors import InferError

@@ -23,7 +23,7 @@ from runtime.inference.load import LoadedModel, open_checkpoint
 from runtime.inference.offload import MODES, LayerStore, OnDemandOffloader, Offloader
 from runtime.inference.ring import RingOffloader, check_ring_slots
 from runtime.model.transformer import Transformer
-from runtime.topology import set_cpu_threads
+from runtime.host.topology import set_cpu_threads
 
 
 @dataclass(frozen=True)

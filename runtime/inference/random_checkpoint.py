@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from runtime.hf.files import INDEX
-from runtime.io import atomic_write_json
+from runtime.host.io import atomic_write_json
 from runtime.files.tensorfile import save_tensors
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.optim import square_sum
+from runtime.storage.optim import square_sum
 from runtime.parallel.groups import ProcessGroup, group_rank, group_size
 
 # torch >= 2.13 names the fused collectives *_single; older releases only have *_into_tensor.

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.optim import square_sum
+from runtime.storage.optim import square_sum
 from runtime.parallel.alltoall import all_to_all_rows, exchange_counts
 from runtime.parallel.groups import ProcessGroup, group_rank, group_size
 from runtime.plan.embedding_bytes import check_divisible

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from runtime.config import MoesysConfig
 from runtime.files.paths import PLAN
-from runtime.io import atomic_write_json
+from runtime.host.io import atomic_write_json
 from runtime.plan.budget import GB
 from runtime.plan.modes import OffloadMode
 from runtime.plan.planner import Plan, plan_placement, plan_to_dict

@@ -17,7 +17,7 @@ import yaml
 from runtime.config import MoesysConfig
 from runtime.elastic.allocation import Allocation, AllocationError, allocate
 from runtime.elastic.workload import Workload, workload_from_config, workload_from_metrics
-from runtime.io import atomic_write_text
+from runtime.host.io import atomic_write_text
 from runtime.plan.budget import GB
 from runtime.plan.planner import Plan, plan_placement, world_size
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from runtime.errors import UserError
-from runtime.io import atomic_write_text
+from runtime.host.io import atomic_write_text
 from runtime.report.charts import categories_strip, grouped_bars, human_bytes, timeline
 from runtime.report.page import Page
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from runtime.io import atomic_write_text
+from runtime.host.io import atomic_write_text
 from runtime.report.charts import Line, VMark, line_chart, load_heatmap
 from runtime.report.memory_section import add_memory
 from runtime.report.offload_section import add_offload

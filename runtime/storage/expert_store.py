@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from runtime.errors import UserError
-from runtime.io import atomic_write_text
+from runtime.host.io import atomic_write_text
 from runtime.storage.expert_slots import ExpertSlot
 from runtime.storage.live_files import direct_io_supported, read_file, write_file
 from runtime.files.paths import LIVE, OWNER, live_expert_file

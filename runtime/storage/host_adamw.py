@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from runtime.optim import AdamWHyper, catch_up, fused_adamw, fused_adamw_counted, square_sum
+from runtime.storage.optim import AdamWHyper, catch_up, fused_adamw, fused_adamw_counted, square_sum
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout
 from runtime.storage.step_timeline import StepTimeline
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.io import fsync_dir
+from runtime.host.io import fsync_dir
 from runtime.files.tensorfile import DTYPES, ChecksumError, encode, encode_header, raw_bytes, read_header
 from runtime.storage.expert_slots import IO_BLOCK
 

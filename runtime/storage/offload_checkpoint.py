@@ -14,7 +14,7 @@ from torch import Tensor
 from runtime.files.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, tensor_key
 from runtime.files.paths import experts_file
 from runtime.files.tensorfile import spec_of, write_tensors
-from runtime.optim import catch_up
+from runtime.storage.optim import catch_up
 from runtime.storage.expert_slots import ExpertSlot
 from runtime.storage.host_home import fill_slot
 from runtime.storage.offload_engine import LayerSpec, OffloadEngine

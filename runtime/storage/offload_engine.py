@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from runtime.model.init import drawn_in_parallel, init_expert
 from runtime.moe.experts import GroupedExperts, expert_ffn, output_dtype
 from runtime.moe.layer import EXPERT_PARAM_NAMES
-from runtime.optim import AdamWHyper, catch_up
+from runtime.storage.optim import AdamWHyper, catch_up
 from runtime.plan.budget import STORED_SPARSE_BYTES
 from runtime.plan.modes import OffloadMode
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, needs_separate_stage
@@ -465,7 +465,7 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, pla
 
     With offload=ssd each rank keeps its own store under STORE/ep{r}-of-{n}-edp{k} (STORE: storage.ssd_path, or
     the run directory's expert_store/), owned by this run; with offload=cpu the states stay in host memory."""
-    from runtime.optim import lr_at
+    from runtime.storage.optim import lr_at
     from runtime.files.paths import expert_store_dir, expert_store_root
 
     st = cfg.storage

@@ -18,7 +18,7 @@ from runtime.config import MoesysConfig
 from runtime.model.init import init_parameters
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
-from runtime.optim import ADAMW_BETAS, ADAMW_EPS
+from runtime.storage.optim import ADAMW_BETAS, ADAMW_EPS
 from runtime.parallel.alltoall import make_all_to_all
 from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.embedding_partition import partition_embedding, partitioned_parameters
@@ -91,7 +91,7 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
 def build_optimizer(model: nn.Module, cfg: MoesysConfig) -> torch.optim.Optimizer:
     """AdamW on the fp32 parameters (the master weights); no decay on biases, norms and other 1-D tensors. torch's
     fused kernel, on the CPU too: several times the single-tensor loop's speed, and the kernel offloaded experts'
-    CPU AdamW runs (runtime/optim.py), so both train to the same numbers."""
+    CPU AdamW runs (runtime/storage/optim.py), so both train to the same numbers."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

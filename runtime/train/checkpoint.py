@@ -31,7 +31,7 @@ from runtime.files.checkpoint_format import (MODEL, CheckpointError, CheckpointR
 from runtime.files.paths import CHECKPOINTS, PARTIAL, TOKENIZER_FILE, rng_file, step_name
 from runtime.files.resume import skip_hint
 from runtime.files.tensorfile import open_tensors, read_shapes, save_tensors, verify
-from runtime.io import atomic_write_text
+from runtime.host.io import atomic_write_text
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.groups import ParallelGroups
 from runtime.plan.disk import kept_checkpoints

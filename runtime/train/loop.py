@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from runtime.config import MoesysConfig
 from runtime.errors import JobError
-from runtime.optim import lr_at
+from runtime.storage.optim import lr_at
 from runtime.parallel.groups import ParallelGroups
 from runtime.parallel.timeouts import is_timeout, timeout_error
 from runtime.plan.placement import read as read_placement

@@ -19,7 +19,7 @@ from runtime.files.checkpoint_format import STATE_KEYS, CheckpointError, Checkpo
 from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.embedding_partition import (gather_columns, partitioned_grad_sq, partitioned_parameters,
                                                   shard_of)
-from runtime.optim import square_sum
+from runtime.storage.optim import square_sum
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups, group_size
 from runtime.storage.offload_checkpoint import load_offloaded, save_offloaded

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.io import atomic_write_json
-from runtime.memory_probe import PeakMemory, cuda_peak_bytes
+from runtime.host.io import atomic_write_json
+from runtime.host.memory_probe import PeakMemory, cuda_peak_bytes
 from runtime.files.paths import MEMORY_DIR, rank_memory_file
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from runtime.files.checkpoint_format import (CheckpointReader, MODEL, STATE_KEYS
                                              latest_checkpoint, tensor_key)
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
-from runtime.io import atomic_write_json
+from runtime.host.io import atomic_write_json
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import MoELayer, is_expert_param
 from runtime.files.paths import CHECKPOINTS, DENSE, SELECTION, experts_file, rng_file, step_name

@@ -23,7 +23,7 @@ from runtime.files.checkpoint_format import STATE_KEYS, CheckpointError, Checkpo
 from runtime.config import MoesysConfig
 from runtime.elastic.allocation import AllocationError, Workload
 from runtime.elastic.workload import workload_from_config
-from runtime.io import atomic_write_json
+from runtime.host.io import atomic_write_json
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
 from runtime.plan.rebalance import task_gpu_counts

@@ -15,14 +15,15 @@ import torch.distributed as dist
 
 from runtime.files.checkpoint_format import remove_partial_checkpoints
 from runtime.errors import JobError, UserError, os_reason, unwritable
-from runtime.oom import OUT_OF_MEMORY_EXIT, OutOfMemory, cuda_oom_message
-from runtime.io import atomic_write_json
+from runtime.launch.oom import OUT_OF_MEMORY_EXIT, OutOfMemory, cuda_oom_message
+from runtime.host.io import atomic_write_json
 from runtime.parallel.groups import build_groups
-from runtime.process import die_with_parent
-from runtime.files.paths import SUMMARY
+from runtime.launch.process import die_with_parent
+from runtime.files.paths import PLAN, SUMMARY
 from runtime.files.run_dir import load_config, read_fatal, record_fatal
-from runtime.topology import set_cpu_threads
+from runtime.host.topology import set_cpu_threads
 from runtime.plan.compare import recorded_plan
+from runtime.plan.placement import read as read_placement
 from runtime.train.loop import train
 
 
@@ -52,7 +53,7 @@ def init_distributed(timeout_s: float = 600.0, gpus: bool | None = None) -> tupl
 def _attempt_store(world: int, timeout: datetime.timedelta) -> dist.Store | None:
     """torchrun's store outlives a restart of the workers; prefix every key with the restart count so that a
     restarted worker never reads the address a dead worker of the previous attempt published (a hang seen
-    under load after a worker was SIGKILLed). A multinode job has no shared store (runtime/launch.py): rank 0
+    under load after a worker was SIGKILLed). A multinode job has no shared store (runtime/launch/command.py): rank 0
     hosts a new one every round, and the nodes' restart counts differ (a node whose workers did not fail
     restarts them without counting), so no prefix there."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
@@ -104,6 +105,9 @@ def _stop_unwritable(run_dir: Path, exc: OSError) -> int:
 
 def run(run_dir: Path) -> int:
     cfg = load_config(run_dir)
+    if read_placement(run_dir) is None:  # the launch plans once (runtime/launch/job.py); no worker plans again
+        raise UserError(f"{run_dir / PLAN} is missing: launch training with moesys train (runtime.launch.job), which "
+                        "plans the run once and writes it for the workers")
     rank, world, local_world, device = init_distributed(cfg.train.collective_timeout_s,
                                                      gpus=bool(cfg.topology.gpus_per_node))
     if device.type == "cpu":  # a share of the CPUs this process may use; torchrun's OMP_NUM_THREADS=1 is its default

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from moesys_cli.resolve import available_recipes, resolve_config
-from runtime.config_keys import config_keys
+from runtime.config.keys import config_keys
 from tests.cli.conftest import run_moesys
 
 OVERRIDES = ["recipe=ufo-multitask", "model.num_experts=16", "train.max_steps=7"]

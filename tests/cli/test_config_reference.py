@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config_keys import config_keys, value_text
+from runtime.config.keys import config_keys, value_text
 from tests.cli.conftest import run_moesys
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "config.md"

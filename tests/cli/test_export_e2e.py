@@ -152,7 +152,7 @@ def test_export_streams_tensor_by_tensor_and_a_gpt_style_model_refuses_hf(tmp_pa
         import json, torch
         from pathlib import Path
         from runtime.config import MoesysConfig, ModelConfig, config_to_dict
-        from runtime.memory_probe import PeakMemory, rss_anon_bytes
+        from runtime.host.memory_probe import PeakMemory, rss_anon_bytes
         from runtime.model.transformer import Transformer
         from runtime.moe.layer import is_expert_param
         from runtime.files.tensorfile import write_tensors

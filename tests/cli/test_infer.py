@@ -108,7 +108,7 @@ def test_generated_text_and_paths_print_literally(run_dir, capsys):
 
 
 def test_infer_uses_every_usable_cpu_unless_omp_num_threads_is_set(run_dir, monkeypatch):
-    from runtime import topology
+    from runtime.host import topology
     monkeypatch.setattr(topology, "usable_cpus", lambda: 3)  # the same on any machine
     before = torch.get_num_threads()
     args = [f"checkpoint={run_dir}", "prompt=hi", "infer.max_new_tokens=1", "--offload", "none"]

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime import memcap
+from runtime.host import memcap
 from runtime.inference.random_checkpoint import write_random_mixtral
-from runtime.page_cache import evict_dir
+from runtime.host.page_cache import evict_dir
 from tests.cli.conftest import moesys_bin
 
 pytestmark = pytest.mark.skipif(memcap.available() is not None, reason=f"no memory cap: {memcap.available()}")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from moesys_cli.resolve import resolve_config
-from runtime.launch import SAFE_RUN, WORKER_MODULE, build_launch, torchrun_prefix
+from runtime.launch.command import SAFE_RUN, WORKER_MODULE, build_launch, torchrun_prefix
 from tests.cli.conftest import FAST_TINY, losses, run_moesys
 
 
@@ -56,8 +56,8 @@ def test_the_worker_program_ignores_a_runtime_folder_in_the_working_directory_an
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))  # this checkout's moesys
     plain = subprocess.run([sys.executable, "-m", "runtime.errors"], cwd=cwd, env=env, capture_output=True, text=True)
     assert "imported the working directory's runtime/" in plain.stderr  # what -m does
-    safe = subprocess.run([sys.executable, "-c", SAFE_RUN, "runtime.launch"], cwd=cwd, env=env, capture_output=True,
-                          text=True)
+    safe = subprocess.run([sys.executable, "-c", SAFE_RUN, "runtime.launch.command"], cwd=cwd, env=env,
+                          capture_output=True, text=True)
     assert safe.returncode == 0, safe.stderr
 
 

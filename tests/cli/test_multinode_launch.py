@@ -13,8 +13,8 @@ import pytest
 from moesys_cli.resolve import resolve_config
 from runtime.config import ConfigError
 from runtime.errors import UserError
-from runtime.launch import build_launch, check_node_address, rendezvous_join_s
-from runtime.node_watch import LostNodeWatch, reachable
+from runtime.launch.command import build_launch, check_node_address, rendezvous_join_s
+from runtime.launch.node_watch import LostNodeWatch, reachable
 from runtime.files.paths import node_logs
 from tests.waiting import wait_until
 
@@ -90,8 +90,8 @@ def test_a_node_whose_workers_ended_and_whose_rendezvous_is_gone_is_lost():
 
 
 def test_a_node_that_never_rejoined_is_named_with_the_failure_before_it(tmp_path):
-    from moesys_cli.train import _last_error
-    from runtime.process import TorchrunLogs
+    from runtime.launch.failure import last_error
+    from runtime.launch.process import TorchrunLogs
 
     cfg = resolve_config([*NODE, "launcher.node_rank=0", "train.collective_timeout_s=5"])
     logs_dir = node_logs(tmp_path, cfg)
@@ -105,18 +105,18 @@ def test_a_node_that_never_rejoined_is_named_with_the_failure_before_it(tmp_path
     rank0.mkdir(parents=True)
     (rank0 / "stderr.log").write_text("[rank0]: Traceback (most recent call last):\n"
                                       "[rank0]: RuntimeError: Read error [10.1.2.4]:1: Connection reset by peer\n")
-    assert _last_error(logs, logs_dir, cfg, launched_at).startswith("node 0 local rank 0: RuntimeError: Read error")
+    assert last_error(logs, logs_dir, cfg, launched_at).startswith("node 0 local rank 0: RuntimeError: Read error")
     with (logs_dir / "launcher.log").open("a") as log:
         log.write("W1124 starting\n" + timeout)  # this launch's torchrun gave up on the lost node
-    message = _last_error(logs, logs_dir, cfg, launched_at)
+    message = last_error(logs, logs_dir, cfg, launched_at)
     assert message.startswith("the other nodes did not join the rendezvous at 10.1.2.3:29400 within 60 s")
     assert message.endswith("before that, node 0 local rank 0: RuntimeError: Read error [10.1.2.4]:1: Connection "
                             "reset by peer")
 
 
 def test_a_node_that_could_not_reach_node_0s_store_names_the_endpoint(tmp_path):
-    from moesys_cli.train import _last_error
-    from runtime.process import TorchrunLogs
+    from runtime.launch.failure import last_error
+    from runtime.launch.process import TorchrunLogs
 
     refused = ("Traceback (most recent call last):\n  File \"torchrun\", line 8, in <module>\n"
                "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store "
@@ -129,7 +129,7 @@ def test_a_node_that_could_not_reach_node_0s_store_names_the_endpoint(tmp_path):
         logs_dir = node_logs(tmp_path, cfg)
         logs_dir.mkdir(parents=True)
         (logs_dir / "launcher.log").write_text("W1124 starting\n" + refused)
-        message = _last_error(TorchrunLogs(logs_dir), logs_dir, cfg)
+        message = last_error(TorchrunLogs(logs_dir), logs_dir, cfg)
         assert message.startswith(expected) and "\n" not in message
 
 
@@ -164,13 +164,13 @@ def test_a_node_waits_the_join_grace_for_node_0_until_its_workers_ran_then_the_s
         agent.wait()
 
 
-def test_the_launcher_arms_the_lost_node_watch_with_the_join_wait_before_the_first_workers():
+def test_the_launcher_arms_thelost_node_watch_with_the_join_wait_before_the_first_workers():
     from types import SimpleNamespace
 
-    from moesys_cli.train import _lost_node_watch
+    from runtime.launch.follow import lost_node_watch
 
     cfg = resolve_config([*NODE, "launcher.node_rank=1", "train.collective_timeout_s=5"])
-    watch = _lost_node_watch(cfg, SimpleNamespace(proc=SimpleNamespace(pid=1)))
+    watch = lost_node_watch(cfg, SimpleNamespace(proc=SimpleNamespace(pid=1)))
     assert watch.grace_s == 10  # the cut-link case: a node whose workers ran ends soon
     assert rendezvous_join_s(cfg) == 60
     assert watch.join_grace_s > 2 * 60  # beyond torchrun's own give-up: two connects of read_timeout each

@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from runtime import memcap
+from runtime.host import memcap
 from tests.cli.conftest import losses, moesys_bin
 
 pytestmark = pytest.mark.skipif(memcap.available() is not None, reason=f"no memory cap: {memcap.available()}")

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from runtime import memcap
+from runtime.host import memcap
 from tests.cli.conftest import moesys_bin, run_moesys
 
 

@@ -1,6 +1,6 @@
 """`moesys train` when the kernel's OOM killer takes a worker: the job stops at once (no restart loop), with one
 line naming the rank, its last measured memory and the plan's estimate, and a non-zero exit; nothing is left
-running. The memory limit is a real cgroup (runtime/memcap.py) that the run starts under with room to spare and
+running. The memory limit is a real cgroup (runtime/host/memcap.py) that the run starts under with room to spare and
 that is then lowered to just above what the job holds between steps, as when another job takes the machine's RAM."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime import memcap
-from runtime.oom import OUT_OF_MEMORY_EXIT
+from runtime.host import memcap
+from runtime.launch.oom import OUT_OF_MEMORY_EXIT
 from tests.cli.conftest import losses, moesys_bin
 from tests.cli.test_train_e2e import wait_for_step
 from tests.cli.test_train_signals_e2e import job_processes, reap  # noqa: F401 (a fixture)

@@ -11,8 +11,9 @@ import typer
 from typer.testing import CliRunner
 
 import moesys_cli.train as cli_train
+import runtime.launch.job as job_api
 from runtime.files.paths import PLAN
-from runtime.launch import LaunchSpec
+from runtime.launch.command import LaunchSpec
 from runtime.plan import planner
 
 
@@ -40,7 +41,8 @@ def count_plans(monkeypatch) -> list:
 def test_one_train_launch_calls_plan_placement_once(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     calls = count_plans(monkeypatch)
-    monkeypatch.setattr(cli_train, "build_launch", lambda cfg, path: LaunchSpec(argv=[sys.executable, "-c", "pass"]))
+    monkeypatch.setattr(job_api, "build_launch", lambda cfg, path, module: LaunchSpec(argv=[sys.executable, "-c",
+                                                                                             "pass"]))
     result = CliRunner().invoke(_app(), ["train", "recipe=tiny", "storage.offload=auto", "train.max_steps=1",
                                          f"train.run_dir={run_dir}", "--json"])
     assert result.exit_code == 0, result.output

@@ -11,8 +11,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from runtime import memcap
-from runtime.page_cache import evict
+from runtime.host import memcap
+from runtime.host.page_cache import evict
 from tests.cli.conftest import losses, moesys_bin
 
 pytestmark = pytest.mark.skipif(memcap.available() is not None, reason=f"no memory cap: {memcap.available()}")

@@ -1,4 +1,4 @@
-"""runtime/config_keys.py: every schema key, dotted, with its type, default and the docstring under its field."""
+"""runtime/config/keys.py: every schema key, dotted, with its type, default and the docstring under its field."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from runtime.config import MoesysConfig
-from runtime.config_keys import attribute_docs, config_keys, type_name
+from runtime.config.keys import attribute_docs, config_keys, type_name
 
 
 @dataclass

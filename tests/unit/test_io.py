@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from runtime.io import atomic_file, atomic_write_text, remove_stale_temps, temp_prefix
+from runtime.host.io import atomic_file, atomic_write_text, remove_stale_temps, temp_prefix
 
 
 def test_the_file_appears_with_the_umask_mode_and_leaves_no_temporary(tmp_path):

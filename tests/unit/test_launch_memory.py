@@ -7,10 +7,10 @@ import pytest
 
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TopologyConfig, TrainConfig
 from runtime.errors import UserError
-from runtime.launch import check_host_memory, check_launchable, host_memory_problem
+from runtime.launch.command import check_host_memory, check_launchable, host_memory_problem
 from runtime.plan.budget import GB
 from runtime.plan.planner import LAUNCHER_BYTES, PROCESS_RUNTIME_BYTES, plan_placement
-from runtime.topology import detect_machine
+from runtime.host.topology import detect_machine
 
 RAM_24_GIB = 24 * 2**30
 
@@ -46,7 +46,7 @@ def test_a_micro_batch_of_one_is_not_asked_to_shrink():
 def test_slurm_jobs_skip_the_ram_check(monkeypatch):
     slurm = cpu_run(64)
     slurm.launcher.name = "slurm"
-    monkeypatch.setattr("runtime.launch.shutil.which", lambda name: "/usr/bin/sbatch")
+    monkeypatch.setattr("runtime.launch.command.shutil.which", lambda name: "/usr/bin/sbatch")
     check_launchable(slurm, ram_bytes=1 * GB)  # the nodes are not this machine
 
 
@@ -62,7 +62,7 @@ def _issue_run(cpu_memory_gb: float) -> MoesysConfig:
 @pytest.mark.parametrize("cap_gib", [6, 10, 10.5, 16, 24.3])
 def test_the_launch_check_accepts_what_the_plan_sized_under_a_cap(monkeypatch, tmp_path, cap_gib):
     cap = int(cap_gib * 2**30)
-    monkeypatch.setattr("runtime.topology.host_memory_bytes", lambda: cap)
+    monkeypatch.setattr("runtime.host.topology.host_memory_bytes", lambda: cap)
     cfg = _issue_run(detect_machine(str(tmp_path)).cpu_memory_gb)  # as topology=local measures the cap
     assert cfg.topology.cpu_memory_gb * GB <= cap
     plan = plan_placement(cfg)

@@ -1,10 +1,10 @@
-"""runtime/oom.py: torchrun's SIGKILL line is an OOM death only when the OOM-kill count went up; the one line and
+"""runtime/launch/oom.py: torchrun's SIGKILL line is an OOM death only when the OOM-kill count went up; the one line and
 the plan's fix for the memory really there. (The OOM killer itself: tests/cli/test_train_oom_e2e.py.)"""
 
 from __future__ import annotations
 
 from runtime.config import MoesysConfig, TopologyConfig
-from runtime.oom import OomWatch, oom_kills, oom_message, smallest_fix
+from runtime.launch.oom import OomWatch, oom_kills, oom_message, smallest_fix
 from runtime.plan.budget import GB
 from runtime.plan.planner import plan_placement
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from runtime.page_cache import evict, evict_dir
+from runtime.host.page_cache import evict, evict_dir
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this system")
 

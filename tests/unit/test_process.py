@@ -1,4 +1,4 @@
-"""runtime/process.py: a job dies with its launcher, stop signals are forwarded once, and torchrun's log tree
+"""runtime/launch/process.py: a job dies with its launcher, stop signals are forwarded once, and torchrun's log tree
 gives the restarts and the rank that failed first."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from runtime.process import LauncherJob, TorchrunLogs, exception_line, first_failure
+from runtime.launch.process import LauncherJob, TorchrunLogs, exception_line, first_failure
 from tests.waiting import wait_until
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -97,7 +97,7 @@ PARENT_EXITS = """
 import subprocess, sys
 child = subprocess.Popen([sys.executable, "-c", '''
 import os, signal
-from runtime.process import die_with_parent
+from runtime.launch.process import die_with_parent
 die_with_parent(signal.SIGKILL, os.getppid())
 print(os.getpid(), flush=True)
 signal.pause()
@@ -126,7 +126,7 @@ def test_a_process_tied_to_its_parent_dies_when_the_parent_exits():
 
 @linux_only
 def test_a_process_whose_parent_already_changed_dies_at_once():
-    code = "import os, signal; from runtime.process import die_with_parent; die_with_parent(9, os.getppid() + 1)"
+    code = "import os, signal; from runtime.launch.process import die_with_parent; die_with_parent(9, os.getppid() + 1)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == -signal.SIGKILL
 
 

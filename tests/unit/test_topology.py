@@ -1,12 +1,12 @@
-"""runtime/topology.py: the CPUs a process may use and the share torch's thread pool gets."""
+"""runtime/host/topology.py: the CPUs a process may use and the share torch's thread pool gets."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime import topology
-from runtime.topology import set_cpu_threads, usable_cpus
+from runtime.host import topology
+from runtime.host.topology import set_cpu_threads, usable_cpus
 
 
 @pytest.fixture
@@ -42,11 +42,11 @@ def test_host_memory_is_the_cgroup_limit_when_lower():
     import subprocess
     import sys
 
-    from runtime import memcap
+    from runtime.host import memcap
 
     if memcap.available():
         pytest.skip(memcap.available())
-    probe = "from runtime.topology import detect_machine as d; print(d('.').cpu_memory_gb)"
+    probe = "from runtime.host.topology import detect_machine as d; print(d('.').cpu_memory_gb)"
     with memcap.MemoryCap(3 * 2**30) as cap:
         out = subprocess.run([sys.executable, "-c", probe], preexec_fn=cap.preexec, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

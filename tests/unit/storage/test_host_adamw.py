@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import optim
-from runtime.optim import AdamWHyper
+from runtime.storage import optim
+from runtime.storage.optim import AdamWHyper
 from runtime.storage.expert_slots import SlotLayout, new_slots
 from runtime.storage import host_adamw
 from runtime.storage.host_adamw import HostOptimizer

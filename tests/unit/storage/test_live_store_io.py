@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from runtime.config import ConfigError, ModelConfig, MoesysConfig, TrainConfig, validate
-from runtime.optim import lr_at
+from runtime.storage.optim import lr_at
 from runtime.parallel.groups import build_groups
 from runtime.storage.expert_slots import IO_BLOCK, ExpertSlot, SlotLayout, io_slot, new_slots
 from runtime.storage.expert_store import ExpertStore

@@ -16,7 +16,7 @@ from runtime.plan.params import count_parameters
 from runtime.parallel.groups import build_groups
 from runtime.storage.expert_store import ExpertStore
 from runtime.storage.live_files import direct_io_supported
-from runtime.optim import AdamWHyper, lr_at
+from runtime.storage.optim import AdamWHyper, lr_at
 from runtime.storage.offload_checkpoint import save_offloaded
 from runtime.storage.offload_engine import OffloadedGroupedExperts, install_offload
 from runtime.train.build import build_model, build_optimizer

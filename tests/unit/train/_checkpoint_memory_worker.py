@@ -15,7 +15,7 @@ import torch
 
 from runtime.files.checkpoint_format import CheckpointReader
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TrainConfig
-from runtime.memory_probe import PeakMemory, rss_anon_bytes
+from runtime.host.memory_probe import PeakMemory, rss_anon_bytes
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.groups import build_groups
 from runtime.train.build import build_components

@@ -143,7 +143,7 @@ def test_the_plan_counts_the_whole_teacher_on_every_rank(tmp_path):
     the RAM check and meet the OOM killer."""
     from runtime.config import config_to_dict
     from runtime.errors import UserError
-    from runtime.launch import check_host_memory
+    from runtime.launch.command import check_host_memory
     from runtime.plan.params import count_parameters
     from runtime.plan.planner import plan_placement
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TrainConfig
-from runtime.memory_probe import PeakMemory
+from runtime.host.memory_probe import PeakMemory
 from runtime.plan.params import count_parameters
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param

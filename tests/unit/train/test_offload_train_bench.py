@@ -4,6 +4,7 @@ ratios to resident, MFU from a FLOP count that matches torch's own count of the 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from runtime.bench.mfu import matmul_flops_per_token, training_flops_per_token
 from runtime.bench.offload_train import run_offload_train_bench
 from runtime.config import ModelConfig, MoesysConfig, TopologyConfig, TrainConfig
+from runtime.files.paths import PLAN
 from runtime.model.transformer import Transformer
 
 
@@ -59,23 +61,20 @@ def test_a_corpus_of_one_token_activates_top_k_of_the_experts_each_step(tmp_path
                                          max_seq_len=32, position="rope"),
                        topology=TopologyConfig(nproc_per_node=1, expert_parallel=1),
                        train=TrainConfig(seq_len=16, micro_batch_size=4, data=str(one_token)))
-    r = run_offload_train_bench(cfg, steps=4, warmup=1, variants=("cpu",), time_limit_s=300)
+    r = run_offload_train_bench(cfg, steps=4, warmup=1, variants=("cpu",), time_limit_s=300, workdir=tmp_path)
     assert r["cpu"]["experts_active"] == 2 * 2 and r["cpu"]["alpha"] == 0.25
+    recorded = json.loads((tmp_path / "cpu" / PLAN).read_text())  # the job API's launch planned it; no worker did
+    assert recorded["placement"]["offload"] == "cpu"
 
 
-def test_a_failed_job_is_reported_by_the_line_its_rank_wrote(tmp_path):
-    """A worker's user error is one line in its stderr.log under torchrun's log tree, not the launcher's rules."""
-    from runtime.bench.offload_train import _failure
-    from runtime.process import TorchrunLogs
-
-    logs = TorchrunLogs(tmp_path)
-    rank = tmp_path / "run-id" / "attempt_0" / "0"
-    rank.mkdir(parents=True)
-    (rank / "stderr.log").write_text("error: host tier: 7751073856 bytes of expert states exceed its budget\n")
-    launcher = "ChildFailedError:\n" + "=" * 60 + "\n"
-    assert _failure(logs, launcher) == "rank 0: error: host tier: 7751073856 bytes of expert states exceed its budget"
-    (rank / "stderr.log").write_text("")
-    assert _failure(logs, launcher) == "ChildFailedError:"
+def test_a_variant_the_launch_refuses_is_reported_by_its_one_line_and_not_run(tmp_path):
+    """As `moesys train` refuses it: the plan says it does not fit, so nothing is launched."""
+    cfg = MoesysConfig(model=ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_experts=4, max_seq_len=32),
+                       topology=TopologyConfig(nproc_per_node=1, expert_parallel=1, cpu_memory_gb=0.01),
+                       train=TrainConfig(seq_len=16, micro_batch_size=2))
+    r = run_offload_train_bench(cfg, steps=4, warmup=1, variants=("cpu",), time_limit_s=300, workdir=tmp_path)
+    assert r["cpu"]["error"].startswith("the plan says this run does not fit") and "\n" not in r["cpu"]["error"]
+    assert not (tmp_path / "cpu" / PLAN).exists()
 
 
 def test_the_fit_variants_keep_as_many_layers_as_the_plan_says_the_gpu_holds(tmp_path):

@@ -24,8 +24,8 @@ from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.plan.budget import GB
 from runtime.plan.planner import LAUNCHER_BYTES, Plan, plan_placement
-from runtime.topology import host_memory_bytes
-from runtime.io import atomic_write_text
+from runtime.host.topology import host_memory_bytes
+from runtime.host.io import atomic_write_text
 from runtime.files.paths import LOGS, SLURM_LOG, SLURM_SCRIPT, node_logs
 
 WORKER_MODULE = "runtime.train.worker"
@@ -193,14 +193,16 @@ def processes_per_node(cfg: MoesysConfig) -> int:
     return cfg.topology.nproc_per_node
 
 
-def worker_command(run_dir: Path) -> list[str]:
-    """torchrun's arguments that start one worker: this Python, unbuffered, running WORKER_MODULE through SAFE_RUN."""
-    return ["--no-python", sys.executable, "-u", "-c", SAFE_RUN, WORKER_MODULE, str(run_dir)]
+def worker_command(run_dir: Path, module: str = WORKER_MODULE) -> list[str]:
+    """torchrun's arguments that start one worker: this Python, unbuffered, running `module` (the training worker,
+    or a benchmark's) through SAFE_RUN on the run directory."""
+    return ["--no-python", sys.executable, "-u", "-c", SAFE_RUN, module, str(run_dir)]
 
 
-def build_launch(cfg: MoesysConfig, run_dir: Path) -> LaunchSpec:
+def build_launch(cfg: MoesysConfig, run_dir: Path, module: str = WORKER_MODULE) -> LaunchSpec:
+    """What starts `module`'s workers on `run_dir`: the torchrun command (local, multinode) or the sbatch script."""
     launcher, nproc = cfg.launcher, processes_per_node(cfg)
-    worker = worker_command(run_dir)
+    worker = worker_command(run_dir, module)
     common = [f"--nproc_per_node={nproc}", f"--max_restarts={cfg.train.max_restarts}",
               f"--log_dir={node_logs(run_dir, cfg)}", "--redirects=3"]
     if launcher.name == "local":
@@ -219,11 +221,11 @@ def build_launch(cfg: MoesysConfig, run_dir: Path) -> LaunchSpec:
                 f"--rdzv_endpoint={launcher.rdzv_endpoint}", f"--rdzv_id={launcher.rdzv_id}",
                 f"--rdzv_conf=is_host={hosts},join_timeout={join_s},read_timeout={join_s}", *local, *common, *worker]
         return LaunchSpec(argv=argv, nproc_per_node=nproc, env=multinode_env(cfg))
-    script = slurm_script(cfg, run_dir, cfg.topology.gpus_per_node or nproc)
+    script = slurm_script(cfg, run_dir, cfg.topology.gpus_per_node or nproc, module)
     return LaunchSpec(argv=["sbatch", str(run_dir / SLURM_SCRIPT)], script=script, nproc_per_node=nproc)
 
 
-def slurm_script(cfg: MoesysConfig, run_dir: Path, nproc: int) -> str:
+def slurm_script(cfg: MoesysConfig, run_dir: Path, nproc: int, module: str = WORKER_MODULE) -> str:
     """One srun task per node; each runs torchrun with a c10d rendezvous on the job's first node."""
     launcher = cfg.launcher
     lines = [
@@ -246,7 +248,7 @@ def slurm_script(cfg: MoesysConfig, run_dir: Path, nproc: int) -> str:
         f"srun {torchrun} --nnodes=\"$SLURM_NNODES\" --nproc_per_node={nproc} "
         f"--max_restarts={cfg.train.max_restarts} --rdzv_backend=c10d "
         f"--rdzv_endpoint=\"$head_node:{launcher.master_port}\" --rdzv_id=\"$SLURM_JOB_ID\" "
-        f"{shlex.join(worker_command(run_dir))}",
+        f"{shlex.join(worker_command(run_dir, module))}",
     ]
     return "\n".join(lines) + "\n"
 

@@ -7,13 +7,10 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch.optim.adam import adam
-
-if TYPE_CHECKING:
-    from runtime.storage.expert_slots import ExpertSlot
 
 ADAMW_BETAS = (0.9, 0.95)
 ADAMW_EPS = 1e-8
@@ -77,7 +74,17 @@ def _zeros(numel: int) -> torch.Tensor:
     return torch.zeros(numel)
 
 
-def catch_up(slot: ExpertSlot, upto: int, lr_schedule, h: AdamWHyper) -> int:
+class AdamWStates(Protocol):
+    """What the per-expert AdamW steps: flat fp32 master weights and moments, and the step count they reached (an
+    ExpertSlot is one)."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+
+
+def catch_up(slot: AdamWStates, upto: int, lr_schedule, h: AdamWHyper) -> int:
     """Apply the zero-gradient AdamW steps an expert missed while it received no tokens (its step count is below
     `upto`): resident AdamW steps every expert every iteration, decaying its weights and moments, so an offloaded
     expert stepped only when active must do the same to train identically. Each CATCH_UP_CHUNK of its states goes

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from runtime.topology import oom_kill_count
+from runtime.host.topology import oom_kill_count
 
 ROOT = Path("/sys/fs/cgroup/memory")
 

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,16 +46,19 @@ def die_with_parent(sig: int, parent: int) -> None:
         os.kill(os.getpid(), sig)
 
 
-def _tie_to(parent: int, sig: int) -> Callable[[], None] | None:
-    """A preexec_fn: the child gets `sig` when `parent` exits, and never starts if it already has."""
+def _tie_to(parent: int, sig: int, then: Callable[[], None] | None = None) -> Callable[[], None] | None:
+    """A preexec_fn: the child gets `sig` when `parent` exits, and never starts if it already has; then it runs
+    `then` (a memory cap's group to join)."""
     prctl = _prctl()
     if prctl is None:
-        return None
+        return then
 
     def preexec() -> None:
         prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
         if os.getppid() != parent:
             os._exit(128 + int(sig))
+        if then is not None:
+            then()
 
     return preexec
 
@@ -69,8 +73,10 @@ class LauncherJob:
     """
 
     def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 stop_grace_s: float = STOP_GRACE_S):
+                 stop_grace_s: float = STOP_GRACE_S, preexec: Callable[[], None] | None = None):
         self.argv, self.log_path = argv, Path(log_path)
+        self.preexec = preexec
+        """Run in the child before it starts the command, once it is tied to this process (a cgroup to join)."""
         self.stop_grace_s = stop_grace_s
         """Leaving the with-block while the command runs stops it: SIGTERM, then SIGKILL after this long."""
         self.env = {**os.environ, **env} if env else None
@@ -80,11 +86,13 @@ class LauncherJob:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> LauncherJob:
-        for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
+        if threading.current_thread() is threading.main_thread():  # only the main thread receives signals
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env=self.env, preexec_fn=_tie_to(os.getpid(), signal.SIGTERM))
+                                         env=self.env,
+                                         preexec_fn=_tie_to(os.getpid(), signal.SIGTERM, self.preexec))
         if self.stop_signal is not None:  # arrived while starting
             self.proc.send_signal(self.stop_signal)
         return self
@@ -127,7 +135,7 @@ def worker_pids(agent_pid: int) -> frozenset[int]:
     torchrun has ended, or between two attempts."""
     import psutil
 
-    from runtime.launch import WORKER_MODULE
+    from runtime.launch.command import WORKER_MODULE
 
     found = set()
     try:

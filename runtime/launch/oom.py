@@ -15,7 +15,7 @@ from runtime.errors import JobError
 from runtime.plan.budget import GB
 from runtime.plan.planner import plan_placement
 from runtime.plan.suggest import changed
-from runtime.topology import memory_cgroup, oom_kill_count
+from runtime.host.topology import memory_cgroup, oom_kill_count
 
 if TYPE_CHECKING:
     import torch

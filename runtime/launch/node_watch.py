@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 import time
 
-from runtime.process import worker_pids
+from runtime.launch.process import worker_pids
 
 
 def reachable(endpoint: str, timeout_s: float = 2.0) -> bool:
