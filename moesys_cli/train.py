@@ -31,7 +31,7 @@ from runtime.plan.checks import check_disk, check_plan
 from runtime.plan.planner import keep_layers_hint, plan_placement
 from runtime.train.preflight import check_before_launch
 from runtime.plan.placement import record as record_placement
-from runtime.files.resume import apply_resume_from
+from runtime.files.resume import apply_resume_from, chosen_checkpoint
 from runtime.data.pretokenize import prepare_run_data
 
 TOKENIZE_BAR_BYTES = 16 << 20
@@ -47,6 +47,9 @@ def train(overrides: Overrides = None, dry_run: DryRun = False, json_out: Json =
     cfg.train.run_dir = str(Path(cfg.train.run_dir or default_run_dir(cfg)).resolve())
     check_run_dir(cfg.train.run_dir)  # an export or a model given as train.run_dir: refused, dry run or not
     check_before_launch(cfg)  # what every worker would otherwise fail on, after torchrun's retries
+    if cfg.train.init_from and (start := chosen_checkpoint(cfg)) is not None and not json_out:
+        notice(f"note: {cfg.train.run_dir} holds checkpoint {start.name}: resuming from it, train.init_from="
+               f"{cfg.train.init_from} is ignored")
     if dry_run:
         spec = build_launch(cfg, Path(cfg.train.run_dir))
         typer.echo(config_yaml(cfg))

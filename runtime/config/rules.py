@@ -93,6 +93,10 @@ def embedding_columns_split(cfg: MoesysConfig) -> list[str]:
 def vocab_holds_bytes(cfg: MoesysConfig) -> list[str]:
     """Training on the byte tokenizer needs a vocabulary of at least its 256 ids."""
     vocab = cfg.model.vocab_size
+    if cfg.purpose == "train" and cfg.train.tokenizer == "bytes" and vocab < BYTE_VOCAB and cfg.train.init_from:
+        return [f"train.init_from={cfg.train.init_from} has no tokenizer.json and a vocabulary of {vocab} tokens, "
+                f"fewer than the byte tokenizer's {BYTE_VOCAB} (train.tokenizer=bytes); set train.tokenizer to the "
+                "model's tokenizer.json"]
     if cfg.purpose == "train" and cfg.train.tokenizer == "bytes" and vocab < BYTE_VOCAB:
         return [f"model.vocab_size={vocab} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens it trains on; "
                 f"set model.vocab_size>={BYTE_VOCAB}"]
@@ -130,10 +134,32 @@ def distillation_student(cfg: MoesysConfig) -> list[str]:
     return p
 
 
+def fine_tune_has_weights(cfg: MoesysConfig) -> list[str]:
+    """recipe=finetune starts from a model's weights: without train.init_from there is no model to fine-tune."""
+    if cfg.recipe == "finetune" and not cfg.train.init_from:
+        return ["recipe=finetune fine-tunes a model: set train.init_from=DIR (a Hugging Face model directory, or a "
+                "moesys run or export)"]
+    return []
+
+
+def init_from_starts_a_language_model(cfg: MoesysConfig) -> list[str]:
+    """train.init_from loads a language model's weights, which a distillation student (its weights come from the
+    teacher) and multi-task heads (they replace the output layer) do not take."""
+    if not cfg.train.init_from:
+        return []
+    if cfg.distill.teacher:
+        return ["train.init_from and moesys distill both choose the starting weights (the student's come from the "
+                "teacher); drop train.init_from"]
+    if cfg.tasks:
+        return ["train.init_from loads a language model, and this config has tasks (multi-task heads); set "
+                "train.init_from=null"]
+    return []
+
+
 CROSS_SECTION_RULES: tuple[Callable[[MoesysConfig], list[str]], ...] = (
     experts_split_over_ranks, node_rank_in_range, endpoint_reachable, hierarchical_spans_nodes,
     embedding_columns_split, vocab_holds_bytes, eval_needs_language_model, sequence_fits_model,
-    distillation_student, resident_layers_leave_some_offloaded,
+    distillation_student, resident_layers_leave_some_offloaded, init_from_starts_a_language_model,
 )
 """The rules that read more than one section, in the order their messages are listed."""
 
@@ -150,6 +176,9 @@ def validate(cfg: MoesysConfig, packages: bool = True) -> None:
     """Check each section's own fields, then the cross-section rules, and raise one ConfigError that lists every
     problem. packages: also check that the optional packages the config asks for are installed; off for a config
     read back from a run or a checkpoint, which may be served or reported on a machine without them."""
+    missing = fine_tune_has_weights(cfg)
+    if missing:  # nothing else can be judged of a model that is not there
+        raise ConfigError(missing[0])
     problems = cfg.problems()
     for rule in CROSS_SECTION_RULES + ((packages_installed,) if packages else ()):
         problems += rule(cfg)

@@ -9,6 +9,9 @@ from typing import Annotated, Dict, List, Literal, Optional
 from runtime.config.checks import ConfigSection, Problems
 from runtime.config.model import ModelConfig
 
+FREEZABLE = ("router", "attention", "norms", "embeddings", "experts", "shared_experts")
+"""The parameter sets train.freeze names (runtime/train/freeze.py says which parameters each holds)."""
+
 
 @dataclass
 class TopologyConfig(ConfigSection):
@@ -179,6 +182,17 @@ class TrainConfig(ConfigSection):
     tensorboard: bool = False
     """Also write TensorBoard event files (RUN_DIR/tensorboard/, rank 0) with the metrics.jsonl values: scalars per
     step, each MoE layer's expert load as a histogram. Needs the extra: pip install 'moesys[tensorboard]'."""
+    init_from: Optional[str] = None
+    """The weights a new run starts from: a Hugging Face model directory (config.json + safetensors, sharded or not)
+    or a moesys run, step directory or export. Its model section replaces the recipe's (an explicit model.* override
+    that contradicts it is refused) and its tokenizer.json, when it has one, is train.tokenizer's. Weights only: the
+    optimizer starts from zero moments. A run directory that holds a checkpoint resumes from it instead (said once)."""
+    freeze: List[str] = field(default_factory=list)
+    """Parameter sets not trained: router, attention, norms, embeddings (input and output), experts, shared_experts.
+    Frozen parameters get no gradient and no optimizer state; frozen offloaded experts move no gradients."""
+    lr_schedule: Annotated[str, Literal["cosine", "linear", "constant"]] = "cosine"
+    """After the warm-up: cosine or linear decay from train.lr to train.min_lr at train.max_steps, or train.lr
+    throughout (constant)."""
 
     BOUNDS = (("positive", "max_steps micro_batch_size seq_len log_every lr collective_timeout_s"),
               (">= 0", "checkpoint_every max_restarts warmup_steps grad_clip weight_decay eval_every eval_windows"))
@@ -188,6 +202,9 @@ class TrainConfig(ConfigSection):
         p.need(bool(self.data_text_key), f"{at}.data_text_key is empty; set it to the key of a .jsonl record's text")
         p.need(self.keep_checkpoints >= 1, f"{at}.keep_checkpoints must be >= 1 (got {self.keep_checkpoints}): the "
                "newest checkpoint is what a restart resumes from")
+        for name in self.freeze:
+            p.need(name in FREEZABLE, f"{at}.freeze: {name!r} is not one of {', '.join(FREEZABLE)}")
+        p.need(len(set(self.freeze)) == len(self.freeze), f"{at}.freeze={self.freeze} names a set twice")
         p.need(resume_step(self.resume_from) is not False, f"{at}.resume_from={self.resume_from!r} is not latest, "
                f"none or step_N (e.g. {at}.resume_from=step_100)")
 
