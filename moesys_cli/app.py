@@ -25,6 +25,11 @@ from moesys_cli.options import epilog
 from moesys_cli.render import error
 from runtime.errors import UserError, os_reason, unwritable
 
+try:
+    from typer._click import exceptions as click_errors  # the Click that newer Typers carry inside
+except ImportError:
+    from click import exceptions as click_errors
+
 app = typer.Typer(
     name="moesys",
     help="Train and serve Mixture-of-Experts models whose experts outgrow GPU memory.",
@@ -89,11 +94,30 @@ def _root(
     shows the configuration every verb resolves."""
 
 
+def usage_line(exc: click_errors.UsageError) -> str:
+    """A usage error (a bad option value, an unknown command or option, a missing argument) as one line that says
+    where the command's help is."""
+    message = " ".join(exc.format_message().split())
+    ctx = exc.ctx
+    return f"{message} (see {ctx.command_path} --help)" if ctx is not None else message
+
+
 def main() -> None:
-    """Console entry point: library errors, and a full, read-only or forbidden filesystem met anywhere, become one
-    line on stderr and exit code 2."""
+    """Console entry point: usage errors, library errors, and a full, read-only or forbidden filesystem met
+    anywhere, become one line on stderr and exit code 2."""
     try:
-        app(standalone_mode=True)
+        code = app(standalone_mode=False)
+    except click_errors.NoArgsIsHelpError:
+        sys.exit(2)  # the group printed its help
+    except click_errors.UsageError as exc:
+        error(usage_line(exc))
+        sys.exit(2)
+    except click_errors.ClickException as exc:
+        error(" ".join(exc.format_message().split()))
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        error("aborted")
+        sys.exit(1)
     except UserError as exc:
         error(str(exc))
         sys.exit(2)
@@ -103,3 +127,4 @@ def main() -> None:
             raise
         error(os_reason(found))
         sys.exit(2)
+    sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)

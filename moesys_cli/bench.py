@@ -18,9 +18,9 @@ def _moe_layer(cfg: MoesysConfig) -> dict:
     return run_moe_layer_bench()
 
 
-def _train(cfg: MoesysConfig) -> dict:
+def _train(cfg: MoesysConfig, **steps: int) -> dict:
     from runtime.bench.train import run_train_bench
-    return run_train_bench(cfg)
+    return run_train_bench(cfg, **steps)
 
 
 def _ring(cfg: MoesysConfig) -> dict:
@@ -33,9 +33,9 @@ def _infer(cfg: MoesysConfig, size: str = "small") -> dict:
     return run_infer_bench(ring_slots=cfg.infer.ring_slots, size=size, compile=cfg.infer.compile)
 
 
-def _offload_train(cfg: MoesysConfig) -> dict:
+def _offload_train(cfg: MoesysConfig, **steps: int) -> dict:
     from runtime.bench.offload_train import run_offload_train_bench
-    return run_offload_train_bench(cfg)
+    return run_offload_train_bench(cfg, **steps)
 
 
 def _offload(cfg: MoesysConfig) -> dict:
@@ -48,9 +48,9 @@ def _embedding(cfg: MoesysConfig) -> dict:
     return run_embedding_bench()
 
 
-def _elastic(cfg: MoesysConfig) -> dict:
+def _elastic(cfg: MoesysConfig, **steps: int) -> dict:
     from runtime.bench.elastic import run_elastic_bench
-    return run_elastic_bench(cfg)
+    return run_elastic_bench(cfg, **steps)
 
 
 def _beyond_memory(cfg: MoesysConfig) -> dict:
@@ -88,6 +88,9 @@ HONOURED: dict[str, tuple[str, ...] | None] = {
 }
 """The override keys each benchmark uses (None: the whole resolved config); any other override is refused rather
 than silently ignored, since a figure measured on another shape than asked for misleads."""
+STEPS: dict[str, int] = {"train": 2, "elastic": 2, "offload-train": 4}
+"""The benchmarks that run training jobs of their own length (8, 8 and 10 steps), which train.max_steps=N sets
+instead, and the fewest steps each measures (its first steps are warm-up)."""
 SIZES: dict[str, tuple[str, ...]] = {"infer": ("small", "large")}
 """The benchmarks that take --size, and their presets (runtime/bench/infer.py SIZES)."""
 
@@ -104,7 +107,8 @@ def _overrides_help() -> str:
         if keys:
             some.setdefault(keys, []).append(name)
     fixed = [name for name, keys in HONOURED.items() if keys == ()]
-    parts = [f"{', '.join(whole)}: recipe=NAME and any key=value override"]
+    parts = [f"{', '.join(whole)}: recipe=NAME and any key=value override ({', '.join(STEPS)}: train.max_steps=N "
+             "sets each job's steps)"]
     parts += [f"{', '.join(names)}: only {', '.join(f'{k}={VALUE_HINT[k]}' for k in keys)}"
               for keys, names in some.items()]
     parts.append(f"{', '.join(fixed)}: none (they measure a fixed shape; an override is refused)")
@@ -131,6 +135,18 @@ Size = Annotated[Optional[str], typer.Option(
                    "(a 16-layer Mixtral, 11.9 GB, for a GPU).", show_default=False)]
 
 
+def _steps(name: str, overrides: list[str], cfg: MoesysConfig) -> dict[str, int]:
+    """{"steps": train.max_steps} for a benchmark of STEPS when the user gave train.max_steps (its own length
+    otherwise: the recipe's max_steps is a training run's, not a measurement's); refused below its fewest."""
+    given = any(o.partition("=")[0].lstrip("+~") == "train.max_steps" for o in overrides)
+    if name not in STEPS or not given:
+        return {}
+    if cfg.train.max_steps < STEPS[name]:
+        raise ConfigError(f"moesys bench {name} measures at least {STEPS[name]} steps (the first are warm-up); "
+                          f"train.max_steps={cfg.train.max_steps} is fewer")
+    return {"steps": cfg.train.max_steps}
+
+
 def _check_size(name: str, size: Optional[str]) -> None:
     if size is None:
         return
@@ -148,9 +164,10 @@ def bench(name: Annotated[str, typer.Argument(help=f"one of: {', '.join(BENCHES)
     _check_overrides(name, overrides or [])
     _check_size(name, size)
     cfg = resolve_config(overrides or [])
+    steps = _steps(name, overrides or [], cfg)
     if not json_out:
         console.print(f"[bold]moesys bench {name}[/]: measuring (this takes a minute or two)...")
-    result = BENCHES[name](cfg, **({"size": size} if size is not None else {}))
+    result = BENCHES[name](cfg, **({"size": size} if size is not None else {}), **steps)
     if json_out:
         print_json(result)
         return

@@ -16,10 +16,11 @@ EvalArgs = Annotated[
     Optional[List[str]],
     typer.Argument(help="checkpoint=RUN_DIR (a step directory or an export), data=PATH (text, a directory of *.txt, "
                         ".jsonl, a .bin/.npy token file), and train.seq_len, train.eval_windows (0: all), "
-                        "train.data_text_key, train.micro_batch_size", show_default=False),
+                        "train.data_text_key, train.data_errors=strict|replace, train.micro_batch_size",
+                   show_default=False),
 ]
 USAGE = ("moesys eval takes checkpoint=DIR, data=PATH, train.seq_len=N, train.eval_windows=N, "
-         "train.data_text_key=KEY and train.micro_batch_size=N")
+         "train.data_text_key=KEY, train.data_errors=strict|replace and train.micro_batch_size=N")
 
 
 def evaluate(args: EvalArgs = None, json_out: Json = False) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, List, Optional
 import typer
 
 from moesys_cli.options import Json, required, split_args
-from moesys_cli.render import console, human_bytes, literal, print_json
+from moesys_cli.render import console, human_bytes, interrupted_writes_nothing, literal, print_json
 from runtime.config import config_from_dict
 
 ExportArgs = Annotated[
@@ -25,6 +25,7 @@ def parse_export_args(args: list[str]) -> tuple[str, str, dict[str, Any]]:
     return required(values, "checkpoint", USAGE), required(values, "out", USAGE), overrides["export"]
 
 
+@interrupted_writes_nothing()
 def export(args: ExportArgs = None, json_out: Json = False) -> None:
     """Write one model without optimizer state, merged across expert-parallel ranks, streamed tensor by tensor."""
     checkpoint, out, overrides = parse_export_args(args or [])

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
+from typing import Iterator
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
 from rich.text import Text
+from typer import Exit
 
 console = Console()
 err_console = Console(stderr=True)
@@ -83,3 +86,14 @@ class ByteProgress:
     def __exit__(self, *exc) -> None:
         if self.tasks:
             self.bars.stop()
+
+
+@contextmanager
+def interrupted_writes_nothing() -> Iterator[None]:
+    """Around a verb whose every write is atomic (tokenize, tokenizer train, export): Ctrl-C says that nothing was
+    written, in one line, and exits 130 as a shell expects of SIGINT."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        notice("interrupted: nothing written")
+        raise Exit(130) from None

@@ -1,12 +1,17 @@
 """Atomic files: write to a temporary name beside the target, fsync, rename, fsync the directory.
 
-A process killed at any point leaves either the old file or the new one, never a torn one.
+A process killed at any point leaves either the old file or the new one, never a torn one. The temporary name
+(`.NAME.PID@HOST.XXXX.tmp`) says which process wrote it, so the next writer of NAME can remove what a killed one left
+(remove_stale_temps) and never the file of a writer still running.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +39,48 @@ def new_dir_mode() -> int:
     return 0o777 & ~umask()
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+def temp_prefix(path: Path) -> str:
+    """The start of a temporary name for writing `path`: hidden, and naming this process and host."""
+    return f".{Path(path).name}.{os.getpid()}@{_host()}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temps(path: str | Path) -> list[Path]:
+    """Remove the temporary files and directories that writers of `path` killed mid-write (SIGKILL, a power cut)
+    left beside it: only names of temp_prefix's pattern, only of this host, only of a process that is gone.
+    Returns what was removed."""
+    path = Path(path)
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)@{re.escape(_host())}\.[^/]*\.tmp")
+    removed = []
+    try:
+        found = list(path.parent.iterdir())
+    except OSError:
+        return removed
+    for stale in found:
+        match = pattern.fullmatch(stale.name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+        removed.append(stale)
+    return removed
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -49,7 +96,7 @@ def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
     no temporary file, and an OSError that names no file (a write on a full disk) is raised naming `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "wb") as f:

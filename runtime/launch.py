@@ -163,10 +163,12 @@ def host_memory_problem(cfg: MoesysConfig, ram_bytes: float, each: int | None = 
              else "shrink the model"]
     if cfg.train.micro_batch_size > 1:
         fixes.append("lower train.micro_batch_size")
-    return (f"topology.nproc_per_node={nproc} CPU processes need about {nproc * each / GB:.1f} GB of RAM "
-            f"({each / GB:.2f} GB each by the plan, and {LAUNCHER_BYTES / GB:.2f} GB for the launcher) but "
-            f"this machine has {ram_bytes / GB:.1f} GB; "
-            f"{' or '.join(fixes)}")
+    need, digits = nproc * each + LAUNCHER_BYTES, 2
+    while digits < 6 and f"{need / GB:.{digits}f}" == f"{ram_bytes / GB:.{digits}f}":
+        digits += 1  # the two figures compared are printed so that they differ
+    return (f"topology.nproc_per_node={nproc} CPU processes need about {need / GB:.{digits}f} GB of RAM ({nproc} x "
+            f"{each / GB:.2f} GB each by the plan + {LAUNCHER_BYTES / GB:.2f} GB for the launcher) but this machine "
+            f"has {ram_bytes / GB:.{digits}f} GB; {' or '.join(fixes)}")
 
 
 def launch_ram_problem(cfg: MoesysConfig, each: int) -> str | None:

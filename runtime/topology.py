@@ -80,16 +80,22 @@ def host_memory_bytes() -> int:
     return min(psutil.virtual_memory().total, cgroup_memory_limit() or 2**63)
 
 
+def gb_floor(nbytes: float) -> float:
+    """Bytes as GB with two decimals, rounded down: a plan sized to a measured capacity must not get the few MB
+    that rounding up adds (10 GiB is 10.737 GB: 10.74 would let the plan fill more than the machine has)."""
+    return math.floor(nbytes / GB * 100) / 100
+
+
 def detect_machine(ssd_path: str) -> Machine:
     """Measure this node; the SSD figure is the free space of the filesystem that holds ssd_path. Host memory is
     the RAM or, when lower, this process's cgroup memory limit."""
     import torch  # here, not at import: `moesys plan` and `moesys config` start without loading torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpu_mem = min((torch.cuda.get_device_properties(i).total_memory for i in range(gpus)), default=0) / GB
-    free = shutil.disk_usage(_existing_parent(Path(ssd_path))).free / GB
-    return Machine(gpus=gpus, gpu_memory_gb=round(gpu_mem, 2), cpu_memory_gb=round(host_memory_bytes() / GB, 2),
-                   ssd_free_gb=round(free, 2))
+    gpu_mem = min((torch.cuda.get_device_properties(i).total_memory for i in range(gpus)), default=0)
+    free = shutil.disk_usage(_existing_parent(Path(ssd_path))).free
+    return Machine(gpus=gpus, gpu_memory_gb=gb_floor(gpu_mem), cpu_memory_gb=gb_floor(host_memory_bytes()),
+                   ssd_free_gb=gb_floor(free))
 
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")

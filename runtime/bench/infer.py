@@ -13,9 +13,9 @@ One random bf16 Hugging Face Mixtral checkpoint, written as shards with an index
 Decode tokens/s is the median of `repeats` generations in each process (decode = the tokens after the first,
 timed apart from the prompt). Each system is put beside its bandwidth bound: the bytes its token reads (dense
 weights, routed experts, what it streams or copies from the host tier) over the read bandwidth measured here.
-Then `moesys infer --offload auto` runs inside a memory cgroup of half the checkpoint's size (with the budget that
-fits there, CAPPED_SLOTS), from a cold page cache (the checkpoint's files evicted from it, runtime/page_cache.py)
-and from a warm one, and must give the tokens of uncapped `--offload none`;
+Then `moesys infer --offload auto` (its library call, in a fresh process) runs inside a memory cgroup of half the
+checkpoint's size (with the budget that fits there, CAPPED_SLOTS), from a cold page cache (the checkpoint's files
+evicted from it, runtime/page_cache.py) and from a warm one, and must give the tokens of uncapped `--offload none`;
 accelerate runs in the same cap with the same budget, where its page cache counts against the budget as auto's
 does. A system that fails or runs past its time limit gets an {"error": ...} row instead of results. Greedy tokens
 of transformers are compared too; in bf16 its op order differs, so on a random model they can part after a few
@@ -190,23 +190,27 @@ def _subprocess(call: str, args: dict, isolate: bool = True, timeout: float = 90
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+CAPPED_FIELDS = ("tokens", "decode_tokens_per_s", "store_bytes_per_token", "disk_read_bytes_per_token",
+                 "page_cache_bytes_per_token", "peak_rss_anon_bytes", "placement")
+"""What the capped runs keep of `moesys infer --json`."""
+
+
+def _auto_worker(checkpoint: str, slots: int, new_tokens: int) -> dict:
+    """`moesys infer --offload auto` through the library call it wraps (run_inference), as a user's command runs it:
+    the checkpoint streamed, experts placed within `slots` layers; the CAPPED_FIELDS of its --json."""
+    from runtime.inference.generate import run_inference
+
+    result = run_inference(checkpoint, {"max_new_tokens": new_tokens, "ring_slots": slots}, prompt_ids=[PROMPT],
+                           offload="auto")
+    return {k: result[k] for k in CAPPED_FIELDS}
+
+
 def _infer_cli(checkpoint: Path, slots: int, new_tokens: int, cap: Optional[memcap.MemoryCap] = None,
                timeout: float = 900) -> dict:
-    """`moesys infer --offload auto` as a user runs it (the installed command), in the cap when given; its result,
-    or {"error": ...} when it fails or runs past `timeout` seconds."""
-    moesys = shutil.which("moesys") or "moesys"
-    try:
-        done = subprocess.run([moesys, "infer", f"checkpoint={checkpoint}", f"prompt_ids={PROMPT}",
-                               f"infer.max_new_tokens={new_tokens}", f"infer.ring_slots={slots}", "--offload",
-                               "auto", "--json"], capture_output=True, text=True, timeout=timeout,
-                              preexec_fn=cap.preexec if cap else None)
-    except subprocess.TimeoutExpired:
-        return {"error": f"moesys infer ran past its {timeout:g} s limit and was killed"}
-    if done.returncode != 0:
-        return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]}
-    r = json.loads(done.stdout)
-    return {k: r[k] for k in ("tokens", "decode_tokens_per_s", "store_bytes_per_token", "disk_read_bytes_per_token",
-                              "page_cache_bytes_per_token", "peak_rss_anon_bytes", "placement")}
+    """`moesys infer --offload auto` (_auto_worker) in a fresh process of this interpreter, in the cap when given:
+    no `moesys` command needs to be on PATH (a virtual environment not activated); its result, or {"error": ...}."""
+    return _subprocess("_auto_worker", {"checkpoint": str(checkpoint), "slots": slots, "new_tokens": new_tokens},
+                       timeout=timeout, cap=cap)
 
 
 def drop_page_cache(directory: Path) -> Optional[str]:

@@ -1,6 +1,7 @@
-"""A bounded load test of `moesys serve` on loopback (its target: no valid request fails): the real command serves a
-random Hugging Face Mixtral checkpoint it writes itself, CLIENTS concurrent clients send requests for DURATION_S
-seconds each with keep-alive connections, then the server gets SIGTERM and must drain and exit 0.
+"""A bounded load test of `moesys serve` on loopback (its target: no valid request fails): the server the command runs
+(its library call, in a fresh process) serves a random Hugging Face Mixtral checkpoint the bench writes itself,
+CLIENTS concurrent clients send requests for DURATION_S seconds each with keep-alive connections, then the server
+gets SIGTERM and must drain and exit 0.
 
 The requests mix prompt lengths, max_tokens, greedy and sampled settings. Every answer is checked against
 `run_inference` (what `moesys infer` runs) for the same prompt and seed: a request that is not a 200 with exactly
@@ -118,13 +119,24 @@ def listening_url(proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
         time.sleep(0.05)
 
 
+def serve_worker(checkpoint: str, offload: str, batch: int) -> None:
+    """What `moesys serve checkpoint=CKPT --port 0 --offload OFFLOAD infer.ring_slots=RING_SLOTS
+    serve.max_batch_size=BATCH` runs, through the library: the service opened, the address it listens on printed as
+    the command prints it, served until SIGTERM drains it."""
+    from runtime.serving.server import serve
+    from runtime.serving.service import open_service
+
+    service = open_service(checkpoint, {"ring_slots": RING_SLOTS}, {"port": 0, "max_batch_size": batch}, offload)
+    serve(service, on_listen=lambda url: print(f"moesys serve listening on {url} (bench)", flush=True))
+
+
 def _start(checkpoint: Path, offload: str, batch: int, log: Path) -> tuple[subprocess.Popen, str, int]:
-    """The real `moesys serve` on a free loopback port, its output going to `log` (a pipe nobody reads during the
-    load could fill and block the server): (process, host, port)."""
+    """The server (serve_worker) in a fresh process of this interpreter on a free loopback port, its output going to
+    `log` (a pipe nobody reads during the load could fill and block the server): (process, host, port)."""
+    code = "import json, sys; from runtime.bench.serve import serve_worker; serve_worker(*json.loads(sys.argv[1]))"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "moesys_cli", "serve", f"checkpoint={checkpoint}", "--port",
-                                 "0", "--offload", offload, f"infer.ring_slots={RING_SLOTS}",
-                                 f"serve.max_batch_size={batch}"], stdout=out, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen([sys.executable, "-c", code, json.dumps([str(checkpoint), offload, batch])],
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         url = urlsplit(listening_url(proc, log, START_TIMEOUT_S))
     except BaseException:

@@ -157,6 +157,9 @@ class TrainConfig(ConfigSection):
     or uint32) read through a memory map; None uses the corpus shipped with moesys."""
     data_text_key: str = "text"
     """The key of each .jsonl record that holds its text (train.data, train.eval_data)."""
+    data_errors: Annotated[str, Literal["strict", "replace"]] = "strict"
+    """Text sources' bytes that are not UTF-8 text: strict refuses the file naming the first bad byte's offset (a
+    binary file given as text), replace reads each bad sequence as U+FFFD."""
     tokenizer: str = "bytes"
     """bytes (UTF-8 bytes as ids 0..255) or the path of a Hugging Face tokenizer.json (moesys tokenizer train writes
     one); the run, its checkpoints and its exports carry a copy."""
@@ -245,8 +248,14 @@ class InferConfig(ConfigSection):
     routed experts, gained nothing from a cold page cache and halved decode speed under a memory cap."""
     compile: Optional[bool] = None
     """Wrap the decode step in torch.compile (CUDA graphs on a GPU); null: where it pays, on CUDA, not on the CPU."""
+    cache_dir: Optional[str] = None
+    """Where ring and ondemand keep each checkpoint's copy of its experts (reused while the checkpoint is unchanged);
+    null: $XDG_CACHE_HOME/moesys/experts, else ~/.cache/moesys/experts."""
+    cache_gb: float = 100.0
+    """Most GB of copies infer.cache_dir keeps: the least recently used checkpoints' copies go first, never one a
+    running process uses. 100 holds one Mixtral-8x7B's experts in bf16."""
 
-    BOUNDS = (("positive", "max_new_tokens"), (">= 0", "temperature top_k"), (">= 1", "ring_slots"),
+    BOUNDS = (("positive", "max_new_tokens cache_gb"), (">= 0", "temperature top_k"), (">= 1", "ring_slots"),
               ("in (0, 1]", "top_p"))
 
     def rules(self, p: Problems, at: str) -> None:

@@ -49,11 +49,12 @@ class TokenDataset:
     @classmethod
     def from_path(cls, path: Optional[str | Path], seq_len: int, seed: int = 0,
                   tokenizer: Optional[Tokenizer] = None, key: str = "train.data", text_key: str = "text",
-                  cache_dir: Optional[Path] = None, vocab_size: Optional[int] = None) -> "TokenDataset":
+                  cache_dir: Optional[Path] = None, vocab_size: Optional[int] = None,
+                  errors: str = "strict") -> "TokenDataset":
         """A text file, a directory of *.txt files, a .jsonl file, a token file (.bin, .npy) or (path None) the
         shipped corpus; text is read from the run's token cache when `cache_dir` holds it."""
         tokenizer = tokenizer or ByteTokenizer()
-        tokens = read_tokens(path, tokenizer, key, text_key, cache_dir)
+        tokens = read_tokens(path, tokenizer, key, text_key, cache_dir, errors)
         return cls(tokens, seq_len, seed, source_name(path, key), vocab_size)
 
     @property
@@ -114,7 +115,7 @@ def open_dataset(cfg: MoesysConfig, tokenizer: Tokenizer, key: str = "train.data
     """The dataset of one of the run's sources (`key`, at `path`), with the run's window, text key and cache."""
     tr = cfg.train
     return TokenDataset.from_path(path, tr.seq_len, tr.seed if seed is None else seed, tokenizer, key,
-                                  tr.data_text_key, run_cache_dir(cfg), cfg.model.vocab_size)
+                                  tr.data_text_key, run_cache_dir(cfg), cfg.model.vocab_size, tr.data_errors)
 
 
 def task_seed(seed: int, task: str) -> int:

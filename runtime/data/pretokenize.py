@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Mapping, Optional
 import numpy as np
 
 from runtime.config import MoesysConfig
-from runtime.io import atomic_write_text
+from runtime.io import atomic_write_text, remove_stale_temps
 from runtime.data.text import DataError, Progress, is_token_file, segments, source_name, text_files
 from runtime.data.token_file import open_token_file, write_token_file
 from runtime.files.paths import TOKENIZER_FILE
@@ -33,10 +33,10 @@ def _encode(tokenizer: Tokenizer, batch: list[bytes]) -> np.ndarray:
 
 
 def encode_source(path: Optional[str | Path], tokenizer: Tokenizer, key: str = "train.data", text_key: str = "text",
-                  progress: Optional[Progress] = None) -> Iterator[np.ndarray]:
-    """The ids of a text source in order, one array per batch of segments."""
+                  progress: Optional[Progress] = None, errors: str = "strict") -> Iterator[np.ndarray]:
+    """The ids of a text source in order, one array per batch of segments (`errors`: train.data_errors)."""
     batch, size = [], 0
-    for segment in segments(path, key, text_key, progress):
+    for segment in segments(path, key, text_key, progress, errors):
         batch.append(segment)
         size += len(segment)
         if size >= BATCH_BYTES:
@@ -47,22 +47,28 @@ def encode_source(path: Optional[str | Path], tokenizer: Tokenizer, key: str = "
 
 
 def tokenize_to_file(path: Optional[str | Path], out: str | Path, tokenizer: Tokenizer, key: str = "data",
-                     text_key: str = "text", progress: Optional[Progress] = None) -> dict:
-    """Write a text source's ids as a token file; the `moesys tokenize --json` summary."""
+                     text_key: str = "text", progress: Optional[Progress] = None, errors: str = "strict") -> dict:
+    """Write a text source's ids as a token file; the `moesys tokenize --json` summary, its fields in this order:
+    data (the source given), out (the token file, absolute), tokens (ids written), dtype (uint16 or uint32),
+    tokenizer (its name), text_bytes (bytes of the text files read), seconds."""
     if is_token_file(path):
         raise DataError(f"{key}={path} is a token file already; give text (a file, a directory of *.txt, a .jsonl)")
     began = time.perf_counter()
     files = text_files(path, key)
-    count = write_token_file(out, encode_source(path, tokenizer, key, text_key, progress), tokenizer.vocab_size)
+    count = write_token_file(out, encode_source(path, tokenizer, key, text_key, progress, errors),
+                             tokenizer.vocab_size)
+    remove_stale_temps(Path(out).expanduser())  # what a tokenize killed mid-write left beside it
     return {"data": str(path) if path else "shipped corpus", "out": str(Path(out).expanduser().resolve()),
             "tokens": count, "dtype": token_dtype(tokenizer.vocab_size), "tokenizer": tokenizer.name,
             "text_bytes": sum(f.stat().st_size for f in files), "seconds": round(time.perf_counter() - began, 3)}
 
 
-def cache_file(cache_dir: Path, key: str, path: Optional[str | Path], tokenizer: Tokenizer, text_key: str) -> Path:
-    """Where a text source's ids are cached: named after the key and a digest of the tokenizer, the text key and
-    each file's path, size and modification time (a changed file is tokenized again)."""
-    digest = hashlib.sha256(f"{tokenizer_digest(tokenizer)}\0{text_key}".encode())
+def cache_file(cache_dir: Path, key: str, path: Optional[str | Path], tokenizer: Tokenizer, text_key: str,
+               errors: str = "strict") -> Path:
+    """Where a text source's ids are cached: named after the key and a digest of the tokenizer, the text key, how
+    bad bytes were read and each file's path, size and modification time (a changed file is tokenized again)."""
+    replaced = "" if errors == "strict" else f"\0{errors}"  # a strict read's cache keeps its earlier name
+    digest = hashlib.sha256(f"{tokenizer_digest(tokenizer)}\0{text_key}{replaced}".encode())
     for file in text_files(path, key):
         stat = file.stat()
         digest.update(f"\0{file.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
@@ -70,17 +76,19 @@ def cache_file(cache_dir: Path, key: str, path: Optional[str | Path], tokenizer:
 
 
 def prepare_tokens(cache_dir: Path, sources: Mapping[str, Optional[str]], tokenizer: Tokenizer, text_key: str,
-                   progress: Optional[Callable[[str, int, int], None]] = None) -> dict[str, Path]:
+                   progress: Optional[Callable[[str, int, int], None]] = None,
+                   errors: str = "strict") -> dict[str, Path]:
     """Tokenize each text source of `sources` ({key: path}) into the cache once; earlier caches of a key go.
     progress(key, bytes done, bytes in all). Returns {key: cache file}."""
     made = {}
     for key, path in sources.items():
         if is_token_file(path):
             continue
-        target = cache_file(cache_dir, key, path, tokenizer, text_key)
+        target = cache_file(cache_dir, key, path, tokenizer, text_key, errors)
         if not target.exists():
             report = (lambda done, total, key=key: progress(key, done, total)) if progress else None
-            write_token_file(target, encode_source(path, tokenizer, key, text_key, report), tokenizer.vocab_size)
+            write_token_file(target, encode_source(path, tokenizer, key, text_key, report, errors),
+                             tokenizer.vocab_size)
         for stale in Path(cache_dir).glob(f"{key}-*.bin"):
             if stale != target:
                 stale.unlink(missing_ok=True)
@@ -89,16 +97,16 @@ def prepare_tokens(cache_dir: Path, sources: Mapping[str, Optional[str]], tokeni
 
 
 def read_tokens(path: Optional[str | Path], tokenizer: Tokenizer, key: str = "train.data", text_key: str = "text",
-                cache_dir: Optional[Path] = None) -> np.ndarray:
+                cache_dir: Optional[Path] = None, errors: str = "strict") -> np.ndarray:
     """A source's ids: a token file or the run's cache of a text source as a memory map, else the text encoded
     here (a process that trains without `moesys train`, as tests do)."""
     if is_token_file(path):
         return open_token_file(path, tokenizer.vocab_size, key)
     if cache_dir is not None:
-        cached = cache_file(cache_dir, key, path, tokenizer, text_key)
+        cached = cache_file(cache_dir, key, path, tokenizer, text_key, errors)
         if cached.exists():
             return open_token_file(cached, tokenizer.vocab_size, source_name(path, key))
-    return np.concatenate(list(encode_source(path, tokenizer, key, text_key)))
+    return np.concatenate(list(encode_source(path, tokenizer, key, text_key, errors=errors)))
 
 
 def run_cache_dir(cfg: MoesysConfig) -> Optional[Path]:
@@ -124,4 +132,5 @@ def prepare_run_data(cfg: MoesysConfig, progress: Optional[Callable[[str, int, i
     tokenizer = load_tokenizer(cfg.train.tokenizer)
     run_dir = Path(cfg.train.run_dir)
     atomic_write_text(run_dir / TOKENIZER_FILE, tokenizer.to_str())
-    prepare_tokens(run_dir / TOKENS, data_sources(cfg), tokenizer, cfg.train.data_text_key, progress)
+    prepare_tokens(run_dir / TOKENS, data_sources(cfg), tokenizer, cfg.train.data_text_key, progress,
+                   cfg.train.data_errors)

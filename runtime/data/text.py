@@ -6,10 +6,13 @@ A document (a file, or a .jsonl record) is stripped of surrounding whitespace, a
 line (DOC_SEPARATOR). Each document is cut into segments at its blank lines (a segment of its own), and a segment
 longer than MAX_SEGMENT at its last line break before that length: concatenated, the segments are exactly the text,
 and the token stream is the concatenation of each segment's ids, whatever the block size the file was read in.
+Text is checked as UTF-8 as it is read: a binary file given as text is refused at its first bad byte
+(train.data_errors=replace reads bad bytes as U+FFFD instead).
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
@@ -28,6 +31,11 @@ MAX_SEGMENT = 1 << 20
 Progress = Callable[[int, int], None]
 """progress(bytes done, bytes in all): called as a source is read, every PROGRESS_EVERY bytes and at the end."""
 PROGRESS_EVERY = 1 << 20
+
+
+DATA_ERRORS = ("strict", "replace")
+"""What reading text does with bytes that are not UTF-8 text (train.data_errors): strict refuses the file, naming the
+first bad byte's offset; replace reads each bad sequence as U+FFFD."""
 
 
 class DataError(UserError):
@@ -114,15 +122,53 @@ def _document(blocks: Iterable[bytes]) -> Iterator[bytes]:
         yield held[0].rstrip()
 
 
-def _file_blocks(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        while block := f.read(BLOCK):
-            yield block
+def not_text(where: str, data: bytes, at: int, offset: int) -> DataError:
+    """The one line refusing a source whose byte `data[at]` (at `offset` in its file) is not UTF-8 text."""
+    kind = " (a NUL: a binary or UTF-16 file?)" if data[at] == 0 else ""
+    return DataError(f"{where} is not UTF-8 text: byte 0x{data[at]:02x} at offset {offset:,}{kind}; give UTF-8 "
+                     "text, or set train.data_errors=replace to read bad bytes as U+FFFD")
 
 
-def _jsonl_records(path: Path, key: str, text_key: str) -> Iterator[bytes]:
+def _utf8(data: bytes, errors: str, final: bool) -> tuple[bytes, int, int]:
+    """(the valid UTF-8 prefix of `data` as it is read, bytes of `data` used, index of the first bad byte or -1).
+    A character cut at the end is left unused unless `final`; NUL counts as bad under strict (no text holds one)."""
+    try:
+        _, used = codecs.utf_8_decode(data, "strict", final)
+    except UnicodeDecodeError as exc:
+        if errors == "strict":
+            return b"", 0, exc.start
+        text, used = codecs.utf_8_decode(data, "replace", final)
+        return text.encode(), used, -1
+    nul = data.find(0, 0, used) if errors == "strict" else -1
+    return data[:used], used, nul
+
+
+def _file_blocks(path: Path, where: str, errors: str = "strict") -> Iterator[bytes]:
+    """A text file's bytes in blocks, checked as UTF-8 (DATA_ERRORS); a character is never split between blocks."""
+    pending, offset = b"", 0
     with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
+        while True:
+            block = f.read(BLOCK)
+            data = pending + block
+            text, used, bad = _utf8(data, errors, final=not block)
+            if bad >= 0:
+                raise not_text(where, data, bad, offset + bad)
+            if text:
+                yield text
+            pending, offset = data[used:], offset + used
+            if not block:
+                return
+
+
+def _jsonl_records(path: Path, key: str, text_key: str, errors: str = "strict") -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        offset = 0
+        for number, raw in enumerate(f, 1):
+            text, used, bad = _utf8(raw, errors, final=True)
+            if bad >= 0:
+                raise not_text(f"{key}={path} line {number}", raw, bad, offset + bad)
+            offset += len(raw)
+            line = text.decode()
             if not line.strip():
                 continue
             try:
@@ -139,14 +185,18 @@ def _jsonl_records(path: Path, key: str, text_key: str) -> Iterator[bytes]:
 
 
 def segments(path: Optional[str | Path], key: str = "train.data", text_key: str = "text",
-             progress: Optional[Progress] = None) -> Iterator[bytes]:
-    """The text of a source as segments (see the module docstring); `progress` is told the bytes read."""
+             progress: Optional[Progress] = None, errors: str = "strict") -> Iterator[bytes]:
+    """The text of a source as segments (see the module docstring); `progress` is told the bytes read. Bytes that
+    are not UTF-8 text refuse the source, or read as U+FFFD with errors="replace" (train.data_errors)."""
+    if errors not in DATA_ERRORS:
+        raise DataError(f"train.data_errors={errors!r} is not one of {', '.join(DATA_ERRORS)}")
     files = text_files(path, key)
     jsonl = path is not None and Path(path).suffix.lower() in JSONL_SUFFIXES
     total, done, told = sum(f.stat().st_size for f in files), 0, 0
     first = True
     for file in files:
-        documents = ([record] for record in _jsonl_records(file, key, text_key)) if jsonl else [_file_blocks(file)]
+        documents = ([record] for record in _jsonl_records(file, key, text_key, errors)) if jsonl else \
+            [_file_blocks(file, f"{key}={file}", errors)]
         for blocks in documents:
             opened = False
             for segment in _document(blocks):
@@ -164,9 +214,10 @@ def segments(path: Optional[str | Path], key: str = "train.data", text_key: str 
         raise DataError(f"{source_name(path, key)} is empty")
 
 
-def read_text_bytes(path: Optional[str | Path] = None, key: str = "train.data", text_key: str = "text") -> bytes:
+def read_text_bytes(path: Optional[str | Path] = None, key: str = "train.data", text_key: str = "text",
+                    errors: str = "strict") -> bytes:
     """The whole text of a source, as the byte tokenizer reads it."""
-    return b"".join(segments(path, key, text_key))
+    return b"".join(segments(path, key, text_key, errors=errors))
 
 
 def check_token_count(tokens: int, seq_len: int, name: str) -> None:

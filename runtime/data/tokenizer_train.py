@@ -13,23 +13,27 @@ from typing import Optional
 
 from runtime.config import BYTE_VOCAB
 from runtime.errors import UserError
-from runtime.io import atomic_write_text
+from runtime.io import atomic_write_text, remove_stale_temps
 from runtime.data.text import Progress, is_token_file, segments, source_name, text_files
 from runtime.data.tokenizer import JsonTokenizer
 
-MAX_VOCAB = 1 << 32
-"""Ids a token file's uint32 can hold."""
+MAX_VOCAB = 1 << 20
+"""The largest vocabulary `moesys tokenizer train` learns (1,048,576). The tokenizers library sizes its trainer's
+tables by the vocabulary asked for, not by the text: a billion aborts the process on a 70 GB allocation. Released
+models use at most 262,144 tokens (Gemma's), and an embedding row per token at any useful hidden size makes more
+than a million impractical, so 2^20 leaves room without letting a typo take the machine's memory."""
 
 
 def train_bpe(path: Optional[str | Path], vocab_size: int, out: str | Path, key: str = "data",
-              text_key: str = "text", progress: Optional[Progress] = None) -> dict:
+              text_key: str = "text", progress: Optional[Progress] = None, errors: str = "strict") -> dict:
     """Train a byte-level BPE of at most `vocab_size` tokens on a text source and write it to `out` (atomically);
     the `moesys tokenizer train --json` summary. A corpus with fewer distinct merges gives a smaller vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if not BYTE_VOCAB <= vocab_size <= MAX_VOCAB:
         raise UserError(f"vocab_size={vocab_size} must be between {BYTE_VOCAB} (the bytes a byte-level BPE starts "
-                        f"from) and {MAX_VOCAB}")
+                        f"from) and {MAX_VOCAB:,} (the largest moesys trains: vocabularies of released models stay "
+                        "under 300,000)")
     if is_token_file(path):
         raise UserError(f"{key}={path} is a token file; a tokenizer learns from text (a file, a directory of *.txt, "
                         "a .jsonl)")
@@ -43,10 +47,11 @@ def train_bpe(path: Optional[str | Path], vocab_size: int, out: str | Path, key:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=[], show_progress=False)
-    texts = (segment.decode("utf-8", errors="replace") for segment in segments(path, key, text_key, progress))
+    texts = (segment.decode("utf-8") for segment in segments(path, key, text_key, progress, errors))
     tokenizer.train_from_iterator(texts, trainer=trainer)
     trained = JsonTokenizer(tokenizer, str(out))
     atomic_write_text(out, trained.to_str())
+    remove_stale_temps(out)  # what a run killed mid-write left beside it
     return {"data": source_name(path, key).removeprefix(f"{key}="), "out": str(out.resolve()),
             "vocab_size": trained.vocab_size, "requested_vocab_size": vocab_size,
             "text_bytes": sum(f.stat().st_size for f in files), "seconds": round(time.perf_counter() - began, 3)}

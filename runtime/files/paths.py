@@ -39,6 +39,9 @@ SLURM_SCRIPT = "job.sbatch"
 SLURM_LOG = "slurm-%j.out"
 RUN_MARKS = (LOGS, CHECKPOINTS, METRICS)
 """What `moesys train` writes beside its config.yaml; a directory with the config and one of these is a run."""
+RUN_WRITES = (METRICS, CHECKPOINTS, PLAN, LOGS)
+"""What a run writes into its directory that a directory without a run's config.yaml must not hold already (another
+tool's files of these names would be appended to or mixed with the run's)."""
 
 TOKENIZER_FILE = "tokenizer.json"
 """The tokenizer a run, its checkpoints and its exports carry (Hugging Face tokenizer.json format)."""

@@ -14,9 +14,10 @@ from typing import Iterable
 
 import yaml
 
-from runtime.config import MoesysConfig, config_from_dict
+from runtime.config import ConfigError, MoesysConfig, config_from_dict
 from runtime.errors import UserError
-from runtime.files.paths import CONFIG, FATAL, LOCK, LOGS, MEMORY_DIR, METRICS, MODEL_FILES, RUN_MARKS, SUMMARY
+from runtime.files.paths import (CONFIG, FATAL, LOCK, LOGS, MEMORY_DIR, METRICS, MODEL_FILES, RUN_MARKS,
+                                 RUN_WRITES, SUMMARY)
 from runtime.io import atomic_write_text
 
 
@@ -30,17 +31,29 @@ def model_files(path: Path) -> list[str]:
     return [n for n in names if n in MODEL_FILES or n.endswith(".safetensors")]
 
 
+def has_run_config(path: str | Path) -> bool:
+    """Whether `path` holds the config.yaml `moesys train` writes first into a run directory: a mapping with the
+    model and train sections (another tool's config.yaml is not one)."""
+    try:
+        data = yaml.safe_load((Path(path) / CONFIG).read_text(errors="replace"))
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("model"), dict) and isinstance(data.get("train"), dict)
+
+
 def is_run_dir(path: str | Path) -> bool:
     """Whether `path` is a moesys run directory: the config.yaml `moesys train` writes, with its logs, checkpoints or
     metrics beside it, and no model files of its own (a moesys export also holds a config.yaml)."""
     path = Path(path)
-    return (path / CONFIG).is_file() and any((path / m).exists() for m in RUN_MARKS) and not model_files(path)
+    return has_run_config(path) and any((path / m).exists() for m in RUN_MARKS) and not model_files(path)
 
 
 def check_run_dir(path: str | Path) -> None:
-    """Refuse, before anything is written, a train.run_dir that exists and holds a model or a config but is not a
-    run directory (a moesys export, a Hugging Face model): training there would replace its config.yaml and mix a
-    run into the model. A new, empty or unrelated directory, or a run directory (a resume), is fine."""
+    """Refuse, before anything is written, a train.run_dir that exists and is not a run directory but holds a model
+    or a config (a moesys export, a Hugging Face model: training there would replace its config.yaml and mix a run
+    into the model), or files of the names moesys writes there that moesys did not write (another tool's metrics
+    or checkpoints: the run would append to them). A new, empty or unrelated directory, or a run directory (a
+    resume, or another node of a multinode job meeting node 0's), is fine."""
     path = Path(path)
     if not path.is_dir() or is_run_dir(path):
         return
@@ -48,6 +61,10 @@ def check_run_dir(path: str | Path) -> None:
     if found:
         raise UserError(f"train.run_dir={path} holds a model or a config ({', '.join(sorted(found))}) and is not a "
                         "moesys run directory; training there would overwrite it: choose a new train.run_dir")
+    foreign = [name + ("/" if (path / name).is_dir() else "") for name in RUN_WRITES if (path / name).exists()]
+    if foreign and not has_run_config(path):
+        raise UserError(f"train.run_dir={path} holds {', '.join(foreign)} that moesys did not write (no {CONFIG} of a "
+                        "moesys run); training there would write into them: choose a new train.run_dir")
 
 
 def run_dir_unwritable(run_dir: Path, exc: OSError) -> UserError:
@@ -61,15 +78,28 @@ def save_config(cfg: MoesysConfig, path: Path) -> None:
 
 
 def load_config(run_dir: str | Path) -> MoesysConfig:
-    return config_from_dict(yaml.safe_load((Path(run_dir) / CONFIG).read_text()))
+    """The resolved config a run directory holds; a config.yaml that is not a moesys config (another tool's, a
+    damaged one) is a UserError naming the file."""
+    path = Path(run_dir) / CONFIG
+    try:
+        data = yaml.safe_load(path.read_text(errors="replace"))
+        if not isinstance(data, dict):
+            raise ConfigError(f"it holds a {type(data).__name__}, not a moesys config")
+        return config_from_dict(data)
+    except (ConfigError, yaml.YAMLError) as exc:
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"{path} is not a moesys run's config ({reason}); pass the train.run_dir of a moesys "
+                          "train run") from None
 
 
 def create_run_dir(cfg: MoesysConfig, run_dir: Path) -> None:
-    """Make `run_dir` (and its logs/) and write the resolved config the workers read; a directory that cannot be
-    made or written is a UserError naming train.run_dir."""
+    """Make `run_dir` and write the resolved config the workers read, then its logs/: the config comes first, so a
+    directory holding moesys's files always holds the config that marks it a run (check_run_dir). A directory that
+    cannot be made or written is a UserError naming train.run_dir."""
     try:
-        (run_dir / LOGS).mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / CONFIG)
+        (run_dir / LOGS).mkdir(exist_ok=True)
     except OSError as exc:
         raise run_dir_unwritable(run_dir, exc) from None
 

@@ -1,6 +1,6 @@
-"""The decode token as one static step (gpt-fast's recipe; DESIGN.md "On a GPU: the step and the token"): a static
-KV cache, routed experts gathered by index, the position a device tensor, so a token reads nothing on the host and
-`torch.compile` captures the step whole (`infer.compile`; CUDA graphs on a GPU). Prefill stays the model's forward.
+"""The decode token as one static step (gpt-fast's recipe: no host sync per token): a static KV cache, routed experts
+gathered by index, the position a device tensor, so a token reads nothing on the host and `torch.compile` captures
+the step whole (`infer.compile`; CUDA graphs on a GPU). Prefill stays the model's forward.
 """
 
 from __future__ import annotations

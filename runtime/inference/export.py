@@ -40,7 +40,8 @@ from runtime.hf.names import TensorName, to_hf
 from runtime.hf.save import hf_config, hf_entries
 from runtime.inference.load import checkpoint_kind, read_moesys, served_config
 from runtime.inference.mapped import TensorFiles
-from runtime.io import atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_dir, new_dir_mode
+from runtime.io import (atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_dir, new_dir_mode,
+                        remove_stale_temps, temp_prefix)
 from runtime.model.transformer import Transformer
 from runtime.plan.disk import check_free
 from runtime.moe.layer import is_expert_param
@@ -155,7 +156,7 @@ def _export(source: Source, out: str | Path, fmt: str, to_dtype: Optional[torch.
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), suffix=".tmp", dir=out.parent))
     except OSError as exc:
         raise _unwritable(out, exc) from None
     try:
@@ -177,6 +178,7 @@ def _export(source: Source, out: str | Path, fmt: str, to_dtype: Optional[torch.
             out.rmdir()  # empty, checked above
         os.rename(tmp, out)
         fsync_dir(out.parent)
+        remove_stale_temps(out)  # what an export killed mid-write left beside it
     except OSError as exc:  # the checkpoint is memory-mapped already: what fails here is a write
         raise _unwritable(out, exc) from None
     finally:

@@ -6,7 +6,6 @@ timelines, and the `none` and `ondemand` modes. The ring itself is in runtime/in
 from __future__ import annotations
 
 import mmap
-import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from torch import Tensor, nn
 
 from runtime.inference.expert_source import ExpertSource
 from runtime.inference.errors import InferError
+from runtime.inference.expert_cache import StoreHold
 from runtime.files.tensorfile import DTYPES
 from runtime.inference.mapped import MappedFileError, read_header
 from runtime.model.transformer import Transformer
@@ -189,16 +189,16 @@ class Offloader:
     mode = "none"
 
     def __init__(self, model: Transformer, device: torch.device, source: Optional[ExpertSource] = None,
-                 scratch_dir: Optional[Path] = None):
-        """source: where the experts were placed from (close() lets go of its mapped files); scratch_dir: a store
-        of this run's own, removed by close()."""
+                 hold: Optional[StoreHold] = None):
+        """source: where the experts were placed from (close() lets go of its mapped files); hold: the on-disk store's
+        copy this offloader uses (runtime/inference/expert_cache.py), let go of by close()."""
         self.model, self.device = model, device
         self.num_layers = len(model.moe_layers())
         self.timeline = Timeline(device)
         self.copied_bytes = 0
         self.copies = 0
         self._started: Any = None
-        self.source, self.scratch_dir = source, scratch_dir
+        self.source, self.hold = source, hold
         self.placement = ["resident"] * self.num_layers
         """Where each MoE layer's experts are computed from (--json's `placement`)."""
         self.budget_slots: Optional[int] = None
@@ -262,8 +262,9 @@ class Offloader:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if self.scratch_dir is not None:
-            shutil.rmtree(self.scratch_dir, ignore_errors=True)
+        if self.hold is not None:
+            self.hold.close()
+            self.hold = None
         if self.source is not None:
             self.source.close()
 
@@ -272,8 +273,8 @@ class SlotOffloader(Offloader):
     """Experts live in an LayerStore; `num_slots` device buffers of one layer each, allocated once."""
 
     def __init__(self, model: Transformer, device: torch.device, store: LayerStore, num_slots: int,
-                 source: Optional[ExpertSource] = None, scratch_dir: Optional[Path] = None):
-        super().__init__(model, device, source, scratch_dir)
+                 source: Optional[ExpertSource] = None, hold: Optional[StoreHold] = None):
+        super().__init__(model, device, source, hold)
         self.placement = [self.mode] * self.num_layers
         if store.num_layers != self.num_layers:
             raise InferError(f"expert store has {store.num_layers} layers, the model {self.num_layers} MoE layers")
@@ -308,8 +309,8 @@ class OnDemandOffloader(SlotOffloader):
     mode = "ondemand"
 
     def __init__(self, model: Transformer, device: torch.device, store: LayerStore,
-                 source: Optional[ExpertSource] = None, scratch_dir: Optional[Path] = None):
-        super().__init__(model, device, store, 1, source, scratch_dir)
+                 source: Optional[ExpertSource] = None, hold: Optional[StoreHold] = None):
+        super().__init__(model, device, store, 1, source, hold)
 
     def acquire(self, layer: int) -> dict[str, Tensor]:
         if self.slot_layer[0] != layer:

@@ -8,8 +8,6 @@ expert by expert (runtime/inference/auto.py); K at or above the number of MoE la
 
 from __future__ import annotations
 
-import hashlib
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -18,6 +16,8 @@ import torch
 
 from runtime.inference.auto import AutoOffloader
 from runtime.inference.errors import InferError
+from runtime.inference.expert_cache import (CACHE_GB, ScratchCopy, StoreHold, checkout, default_cache_root,
+                                            store_bytes)
 from runtime.inference.expert_source import ExpertSource
 from runtime.inference.load import LoadedModel, open_checkpoint
 from runtime.inference.offload import MODES, LayerStore, OnDemandOffloader, Offloader
@@ -28,18 +28,15 @@ from runtime.topology import set_cpu_threads
 
 @dataclass(frozen=True)
 class PlaceOptions:
-    """What a mode may take beside the model: its budget in layers, where a store is exported, prefetching."""
+    """What a mode may take beside the model: its budget in layers, where a store is exported (a directory of the
+    caller's, else the checkpoint's copy in the bounded cache: cache_root, cache_gb), prefetching."""
 
     ring_slots: int = 2
     cache_dir: Optional[Path] = None
     fingerprint: str = ""
     prefetch: bool = False
-
-
-def default_cache_dir(fingerprint: str) -> Path:
-    """Where a checkpoint's per-layer expert store is exported (reused while the checkpoint is unchanged)."""
-    digest = hashlib.sha1(fingerprint.encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "moesys-experts" / digest
+    cache_root: Optional[Path] = None
+    cache_gb: float = CACHE_GB
 
 
 def _resident(model: Transformer, device: torch.device, source: ExpertSource, options: PlaceOptions) -> Offloader:
@@ -60,23 +57,33 @@ def _auto(model: Transformer, device: torch.device, source: ExpertSource, option
     return offloader
 
 
-def _store(source: ExpertSource, options: PlaceOptions, moe_layers: int, device: torch.device) -> tuple[LayerStore,
-                                                                                                        Optional[Path]]:
-    """The experts exported one layer at a time into the on-disk store, and the directory to remove afterwards
-    (a private temp dir when nothing keys a reusable one)."""
-    scratch = options.cache_dir is None and not options.fingerprint
+def _store(source: ExpertSource, options: PlaceOptions, moe_layers: int,
+           device: torch.device) -> tuple[LayerStore, Optional[StoreHold]]:
+    """The experts exported one layer at a time into the on-disk store, and what the offloader lets go of when it
+    closes: the checkpoint's copy in the cache (held against eviction meanwhile), a private directory when nothing
+    keys a reusable one (removed), or nothing for a directory the caller gave."""
     if options.cache_dir is not None:
-        cache = Path(options.cache_dir)
+        hold, directory = None, Path(options.cache_dir)
+    elif not options.fingerprint:
+        hold = ScratchCopy()
+        directory = hold.directory
     else:
-        cache = Path(tempfile.mkdtemp(prefix="moesys-experts-")) if scratch else default_cache_dir(options.fingerprint)
-    LayerStore.export(source, cache, options.fingerprint)
-    return LayerStore(cache, moe_layers, pin=device.type == "cuda"), cache if scratch else None
+        need = store_bytes(source.stacked_specs(m) for m in range(source.num_layers))
+        hold = checkout(options.cache_root or default_cache_root(), options.fingerprint, need, options.cache_gb)
+        directory = hold.directory
+    try:
+        LayerStore.export(source, directory, options.fingerprint)
+        return LayerStore(directory, moe_layers, pin=device.type == "cuda"), hold
+    except BaseException:
+        if hold is not None:
+            hold.close()
+        raise
 
 
 def _ring(model: Transformer, device: torch.device, source: ExpertSource, options: PlaceOptions) -> Offloader:
     check_ring_slots(options.ring_slots, len(model.moe_layers()))
-    store, scratch = _store(source, options, len(model.moe_layers()), device)
-    offloader = RingOffloader(model, device, store, options.ring_slots, source, scratch)
+    store, hold = _store(source, options, len(model.moe_layers()), device)
+    offloader = RingOffloader(model, device, store, options.ring_slots, source, hold)
     model.to(device)
     return offloader
 
@@ -84,8 +91,8 @@ def _ring(model: Transformer, device: torch.device, source: ExpertSource, option
 def _ondemand(model: Transformer, device: torch.device, source: ExpertSource, options: PlaceOptions) -> Offloader:
     if not model.moe_layers():
         raise InferError("the model has no MoE layers to offload; use --offload none")
-    store, scratch = _store(source, options, len(model.moe_layers()), device)
-    offloader = OnDemandOffloader(model, device, store, source, scratch)
+    store, hold = _store(source, options, len(model.moe_layers()), device)
+    offloader = OnDemandOffloader(model, device, store, source, hold)
     model.to(device)
     return offloader
 
@@ -97,20 +104,23 @@ assert tuple(OFFLOADERS) == MODES
 
 def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slots: int = 2,
                    cache_dir: Optional[Path] = None, fingerprint: str = "",
-                   source: Optional[ExpertSource] = None, prefetch: bool = False) -> Offloader:
+                   source: Optional[ExpertSource] = None, prefetch: bool = False,
+                   cache_root: Optional[Path] = None, cache_gb: float = CACHE_GB) -> Offloader:
     """Place `model`'s experts on `device` under offload mode auto, ring, ondemand or none, and move the rest.
 
     `source` says where the experts lie (a checkpoint opened by `open_checkpoint`, whose model's experts are still
     on the meta device); without it they are the model's own resident experts. ring/ondemand export the experts
-    into the on-disk store (cache_dir; default from the fingerprint) one layer at a time; auto computes streamed
+    into the on-disk store one layer at a time: into cache_dir when given, else the fingerprinted checkpoint's copy
+    in the cache at cache_root (default_cache_root()) bounded by cache_gb (runtime/inference/expert_cache.py), else
+    a private directory removed on close; auto computes streamed
     layers from the source itself. auto takes any budget of at least one slot (more slots than MoE layers: all
     resident) and runs a model without MoE layers as none; ring checks 1 <= ring_slots <= MoE layers.
     """
     if mode not in OFFLOADERS:
         raise InferError(f"--offload {mode!r} is not one of {', '.join(MODES)}")
     source = source if source is not None else ExpertSource.from_model(model)
-    return OFFLOADERS[mode](model, torch.device(device), source, PlaceOptions(ring_slots, cache_dir, fingerprint,
-                                                                              prefetch))
+    options = PlaceOptions(ring_slots, cache_dir, fingerprint, prefetch, cache_root, cache_gb)
+    return OFFLOADERS[mode](model, torch.device(device), source, options)
 
 
 def fingerprint(path: Path) -> str:
@@ -132,7 +142,8 @@ class Opened:
         a store)."""
         inf = self.cfg.infer
         return make_offloader(self.loaded.model, inf.offload, self.device, inf.ring_slots, cache_dir,
-                              fingerprint(self.loaded.path), source=self.loaded.experts, prefetch=inf.prefetch)
+                              fingerprint(self.loaded.path), source=self.loaded.experts, prefetch=inf.prefetch,
+                              cache_root=Path(inf.cache_dir) if inf.cache_dir else None, cache_gb=inf.cache_gb)
 
 
 def open_for_inference(checkpoint: str | Path, resolve: Callable[[dict[str, Any], dict[str, Any]], Any],

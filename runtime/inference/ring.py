@@ -9,7 +9,6 @@ stream with events, or a background copy thread on CPU) while uses u+1..u+K-1 co
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -17,6 +16,7 @@ from torch import Tensor
 
 from runtime.inference.errors import InferError
 from runtime.inference.expert_source import ExpertSource
+from runtime.inference.expert_cache import StoreHold
 from runtime.inference.offload import LayerStore, SlotOffloader
 from runtime.model.transformer import Transformer
 
@@ -27,9 +27,9 @@ class RingOffloader(SlotOffloader):
     mode = "ring"
 
     def __init__(self, model: Transformer, device: torch.device, store: LayerStore, num_slots: int,
-                 source: Optional[ExpertSource] = None, scratch_dir: Optional[Path] = None):
+                 source: Optional[ExpertSource] = None, hold: Optional[StoreHold] = None):
         check_ring_slots(num_slots, len(model.moe_layers()))
-        super().__init__(model, device, store, num_slots, source, scratch_dir)
+        super().__init__(model, device, store, num_slots, source, hold)
         self.budget_slots = num_slots
         self.use = 0
         self.ready: list[Any] = [None] * num_slots  # Future (CPU) or torch.cuda.Event: the slot's copy is done

@@ -42,9 +42,10 @@ def split_heldout(cfg: MoesysConfig) -> DistillText:
     tokenizer (the teacher's)."""
     tokenizer, d, tr = run_tokenizer(cfg), cfg.distill, cfg.train
     data_name = source_name(tr.data, "train.data")
-    tokens = read_tokens(tr.data, tokenizer, "train.data", tr.data_text_key, run_cache_dir(cfg))
+    tokens = read_tokens(tr.data, tokenizer, "train.data", tr.data_text_key, run_cache_dir(cfg), tr.data_errors)
     if d.heldout_data:
-        heldout = read_tokens(d.heldout_data, tokenizer, "distill.heldout_data", tr.data_text_key, run_cache_dir(cfg))
+        heldout = read_tokens(d.heldout_data, tokenizer, "distill.heldout_data", tr.data_text_key, run_cache_dir(cfg),
+                              tr.data_errors)
         text = DistillText(tokens, heldout, f"distill.heldout_data={d.heldout_data}")
     else:
         cut = int(tokens.size * (1 - d.heldout_fraction))

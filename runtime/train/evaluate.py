@@ -84,7 +84,7 @@ def evaluation(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) 
     return evaluate
 
 
-EVAL_KEYS = ("seq_len", "eval_windows", "data_text_key", "micro_batch_size")
+EVAL_KEYS = ("seq_len", "eval_windows", "data_text_key", "data_errors", "micro_batch_size")
 """train.* keys `moesys eval` takes; the checkpoint's own values are the defaults."""
 
 
@@ -114,7 +114,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data: str, overrides: Optional[d
         raise DataError(f"train.seq_len={tr.seq_len} exceeds the model's {cfg.model.max_seq_len} positions")
     tokenizer = _tokenizer(loaded)
     if tokenizer is not None:
-        tokens = read_tokens(data, tokenizer, "data", tr.data_text_key)
+        tokens = read_tokens(data, tokenizer, "data", tr.data_text_key, errors=tr.data_errors)
     elif is_token_file(data):  # ids need no tokenizer; the model's vocabulary decides a .bin's dtype
         tokens = open_token_file(data, cfg.model.vocab_size, "data")
     else:

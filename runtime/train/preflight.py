@@ -64,7 +64,7 @@ def check_source(path: str | None, key: str, cfg: MoesysConfig, tokenizer: Token
         check_ids(tokens, cfg.model.vocab_size, name)
         return
     count = 0
-    for ids in encode_source(path, tokenizer, key, cfg.train.data_text_key):
+    for ids in encode_source(path, tokenizer, key, cfg.train.data_text_key, errors=cfg.train.data_errors):
         count += ids.size
         if count > seq_len:
             return

@@ -28,6 +28,15 @@ def run_moesys(*args: str, cwd: Path | None = None, timeout: float = 300) -> sub
     return subprocess.run([moesys_bin(), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
+def refused(*args: str) -> str:
+    """The one error line of a `moesys ARGS` that must exit 2 without a traceback."""
+    done = run_moesys(*args)
+    line = done.stderr.strip()
+    assert done.returncode == 2, (args, done.stdout[-1000:], line)
+    assert len(line.splitlines()) == 1 and line.startswith("error: ") and "Traceback" not in line, line
+    return line
+
+
 def losses(run_dir: Path) -> list[float]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["loss"] for line in lines if line.strip()]

@@ -1,6 +1,8 @@
 """`moesys bench`: an unknown benchmark or an override it would ignore is a one-line error; nested results render
 as flat rows."""
 
+import json
+
 import pytest
 
 from moesys_cli.bench import _rows
@@ -49,3 +51,32 @@ def test_the_serve_bench_under_a_short_load_fails_no_request_batched_or_not(tmp_
     for result in out["settings"].values():
         assert result["requests"] > 0 and result["failed"] == 0 and result["exit_code"] == 0
     assert out["batched_vs_one_at_a_time_requests_per_s"] > 0
+
+
+@pytest.mark.parametrize("name,steps", [("train", 1), ("elastic", 1), ("offload-train", 3)])
+def test_a_training_bench_takes_train_max_steps_or_refuses_too_few(name, steps):
+    proc = run_moesys("bench", name, f"train.max_steps={steps}")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"moesys bench {name} measures at least" in proc.stderr and f"train.max_steps={steps}" in proc.stderr
+
+
+SMALL_TRAIN = ["recipe=tiny", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
+               "model.num_experts=4", "train.seq_len=32", "train.micro_batch_size=2", "train.lr=0.003"]
+
+
+@pytest.mark.extended
+def test_bench_train_runs_the_steps_asked_in_alternating_rounds_and_reports_the_spread(tmp_path):
+    """12 torchrun jobs of 2 steps (about 5 minutes on 2 cores): every job ran train.max_steps steps (the bench
+    checks each job's metrics), and each ratio comes with its rounds and their spread."""
+    proc = run_moesys("bench", "train", *SMALL_TRAIN, "train.max_steps=2", "--json", cwd=tmp_path, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["steps"] == 2 and out["rounds"] == 3
+    for ratio in ("two_vs_one", "hierarchical_vs_flat"):
+        rounds, spread = out[f"{ratio}_rounds"], out[f"{ratio}_spread"]
+        assert len(rounds) == 3 and all(r > 0 for r in rounds)
+        assert spread == {"min": min(rounds), "median": sorted(rounds)[1], "max": max(rounds)}
+        assert out[ratio] == spread["median"]
+    for key in ("one_process_tokens_per_s", "two_process_tokens_per_s", "flat_tokens_per_s",
+                "hierarchical_tokens_per_s", "global_batch_tokens", "peak_flops", "one_process_mfu"):
+        assert out[key] > 0

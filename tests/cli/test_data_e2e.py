@@ -1,4 +1,4 @@
-"""Issue 30's training side as a user runs it, with the installed command and real torchrun workers: a tokenizer
+"""Training on one's own text as a user runs it, with the installed command and real torchrun workers: a tokenizer
 trained on their text, their corpus pre-tokenized, a run on the token file with held-out evaluation and the newest
 checkpoints kept, a resume point that is gone refused, `moesys eval` of the run giving the run's number, and the hf
 export carrying the tokenizer (AutoTokenizer's ids are moesys's; infer takes text). Bad input to each new key and
@@ -14,7 +14,7 @@ import pytest
 
 from runtime.data.text import CORPUS_DIR
 from runtime.data.tokenizer import load_tokenizer
-from tests.cli.conftest import FAST_TINY, run_moesys
+from tests.cli.conftest import FAST_TINY, refused, run_moesys
 
 MIXTRAL_STYLE = ["model.expert_type=swiglu", "model.norm=rmsnorm", "model.position=rope", "model.bias=false",
                  "model.tie_embeddings=false"]
@@ -25,14 +25,6 @@ def ok(*args: str) -> dict | None:
     done = run_moesys(*args)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout) if "--json" in args else None
-
-
-def refused(*args: str) -> str:
-    done = run_moesys(*args)
-    line = done.stderr.strip()
-    assert done.returncode == 2, (args, done.stdout[-1000:], line)
-    assert len(line.splitlines()) == 1 and line.startswith("error: ") and "Traceback" not in line, line
-    return line
 
 
 def steps(run_dir: Path) -> list[dict]:

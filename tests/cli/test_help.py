@@ -69,3 +69,14 @@ def test_the_readme_shows_every_verb_and_links_the_docs():
     readme = DOCS[0].read_text()
     assert [verb for verb in SHORT if f"\nmoesys {verb} " not in readme] == []  # one example per verb
     assert [p.name for p in DOCS[1:] if f"docs/{p.name}" not in readme and p.name != "README.md"] == []
+
+
+def test_code_and_tests_cite_what_they_mean_not_source_files_issue_numbers_or_design_notes():
+    """Docstrings and comments say the paper's section or the behaviour; a seed file, an issue or the design notes
+    outside the repository mean nothing to a reader of the code."""
+    reference = re.compile(r"seed 0\d\d|seeds?/|DESIGN\.md|\b[Ii]ssue \d+|\b[Ii]ssue's")
+    found = [f"{path.relative_to(ROOT)}:{number}: {m.group()}"
+             for top in ("runtime", "moesys_cli", "tests") for path in sorted((ROOT / top).rglob("*"))
+             if path.suffix in (".py", ".sh", ".md", ".yaml") and "__pycache__" not in path.parts
+             for number, line in enumerate(path.read_text().splitlines(), 1) for m in reference.finditer(line)]
+    assert not found, found

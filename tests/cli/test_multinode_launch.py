@@ -7,7 +7,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -17,6 +16,7 @@ from runtime.errors import UserError
 from runtime.launch import build_launch, check_node_address, rendezvous_join_s
 from runtime.node_watch import LostNodeWatch, reachable
 from runtime.files.paths import node_logs
+from tests.waiting import wait_until
 
 NODE = ["recipe=tiny", "launcher=multinode", "topology.nodes=2", "topology.expert_parallel=4",
         "launcher.rdzv_endpoint=10.1.2.3:29400"]
@@ -71,7 +71,8 @@ def test_a_node_whose_workers_ended_and_whose_rendezvous_is_gone_is_lost():
         assert reachable(open_endpoint)
     closed_endpoint = open_endpoint  # nothing listens there any more
     assert not reachable(closed_endpoint)
-    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # a torchrun with no workers
+    agent = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],  # a torchrun with no workers
+                             stdin=subprocess.PIPE)
     try:
         watch = LostNodeWatch(agent.pid, closed_endpoint, grace_s=0.0, probe_every_s=0.0)
         reason = watch.lost() or watch.lost()
@@ -132,10 +133,10 @@ def test_a_node_that_could_not_reach_node_0s_store_names_the_endpoint(tmp_path):
         assert message.startswith(expected) and "\n" not in message
 
 
-AGENT = ("import subprocess, sys, time\nsys.stdin.readline()\n"
-         "subprocess.run([sys.executable, '-c', 'import time; time.sleep(1)', 'runtime.train.worker'])\n"
-         "time.sleep(30)\n")
-"""A torchrun stand-in: no worker until a line arrives on its stdin, then one worker for a second."""
+AGENT = ("import subprocess, sys\nsys.stdin.readline()\n"
+         "subprocess.run([sys.executable, '-c', 'import sys; sys.stdin.readline()', 'runtime.train.worker'])\n"
+         "sys.stdin.read()\n")
+"""A torchrun stand-in: no worker until a line arrives on its stdin, then one worker until the next line."""
 
 
 def test_a_node_waits_the_join_grace_for_node_0_until_its_workers_ran_then_the_short_grace():
@@ -148,13 +149,15 @@ def test_a_node_waits_the_join_grace_for_node_0_until_its_workers_ran_then_the_s
         assert watch.lost() is None and watch.lost() is None  # node 0 may not be started yet
         agent.stdin.write("go\n")
         agent.stdin.flush()
-        deadline = time.monotonic() + 20
-        while not watch.started:
-            assert watch.lost() is None and time.monotonic() < deadline, "the worker never showed"
-            time.sleep(0.05)
-        while (reason := watch.lost()) is None:  # the worker ends after 1 s: now the short grace holds
-            assert time.monotonic() < deadline, "not lost after the worker ended"
-            time.sleep(0.05)
+
+        def worker_seen() -> bool:
+            assert watch.lost() is None
+            return watch.started
+
+        wait_until(worker_seen, what="the watch to see the worker", process=agent)
+        agent.stdin.write("end\n")
+        agent.stdin.flush()
+        reason = wait_until(watch.lost, what="the node to be lost once its worker ended (the short grace)")
         assert reason.startswith(f"this node's workers have ended and the rendezvous endpoint {closed_endpoint}")
     finally:
         agent.kill()

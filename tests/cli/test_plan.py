@@ -163,3 +163,15 @@ def test_the_plan_says_how_many_moe_layers_the_gpu_could_keep(tmp_path):
     table = run_moesys("plan", *shape, cwd=tmp_path)
     assert f"storage.resident_layers={fit} takes their update off the CPU optimizer" in " ".join(table.stdout.split())
     assert plan("topology.gpus_per_node=0")["placement"]["resident_layers_fit"] == 0  # no GPU: nothing leaves the CPU
+
+
+def test_compare_with_a_foreign_config_names_the_file(tmp_path):
+    for name, text in (("keys", "x: 1\nmodel: {}\n"), ("list", "- a\n- b\n"), ("torn", "model: [\n")):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text(text)
+        (run / "metrics.jsonl").write_text("")
+        out = run_moesys("plan", "--compare", str(run))
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"{run / 'config.yaml'} is not a moesys run's config" in lines[0], out.stderr

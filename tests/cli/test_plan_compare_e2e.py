@@ -1,5 +1,5 @@
 """`moesys plan --compare RUN_DIR` on a finished tiny run (2 CPU processes, as the user gets it): every rank's
-measured peak RAM within 20% of the plan's estimate (issue 15's target)."""
+measured peak RAM within 20% of the plan's estimate (how close the plan is meant to be)."""
 
 from __future__ import annotations
 

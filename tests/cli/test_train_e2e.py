@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -19,17 +18,14 @@ from runtime.files.run_dir import load_config
 from runtime.train.build import build_components
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint
 from tests.cli.conftest import FAST_TINY, losses, moesys_bin, run_moesys
+from tests.waiting import wait_until
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, "the job ended before the test could interrupt it"
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.exists() and len(losses(run_dir)) >= step:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no step {step} within {timeout} s")
+    """Until metrics.jsonl holds `step` steps; fails if the job ends first (before the test could interrupt it)."""
+    metrics = run_dir / "metrics.jsonl"
+    wait_until(lambda: metrics.exists() and len(losses(run_dir)) >= step, what=f"step {step} in {metrics}",
+               timeout=timeout, process=proc)
 
 
 def workers(run_dir: Path) -> list[psutil.Process]:

@@ -9,7 +9,6 @@ import re
 import shlex
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -20,6 +19,7 @@ from runtime.files.tensorfile import save_tensors
 from runtime.train.checkpoint import latest_checkpoint
 from tests.cli.conftest import FAST_TINY, losses, moesys_bin, run_moesys
 from tests.cli.test_train_e2e import wait_for_step, workers
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -56,11 +56,8 @@ def test_sigkill_of_the_command_group_ends_torchrun_and_the_workers(tmp_path, re
     assert len(workers(run_dir)) == 3  # torchrun and its two workers
     os.killpg(proc.pid, signal.SIGKILL)  # what an OOM killer or a scheduler may do
     proc.wait(timeout=30)
-    deadline = time.time() + 20
-    while job_processes(run_dir) and time.time() < deadline:
-        time.sleep(0.1)
-    left = job_processes(run_dir)
-    assert not left, [" ".join(p.cmdline()[:4]) for p in left]
+    wait_until(lambda: not job_processes(run_dir), timeout=30, what=lambda: "torchrun and the workers to end with "
+               f"the command; still running: {[' '.join(p.info['cmdline'][:4]) for p in job_processes(run_dir)]}")
 
 
 @pytest.mark.parametrize("sig, code", [pytest.param(signal.SIGINT, 130, id="SIGINT", marks=pytest.mark.extended),

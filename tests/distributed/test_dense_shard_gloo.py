@@ -1,4 +1,4 @@
-"""storage.dense_shard=true (seed 004 Algorithm 1) on 2 gloo processes against replicated dense states on the
+"""storage.dense_shard=true (the paper's Algorithm 1) on 2 gloo processes against replicated dense states on the
 same world: the same losses, and each rank holding about half of the dense parameter and AdamW bytes."""
 
 from __future__ import annotations

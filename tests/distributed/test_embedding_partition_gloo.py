@@ -1,4 +1,5 @@
-"""Multi-process (gloo, CPU) tests of the embedding partition (seed 004 section 4.3), started with torchrun.
+"""Multi-process (gloo, CPU) tests of the embedding partition (the paper's "Embedding Partition in Data Parallelism"),
+started with torchrun.
 
 Two ranks here; four ranks in test_embedding_partition_gloo_w4.py (one torchrun job per file keeps each short).
 """

@@ -1,5 +1,5 @@
 """storage.offload=ssd and cpu on 2 gloo processes (expert parallel, and replicated experts) against offload=none on
-the same world: identical losses (seed 004 section 3.2)."""
+the same world: identical losses (the paper's "Training Phase")."""
 
 from __future__ import annotations
 

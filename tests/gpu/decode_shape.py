@@ -1,4 +1,4 @@
-"""The decode issue's GPU measurements in one call that fits a short device lease: `moesys bench infer`'s systems at
+"""The decode step's GPU measurements in one call that fits a short device lease: `moesys bench infer`'s systems at
 its large shape (a 16-layer random bf16 Mixtral, 11.9 GB), each in a fresh process with its share of a time limit,
 beside its bandwidth bound, and a CUDA profile of the compiled static step (kernels, launches and GPU-busy share
 per token). Usage: python tests/gpu/decode_shape.py LIMIT_S SYSTEMS [SLOTS [SIZE]], SYSTEMS a comma list of none,

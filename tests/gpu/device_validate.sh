@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # GPU validation on a lent device machine (the device tool's `run`), in calls of under 9 minutes each, most important
 # first (a lease is 15 minutes of device time, starts included: A, then E, then C where time is left):
-#   bash tests/gpu/device_validate.sh A   # env, tests/gpu, offload-train at the offload issue's 2.43B shape (also
+#   bash tests/gpu/device_validate.sh A   # env, tests/gpu, offload-train at its 2.43B Mixtral shape (also
 #                                         # with as many MoE layers as the plan fits kept on the GPU)
-#   bash tests/gpu/device_validate.sh E   # the offload issue's other GPU acceptance: a model whose training states
+#   bash tests/gpu/device_validate.sh E   # offloaded training's other GPU check: a model whose training states
 #                                         # exceed the GPU (4 Mixtral layers, 5.6B expert parameters, 90 GB of
 #                                         # states) with storage=cpu against its plan, and the 2.43B shape at alpha
 #                                         # 0.25 (a one-token corpus: each layer's tokens all go to the same 2 of 8
 #                                         # experts)
-#   bash tests/gpu/device_validate.sh C   # bench infer at issue 28's 16-layer shape (K=4 of 16), bench serve
+#   bash tests/gpu/device_validate.sh C   # bench infer at its 16-layer shape (K=4 of 16), bench serve
 #   bash tests/gpu/device_validate.sh B   # bench moe-layer, ring, offload; tests/unit + tests/config
 #   bash tests/gpu/device_validate.sh D   # pinned H2D bandwidth, tiny training none/cpu/ssd and a big model vs plan
 #   bash tests/gpu/device_validate.sh F   # one call for a lease with little time: offload-train at the 2.43B shape

@@ -1,4 +1,4 @@
-"""The offload issue's GPU acceptance in one call: `moesys bench offload-train`'s runs at its 2.43B Mixtral shape
+"""Offloaded training's GPU check in one call: `moesys bench offload-train`'s runs at its 2.43B Mixtral shape
 (8 layers x 8 experts, H 2048, F 5632, bf16, 8,192 tokens a step), with fewer steps than the verb's default so that
 it fits a short device lease. Usage: python tests/gpu/offload_train_shape.py LIMIT_S VARIANTS [key=value ...]."""
 

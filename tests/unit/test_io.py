@@ -5,10 +5,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
 
 import pytest
 
-from runtime.io import atomic_file, atomic_write_text
+from runtime.io import atomic_file, atomic_write_text, remove_stale_temps, temp_prefix
 
 
 def test_the_file_appears_with_the_umask_mode_and_leaves_no_temporary(tmp_path):
@@ -38,3 +39,21 @@ def test_a_write_error_without_a_file_name_is_raised_naming_the_target(tmp_path)
             raise OSError(errno.ENOSPC, "No space left on device")  # what f.write raises on a full disk
     assert exc.value.errno == errno.ENOSPC and exc.value.filename == str(target)
     assert os.listdir(tmp_path) == []
+
+
+def test_stale_temporaries_of_dead_writers_go_and_nothing_else_does(tmp_path):
+    target = tmp_path / "out.bin"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    mine = temp_prefix(target)  # .out.bin.PID@HOST.
+    stale_file = tmp_path / f"{mine.replace(str(os.getpid()), str(dead.pid))}abc.tmp"
+    stale_dir = tmp_path / f"{mine.replace(str(os.getpid()), str(dead.pid))}dir.tmp"
+    stale_file.write_bytes(b"x")
+    stale_dir.mkdir()
+    (stale_dir / "shard").write_bytes(b"x")
+    kept = [tmp_path / f"{mine}live.tmp", tmp_path / ".out.bin.abc.tmp", tmp_path / ".other.bin.1.tmp",
+            tmp_path / f".out.bin.{dead.pid}@elsewhere.abc.tmp"]
+    for path in kept:
+        path.write_bytes(b"x")
+    assert sorted(remove_stale_temps(target)) == sorted([stale_file, stale_dir])
+    assert sorted(tmp_path.iterdir()) == sorted(kept)

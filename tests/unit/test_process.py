@@ -8,13 +8,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import psutil
 import pytest
 
 from runtime.process import LauncherJob, TorchrunLogs, exception_line, first_failure
+from tests.waiting import wait_until
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
@@ -95,26 +96,21 @@ def test_logs_of_earlier_launches_are_not_this_ones(tmp_path):
 PARENT_EXITS = """
 import subprocess, sys
 child = subprocess.Popen([sys.executable, "-c", '''
-import os, signal, time
+import os, signal
 from runtime.process import die_with_parent
 die_with_parent(signal.SIGKILL, os.getppid())
 print(os.getpid(), flush=True)
-time.sleep(120)
+signal.pause()
 '''], stdout=subprocess.PIPE, text=True)
 print(child.stdout.readline().strip(), flush=True)
 """
 
 
-def gone(pid: int, timeout: float) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 @linux_only
@@ -122,9 +118,9 @@ def test_a_process_tied_to_its_parent_dies_when_the_parent_exits():
     out = subprocess.run([sys.executable, "-c", PARENT_EXITS], capture_output=True, text=True, timeout=60)
     child = int(out.stdout.strip())
     try:
-        assert gone(child, timeout=10), "the child outlived its parent"
+        wait_until(lambda: gone(child), what="the child to die with its parent (it would run on until a signal)")
     finally:
-        if not gone(child, 0):
+        if not gone(child):
             os.kill(child, signal.SIGKILL)
 
 
@@ -135,22 +131,24 @@ def test_a_process_whose_parent_already_changed_dies_at_once():
 
 
 SIGTERM_EXITS_7 = """
-import signal, sys, time
+import signal, sys
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
-{ignore}
+{handle}
 print("ready", flush=True)
-time.sleep(60)
+while True:
+    signal.pause()
 """
+"""A command that runs until a signal ends it: SIGTERM with exit code 7, unless `handle` says otherwise."""
+
+NOTES = "signal.signal(signal.{0}, lambda *a: print('got {0}', flush=True))"
+"""A handler that notes the signal in the log and goes on running."""
 
 
-def start_job(tmp_path: Path, ignore: str = "", **kwargs) -> LauncherJob:
+def start_job(tmp_path: Path, handle: str = "", **kwargs) -> LauncherJob:
     log = tmp_path / f"job-{len(list(tmp_path.iterdir()))}.log"
-    job = LauncherJob([sys.executable, "-c", SIGTERM_EXITS_7.format(ignore=ignore)], log, **kwargs)
+    job = LauncherJob([sys.executable, "-c", SIGTERM_EXITS_7.format(handle=handle)], log, **kwargs)
     job.__enter__()
-    deadline = time.time() + 30
-    while "ready" not in log.read_text():
-        assert time.time() < deadline and job.proc.poll() is None, log.read_text()
-        time.sleep(0.02)
+    wait_until(lambda: "ready" in log.read_text(), what="the command to start", process=job.proc, log=log)
     return job
 
 
@@ -164,22 +162,30 @@ def test_a_stop_signal_is_forwarded_once_and_a_second_one_kills(tmp_path):
         job.__exit__(None, None, None)
     assert signal.getsignal(signal.SIGTERM) != job._on_signal  # the handlers are restored
 
-    job = start_job(tmp_path, ignore="signal.signal(signal.SIGINT, signal.SIG_IGN)")
+    job = start_job(tmp_path, handle=NOTES.format("SIGINT"))
     try:
         os.kill(os.getpid(), signal.SIGINT)
-        assert job.wait(timeout=1) is None  # ignored by the command
+        wait_until(lambda: "got SIGINT" in job.log_path.read_text(), what="the command to get the first SIGINT",
+                   process=job.proc, log=job.log_path)
+        assert job.proc.poll() is None  # it handled the signal and runs on
         os.kill(os.getpid(), signal.SIGINT)
         assert job.wait(timeout=30) == -signal.SIGKILL and job.stop_signal == signal.SIGINT
     finally:
         job.__exit__(None, None, None)
+    assert job.log_path.read_text().count("got SIGINT") == 1  # the second was not forwarded: it killed
 
 
 def test_leaving_the_block_stops_a_command_that_ignores_sigterm_within_the_grace(tmp_path):
     # As a torchrun blocked in a network call: SIGTERM is never handled, so the stop must not wait for it.
-    job = start_job(tmp_path, ignore="signal.signal(signal.SIGTERM, signal.SIG_IGN)", stop_grace_s=0.5)
-    started = time.monotonic()
-    job.__exit__(None, None, None)
-    assert time.monotonic() - started < 10
+    job = start_job(tmp_path, handle="signal.signal(signal.SIGTERM, signal.SIG_IGN)", stop_grace_s=0.5)
+    hung = threading.Event()
+    backstop = threading.Timer(60, lambda: (hung.set(), job.proc.kill()))  # ends a stop that would hang forever
+    backstop.start()
+    try:
+        job.__exit__(None, None, None)
+    finally:
+        backstop.cancel()
+    assert not hung.is_set(), "leaving the block waited on a command that ignores SIGTERM"
     assert job.proc.returncode == -signal.SIGKILL
 
     job = start_job(tmp_path)  # one that handles it exits on its own, gently

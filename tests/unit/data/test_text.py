@@ -83,3 +83,19 @@ def test_missing_empty_and_txt_less_sources(tmp_path):
     (tmp_path / "d").mkdir()
     with pytest.raises(DataError, match=r"holds no \*\.txt"):
         read_text_bytes(tmp_path / "d")
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 5, 4096])
+def test_utf8_is_checked_across_block_edges_and_names_the_bad_byte_in_the_file(tmp_path, monkeypatch, block):
+    monkeypatch.setattr(text, "BLOCK", block)
+    good = tmp_path / "good.txt"
+    good.write_text("naïve café ünïcode € 𝄞 text")
+    assert read_text_bytes(good) == good.read_bytes()
+    for raw, offset, byte in ((b"ab\xe2\x82", 2, "byte 0xe2"), (b"abc\xe2\x28\xa1", 3, "byte 0xe2"),
+                              (b"caf\xc3\xa9 \x00", 6, "byte 0x00")):
+        bad = tmp_path / "bad.txt"
+        bad.write_bytes(raw)
+        with pytest.raises(DataError, match=f"is not UTF-8 text: {byte} at offset {offset}"):
+            read_text_bytes(bad)
+    bad.write_bytes(b"caf\xe9 ok \xff\xfe end")
+    assert read_text_bytes(bad, errors="replace") == b"caf\xe9 ok \xff\xfe end".decode(errors="replace").encode()

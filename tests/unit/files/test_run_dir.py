@@ -92,9 +92,10 @@ def test_a_run_dir_in_use_is_refused_and_freed_when_its_holder_dies(tmp_path):
         RunLock(tmp_path)
     lock.release()
     RunLock(tmp_path).release()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from runtime.files.run_dir import RunLock; "
-                               f"lock = RunLock({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from runtime.files.run_dir import RunLock; "
+                               f"lock = RunLock({str(tmp_path)!r}); print('held', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[2])  # holds it until killed or its stdin closes
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(UserError, match="in use"):
         RunLock(tmp_path)

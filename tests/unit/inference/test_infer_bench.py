@@ -1,6 +1,6 @@
 """`moesys bench infer` at a tiny shape: every system (transformers, transformers + accelerate's disk offload,
 moesys none/auto/ring and none through the forward per token) decodes the same greedy tokens, accelerate really offloaded the streamed layers' experts to
-its folder, the ratios the issue targets are reported, and so are each moesys mode's profiler counts and every
+its folder, the speed ratios between the systems are reported, and so are each moesys mode's profiler counts and every
 system's bandwidth bound. No timing is asserted."""
 
 import pytest

@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 from runtime.bench import infer as bench
+from runtime.inference.random_checkpoint import write_random_mixtral
 
 
 def hang(*args, **kwargs):
@@ -21,7 +26,22 @@ def test_a_worker_past_its_time_limit_is_an_error_row(monkeypatch):
 def test_the_capped_cli_past_its_time_limit_is_an_error_row(monkeypatch, tmp_path):
     monkeypatch.setattr(bench.subprocess, "run", hang)
     result = bench._infer_cli(tmp_path, slots=1, new_tokens=4, timeout=7)
-    assert result == {"error": "moesys infer ran past its 7 s limit and was killed"}
+    assert result == {"error": "_auto_worker ran past its 7 s limit and was killed"}
+
+
+def test_the_capped_infer_runs_with_no_moesys_command_on_path(tmp_path):
+    """A virtual environment's python run by its path, not activated: the bench's `moesys infer --offload auto`
+    must not look for a `moesys` command on PATH."""
+    write_random_mixtral(tmp_path / "mixtral", 64, 128, 2, 4, 256, heads=4)
+    path = [d for d in os.environ["PATH"].split(os.pathsep) if d and not (Path(d) / "moesys").exists()]
+    code = ("import json, sys; from runtime.bench import infer as b; "
+            "print(json.dumps(b._infer_cli(sys.argv[1], slots=1, new_tokens=3)))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "mixtral")], capture_output=True, text=True,
+                          env=dict(os.environ, PATH=os.pathsep.join(path)), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "error" not in result, result
+    assert len(result["tokens"]) == 1 and len(result["tokens"][0]) == 3 and result["placement"]
 
 
 def test_cold_runs_evict_the_checkpoint_without_root(tmp_path):

@@ -1,4 +1,4 @@
-"""Dense parameter sharding (seed 004 Algorithm 1) in one process: flat layout, prefetch order, freeing, and
+"""Dense parameter sharding (the paper's Algorithm 1) in one process: flat layout, prefetch order, freeing, and
 training and checkpoints equal to replicated dense states (the 2-process tests are in tests/distributed)."""
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ import http.client
 import json
 import socket
 import threading
-import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -17,6 +16,7 @@ from runtime.serving import app
 from runtime.serving.server import BackgroundServer
 from runtime.serving.service import open_service
 from tests.trained_run import train_run_dir
+from tests.waiting import wait_until
 
 INFER = {"max_new_tokens": 6, "ring_slots": 1}
 
@@ -249,29 +249,33 @@ def test_a_body_that_does_not_arrive_is_refused_in_time(run_dir, monkeypatch):
         assert sock.recv(4096).startswith(b"HTTP/1.1 408")
 
 
-def _slowed(server: BackgroundServer, monkeypatch, seconds: float) -> BackgroundServer:
-    """Each forward of the served model takes `seconds` more: a 46-token answer outlasts its client by far."""
-    model = server.service.loaded.model
-    forward = model.forward
+def _outlasting(server: BackgroundServer, monkeypatch) -> threading.Event:
+    """While the returned event is set, an answer stops after its first token (its prefill) until its client has
+    gone and its job is cancelled: it outlasts its client however fast the machine."""
+    worker = server.service.worker
+    submit, decode, jobs, holding = worker.submit, worker.batch.step, [], threading.Event()
 
-    def slow_forward(*args, **kwargs):
-        time.sleep(seconds)
-        return forward(*args, **kwargs)
+    def submitted(job):
+        jobs.append(job)
+        submit(job)
 
-    monkeypatch.setattr(model, "forward", slow_forward)
-    return server
+    def held_decode():
+        if holding.is_set():
+            job = jobs[-1]
+            wait_until(lambda: job.cancelled, what="the client to leave and its answer to be cancelled")
+        return decode()
 
-
-def _until(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+    monkeypatch.setattr(worker, "submit", submitted)
+    monkeypatch.setattr(worker.batch, "step", held_decode)
+    holding.set()
+    return holding
 
 
 def test_clients_leaving_mid_answer_cancel_it_and_the_server_keeps_serving(run_dir, monkeypatch):
-    with _slowed(_server(run_dir, "ring"), monkeypatch, 0.05) as url:
-        for stream_it in (True, False):
+    server = _server(run_dir, "ring")
+    holding = _outlasting(server, monkeypatch)
+    with server as url:
+        for left, stream_it in enumerate((True, False), 1):
             body = json.dumps({"prompt": "x", "max_tokens": 46, "stream": stream_it}).encode()
             with _raw(url, b"Content-Length: %d\r\n" % len(body), body) as sock:
                 if stream_it:  # leave after the first token
@@ -282,7 +286,11 @@ def test_clients_leaving_mid_answer_cancel_it_and_the_server_keeps_serving(run_d
                         received += chunk
                     assert received.startswith(b"HTTP/1.1 200")
                 else:  # leave once the generation has begun
-                    _until(lambda: post(url, b"", "/health", "GET")[1]["running"] == 1)
+                    wait_until(lambda: post(url, b"", "/health", "GET")[1]["running"] == 1,
+                               what="the generation to begin")
+            wait_until(lambda: post(url, b"", "/health", "GET")[1]["cancelled"] == left,
+                       what="the answer its client left to be cancelled")
+        holding.clear()
         status, got = post(url, {"prompt": "the weather"})
         assert status == 200
         assert got["choices"][0]["token_ids"] == run_inference(run_dir, INFER, prompts=["the weather"],
@@ -312,18 +320,18 @@ def test_a_dead_worker_is_a_503_and_health_says_so(run_dir, monkeypatch):
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_hung_generation_times_out_with_504_and_health_says_stuck_until_it_ends(run_dir, monkeypatch, streamed):
     server = _server(run_dir, request_timeout_s=1)
-    release = threading.Event()
+    release, returned = threading.Event(), threading.Event()
     model = server.service.loaded.model
     forward = model.forward
 
     def hung_forward(*args, **kwargs):  # a forward that does not come back until released
         assert release.wait(60)
+        returned.set()
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward", hung_forward)
     with server as url:
         try:
-            started = time.monotonic()
             if streamed:  # the stream has begun (200): the timeout is its last event
                 chunks, done = stream(url, {"prompt": "hi", "max_tokens": 2})
                 message = chunks[-1]["error"]["message"]
@@ -333,15 +341,15 @@ def test_a_hung_generation_times_out_with_504_and_health_says_stuck_until_it_end
                 message = got["error"]["message"]
                 assert status == 504
             assert "no answer within serve.request_timeout_s=1 s" in message
-            assert time.monotonic() - started < 10
-            _until(lambda: post(url, b"", "/health", "GET")[1]["status"] == "stuck")
+            assert not returned.is_set()  # answered while the forward still hangs
+            wait_until(lambda: post(url, b"", "/health", "GET")[1]["status"] == "stuck", what="health to say stuck")
             status, health = post(url, b"", "/health", "GET")
             assert status == 503 and health["running"] == 1
             status, got = post(url, {"prompt": "hi", "stream": True})
             assert status == 503 and "more than serve.request_timeout_s=1 s" in got["error"]["message"]
         finally:
             release.set()
-        _until(lambda: post(url, b"", "/health", "GET")[1]["status"] == "ok")
+        wait_until(lambda: post(url, b"", "/health", "GET")[1]["status"] == "ok", what="health to say ok again")
         status, got = post(url, {"prompt": "hi", "max_tokens": 2})
         assert status == 200 and len(got["choices"][0]["token_ids"]) == 2
         health = post(url, b"", "/health", "GET")[1]

@@ -3,7 +3,6 @@ drops sequences whose clients have gone; a bounded queue, a bounded stop that re
 fails every job held; the protocol's field checks and streamed text pieces."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from runtime.serving.protocol import CompletionRequest, Defaults, RequestError, 
 from runtime.serving.responses import TextStream
 from runtime.serving.worker import Cancelled, GenerationWorker, ServeJob, Stopped, WorkerDied
 from runtime.data.tokenizer import ByteTokenizer
+from tests.waiting import wait_until
 
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, vocab_size=256, ffn_hidden_size=64, num_experts=4,
                    top_k=2, max_seq_len=48)
@@ -143,11 +143,16 @@ def test_a_client_leaving_a_batch_that_goes_on_counts_as_cancelled():
 
 def test_stop_cancels_a_batch_that_outlasts_its_timeout():
     worker = _worker()
-    slow = Answer()
-    # 45 tokens of 0.1 s each: far longer than the stop's timeout
-    worker.submit(ServeJob(_request([1, 2, 3], max_tokens=45), slow.finish,
-                           on_token=lambda i, out, piece: time.sleep(0.1)))
-    time.sleep(0.2)  # the generation is under way
+    slow, under_way = Answer(), threading.Event()
+    job = ServeJob(_request([1, 2, 3], max_tokens=45), slow.finish)
+
+    def outlasting(index, out, piece):  # the first token does not leave the step until the stop cancels the job
+        under_way.set()
+        wait_until(lambda: job.cancelled, what="the stop to cancel the batch")
+
+    job.on_token = outlasting
+    worker.submit(job)
+    assert under_way.wait(30)
     assert worker.stop(1.0)
     assert isinstance(slow.wait().error, Cancelled) and worker.cancelled == 1
 

@@ -1,4 +1,4 @@
-"""Algorithm 2 (seed 004) on scripted access sequences with hand-computed hits, evictions and decays."""
+"""The paper's Algorithm 2 on scripted access sequences with hand-computed hits, evictions and decays."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ fsynced)."""
 from __future__ import annotations
 
 import os
-import time
+import threading
 
 import pytest
 import torch
@@ -66,14 +66,15 @@ def test_one_write_job_per_layer_with_updates_and_reads_wait_for_it(tmp_path):
     model, engine = offloaded(store, layers=3)  # nothing cached: every updated expert goes home to SSD
     home = engine.home
     home.spare_slots = 0  # the test compares with slots written home: no read may take their memory over
-    real_write = store.write
+    real_write, reader_came = store.write, threading.Event()
 
-    def slow_write(key, slot):  # the batch is still being written when the reader comes
-        time.sleep(0.05)
+    def held_write(key, slot):  # the batch is still being written when the reader comes
+        assert reader_came.wait(60), "no reader came for the batch"
         real_write(key, slot)
 
-    store.write = slow_write
+    store.write = held_write
     for step, idle_layer in enumerate([None, 1]):
+        reader_came.clear()
         keys = forward_backward(model, engine, lambda i: {(i + step) % 4, (i + step + 1) % 4})
         if idle_layer is not None:  # drop one layer's gradients: it has no update this step
             keys = [k for k in keys if k[0] != idle_layer]
@@ -84,6 +85,8 @@ def test_one_write_job_per_layer_with_updates_and_reads_wait_for_it(tmp_path):
         engine.wait_step()
         assert len(keys) == 2 * len({k[0] for k in keys})
         assert home.writes.jobs - jobs == len({k[0] for k in keys})  # one job per layer with updated experts
+        assert home.writes.pending(keys[0])
+        reader_came.set()
         for key in keys:
             back = home._read(key)  # waits for the job writing it
             assert float(back.step) == step + 1

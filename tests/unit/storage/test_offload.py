@@ -1,5 +1,6 @@
 """Offloaded experts train exactly like resident ones: same losses as offload=none, resume from a checkpoint
-taken while the SSD store ran ahead, only active experts fetched and stepped (seed 004 section 3.2, seed 002)."""
+taken while the SSD store ran ahead, only active experts fetched and stepped (the paper's "Training Phase";
+the ZeRO-3 offloading thesis)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The real training loop with storage.offload=ssd: same losses as offload=none, and a crash after the store ran past
-the last checkpoint resumes to the same losses (seed 004 section 3.2)."""
+the last checkpoint resumes to the same losses (the paper's "Training Phase")."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ def test_wait_for_returns_after_the_last_write_of_that_key():
     def write(key, value, block=False):
         def job():
             if block:
-                gate.wait(5)
+                assert gate.wait(60), "the gate was never opened"
             disk[key] = value
         return job
 
@@ -25,7 +25,7 @@ def test_wait_for_returns_after_the_last_write_of_that_key():
     writes.submit("b", write("b", 1))
     writes.submit("a", write("a", 2))
     assert writes.pending("a") and "a" not in disk
-    threading.Timer(0.05, gate.set).start()
+    gate.set()  # the reader comes while the first write of "a" still runs: its wait covers the second one too
     writes.wait_for("a")
     assert disk == {"a": 2, "b": 1} and not writes.pending("a")
     writes.close()
