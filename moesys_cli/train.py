@@ -32,7 +32,9 @@ from runtime.plan.planner import keep_layers_hint, plan_placement
 from runtime.train.preflight import check_before_launch
 from runtime.plan.placement import record as record_placement
 from runtime.files.resume import apply_resume_from, chosen_checkpoint
+from runtime.data.chat_source import prepare_chat_data
 from runtime.data.pretokenize import prepare_run_data
+from runtime.data.tokenizer import run_tokenizer
 
 TOKENIZE_BAR_BYTES = 16 << 20
 """Text sources smaller than this are tokenized before launch without a progress bar."""
@@ -89,6 +91,9 @@ def run_job(cfg: MoesysConfig, resume_command: str, quiet: bool,
         console.print(moved, markup=False, highlight=False)
     with ByteProgress(quiet, smallest=TOKENIZE_BAR_BYTES) as progress:
         prepare_run_data(cfg, progress)  # tokenizer.json, and text sources tokenized once for every rank
+    for note in prepare_chat_data(cfg, run_tokenizer(cfg)):  # chat sources rendered and encoded once, likewise
+        if not quiet:
+            notice(note)
     if prepare is not None:
         prepare(run_dir)
     clear_fatal(run_dir)

@@ -156,10 +156,38 @@ def init_from_starts_a_language_model(cfg: MoesysConfig) -> list[str]:
     return []
 
 
+def freeze_applies(cfg: MoesysConfig) -> list[str]:
+    """train.freeze names sets of a language model's parameters: multi-task heads replace its output layer, and a
+    column-partitioned embedding is a layout for training the table."""
+    freeze = cfg.train.freeze
+    if freeze and cfg.tasks:
+        return ["train.freeze applies to a language model, and this config has tasks (multi-task heads); set "
+                "train.freeze=[]"]
+    if "embeddings" in freeze and cfg.model.embedding_partition:
+        return ["train.freeze=[embeddings] leaves the table as it is, and model.embedding_partition=true splits it for "
+                "training it; set one of them"]
+    return []
+
+
+def chat_data_is_jsonl(cfg: MoesysConfig) -> list[str]:
+    """train.data_format=chat reads .jsonl files of conversations, and a language model's (no tasks, no teacher)."""
+    tr = cfg.train
+    if tr.data_format != "chat":
+        return []
+    problems = [f"train.data_format=chat reads a .jsonl file of chat records; {key}={path} is not one"
+                for key, path in (("train.data", tr.data), ("train.eval_data", tr.eval_data))
+                if (key == "train.data" or path) and not str(path).lower().endswith(".jsonl")]
+    if cfg.tasks or cfg.distill.teacher:
+        problems.append("train.data_format=chat trains a language model on conversations; multi-task heads and "
+                        "moesys distill read text (set train.data_format=text)")
+    return problems
+
+
 CROSS_SECTION_RULES: tuple[Callable[[MoesysConfig], list[str]], ...] = (
     experts_split_over_ranks, node_rank_in_range, endpoint_reachable, hierarchical_spans_nodes,
     embedding_columns_split, vocab_holds_bytes, eval_needs_language_model, sequence_fits_model,
     distillation_student, resident_layers_leave_some_offloaded, init_from_starts_a_language_model,
+    chat_data_is_jsonl, freeze_applies,
 )
 """The rules that read more than one section, in the order their messages are listed."""
 

@@ -155,6 +155,16 @@ class TrainConfig(ConfigSection):
     """Training data: a text file, a directory of *.txt files, a .jsonl file (one JSON object a line, its text under
     train.data_text_key), or a token file (.bin: raw uint16 ids, uint32 for a vocabulary over 65,536; .npy of uint16
     or uint32) read through a memory map; None uses the corpus shipped with moesys."""
+    data_format: Annotated[str, Literal["auto", "text", "chat"]] = "auto"
+    """How train.data and train.eval_data are read: text (a token stream cut into windows), chat (a .jsonl of
+    OpenAI-style messages or prompt/completion records, rendered with the chat template, the loss on the assistant's
+    tokens only), or auto: chat for a .jsonl whose first record has messages or a prompt and a completion."""
+    pack: bool = True
+    """Chat data: several samples to a row of train.seq_len positions, attention kept within each sample and
+    positions restarting in each; false: one sample a row, padded."""
+    long_samples: Annotated[str, Literal["cut", "refuse"]] = "cut"
+    """Chat data: a sample longer than train.seq_len + 1 tokens is cut to it (their count is said once before
+    training), or refused before training starts."""
     data_text_key: str = "text"
     """The key of each .jsonl record that holds its text (train.data, train.eval_data)."""
     data_errors: Annotated[str, Literal["strict", "replace"]] = "strict"

@@ -25,12 +25,14 @@ from runtime.parallel.embedding_partition import partition_embedding, partitione
 from runtime.parallel.expert_parallel import shard_experts
 from runtime.parallel.groups import ParallelGroups
 from runtime.storage.offload_engine import OffloadEngine, offload_from_config
+from runtime.data.chat_records import is_chat
+from runtime.data.chat_source import open_chat_dataset
 from runtime.data.dataset import open_dataset
 from runtime.plan.placement import Placement, decide
 from runtime.train.distill import Distillation
 from runtime.train.freeze import freeze
 from runtime.train.init_from import InitialWeights
-from runtime.train.objective import LanguageModel, Objective
+from runtime.train.objective import ChatLanguageModel, LanguageModel, Objective
 from runtime.train.parts import (OffloadedExperts, Part, PartitionedEmbeddingPart, Replicated, ShardedDense,
                                  TaskHeads)
 from runtime.train.tasks import MultiTask, add_heads_to_optimizer, build_multitask
@@ -158,6 +160,9 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
         objective = tasks
     elif cfg.distill.teacher:  # moesys distill: the student also matches a frozen teacher's soft targets
         objective = Distillation.from_config(cfg, groups, device)
+    elif is_chat(cfg.train.data, cfg.train.data_format):  # loss on the assistant's tokens of packed samples
+        objective = ChatLanguageModel(open_chat_dataset(cfg, run_tokenizer(cfg), "train.data", cfg.train.data),
+                                      groups, cfg.train.micro_batch_size, cfg.train.seq_len)
     else:
         objective = LanguageModel(open_dataset(cfg, run_tokenizer(cfg), "train.data", cfg.train.data),
                                   groups, cfg.train.micro_batch_size, cfg.train.seq_len)
