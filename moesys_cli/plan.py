@@ -52,15 +52,16 @@ def plan(overrides: Overrides = None, json_out: Json = False, compare: Compare =
     for warning in result["warnings"]:
         warn(warning)
     if json_out:
-        print_json({"recipe": cfg.recipe, **result})
+        print_json({"recipe": cfg.recipe, "init_from": cfg.train.init_from, **result})
     else:
-        _render(cfg.recipe, result, hint)
+        _render(cfg.recipe, result, hint, cfg.train.init_from)
     raise typer.Exit(0 if result["feasible"] else 1)
 
 
-def _render(recipe: str | None, r: dict, hint: str | None = None) -> None:
+def _render(recipe: str | None, r: dict, hint: str | None = None, init_from: str | None = None) -> None:
     p = r["params"]
-    console.print(f"[bold]moesys plan[/] recipe={literal(recipe)}: {human_count(p['total'])} parameters "
+    source = f" train.init_from={literal(init_from)}" if init_from else ""
+    console.print(f"[bold]moesys plan[/] recipe={literal(recipe)}{source}: {human_count(p['total'])} parameters "
                   f"(dense D {human_count(p['dense'])}, sparse S {human_count(p['sparse'])}, "
                   f"active/token {human_count(p['active'])}, embedding {human_count(p['embedding'])})")
     b = r["budget"]

@@ -204,9 +204,18 @@ def resolve_config(overrides: list[str] | tuple[str, ...] = ()) -> MoesysConfig:
     assert isinstance(cfg, MoesysConfig)
     if cfg.topology.detect:
         _apply_machine(cfg)
+    if cfg.train.init_from:  # the model section is the checkpoint's; only the user's own model.* keys are checked
+        from runtime.train.init_from import apply_init_from
+
+        apply_init_from(cfg, explicit_keys(overrides))
     resolve_auto(cfg)
     validate(cfg)
     return cfg
+
+
+def explicit_keys(overrides: list[str] | tuple[str, ...]) -> set[str]:
+    """The dotted keys (and groups) the user set on the command line, as opposed to a recipe's or the defaults'."""
+    return {o.partition("=")[0].lstrip("+~") for o in overrides} - {"recipe"}
 
 
 def lr_warning(cfg: MoesysConfig, overrides: list[str] | tuple[str, ...]) -> str | None:

@@ -94,6 +94,10 @@ def embedding_columns_split(cfg: MoesysConfig) -> list[str]:
 def vocab_holds_bytes(cfg: MoesysConfig) -> list[str]:
     """Training on the byte tokenizer needs a vocabulary of at least its 256 byte ids."""
     vocab = cfg.model.vocab_size
+    if cfg.purpose == "train" and cfg.train.tokenizer == "bytes" and vocab < BYTE_VOCAB and cfg.train.init_from:
+        return [f"train.init_from={cfg.train.init_from} has no tokenizer.json and a vocabulary of {vocab} tokens, "
+                f"fewer than the byte tokenizer's {BYTE_VOCAB} (train.tokenizer=bytes); set train.tokenizer to the "
+                "model's tokenizer.json"]
     if cfg.purpose == "train" and cfg.train.tokenizer == "bytes" and vocab < BYTE_VOCAB:
         from runtime.data.tokenizer import SPECIAL_VOCAB  # the data package reads this one at import
 
@@ -133,10 +137,60 @@ def distillation_student(cfg: MoesysConfig) -> list[str]:
     return p
 
 
+def fine_tune_has_weights(cfg: MoesysConfig) -> list[str]:
+    """recipe=finetune starts from a model's weights: without train.init_from there is no model to fine-tune."""
+    if cfg.recipe == "finetune" and not cfg.train.init_from:
+        return ["recipe=finetune fine-tunes a model: set train.init_from=DIR (a Hugging Face model directory, or a "
+                "moesys run or export)"]
+    return []
+
+
+def init_from_starts_a_language_model(cfg: MoesysConfig) -> list[str]:
+    """train.init_from loads a language model's weights, which a distillation student (its weights come from the
+    teacher) and multi-task heads (they replace the output layer) do not take."""
+    if not cfg.train.init_from:
+        return []
+    if cfg.distill.teacher:
+        return ["train.init_from and moesys distill both choose the starting weights (the student's come from the "
+                "teacher); drop train.init_from"]
+    if cfg.tasks:
+        return ["train.init_from loads a language model, and this config has tasks (multi-task heads); set "
+                "train.init_from=null"]
+    return []
+
+
+def freeze_applies(cfg: MoesysConfig) -> list[str]:
+    """train.freeze names sets of a language model's parameters: multi-task heads replace its output layer, and a
+    column-partitioned embedding is a layout for training the table."""
+    freeze = cfg.train.freeze
+    if freeze and cfg.tasks:
+        return ["train.freeze applies to a language model, and this config has tasks (multi-task heads); set "
+                "train.freeze=[]"]
+    if "embeddings" in freeze and cfg.model.embedding_partition:
+        return ["train.freeze=[embeddings] leaves the table as it is, and model.embedding_partition=true splits it for "
+                "training it; set one of them"]
+    return []
+
+
+def chat_data_is_jsonl(cfg: MoesysConfig) -> list[str]:
+    """train.data_format=chat reads .jsonl files of conversations, and a language model's (no tasks, no teacher)."""
+    tr = cfg.train
+    if tr.data_format != "chat":
+        return []
+    problems = [f"train.data_format=chat reads a .jsonl file of chat records; {key}={path} is not one"
+                for key, path in (("train.data", tr.data), ("train.eval_data", tr.eval_data))
+                if (key == "train.data" or path) and not str(path).lower().endswith(".jsonl")]
+    if cfg.tasks or cfg.distill.teacher:
+        problems.append("train.data_format=chat trains a language model on conversations; multi-task heads and "
+                        "moesys distill read text (set train.data_format=text)")
+    return problems
+
+
 CROSS_SECTION_RULES: tuple[Callable[[MoesysConfig], list[str]], ...] = (
     experts_split_over_ranks, node_rank_in_range, endpoint_reachable, hierarchical_spans_nodes,
     embedding_columns_split, vocab_holds_bytes, eval_needs_language_model, sequence_fits_model,
-    distillation_student, resident_layers_leave_some_offloaded,
+    distillation_student, resident_layers_leave_some_offloaded, init_from_starts_a_language_model,
+    chat_data_is_jsonl, freeze_applies,
 )
 """The rules that read more than one section, in the order their messages are listed."""
 
@@ -153,6 +207,9 @@ def validate(cfg: MoesysConfig, packages: bool = True) -> None:
     """Check each section's own fields, then the cross-section rules, and raise one ConfigError that lists every
     problem. packages: also check that the optional packages the config asks for are installed; off for a config
     read back from a run or a checkpoint, which may be served or reported on a machine without them."""
+    missing = fine_tune_has_weights(cfg)
+    if missing:  # nothing else can be judged of a model that is not there
+        raise ConfigError(missing[0])
     problems = cfg.problems()
     for rule in CROSS_SECTION_RULES + ((packages_installed,) if packages else ()):
         problems += rule(cfg)

@@ -9,6 +9,9 @@ from typing import Annotated, Dict, List, Literal, Optional
 from runtime.config.checks import ConfigSection, Problems
 from runtime.config.model import ModelConfig
 
+FREEZABLE = ("router", "attention", "norms", "embeddings", "experts", "shared_experts")
+"""The parameter sets train.freeze names (runtime/train/freeze.py says which parameters each holds)."""
+
 
 @dataclass
 class TopologyConfig(ConfigSection):
@@ -152,6 +155,16 @@ class TrainConfig(ConfigSection):
     """Training data: a text file, a directory of *.txt files, a .jsonl file (one JSON object a line, its text under
     train.data_text_key), or a token file (.bin: raw uint16 ids, uint32 for a vocabulary over 65,536; .npy of uint16
     or uint32) read through a memory map; None uses the corpus shipped with moesys."""
+    data_format: Annotated[str, Literal["auto", "text", "chat"]] = "auto"
+    """How train.data and train.eval_data are read: text (a token stream cut into windows), chat (a .jsonl of
+    OpenAI-style messages or prompt/completion records, rendered with the chat template, the loss on the assistant's
+    tokens only), or auto: chat for a .jsonl whose first record has messages or a prompt and a completion."""
+    pack: bool = True
+    """Chat data: several samples to a row of train.seq_len positions, attention kept within each sample and
+    positions restarting in each; false: one sample a row, padded."""
+    long_samples: Annotated[str, Literal["cut", "refuse"]] = "cut"
+    """Chat data: a sample longer than train.seq_len + 1 tokens is cut to it (their count is said once before
+    training), or refused before training starts."""
     data_text_key: str = "text"
     """The key of each .jsonl record that holds its text (train.data, train.eval_data)."""
     data_errors: Annotated[str, Literal["strict", "replace"]] = "strict"
@@ -182,6 +195,17 @@ class TrainConfig(ConfigSection):
     tensorboard: bool = False
     """Also write TensorBoard event files (RUN_DIR/tensorboard/, rank 0) with the metrics.jsonl values: scalars per
     step, each MoE layer's expert load as a histogram. Needs the extra: pip install 'moesys[tensorboard]'."""
+    init_from: Optional[str] = None
+    """The weights a new run starts from: a Hugging Face model directory (config.json + safetensors, sharded or not)
+    or a moesys run, step directory or export. Its model section replaces the recipe's (an explicit model.* override
+    that contradicts it is refused) and its tokenizer.json, when it has one, is train.tokenizer's. Weights only: the
+    optimizer starts from zero moments. A run directory that holds a checkpoint resumes from it instead (said once)."""
+    freeze: List[str] = field(default_factory=list)
+    """Parameter sets not trained: router, attention, norms, embeddings (input and output), experts, shared_experts.
+    Frozen parameters get no gradient and no optimizer state; frozen offloaded experts move no gradients."""
+    lr_schedule: Annotated[str, Literal["cosine", "linear", "constant"]] = "cosine"
+    """After the warm-up: cosine or linear decay from train.lr to train.min_lr at train.max_steps, or train.lr
+    throughout (constant)."""
 
     BOUNDS = (("positive", "max_steps micro_batch_size seq_len log_every lr collective_timeout_s"),
               (">= 0", "checkpoint_every max_restarts warmup_steps grad_clip weight_decay eval_every eval_windows"))
@@ -191,6 +215,9 @@ class TrainConfig(ConfigSection):
         p.need(bool(self.data_text_key), f"{at}.data_text_key is empty; set it to the key of a .jsonl record's text")
         p.need(self.keep_checkpoints >= 1, f"{at}.keep_checkpoints must be >= 1 (got {self.keep_checkpoints}): the "
                "newest checkpoint is what a restart resumes from")
+        for name in self.freeze:
+            p.need(name in FREEZABLE, f"{at}.freeze: {name!r} is not one of {', '.join(FREEZABLE)}")
+        p.need(len(set(self.freeze)) == len(self.freeze), f"{at}.freeze={self.freeze} names a set twice")
         p.need(resume_step(self.resume_from) is not False, f"{at}.resume_from={self.resume_from!r} is not latest, "
                f"none or step_N (e.g. {at}.resume_from=step_100)")
 

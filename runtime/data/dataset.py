@@ -21,6 +21,39 @@ from runtime.data.pretokenize import read_tokens, run_cache_dir
 from runtime.data.tokenizer import Tokenizer, byte_tokenizer
 
 
+class EpochOrder:
+    """The run's order of `count` items (windows, packed rows): epoch by epoch, each a permutation seeded by (seed,
+    epoch); sample number n of the whole run is item perm[epoch][n % count]. The last few epochs' permutations are
+    kept."""
+
+    def __init__(self, count: int, seed: int):
+        self.count, self.seed = count, seed
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (2**63))
+            perm = torch.randperm(self.count, generator=gen)
+            if len(self._perms) >= 4:
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[epoch] = perm
+        return perm
+
+    def item(self, n: int) -> int:
+        epoch, pos = divmod(n, self.count)
+        return int(self._perm(epoch)[pos])
+
+
+def shard_first(step: int, rank: int, world_size: int, micro_batch_size: int, name: str) -> int:
+    """The run's number of rank `rank`'s first sample of `step`: its contiguous slice [rank * mbs, (rank + 1) * mbs)
+    of the step's global batch."""
+    if not 0 <= rank < world_size or micro_batch_size <= 0 or step < 0:
+        raise DataError(f"{name}: bad shard rank={rank} world_size={world_size} micro_batch_size={micro_batch_size} "
+                        f"step={step}")
+    return step * world_size * micro_batch_size + rank * micro_batch_size
+
+
 class TokenDataset:
     """A flat token stream cut into windows of seq_len + 1 tokens (input and target shifted by one).
 
@@ -44,7 +77,7 @@ class TokenDataset:
         self.name = name
         self.vocab_size = vocab_size
         self.num_windows = (tokens.size - 1) // seq_len
-        self._perms: dict[int, torch.Tensor] = {}
+        self.order = EpochOrder(self.num_windows, seed)
 
     @classmethod
     def from_path(cls, path: Optional[str | Path], seq_len: int, seed: int = 0,
@@ -62,16 +95,6 @@ class TokenDataset:
     def num_tokens(self) -> int:
         return int(self.tokens.size)
 
-    def _perm(self, epoch: int) -> torch.Tensor:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (2**63))
-            perm = torch.randperm(self.num_windows, generator=gen)
-            if len(self._perms) >= 4:
-                self._perms.pop(next(iter(self._perms)))
-            self._perms[epoch] = perm
-        return perm
-
     def window_at(self, index: int) -> np.ndarray:
         """Window `index` in file order: tokens [index * seq_len, (index + 1) * seq_len + 1)."""
         start = index * self.seq_len
@@ -87,11 +110,7 @@ class TokenDataset:
 
     def windows(self, first_sample: int, count: int) -> torch.Tensor:
         """Samples first_sample .. first_sample + count - 1 of the run, as [count, seq_len + 1] int64."""
-        rows = []
-        for n in range(first_sample, first_sample + count):
-            epoch, pos = divmod(n, self.num_windows)
-            rows.append(self.window_at(int(self._perm(epoch)[pos])))
-        return self.stack(rows)
+        return self.stack([self.window_at(self.order.item(n)) for n in range(first_sample, first_sample + count)])
 
     def global_batch(self, step: int, global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each [global_batch_size, seq_len], of `step` for all ranks together."""
@@ -103,11 +122,7 @@ class TokenDataset:
     def rank_batch(self, step: int, rank: int, world_size: int,
                    micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank `rank`'s contiguous slice [rank * mbs, (rank + 1) * mbs) of the global batch of `step`."""
-        if not 0 <= rank < world_size or micro_batch_size <= 0 or step < 0:
-            raise DataError(f"{self.name}: bad shard rank={rank} world_size={world_size} "
-                            f"micro_batch_size={micro_batch_size} step={step}")
-        first = step * world_size * micro_batch_size + rank * micro_batch_size
-        seqs = self.windows(first, micro_batch_size)
+        seqs = self.windows(shard_first(step, rank, world_size, micro_batch_size, self.name), micro_batch_size)
         return seqs[:, :-1], seqs[:, 1:]
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from runtime.config import MoesysConfig
 from runtime.host.io import atomic_write_text, remove_stale_temps
+from runtime.data.chat_records import is_chat
 from runtime.data.text import DOCUMENT_BREAK, DataError, Progress, is_token_file, segments, source_name, text_files
 from runtime.data.token_file import open_token_file, write_token_file
 from runtime.files.paths import TOKENIZER_FILE
@@ -147,5 +148,6 @@ def prepare_run_data(cfg: MoesysConfig, progress: Optional[Callable[[str, int, i
     tokenizer = load_tokenizer(cfg.train.tokenizer, vocab_size=cfg.model.vocab_size)
     run_dir = Path(cfg.train.run_dir)
     atomic_write_text(run_dir / TOKENIZER_FILE, tokenizer.to_str())
-    prepare_tokens(run_dir / TOKENS, data_sources(cfg), tokenizer, cfg.train.data_text_key, progress,
+    text = {key: path for key, path in data_sources(cfg).items() if not is_chat(path, cfg.train.data_format)}
+    prepare_tokens(run_dir / TOKENS, text, tokenizer, cfg.train.data_text_key, progress,
                    cfg.train.data_errors)

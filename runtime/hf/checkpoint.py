@@ -23,7 +23,7 @@ from runtime.hf.files import HFCheckpointError, HFTensorFiles, read_config_json,
 from runtime.hf.names import TensorName, tensor_names, to_moesys
 from runtime.inference.expert_source import ExpertSource
 from runtime.inference.mapped import copy_to
-from runtime.model.init import materialized_parameters
+from runtime.model.init import copy_weights
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 
@@ -131,13 +131,7 @@ class HFCheckpoint:
         """Copy the weights into a materialized moesys model built from self.config, or into one rank's part of it
         (its experts module holds global experts first_expert..first_expert + e), one tensor or one expert at a
         time; parameters still on the meta device (those an offloader keeps elsewhere) are left alone."""
-        with torch.no_grad():
-            for name, _, param, first in materialized_parameters(model):
-                if first is None:
-                    param.copy_(self.get(tensor_key(MODEL, name)))
-                    continue
-                for j in range(param.shape[0]):
-                    param[j].copy_(self.get(tensor_key(MODEL, name, first + j)))
+        copy_weights(model, lambda name, expert, shape: self.get(tensor_key(MODEL, name, expert)))
 
     def expert_source(self, model: Transformer, dtype: Optional[torch.dtype] = None) -> ExpertSource:
         """Each MoE layer's experts of `model` (built from self.config) as per-expert tensors where they lie."""

@@ -81,7 +81,7 @@ def _first_line(exc: BaseException) -> str:
 
 # ---- moesys run directories ----
 
-def _moesys_step_dir(path: Path) -> tuple[Path, dict]:
+def moesys_step_dir(path: Path) -> tuple[Path, dict]:
     """(step directory, config as plain data) of a run directory or of one step directory."""
     if (path / META).is_file():
         step = path
@@ -104,6 +104,15 @@ def _moesys_step_dir(path: Path) -> tuple[Path, dict]:
     if not isinstance(data, dict):
         raise InferError(f"checkpoint={path}: no config ({CONFIG} or meta.json 'config')")
     return step, data
+
+
+def moesys_config(path: Path) -> tuple[Path, MoesysConfig]:
+    """(step directory, validated config) of a run directory, one step directory or an export; nothing else read."""
+    step, data = moesys_step_dir(path)
+    try:
+        return step, config_from_dict(data)
+    except ConfigError as exc:
+        raise InferError(f"checkpoint={path}: its config does not load ({exc})") from None
 
 
 def _expert_prefixes(model: Transformer) -> list[str]:
@@ -146,12 +155,8 @@ def read_moesys(path: Path) -> MoesysCheckpoint:
     kind = checkpoint_kind(path)  # a missing path is named as missing
     if kind != "moesys":
         raise InferError(f"checkpoint={path}: a Hugging Face directory, not a moesys run or step directory")
-    step, data = _moesys_step_dir(path)
+    step, cfg = moesys_config(path)
     check_complete(step)  # a deleted file is named, not reported as the first tensor it held
-    try:
-        cfg = config_from_dict(data)
-    except ConfigError as exc:
-        raise InferError(f"checkpoint={path}: its config does not load ({exc})") from None
     with torch.device("meta"):
         params = {name for name, _ in Transformer(cfg.model).named_parameters()}
     candidates = [f for f in sorted(step.glob("*.safetensors")) if not f.name.startswith("rng-")]

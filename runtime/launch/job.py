@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.config import MoesysConfig
+from runtime.data.chat_source import prepare_chat_data
 from runtime.data.pretokenize import prepare_run_data
+from runtime.data.tokenizer import run_tokenizer
 from runtime.files.paths import default_run_dir
-from runtime.files.resume import apply_resume_from
+from runtime.files.resume import apply_resume_from, chosen_checkpoint
 from runtime.files.run_dir import RunLock, check_run_dir, clear_fatal, clear_rank_memory
 from runtime.launch.command import WORKER_MODULE, LaunchSpec, SlurmJob, build_launch, check_launchable, submit_slurm
 from runtime.launch.follow import launch_and_follow
@@ -89,6 +91,9 @@ class Job:
         directory that holds an export or a model, a tokenizer or data that cannot be used, an unwritable store."""
         check_run_dir(self.run_dir)
         check_before_launch(self.cfg)
+        if self.cfg.train.init_from and (start := chosen_checkpoint(self.cfg)) is not None:
+            self.watcher.note(f"note: {self.run_dir} holds checkpoint {start.name}: resuming from it, "
+                              f"train.init_from={self.cfg.train.init_from} is ignored")
 
     def command(self) -> LaunchSpec:
         """The torchrun command (or sbatch script) that starts the workers."""
@@ -110,7 +115,8 @@ class Job:
 
     def prepare(self, plan: Plan, prepare: Callable[[Path], None] | None = None) -> Path:
         """The run directory, ready for the workers (called under the run's lock): config.yaml, the checkpoint
-        train.resume_from names made the newest, the tokenizer and the text sources tokenized once for every rank,
+        train.resume_from names made the newest, the tokenizer, the text sources tokenized and the chat sources
+        rendered and encoded once for every rank,
         `prepare(run_dir)`, the last launch's verdicts cleared, and plan.json from `plan`."""
         cfg = self.cfg
         run_dir = prepare_run_dir(cfg)
@@ -119,6 +125,8 @@ class Job:
         if moved:
             self.watcher.say(moved)
         prepare_run_data(cfg, self.watcher.tokenizing)
+        for note in prepare_chat_data(cfg, run_tokenizer(cfg)):  # chat sources rendered and encoded once, likewise
+            self.watcher.note(note)
         if prepare is not None:
             prepare(run_dir)
         clear_fatal(run_dir)

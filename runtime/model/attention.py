@@ -14,10 +14,11 @@ from runtime.model.norms import qk_norms
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [S, head_dim] in fp32 for integer `positions` [S] (frequencies repeated twice, as HF)."""
+    """cos and sin of shape [..., head_dim] in fp32 for integer `positions` [...] ([S], or [B, S] for rows whose
+    positions restart; frequencies repeated twice, as HF)."""
     exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponent)
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
@@ -41,7 +42,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, heads, S, hd] by position; cos/sin [S, hd] are cast to x's dtype."""
+    """Rotate x [B, heads, S, hd] by position; cos/sin [S, hd] (or [B, 1, S, hd]) are cast to x's dtype."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
@@ -132,6 +133,14 @@ class StaticKVCache(nn.Module):
         return self.slots <= pos_S[:, None]
 
 
+def segment_mask(segments_BS: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] bool: query i attends to key j when j <= i and both lie in the same segment (sample) of their
+    row: causal attention that does not cross the samples packed into a row (a block-diagonal mask)."""
+    S = segments_BS.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=segments_BS.device).tril()
+    return ((segments_BS[:, :, None] == segments_BS[:, None, :]) & causal)[:, None]
+
+
 class Attention(nn.Module):
     """wq [H*hd, D], wk/wv [KV*hd, D], wo [D, H*hd] (biases as cfg.qkv_bias and cfg.out_bias); queries and keys
     normalised after their projection when cfg.qk_norm asks; KV heads repeated for H query heads."""
@@ -162,8 +171,10 @@ class Attention(nn.Module):
         rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         cache: Optional[KVCache] = None,
         start_pos: int = 0,
+        mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """x [B, S, D] at positions start_pos..start_pos+S-1 -> [B, S, D]; attends to cached positions too."""
+        """x [B, S, D] at positions start_pos..start_pos+S-1 -> [B, S, D]; attends to cached positions too. `mask`
+        [B, 1, S, S] bool (True: attend), without a cache: replaces the causal mask (packed samples')."""
         B, S, _ = x.shape
         q, k = self.norm_qk(self.wq(x), self.wk(x))
         q = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
@@ -178,7 +189,9 @@ class Attention(nn.Module):
             repeat = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         past = k.shape[2] - S
-        if past == 0:
+        if mask is not None and past == 0:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif past == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1)
         else:
             # query i sits at position past + i and sees keys 0..past + i

@@ -113,3 +113,16 @@ def init_parameters(model: nn.Module, seed: int) -> None:
                 pass
         else:
             fill_(param.data, _module_kind(module, qualified.rsplit(".", 1)[-1]), seed, qualified)
+
+
+def copy_weights(model: nn.Module, weight: Callable[[str, int | None, tuple[int, ...]], Tensor]) -> None:
+    """Fill every parameter of `model` not on the meta device from weight(name, global expert, shape) (expert None
+    for a tensor that is not a row of stacked experts), one tensor or one expert at a time: a rank holding a block of
+    experts reads only those."""
+    with torch.no_grad():
+        for qualified, _, param, first in materialized_parameters(model):
+            if first is None:
+                param.copy_(weight(qualified, None, tuple(param.shape)))
+                continue
+            for j in range(param.shape[0]):
+                param[j].copy_(weight(qualified, first + j, tuple(param.shape[1:])))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.config import ModelConfig
-from runtime.model.attention import Attention, KVCache, StaticKVCache, rope_cos_sin
+from runtime.model.attention import Attention, KVCache, StaticKVCache, rope_cos_sin, segment_mask
 from runtime.model.ffn import DenseFFN
 from runtime.model.init import draw_seed, init_parameters
 from runtime.model.norms import build_norm
@@ -40,9 +40,10 @@ class Block(nn.Module):
         self.ffn_norm = build_norm(cfg)
         self.ffn = MoELayer(cfg) if self.is_moe else DenseFFN(cfg)
 
-    def forward(self, x, rope=None, cache: Optional[KVCache] = None, start_pos: int = 0, moe_stats: bool = True):
-        """x [B, S, D] -> (y [B, S, D], MoEStats or None)."""
-        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
+    def forward(self, x, rope=None, cache: Optional[KVCache] = None, start_pos: int = 0, moe_stats: bool = True,
+                mask: Optional[torch.Tensor] = None):
+        """x [B, S, D] -> (y [B, S, D], MoEStats or None); mask: the attention's (Attention.forward)."""
+        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos, mask)
         if self.is_moe:
             y, stats = self.ffn(self.ffn_norm(h), stats=moe_stats)
             return h + y, stats
@@ -99,25 +100,31 @@ class Transformer(nn.Module):
         init_parameters(self, draw_seed() if seed is None else seed)
 
     def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, start_pos: int = 0,
-                moe_stats: bool = True) -> ModelOutput:
+                moe_stats: bool = True, positions: Optional[torch.Tensor] = None,
+                segments: Optional[torch.Tensor] = None) -> ModelOutput:
         """tokens [B, S] at positions start_pos..start_pos+S-1 (start_pos > 0 needs the cache of the prefix).
-        moe_stats=False leaves the MoE layers' losses and metrics out (aux_loss 0, moe_stats empty)."""
+        moe_stats=False leaves the MoE layers' losses and metrics out (aux_loss 0, moe_stats empty).
+        Rows of packed samples (training, no cache): positions [B, S] restart in each sample and segments [B, S]
+        number the samples, which attention does not cross."""
         B, S = tokens.shape
-        end = start_pos + S
+        end = start_pos + S if positions is None else int(positions.max()) + 1
         if end > self.cfg.max_seq_len:
             raise ValueError(f"positions up to {end} exceed model.max_seq_len={self.cfg.max_seq_len}")
         if start_pos and cache is None:
             raise ValueError("start_pos > 0 needs the KV cache of the earlier positions")
-        positions = torch.arange(start_pos, end, device=tokens.device)
+        if positions is None:
+            positions = torch.arange(start_pos, end, device=tokens.device)
         h = self.tok_embeddings(tokens)
         rope = None
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions)
         else:
-            rope = rope_cos_sin(positions, self.cfg.head_width, self.cfg.rope_theta)
+            cos, sin = rope_cos_sin(positions, self.cfg.head_width, self.cfg.rope_theta)
+            rope = (cos, sin) if positions.dim() == 1 else (cos[:, None], sin[:, None])  # [B, 1, S, hd]: per row
+        mask = segment_mask(segments) if segments is not None else None
         stats = []
         for block in self.layers:
-            h, layer_stats = block(h, rope, cache, start_pos, moe_stats)
+            h, layer_stats = block(h, rope, cache, start_pos, moe_stats, mask)
             if layer_stats is not None:
                 stats.append(layer_stats)
         h = self.norm(h)

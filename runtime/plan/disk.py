@@ -1,8 +1,9 @@
 """The bytes a run writes to disk, and the check that the filesystems they go to have them free.
 
 A training run writes the SSD expert store (storage.offload=ssd: each rank's experts' fp32 weights and AdamW
-moments, 12 bytes a parameter) under storage.ssd_path or RUN_DIR/expert_store, and checkpoints (every parameter's
-weights and moments, 12 bytes a parameter) under RUN_DIR/checkpoints; `moesys export` writes the model's weights in
+moments, 12 bytes a parameter, one file an expert in whole I/O blocks) under storage.ssd_path or RUN_DIR/expert_store,
+and checkpoints (every parameter's weights and moments, 12 bytes a parameter, and each tensor's step count and header
+entry) under RUN_DIR/checkpoints; `moesys export` writes the model's weights in
 export.dtype to out=. The planner's part is pure (counted from the config); `check_free` measures.
 """
 
@@ -14,14 +15,22 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.config import MoesysConfig
+from runtime.config import ModelConfig, MoesysConfig
 from runtime.errors import UserError
 from runtime.plan.params import ParamCounts
 from runtime.plan.budget import GB
 from runtime.plan.modes import OffloadMode
 
 CHECKPOINT_BYTES = 12
-"""A parameter in a checkpoint: fp32 weight, exp_avg and exp_avg_sq (step counts and RNG states are negligible)."""
+"""A parameter in a checkpoint: fp32 weight, exp_avg and exp_avg_sq."""
+IO_BLOCK = 4096
+"""The SSD store's I/O block (runtime/storage/expert_slots.py): a live file's header and its data are whole blocks."""
+ENTRY_BYTES = 4 * 192 + 4
+"""A checkpoint tensor's bytes beyond its data, at most: the header entries of its weight, two moments and step
+count (a key of up to about 120 characters, dtype, shape, offsets), and the step count's 4 bytes. Each expert's slice
+of a stacked tensor is a tensor of its own."""
+FIXED_CHECKPOINT_BYTES = 1 << 20
+"""A checkpoint's meta.json (the whole config), RNG states and file headers' fixed parts, at most."""
 KEEP_CHECKPOINTS = 2
 """Complete checkpoints a run keeps (runtime/train/checkpoint.py removes older ones once a new one is complete), so
 while the next is written there are KEEP_CHECKPOINTS + 1 on disk."""
@@ -77,11 +86,30 @@ class DiskPlan:
         return " + ".join(parts) or "nothing"
 
 
+def store_file_bytes(expert_params: int) -> int:
+    """One expert's live file in the SSD store: a header block, then its slot (fp32 weights, two moments and the
+    4-byte step) padded to whole blocks (runtime/storage/live_files.py's direct layout, the larger of its two)."""
+    return IO_BLOCK + -(-(CHECKPOINT_BYTES * expert_params + 4) // IO_BLOCK) * IO_BLOCK
+
+
+def checkpoint_tensors(m: ModelConfig, p: ParamCounts) -> int:
+    """Tensors in a checkpoint, at most: each block's attention (4 projections, their biases, 2 q/k norms), its 2 norms
+    with biases, a dense FFN or a router with its score bias and a shared expert with its gate (3 projections, biases,
+    gate), the embeddings, final norm and head; and every expert's slice of each stacked expert tensor."""
+    per_expert = (3 if m.expert_type == "swiglu" else 2) * (2 if m.bias else 1)
+    return 29 * m.num_layers + 5 + per_expert * m.num_experts * p.moe_layers
+
+
+def checkpoint_bytes(m: ModelConfig, p: ParamCounts) -> int:
+    """One checkpoint on disk, at most: 12 bytes a parameter, each tensor's ENTRY_BYTES and the fixed part."""
+    return CHECKPOINT_BYTES * p.total + ENTRY_BYTES * checkpoint_tensors(m, p) + FIXED_CHECKPOINT_BYTES
+
+
 def disk_plan(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode, store_bytes_per_rank: int) -> DiskPlan:
     """What a fresh run of `cfg` writes with expert states placed by `mode` (storage.offload=cpu keeps them in host
     RAM and writes no store; ssd writes `store_bytes_per_rank` for each rank of a node)."""
     store = store_bytes_per_rank * cfg.topology.processes_per_node if mode is OffloadMode.SSD else 0
-    return DiskPlan(store_bytes=store, checkpoint_bytes=CHECKPOINT_BYTES * p.total,
+    return DiskPlan(store_bytes=store, checkpoint_bytes=checkpoint_bytes(cfg.model, p),
                     checkpoints=checkpoints_on_disk(cfg))
 
 

@@ -19,7 +19,8 @@ from runtime.plan.embedding_bytes import embedding_bytes_per_rank
 from runtime.plan.modes import MODES, OffloadMode, TierName, requested_modes
 from runtime.plan.budget import (DENSE_STATE_BYTES, GB,
                                     STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
-from runtime.plan.disk import DiskPlan, disk_plan, disk_problem, fewer_checkpoints, kept_checkpoints
+from runtime.plan.disk import (DiskPlan, disk_plan, disk_problem, fewer_checkpoints, kept_checkpoints,
+                               store_file_bytes)
 from runtime.plan.step_memory import (CUDA_CONTEXT_BYTES, CUDA_HOST_BYTES, CUDA_WORKSPACE_BYTES, activation_bytes,
                                          compute_bytes, optimizer_step_bytes, step_peak, weight_cast_params)
 from runtime.plan.suggest import changed, first_passing, serving_suggestions, training_suggestions
@@ -225,7 +226,7 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> Rank
             host = int((host_slot_bytes(cfg) + host_grad_bytes(cfg)) * local_sparse)  # a gradient each, at most
             cache_experts = local_experts
         else:
-            ssd = int(STORED_SPARSE_BYTES * local_sparse)
+            ssd = local_experts * store_file_bytes(p.per_expert)  # one file an expert, in whole I/O blocks
             host, cache_experts = _ssd_host(cfg, p, local_experts, layer_experts, host_capacity)
     # Without a GPU the device pool gets what the host cache leaves of the rank's RAM, never less than nothing.
     device_capacity = (max(0, int(t.gpu_memory_gb * GB) - CUDA_CONTEXT_BYTES) if t.gpus_per_node

@@ -75,6 +75,11 @@ class ExpertSlot:
     pad: Tensor | None = None
     """fp32 run after the step that ends an `io_slot`'s memory on an IO_BLOCK boundary (stored with the states)."""
 
+    @property
+    def has_moments(self) -> bool:
+        """False for a frozen expert's slot (train.freeze=[experts]): weights and step only, no AdamW state."""
+        return self.exp_avg.numel() > 0
+
     def views(self, attr: str, layout: SlotLayout) -> dict[str, Tensor]:
         """Per-tensor views of one of the slot's states (master, exp_avg, exp_avg_sq, stage), made once."""
         cache = self.__dict__.setdefault("_views", {})
@@ -88,8 +93,8 @@ class ExpertSlot:
 
     def state_tensors(self) -> dict[str, Tensor]:
         """What the SSD store keeps of a slot (the stage is derived from the master)."""
-        out = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
-               "step": self.step.reshape(1)}
+        out = {"master": self.master, **({"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+                                         if self.has_moments else {}), "step": self.step.reshape(1)}
         if self.pad is not None and self.pad.numel():
             out["pad"] = self.pad
         return out
@@ -102,10 +107,10 @@ class ExpertSlot:
         return sum(t.numel() * t.element_size() for t in own)
 
 
-def slot_bytes(numel: int, compute_dtype: torch.dtype, separate_stage: bool) -> int:
-    """Host bytes of one slot of `numel` elements."""
+def slot_bytes(numel: int, compute_dtype: torch.dtype, separate_stage: bool, moments: bool = True) -> int:
+    """Host bytes of one slot of `numel` elements (without moments: a frozen expert's)."""
     stage = numel * torch.finfo(compute_dtype).bits // 8 if separate_stage else 0
-    return 12 * numel + 4 + stage
+    return (12 if moments else 4) * numel + 4 + stage
 
 
 def needs_separate_stage(compute_dtype: torch.dtype, delayed_update: bool) -> bool:
@@ -115,24 +120,26 @@ def needs_separate_stage(compute_dtype: torch.dtype, delayed_update: bool) -> bo
 
 
 def new_slots(numel: int, count: int, compute_dtype: torch.dtype, separate_stage: bool,
-              pin: bool = False, zero: bool = True) -> list[ExpertSlot]:
+              pin: bool = False, zero: bool = True, moments: bool = True) -> list[ExpertSlot]:
     """`count` slots, each a row of one block per state ([count, P]), so the slots of consecutive experts are
     consecutive in memory; the stage block is pinned when `pin` (asynchronous copies to a GPU). Zeroed unless
-    `zero` is false (a slot about to be read into)."""
+    `zero` is false (a slot about to be read into). Without `moments`: a frozen expert's slots, no AdamW state."""
     new = torch.zeros if zero else torch.empty
     master = new(count, numel)
-    exp_avg, exp_avg_sq, steps = new(count, numel), new(count, numel), new(count)
+    width = numel if moments else 0
+    exp_avg, exp_avg_sq, steps = new(count, width), new(count, width), new(count)
     stage = new(count, numel, dtype=compute_dtype, pin_memory=pin) if separate_stage else master
     return [ExpertSlot(master[i], exp_avg[i], exp_avg_sq[i], steps[i], stage[i]) for i in range(count)]
 
 
 def io_slot(numel: int, compute_dtype: torch.dtype, separate_stage: bool, pin: bool = False,
-            zero: bool = True, run_of: ExpertSlot | None = None) -> ExpertSlot:
+            zero: bool = True, run_of: ExpertSlot | None = None, moments: bool = True) -> ExpertSlot:
     """One slot whose master, moments and step follow each other in one run of memory that starts and ends on an
     IO_BLOCK boundary, so the SSD store moves it with direct I/O, straight between that memory and the disk (no
     page-cache copy). Tensors keep the offsets of a `new_slots` row (the fused kernel sees the same lanes).
     `run_of`: a released io_slot of the same size whose run this one takes over (no fresh pages for the kernel to
-    fault in and zero on the next read); its stage is not reused (a copy to the device may still read it)."""
+    fault in and zero on the next read); its stage is not reused (a copy to the device may still read it).
+    Without `moments` the run holds the master and step only (a frozen expert's)."""
     new = torch.zeros if zero else torch.empty
     if run_of is not None:
         states = (run_of.master, run_of.exp_avg, run_of.exp_avg_sq, run_of.step)
@@ -142,13 +149,14 @@ def io_slot(numel: int, compute_dtype: torch.dtype, separate_stage: bool, pin: b
         master, exp_avg, exp_avg_sq, step = states
         pad = run_of.pad
     else:
-        per_block = IO_BLOCK // 4
-        length = -(-(3 * numel + 1) // per_block) * per_block
+        per_block, states = IO_BLOCK // 4, 3 if moments else 1
+        length = -(-(states * numel + 1) // per_block) * per_block
         raw = new(length + per_block)
         start = (-raw.data_ptr() % IO_BLOCK) // 4
         run = raw[start:start + length]
-        master, exp_avg, exp_avg_sq, step = run[:numel], run[numel:2 * numel], run[2 * numel:3 * numel], run[3 * numel]
-        pad = run[3 * numel + 1:]
+        master, step = run[:numel], run[states * numel]
+        exp_avg, exp_avg_sq = (run[numel:2 * numel], run[2 * numel:3 * numel]) if moments else (run[:0], run[:0])
+        pad = run[states * numel + 1:]
         pad.zero_()  # stored with the states: no stray bytes of this process in the file
     stage = new(numel, dtype=compute_dtype, pin_memory=pin) if separate_stage else master
     return ExpertSlot(master, exp_avg, exp_avg_sq, step, stage, pad)

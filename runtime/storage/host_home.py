@@ -60,10 +60,11 @@ class HostHome:
     memory, so a layer whose experts are all active moves in one copy)."""
 
     def __init__(self, first_expert: dict[int, int], layouts: dict[int, SlotLayout], num_local: dict[int, int],
-                 compute_dtype: torch.dtype, separate_stage: bool, pin: bool, tiers: Tiers):
+                 compute_dtype: torch.dtype, separate_stage: bool, pin: bool, tiers: Tiers, moments: bool = True):
+        """moments=False: frozen experts (train.freeze=[experts]), weights and step only."""
         self.first = first_expert
-        self.slots = {layer: new_slots(layouts[layer].numel, num_local[layer], compute_dtype, separate_stage, pin)
-                      for layer in layouts}
+        self.slots = {layer: new_slots(layouts[layer].numel, num_local[layer], compute_dtype, separate_stage, pin,
+                                       moments=moments) for layer in layouts}
         tiers.host.allocate(sum(slot.nbytes for slots in self.slots.values() for slot in slots))
 
     def _slot(self, key: ExpertKey) -> ExpertSlot:
@@ -111,8 +112,10 @@ class HostHome:
 
 
 def fill_slot(slot: ExpertSlot, layout: SlotLayout, named: dict[str, dict[str, Tensor]], step: float) -> ExpertSlot:
-    """Write one expert's tensors by name and kind (model, exp_avg, exp_avg_sq) and its step count into `slot`."""
-    for attr, kind in (("master", "model"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+    """Write one expert's tensors by name and kind (model, exp_avg, exp_avg_sq; the model alone into a slot without
+    moments) and its step count into `slot`."""
+    kinds = (("master", "model"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+    for attr, kind in kinds if slot.has_moments else kinds[:1]:
         layout.pack({name: named[name][kind] for name in layout.names}, getattr(slot, attr))
     slot.step.fill_(step)
     slot.refresh_stage()

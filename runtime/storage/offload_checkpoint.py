@@ -49,19 +49,22 @@ def _caught_up_slots(engine: OffloadEngine, spec: LayerSpec, step: int) -> Itera
         key = spec.key(j)
         slot = engine.home.checkpoint_slot(key)
         with torch.no_grad():
-            if catch_up(slot, step, engine.lr_schedule, engine.adamw):
+            if engine.trainable and catch_up(slot, step, engine.lr_schedule, engine.adamw):
                 slot.refresh_stage()
         yield key[1], slot
 
 
 def _checkpoint_items(spec: LayerSpec, g: int, slot: ExpertSlot) -> list[tuple[str, Tensor]]:
-    """One expert's states under the checkpoint keys of a resident model (runtime/files/checkpoint_format.py)."""
-    views = {attr: slot.views(attr, spec.layout) for attr in ("master", "exp_avg", "exp_avg_sq")}
+    """One expert's states under the checkpoint keys of a resident model (runtime/files/checkpoint_format.py); a
+    frozen expert's moments are zeros, as a resident frozen parameter's."""
+    views = {attr: slot.views(attr, spec.layout) for attr in ("master", *(STATE_KEYS if slot.has_moments else ()))}
     out = []
     for name in spec.names:
         param = f"{spec.param_prefix}.{name}"
-        out.append((tensor_key(MODEL, param, g), views["master"][name]))
-        out += [(tensor_key(kind, param, g), views[kind][name]) for kind in STATE_KEYS]
+        master = views["master"][name]
+        out.append((tensor_key(MODEL, param, g), master))
+        out += [(tensor_key(kind, param, g), views[kind][name] if kind in views else torch.zeros_like(master))
+                for kind in STATE_KEYS]
         out.append((tensor_key("step", param, g), slot.step.reshape(1)))
     return out
 
@@ -79,7 +82,7 @@ def load_offloaded(engine: OffloadEngine, reader: CheckpointReader, step: int) -
             for name in spec.names:
                 param = f"{spec.param_prefix}.{name}"
                 named[name] = {kind: reader.get(tensor_key(kind, param, key[1])).float()
-                               for kind in (MODEL, *STATE_KEYS)}
+                               for kind in ((MODEL, *STATE_KEYS) if engine.trainable else (MODEL,))}
             count = float(reader.get(tensor_key("step", spec.param_prefix + "." + spec.names[0], key[1])))
             engine.home.restore(key, fill_slot(engine.home.restore_target(key), spec.layout, named, count))
     if isinstance(engine.home, SSDHome):

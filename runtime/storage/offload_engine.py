@@ -37,6 +37,8 @@ from runtime.storage.step_timeline import StepTimeline, by_kind, host_cost
 from runtime.storage.tiers import Tiers
 from runtime.storage.transfers import DeviceCopy, TransferEngine
 
+InitialExpert = Callable[[str, dict, int], dict]
+"""initial(experts module name, {tensor: per-expert shape}, global expert) -> the expert's fp32 tensors by name."""
 STALLS = ("wait_update", "wait_prefetch", "acquire", "h2d")
 """Critical spans that count as the forward or backward waiting for experts (offload/fetch_stall_s)."""
 
@@ -61,7 +63,16 @@ class LayerSpec:
     @property
     def expert_bytes(self) -> int:
         """Bytes of one expert's stored states (fp32 master and two moments, and the step)."""
-        return STORED_SPARSE_BYTES * sum(torch.Size(s).numel() for s in self.layout.shapes) + 4
+        return STORED_SPARSE_BYTES * self.params + 4
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes of one frozen expert's stored states: its fp32 weights and step."""
+        return 4 * self.params + 4
+
+    @property
+    def params(self) -> int:
+        return sum(torch.Size(s).numel() for s in self.layout.shapes)
 
     def key(self, local: int) -> ExpertKey:
         return (self.index, self.first_global + local)
@@ -88,12 +99,15 @@ class OffloadEngine:
 
     def __init__(self, specs: list[LayerSpec], device: torch.device, lr_schedule: Callable[[int], float],
                  adamw: AdamWHyper, tiers: Tiers, groups, compute_dtype: torch.dtype, delayed_update: bool,
-                 window: int, make_home: Callable[["OffloadEngine"], ExpertHome]):
+                 window: int, make_home: Callable[["OffloadEngine"], ExpertHome], trainable: bool = True):
+        """trainable=False: the experts are frozen (train.freeze=[experts]): their slots hold no moments, no gradient
+        comes home, nothing is stepped or written back; a layer's copy is kept until the backward has passed
+        through it (the input's gradient needs the weights)."""
         self.specs = {s.index: s for s in specs}
         self.order = [s.index for s in specs]
         self.layouts = {s.index: s.layout for s in specs}
         self.device, self.lr_schedule, self.adamw, self.tiers, self.groups = device, lr_schedule, adamw, tiers, groups
-        self.compute_dtype, self.delayed = compute_dtype, delayed_update
+        self.compute_dtype, self.delayed, self.trainable = compute_dtype, delayed_update, trainable
         self.separate_stage = needs_separate_stage(compute_dtype, delayed_update)
         self.steps_done = 0
         """Updates submitted so far (the trainer's step)."""
@@ -110,7 +124,7 @@ class OffloadEngine:
         self._copies: dict[int, DeviceCopy] = {}
         self._history: dict[int, list[ExpertKey]] = {}
         self._pending: list[LayerGrads] = []
-        self._active = self._caught_up = self._copied0 = 0
+        self._active = self._caught_up = self._copied0 = self._grad_bytes = 0
         self.last_spans: list = []
         """The timeline of the step whose metrics were taken last (the benchmark draws it)."""
         self.home = make_home(self)
@@ -158,7 +172,7 @@ class OffloadEngine:
             moved_keys, moved, rows, counts = [spec.key(j) for j in range(spec.num_local)], block, active, counts_e
         else:
             moved_keys, moved, rows, counts = keys, slots, list(range(len(keys))), counts_e[active]
-        copy = self.transfers.to_device(layer, moved_keys, moved, grad)
+        copy = self.transfers.to_device(layer, moved_keys, moved, grad and self.trainable)
         copy.active = (keys, slots, rows)
         self._prefetch_after(layer)
         counts = counts.to(x_RD.device, non_blocking=True)
@@ -171,6 +185,9 @@ class OffloadEngine:
             return y_RD
         self._copies[layer] = copy
         copy.hooks.append(y_RD.register_hook(lambda grad, copy=copy: self._backward_starts(copy)))
+        if not self.trainable:  # nothing goes home: the copy goes once the input's gradient is made
+            copy.hooks.append(x_RD.register_hook(lambda grad, copy=copy: self._frozen_done(copy)))
+            return y_RD
         for leaf in copy.leaves.values():
             copy.hooks.append(leaf.register_post_accumulate_grad_hook(lambda leaf, copy=copy: self._grad_arrived(copy)))
         return y_RD
@@ -178,6 +195,8 @@ class OffloadEngine:
     def _catch_up(self, keys: list[ExpertKey], slots: list[ExpertSlot]) -> None:
         """Bring experts idle since their last update to the step this forward must see (with a delayed update,
         the one before the update in flight, which catches up the experts it steps itself)."""
+        if not self.trainable:  # frozen experts are never stepped
+            return
         target = self.steps_done - 1 if self.delayed and self.steps_done else self.steps_done
         with self.timeline.span("catch_up", True), torch.no_grad():
             for key, slot in zip(keys, slots):
@@ -227,9 +246,19 @@ class OffloadEngine:
     def _take_in(self, copy: DeviceCopy, grads: dict[str, Tensor], landed, sums: list[Tensor],
                  flat: Tensor | None = None, release=None) -> None:
         keys, slots, rows = copy.active
+        self._grad_bytes += sum(g.numel() * g.element_size() for g in grads.values())
         self.optimizer.take_in(copy.layer, keys, slots, grads, rows, landed, sums, flat, release)
         self._copies.pop(copy.layer, None)
         self._done_reading(copy)
+
+    def _frozen_done(self, copy: DeviceCopy) -> None:
+        """A frozen layer's backward is past its experts: let go of their copy and slots."""
+        keys, slots, _ = copy.active
+        self._copies.pop(copy.layer, None)
+        self._done_reading(copy)
+        self.home.release_unused(keys, slots)
+        with self._use_lock:
+            self._in_use.difference_update(keys)
 
     def _done_reading(self, copy: DeviceCopy) -> None:
         self.transfers.release(copy)
@@ -238,6 +267,9 @@ class OffloadEngine:
     def finish_backward(self) -> None:
         """After backward: every active expert's gradient is home and taken in (averaged over expert replicas)."""
         for copy in list(self._copies.values()):  # a layer whose output did not reach the loss: zero gradients
+            if not self.trainable:
+                self._frozen_done(copy)
+                continue
             zeros = {n: torch.zeros_like(leaf) for n, leaf in copy.leaves.items()}
             self._take_in(copy, zeros, None, self._squares(zeros))
         self.transfers.end_step()
@@ -365,10 +397,10 @@ class OffloadEngine:
                "catch_up_steps": self._caught_up + self.optimizer.caught_up,
                "host_work_s": cost["work_s"], "host_idle_wait_s": cost["idle_wait_s"], "host_cost_s": cost["cost_s"],
                "host_exposed_s": cost["exposed_s"], "host_hidden_share": cost["hidden_share"],
-               "copied_bytes": self.transfers.copied_bytes - self._copied0,
+               "copied_bytes": self.transfers.copied_bytes - self._copied0, "grad_bytes": self._grad_bytes,
                **{f"time_{kind}_s": seconds for kind, seconds in sorted(kinds.items())},
                **self.home.metrics(), **self.tiers.step_metrics()}
-        self._active = self._caught_up = self.optimizer.caught_up = 0
+        self._active = self._caught_up = self.optimizer.caught_up = self._grad_bytes = 0
         self._copied0 = self.transfers.copied_bytes
         self.last_spans = spans
         return {f"offload/{k}": v for k, v in out.items()}
@@ -415,14 +447,15 @@ def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.d
                     adamw: AdamWHyper = AdamWHyper(), tiers: Tiers | None = None, groups=None,
                     fetch_all: bool = False, write_initial: bool = True, compute_dtype: torch.dtype = torch.float32,
                     delayed_update: bool = False, window: int | None = None,
-                    resident_layers: int = 0) -> OffloadEngine:
+                    resident_layers: int = 0, initial: InitialExpert | None = None,
+                    trainable: bool = True) -> OffloadEngine:
     """Swap every MoE layer's experts but the first `resident_layers` for OffloadedGroupedExperts whose states live
     in host memory (`store` None: storage.offload=cpu) or in `store` behind an LFU cache of `cache_experts` (ssd).
 
     With `write_initial` each expert is created in its home one at a time (fp32 master weights drawn from
-    (seed, name, global expert) as a resident model draws them, zero moments); without it a checkpoint's load fills
-    them. `window`: layers of active experts the device holds at once (default 1 + prefetch_depth). The model may
-    be on the meta device: its expert tensors are never read."""
+    (seed, name, global expert) as a resident model draws them, or initial(prefix, shapes, global expert) when given:
+    read from train.init_from's files; zero moments); without it a checkpoint's load fills them. `window`: layers of active experts the device holds at once (default 1 + prefetch_depth). The model may
+    be on the meta device: its expert tensors are never read. trainable=False: frozen experts (OffloadEngine)."""
     pairs = layer_specs(model)[resident_layers:]
     specs = [s for _, s in pairs]
     tiers = tiers or Tiers.with_budgets()
@@ -431,27 +464,29 @@ def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.d
     def make_home(engine: OffloadEngine) -> ExpertHome:
         if store is None:
             return HostHome({s.index: s.first_global for s in specs}, engine.layouts,
-                            {s.index: s.num_local for s in specs}, compute_dtype, engine.separate_stage, pin, tiers)
+                            {s.index: s.num_local for s in specs}, compute_dtype, engine.separate_stage, pin, tiers,
+                            moments=trainable)
         home = SSDHome(store, engine.layouts, engine.order, cache_experts, hit_threshold, decay_beta, decay_every,
                        prefetch_depth, compute_dtype, engine.separate_stage, pin, tiers, engine.timeline,
                        engine.wait_updated, engine.in_use,
-                       spare_slots=spare_slots(specs, cache_experts, prefetch_depth, fetch_all))
+                       spare_slots=spare_slots(specs, cache_experts, prefetch_depth, fetch_all), moments=trainable)
         if fetch_all:
             home.fetch_everything()
         return home
 
     engine = OffloadEngine(specs, device, lr_schedule, adamw, tiers, groups, compute_dtype, delayed_update,
-                           window if window is not None else 1 + prefetch_depth, make_home)
+                           window if window is not None else 1 + prefetch_depth, make_home, trainable)
     for layer, spec in pairs:
         if write_initial:
             shapes = dict(zip(spec.names, spec.layout.shapes))
-            drawn = drawn_in_parallel(lambda j: init_expert(seed, spec.param_prefix, shapes, spec.key(j)[1]),
+            make = initial or (lambda prefix, shapes, g: init_expert(seed, prefix, shapes, g))
+            drawn = drawn_in_parallel(lambda j: make(spec.param_prefix, shapes, spec.key(j)[1]),
                                       range(spec.num_local), 4 * spec.layout.numel)
             for j, params in enumerate(drawn):
                 key = spec.key(j)
                 engine.home.restore(key, initial_slot(engine.home.restore_target(key), spec.layout, params))
         if store is not None:
-            tiers.ssd.allocate(spec.num_local * spec.expert_bytes)
+            tiers.ssd.allocate(spec.num_local * (spec.expert_bytes if trainable else spec.frozen_bytes))
         layer.experts = OffloadedGroupedExperts(engine, spec)
     if store is not None:
         store.bytes_written = 0
@@ -459,7 +494,8 @@ def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.d
 
 
 def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, placement,
-                        write_initial: bool = True) -> OffloadEngine | None:
+                        write_initial: bool = True, initial: InitialExpert | None = None,
+                        trainable: bool = True) -> OffloadEngine | None:
     """The offload runtime of `placement` (runtime/plan/placement.py: RUN_DIR/plan.json, decided once by
     `moesys train`), or None when expert states stay on the device.
 
@@ -483,4 +519,5 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, pla
                            prefetch_depth=st.prefetch_depth, lr_schedule=lambda step: lr_at(step, cfg.train),
                            adamw=AdamWHyper(weight_decay=cfg.train.weight_decay), tiers=tiers, groups=groups,
                            write_initial=write_initial, compute_dtype=dtype, delayed_update=st.delayed_update,
-                           window=placement.device_expert_layers or None, resident_layers=st.resident_layers)
+                           window=placement.device_expert_layers or None, resident_layers=st.resident_layers,
+                           initial=initial, trainable=trainable)

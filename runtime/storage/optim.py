@@ -32,11 +32,16 @@ def square_sum(grad: torch.Tensor) -> torch.Tensor:
 
 
 def lr_at(step: int, tr) -> float:
-    """Linear warm-up, then cosine decay to train.min_lr at train.max_steps (step counts from 0)."""
+    """Linear warm-up, then train.lr_schedule: cosine or linear decay to train.min_lr at train.max_steps, or
+    constant (step counts from 0)."""
     if step < tr.warmup_steps:
         return tr.lr * (step + 1) / tr.warmup_steps
-    progress = (step - tr.warmup_steps) / max(1, tr.max_steps - tr.warmup_steps)
-    return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+    if tr.lr_schedule == "constant":
+        return tr.lr
+    progress = min((step - tr.warmup_steps) / max(1, tr.max_steps - tr.warmup_steps), 1.0)
+    if tr.lr_schedule == "linear":
+        return tr.lr + (tr.min_lr - tr.lr) * progress
+    return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def fused_adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],

@@ -28,12 +28,15 @@ class SSDHome:
     def __init__(self, store: ExpertStore, layouts: dict[int, SlotLayout], order: list[int], cache_experts: int,
                  hit_threshold: float, decay_beta: float, decay_every: int, prefetch_depth: int,
                  compute_dtype: torch.dtype, separate_stage: bool, pin: bool, tiers: Tiers, timeline: StepTimeline,
-                 wait_updated: Callable[[int], None], in_use: Callable[[ExpertKey], bool], spare_slots: int = 0):
+                 wait_updated: Callable[[int], None], in_use: Callable[[ExpertKey], bool], spare_slots: int = 0,
+                 moments: bool = True):
         """spare_slots: released slots kept for the next reads to take over (install_offload: the experts a step
         moves through host memory beside the cache; a spare holds what its slot held, so the host tier's peak does
         not grow); a fresh slot costs its pages' faults and the kernel's zeroing of them, more CPU than the read."""
         self.store, self.layouts, self.order = store, layouts, order
         self.dtype, self.separate_stage, self.pin = compute_dtype, separate_stage, pin
+        self.moments = moments
+        """False: frozen experts (train.freeze=[experts]), whose slots and files hold weights and step only."""
         self.tiers, self.timeline, self.in_use = tiers, timeline, in_use
         self.fetch_all = False
         self.cache: LFUCache[ExpertKey, ExpertSlot] = LFUCache(
@@ -51,14 +54,15 @@ class SSDHome:
 
     def new_slot(self, layer: int, pin: bool = False, zero: bool = True) -> ExpertSlot:
         numel = self.layouts[layer].numel
-        return io_slot(numel, self.dtype, self.separate_stage, pin, zero, run_of=self._take_spare(numel))
+        return io_slot(numel, self.dtype, self.separate_stage, pin, zero, run_of=self._take_spare(numel),
+                       moments=self.moments)
 
     def _take_spare(self, numel: int) -> ExpertSlot | None:
         with self._host_lock:
             for i in range(len(self._spares) - 1, -1, -1):
                 if self._spares[i].master.numel() == numel:
                     spare = self._spares.pop(i)
-                    self.tiers.host.release(slot_bytes(numel, self.dtype, separate_stage=False))
+                    self.tiers.host.release(slot_bytes(numel, self.dtype, False, self.moments))
                     return spare
         return None
 
@@ -96,7 +100,7 @@ class SSDHome:
             self.tiers.host.release(nbytes)
             if reusable and slot.pad is not None and len(self._spares) < self.spare_slots:
                 self._spares.append(slot)
-                self.tiers.host.allocate(slot_bytes(slot.master.numel(), self.dtype, separate_stage=False))
+                self.tiers.host.allocate(slot_bytes(slot.master.numel(), self.dtype, False, self.moments))
 
     def before_layer(self, layer: int, keys: list[ExpertKey]) -> None:
         pos = self.order.index(layer)

@@ -25,10 +25,14 @@ from runtime.parallel.embedding_partition import partition_embedding, partitione
 from runtime.parallel.expert_parallel import shard_experts
 from runtime.parallel.groups import ParallelGroups
 from runtime.storage.offload_engine import OffloadEngine, offload_from_config
+from runtime.data.chat_records import is_chat
+from runtime.data.chat_source import open_chat_dataset
 from runtime.data.dataset import open_dataset
 from runtime.plan.placement import Placement, decide
 from runtime.train.distill import Distillation
-from runtime.train.objective import LanguageModel, Objective
+from runtime.train.freeze import freeze
+from runtime.train.init_from import InitialWeights
+from runtime.train.objective import ChatLanguageModel, LanguageModel, Objective
 from runtime.train.parts import (OffloadedExperts, Part, PartitionedEmbeddingPart, Replicated, ShardedDense,
                                  TaskHeads)
 from runtime.train.tasks import MultiTask, add_heads_to_optimizer, build_multitask
@@ -62,11 +66,16 @@ def model_skeleton(cfg: MoesysConfig, groups: ParallelGroups) -> Transformer:
     return model
 
 
-def materialize(model: Transformer, cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Transformer:
-    """Allocate the skeleton's parameters on `device` and initialize them from train.seed; then cut the embedding
-    into this rank's columns when asked (the paper's "Embedding Partition in Data Parallelism")."""
+def materialize(model: Transformer, cfg: MoesysConfig, groups: ParallelGroups, device: torch.device,
+                initial: InitialWeights | None = None) -> Transformer:
+    """Allocate the skeleton's parameters on `device` and initialize them from train.seed, or copy them from
+    `initial` (train.init_from); then cut the embedding into this rank's columns when asked (the paper's "Embedding
+    Partition in Data Parallelism")."""
     model.to_empty(device=device)
-    init_parameters(model, cfg.train.seed)
+    if initial is not None:
+        initial.copy_into(model)
+    else:
+        init_parameters(model, cfg.train.seed)
     if cfg.model.embedding_partition:  # [V, H/N] column shard per data-parallel rank
         partition_embedding(model, groups.dp_group)
     return model
@@ -92,8 +101,9 @@ def build_optimizer(model: nn.Module, cfg: MoesysConfig) -> torch.optim.Optimize
     """AdamW on the fp32 parameters (the master weights); no decay on biases, norms and other 1-D tensors. torch's
     fused kernel, on the CPU too: several times the single-tensor loop's speed, and the kernel offloaded experts'
     CPU AdamW runs (runtime/storage/optim.py), so both train to the same numbers."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]  # frozen parameters get no optimizer state
+    decay = [p for p in trained if p.dim() >= 2]
+    no_decay = [p for p in trained if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, fused=True)
 
@@ -101,7 +111,7 @@ def build_optimizer(model: nn.Module, cfg: MoesysConfig) -> torch.optim.Optimize
 def build_sharded_optimizer(model: nn.Module, shard: DenseShard, cfg: MoesysConfig) -> torch.optim.Optimizer:
     """build_optimizer's AdamW over the parameters `shard` does not hold and its flat dense shards (same decay rule)."""
     sharded = {id(p) for u in shard.units for p in u.params}
-    rest = [p for p in model.parameters() if id(p) not in sharded]
+    rest = [p for p in model.parameters() if id(p) not in sharded and p.requires_grad]
     decay = [p for p in rest if p.dim() >= 2] + shard.decay_params
     no_decay = [p for p in rest if p.dim() < 2] + shard.no_decay_params
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -109,20 +119,25 @@ def build_sharded_optimizer(model: nn.Module, shard: DenseShard, cfg: MoesysConf
 
 
 def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device,
-                     placement: Placement | None = None, resuming: bool = False) -> Components:
+                     placement: Placement | None = None, resuming: bool = False,
+                     initial: InitialWeights | None = None) -> Components:
     """Build the model, swap in what the config asks for (offloaded experts, task heads, sharded dense states)
     before the optimizer exists, then the parts that take part in each step. `placement`: the run's recorded
     plan (RUN_DIR/plan.json); None decides it here, as single-process tests do. `resuming`: a checkpoint will be
-    loaded, so offloaded experts are not initialized in their store (the checkpoint rebuilds it)."""
+    loaded, so offloaded experts are not initialized in their store (the checkpoint rebuilds it). `initial`: the
+    weights of train.init_from, streamed into this rank's part (offloaded experts straight into their home)."""
     placement = placement or decide(cfg)[0]
     model = model_skeleton(cfg, groups)
     offload = None
     if placement.offload.offloaded:  # experts created in their home, before anything is allocated
-        offload = offload_from_config(model, cfg, groups, device, placement, write_initial=not resuming)
-    materialize(model, cfg, groups, device)
+        offload = offload_from_config(model, cfg, groups, device, placement, write_initial=not resuming,
+                                      initial=initial.expert if initial is not None else None,
+                                      trainable="experts" not in cfg.train.freeze)
+    materialize(model, cfg, groups, device, initial)
     tasks = None
     if cfg.tasks:  # task heads replace model.output
         tasks = build_multitask(cfg, model, groups, device, placement.task_gpus)
+    freeze(model, cfg.train.freeze)  # before the reducers, the dense shard and the optimizer take the parameters
     dense, experts = split_params(model)
     dense_shard = None
     if cfg.storage.dense_shard:  # Algorithm 1: replaces the dense all-reduce and the replicated dense states
@@ -145,6 +160,9 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
         objective = tasks
     elif cfg.distill.teacher:  # moesys distill: the student also matches a frozen teacher's soft targets
         objective = Distillation.from_config(cfg, groups, device)
+    elif is_chat(cfg.train.data, cfg.train.data_format):  # loss on the assistant's tokens of packed samples
+        objective = ChatLanguageModel(open_chat_dataset(cfg, run_tokenizer(cfg), "train.data", cfg.train.data),
+                                      groups, cfg.train.micro_batch_size, cfg.train.seq_len)
     else:
         objective = LanguageModel(open_dataset(cfg, run_tokenizer(cfg), "train.data", cfg.train.data),
                                   groups, cfg.train.micro_batch_size, cfg.train.seq_len)

@@ -18,6 +18,9 @@ from torch import nn
 
 from runtime.config import MoesysConfig, config_from_dict
 from runtime.parallel.groups import ParallelGroups, build_groups
+from runtime.data.chat_data import IGNORE, ChatDataset
+from runtime.data.chat_records import is_chat
+from runtime.data.chat_source import open_chat_dataset
 from runtime.data.dataset import TokenDataset, open_dataset
 from runtime.data.text import DataError, is_token_file
 from runtime.data.token_file import open_token_file
@@ -61,6 +64,33 @@ def heldout_sums(model: nn.Module, data: TokenDataset, count: int, groups: Paral
     return float(totals[0]), int(totals[1])
 
 
+@torch.no_grad()
+def chat_heldout_sums(model: nn.Module, data: ChatDataset, count: int, groups: ParallelGroups, micro_batch_size: int,
+                      device: torch.device, autocast: ContextManager | None = None) -> tuple[float, int]:
+    """heldout_sums over chat rows 0 .. count - 1 (file order): the summed loss of the assistant's tokens and their
+    count, all ranks together (collective); rows past `count` are padding whose targets count nothing."""
+    world, mbs = groups.world_size, micro_batch_size
+    totals = torch.zeros(2, dtype=torch.float64)
+    training = model.training
+    model.eval()
+    try:
+        for first in range(0, count, world * mbs):
+            index = [first + groups.rank * mbs + j for j in range(mbs)]
+            batch = data.batch([i if i < count else 0 for i in index])
+            batch.targets[torch.tensor([i >= count for i in index])] = IGNORE
+            batch = batch.to(device)
+            with autocast or contextlib.nullcontext():
+                logits = model(batch.inputs, positions=batch.positions, segments=batch.segments).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE,
+                                   reduction="sum")
+            totals += torch.tensor([float(loss), float(batch.target_count)], dtype=torch.float64)
+    finally:
+        model.train(training)
+    if world > 1:
+        dist.all_reduce(totals)
+    return float(totals[0]), int(totals[1])
+
+
 def summary(loss_sum: float, tokens: int) -> dict:
     """loss (mean nats per token), perplexity and tokens; perplexity is inf past exp's range."""
     loss = loss_sum / tokens
@@ -72,13 +102,17 @@ def evaluation(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) 
     tr = cfg.train
     if not tr.eval_data:
         return lambda step, model, autocast: {}
-    data = open_dataset(cfg, run_tokenizer(cfg), "train.eval_data", tr.eval_data)
-    count = window_count(data, tr.eval_windows)
+    if is_chat(tr.eval_data, tr.data_format):  # the assistant's tokens of the first rows, in file order
+        data = open_chat_dataset(cfg, run_tokenizer(cfg), "train.eval_data", tr.eval_data)
+        count, sums = min(tr.eval_windows or data.num_rows, data.num_rows), chat_heldout_sums
+    else:
+        data = open_dataset(cfg, run_tokenizer(cfg), "train.eval_data", tr.eval_data)
+        count, sums = window_count(data, tr.eval_windows), heldout_sums
 
     def evaluate(step: int, model: nn.Module, autocast: ContextManager) -> dict:
         if step != tr.max_steps and not (tr.eval_every and step % tr.eval_every == 0):
             return {}
-        result = summary(*heldout_sums(model, data, count, groups, tr.micro_batch_size, device, autocast))
+        result = summary(*sums(model, data, count, groups, tr.micro_batch_size, device, autocast))
         return {f"eval_{key}": value for key, value in result.items()}
 
     return evaluate

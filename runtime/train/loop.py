@@ -24,6 +24,7 @@ from runtime.plan.placement import read as read_placement
 from runtime.train.evaluate import evaluation
 from runtime.train.build import Components, build_components
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from runtime.train.init_from import InitialWeights
 from runtime.train.metrics import MetricsWriter, memory_bytes, start_marks, step_stats
 from runtime.train.rank_memory import RankMemory
 from runtime.train.parts import global_grad_norm
@@ -116,8 +117,13 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
     stop = StopRequest()
     memory = RankMemory(run_dir, groups.rank, device).start()  # this worker's peak, building included
     ckpt = latest_checkpoint(run_dir)
-    c = build_components(cfg, groups, device, read_placement(run_dir),  # plan.json: decided once, by moesys train
-                         resuming=ckpt is not None)
+    initial = InitialWeights(cfg.train.init_from) if ckpt is None and cfg.train.init_from else None
+    try:
+        c = build_components(cfg, groups, device, read_placement(run_dir),  # plan.json: decided once, by moesys train
+                             resuming=ckpt is not None, initial=initial)
+    finally:
+        if initial is not None:
+            initial.close()
     start = 0
     if ckpt is not None:
         start = load_checkpoint(ckpt, c.model, c.optimizer, groups, parts=c.parts)

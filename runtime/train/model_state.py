@@ -59,7 +59,7 @@ class ModelState(Part):
             expert = is_expert_param(pname)
             globals_ = _local_to_global(groups, param.shape[0]) if expert else []
             count = reader.get(tensor_key("step", pname, globals_[0] if expert else None))
-            keep = optimizer is not None and float(count) > 0
+            keep = optimizer is not None and float(count) > 0 and param.requires_grad  # frozen: no moments
             if expert:
                 moments = _load_experts(reader, path, pname, param, globals_, keep)
             else:

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from runtime.config import MoesysConfig
+from runtime.data.chat_records import is_chat, read_chat
 from runtime.data.text import check_token_count, is_token_file, source_name
 from runtime.data.token_file import check_ids, open_token_file
 from runtime.data.pretokenize import data_sources, encode_source
@@ -29,6 +30,10 @@ def check_before_launch(cfg: MoesysConfig) -> None:
                         "as an inference budget); serve it with moesys infer, or set purpose=train to train it")
     tokenizer = check_tokenizer(cfg)
     for key, path in data_sources(cfg).items():
+        if is_chat(path, cfg.train.data_format):
+            for _ in read_chat(path, key):  # DataError naming the first malformed line
+                pass
+            continue
         check_source(path, key, cfg, tokenizer)  # DataError: missing, empty, too short, unreadable
     if OffloadMode.SSD in requested_modes(cfg.storage.offload):
         _check_store(expert_store_root(cfg), str(Path(cfg.train.run_dir).resolve()))

@@ -41,12 +41,36 @@ def test_the_plan_counts_the_store_of_each_rank_and_every_checkpoint_on_disk():
     topo = TopologyConfig(nproc_per_node=2, expert_parallel=2, ssd_gb=100)
     p = count_parameters(model)
     ssd = plan_placement(MoesysConfig(model=model, topology=topo, storage=StorageConfig(offload="ssd")))
-    assert ssd.disk.store_bytes == 2 * 12 * p.sparse // 2  # two ranks a node, half the experts each
-    assert ssd.disk.checkpoint_bytes == 12 * p.total and ssd.disk.checkpoints == 2  # steps 50 and 100 of 100
+    # two ranks a node, half the experts each, one file an expert in whole I/O blocks after a header block
+    per_file = 4096 + -(-(12 * p.per_expert + 4) // 4096) * 4096
+    assert ssd.disk.store_bytes == 2 * (p.sparse // p.per_expert // 2) * per_file
+    tensors = 29 * 4 + 5 + 2 * 2 * 8 * 4  # at most 29 a block and 5 more; 8 experts x (w1, w2, b1, b2) x 4 layers
+    assert ssd.disk.checkpoint_bytes == 12 * p.total + tensors * (4 * 192 + 4) + 2**20
+    assert ssd.disk.checkpoints == 2  # steps 50 and 100 of 100
     # storage.offload=cpu keeps the experts' states in host RAM: no store
     assert plan_placement(MoesysConfig(model=model, topology=topo, storage=StorageConfig(offload="cpu"))).disk \
         .store_bytes == 0
-    assert plan_to_dict(ssd)["disk"]["total_bytes"] == ssd.disk.store_bytes + 2 * 12 * p.total
+    assert plan_to_dict(ssd)["disk"]["total_bytes"] == ssd.disk.store_bytes + 2 * ssd.disk.checkpoint_bytes
+
+
+def test_the_store_and_a_checkpoint_on_disk_are_what_the_plan_counts(tmp_path):
+    """A real run's files: the store exactly the plan's, a checkpoint above its 12 bytes a parameter and within the
+    plan's count."""
+    import torch
+
+    import runtime.train.loop as loop
+    from runtime.parallel.groups import build_groups
+
+    cfg = MoesysConfig(model=ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_experts=4, max_seq_len=32),
+                       storage=StorageConfig(offload="ssd", ssd_path=str(tmp_path / "store")),
+                       train=TrainConfig(seq_len=16, micro_batch_size=2, max_steps=1, run_dir=str(tmp_path / "run")))
+    plan = plan_placement(cfg)
+    (tmp_path / "run").mkdir()
+    loop.train(cfg, tmp_path / "run", build_groups(1, 0, 1, 1), torch.device("cpu"))
+    store = sum(f.stat().st_size for f in (tmp_path / "store").rglob("*.safetensors"))
+    checkpoint = sum(f.stat().st_size for f in (tmp_path / "run" / "checkpoints").rglob("*") if f.is_file())
+    assert store == plan.per_rank.ssd  # one process here: the node's store is this rank's
+    assert 12 * count_parameters(cfg.model).total < checkpoint <= plan.disk.checkpoint_bytes
 
 
 def test_a_disk_too_small_for_the_checkpoints_does_not_fit_and_fewer_checkpoints_do():
