@@ -14,9 +14,15 @@ from moesys_cli.resolve import lr_warning, resolve_config
 from runtime.errors import UserError
 from runtime.launch.command import launch_ram_problem
 from runtime.plan.modes import OffloadMode
+from runtime.plan.machine_profile import machine_rates, rates_to_dict
 from runtime.plan.planner import keep_layers_hint, plan_placement, plan_to_dict
+from runtime.plan.prediction import predict_modes
+from runtime.plan.schedule import choose_schedule, scheduled
 from runtime.plan.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
 
+Measure = Annotated[bool, typer.Option(
+    "--measure", help="First measure this machine's rates (copies, host AdamW, disk, GEMM, the model's resident MFU) "
+                      "and keep them in its profile for later plans here (runtime/plan/machine_profile.py).")]
 Compare = Annotated[Optional[Path], typer.Option(
     "--compare", metavar="RUN_DIR", help="Set the run's recorded plan beside the peak memory each of its ranks "
                                          "measured, per tier, with the ratio (the run's own config is used).")]
@@ -27,7 +33,8 @@ TIER_NAMES = {"gpu": {"gpu": "on the GPU", "cpu": "in host RAM", "ssd": "on SSD"
 """What each tier of the placement is, by what the device is (placement.device)."""
 
 
-def plan(overrides: Overrides = None, json_out: Json = False, compare: Compare = None) -> None:
+def plan(overrides: Overrides = None, json_out: Json = False, compare: Compare = None,
+         measure: Measure = False) -> None:
     """Check memory budgets (Eq. 1) and say where each kind of state lives; a recipe with purpose=serve is judged
     by its inference budget. Exit 0 fits, 1 does not, 2 bad input. With --compare RUN_DIR: predicted against
     measured memory of a run, exit 0."""
@@ -40,9 +47,20 @@ def plan(overrides: Overrides = None, json_out: Json = False, compare: Compare =
         else:
             _render_compare(compare.resolve(), rows)
         raise typer.Exit(0)
-    cfg = resolve_config(overrides or [])
+    cfg = resolve_config(overrides or [], schedule=False)
+    if measure:
+        from runtime.bench.machine import measure_machine  # torch: only when asked
+        measured, where = measure_machine(cfg)
+        if not json_out:
+            console.print(f"measured this machine: {_rates_text(measured)} (kept in {where})", markup=False)
+    rates = machine_rates(cfg)
+    schedule = choose_schedule(cfg, rates)
+    cfg = scheduled(cfg, schedule)
     planned = plan_placement(cfg)
     result = plan_to_dict(planned)
+    result["schedule"] = schedule.to_dict()
+    result["step_time"] = predict_modes(cfg, rates)
+    result["rates"] = rates_to_dict(rates)
     hint = keep_layers_hint(planned) if cfg.purpose == "train" else None
     machine = launch_ram_problem(cfg, planned.process_host_bytes) if cfg.purpose == "train" else None
     if machine:  # what moesys train would refuse here before launching
@@ -55,7 +73,31 @@ def plan(overrides: Overrides = None, json_out: Json = False, compare: Compare =
         print_json({"recipe": cfg.recipe, "init_from": cfg.train.init_from, **result})
     else:
         _render(cfg.recipe, result, hint, cfg.train.init_from)
+        if cfg.purpose == "train":
+            _render_speed(result, schedule.line())
     raise typer.Exit(0 if result["feasible"] else 1)
+
+
+def _rates_text(rates: dict) -> str:
+    names = {"pcie_h2d_gbps": "h2d {:.1f} GB/s", "pcie_d2h_gbps": "d2h {:.1f} GB/s",
+             "adamw_gparams_per_core": "host AdamW {:.3f} Gparams/s a core", "disk_read_gbps": "disk read {:.2f} GB/s",
+             "disk_write_gbps": "write {:.2f} GB/s", "gemm_tflops": "GEMM {:.3g} TFLOP/s",
+             "resident_mfu": "resident MFU {:.2f}"}
+    return ", ".join(text.format(rates[key]) for key, text in names.items() if key in rates)
+
+
+def _render_speed(r: dict, schedule_line: str) -> None:
+    """Each storage mode's predicted step beside resident, the rates it assumed, and the schedule's line."""
+    parts = []
+    for mode, p in r["step_time"].items():
+        share = f", {p['vs_none']:.2f}x none" if mode != "none" else ""
+        parts.append(f"{mode} {p['step_s']:.3g} s ({p['tokens_per_s']:,.0f} tokens/s{share}, {p['bound_term']} bound"
+                     f"{'' if p['fits'] else ', does not fit'})")
+    console.print("step time predicted: " + "; ".join(parts), markup=False)
+    rates = r["rates"]
+    console.print(f"  [dim]rates: {literal(_rates_text(rates))}, {rates['cpu_cores_per_node']} cores a node "
+                  f"({literal(rates['from'])})[/]")
+    console.print(f"schedule: {schedule_line}", markup=False)
 
 
 def _render(recipe: str | None, r: dict, hint: str | None = None, init_from: str | None = None) -> None:

@@ -21,13 +21,16 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runtime.config import ConfigError, MoesysConfig, resolve_auto, validate
 from runtime.config.keys import keys_meant
+from runtime.config.schema import AUTO_LAYERS
 from runtime.files.paths import expert_store_root
 from runtime.host.topology import detect_machine
+from runtime.plan.schedule import apply_schedule
 from runtime.train.lr_width import lr_width_warning
 
 GROUPS = ("model", "topology", "storage", "train", "infer", "launcher", "recipe")
-AUTO_KEYS = ("topology.expert_parallel",)
-"""Integer keys that also take `auto`: the schema stores it as 0 and runtime.config.resolve_auto replaces it."""
+AUTO_KEYS = {"topology.expert_parallel": 0, "train.grad_accum_steps": 0, "storage.resident_layers": AUTO_LAYERS}
+"""Integer keys that also take `auto`, and the value the schema stores for it: runtime.config.resolve_auto replaces
+topology.expert_parallel's, the plan's schedule the others (runtime/plan/schedule.py)."""
 
 
 def _data_dir(name: str) -> Path:
@@ -103,14 +106,15 @@ def check_recipe_keys(node: dict, path: Path, prefix: str = "") -> None:
 
 
 def _auto_to_zero(node: dict) -> dict:
-    """`key: auto` in a recipe, for the AUTO_KEYS, as the schema's 0 (OmegaConf has no int-or-str fields)."""
-    for dotted in AUTO_KEYS:
+    """`key: auto` in a recipe, for the AUTO_KEYS, as the schema's value for it (OmegaConf has no int-or-str
+    fields)."""
+    for dotted, stored in AUTO_KEYS.items():
         *path, name = dotted.split(".")
         parent = node
         for part in path:
             parent = parent.get(part) if isinstance(parent, dict) else None
         if isinstance(parent, dict) and str(parent.get(name)).lower() == "auto":
-            parent[name] = 0
+            parent[name] = stored
     return node
 
 
@@ -179,8 +183,9 @@ def _one_line(exc: BaseException) -> str:
     return ": ".join(lines) or type(exc).__name__
 
 
-def resolve_config(overrides: list[str] | tuple[str, ...] = ()) -> MoesysConfig:
-    """Compose conf/ + recipe + overrides, convert to dataclasses, fill machine facts, validate once."""
+def resolve_config(overrides: list[str] | tuple[str, ...] = (), schedule: bool = True) -> MoesysConfig:
+    """Compose conf/ + recipe + overrides, convert to dataclasses, fill machine facts, validate once, and replace the
+    schedule's auto keys by the plan's choice (runtime/plan/schedule.py; schedule=False leaves them to the caller)."""
     overrides = list(overrides)
     for override in overrides:
         check_override(override)
@@ -189,7 +194,8 @@ def resolve_config(overrides: list[str] | tuple[str, ...] = ()) -> MoesysConfig:
         key, _, value = override.partition("=")
         path = recipe_file(value) if key == "recipe" else None
         if key.lstrip("+~") in AUTO_KEYS and value.strip().lower() == "auto":
-            overrides[i] = f"{key}=0"
+            stored = AUTO_KEYS[key.lstrip("+~")]
+            overrides[i] = f"{key}={'null' if stored is None else stored}"
         if path:
             name = "file-" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
             files[name] = path
@@ -210,7 +216,12 @@ def resolve_config(overrides: list[str] | tuple[str, ...] = ()) -> MoesysConfig:
         apply_init_from(cfg, explicit_keys(overrides))
     resolve_auto(cfg)
     validate(cfg)
-    return cfg
+    if not schedule:
+        return cfg
+    chosen = apply_schedule(cfg)
+    if chosen is not cfg:
+        validate(chosen)
+    return chosen
 
 
 def explicit_keys(overrides: list[str] | tuple[str, ...]) -> set[str]:

@@ -8,20 +8,7 @@ import time
 
 import torch
 
-from runtime.config import ModelConfig
-from runtime.plan.params import count_parameters
-
-
-def matmul_flops_per_token(m: ModelConfig) -> float:
-    """Forward and backward FLOPs of one token through the weights it touches (6 per parameter): the embedding
-    lookup is not a matmul, the output head is."""
-    p = count_parameters(m)
-    return 6.0 * (p.active - p.embedding + m.vocab_size * m.hidden_size)
-
-
-def training_flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """Forward and backward FLOPs of one token: its matmuls and attention over `seq_len` positions."""
-    return matmul_flops_per_token(m) + 12.0 * m.num_layers * m.hidden_size * seq_len
+from runtime.plan.step_time import matmul_flops_per_token, training_flops_per_token  # noqa: F401 (one formula)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, size: int | None = None, seconds: float = 1.0) -> float:
@@ -41,3 +28,21 @@ def peak_flops(device: torch.device, dtype: torch.dtype, size: int | None = None
         sync()
         best = max(best, 4 * 2 * size ** 3 / (time.perf_counter() - start))
     return best
+
+
+SPEC_DENSE_TFLOPS = {"H200": 989.4, "H100": 989.4, "GH200": 989.4, "B200": 2250.0, "A100": 312.0, "L40S": 362.1,
+                     "A10": 125.0}
+"""Dense bf16/fp16 tensor-core TFLOP/s of a GPU's data sheet (SXM parts, no sparsity), by a word of its name: the peak
+Megatron reports MFU against, beside the measured GEMM rate."""
+
+
+def spec_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The data-sheet dense FLOP/s of `device` at bf16/fp16 (fp32 matmuls run at their own, lower rate: None), or None
+    for a CPU or a GPU not in SPEC_DENSE_TFLOPS."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    name = torch.cuda.get_device_name(device).upper()
+    for word, tflops in SPEC_DENSE_TFLOPS.items():
+        if word in name.replace("-", " ").split():
+            return tflops * 1e12
+    return None

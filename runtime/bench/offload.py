@@ -11,7 +11,10 @@ background I/O is settled before the next step (on two cores, work overlapped wi
 it, which a GPU's host would not be), against the floor measured in the same process (torch's fused AdamW over as
 many parameters, plus a memcpy of the bytes the step moved between host and device and to and from the store);
 beside it the disk's own floor for the store's bytes (ssd waits for its disk: that time is no CPU's); and, from the
-timed steps, the share of that work hidden behind the forward and backward passes.
+timed steps, the share of that work hidden behind the forward and backward passes. Each mode's step is set beside
+its bound (runtime/plan/step_time.py: the resident step plus the host AdamW at the fused rate over the experts it
+activated, and the store's bytes over the disk): `bound` per mode, and bound_s, bound_term, bound_terms_s and
+vs_bound (bound / measured) in `cpu` and `ssd`.
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ from pathlib import Path
 import torch
 
 from runtime.bench.disk import DiskBandwidth, measure_disk
+from runtime.bench.machine import measured_rates
 from runtime.storage.optim import AdamWHyper, fused_adamw
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.plan.params import count_parameters
+from runtime.plan.step_time import Rates, StepWork, step_bound
+from runtime.host.topology import usable_cpus
 from runtime.parallel.groups import build_groups
 from runtime.train.build import build_components
 from runtime.data.dataset import TokenDataset
@@ -246,8 +252,25 @@ def _traffic(mode: str, runs: list[dict], disk: DiskBandwidth) -> dict:
             f"{mode}_disk_read_bytes_per_step": statistics.median(r["disk_read_bytes"] / r["steps"] for r in runs)}
 
 
+def _bounds(cfg: MoesysConfig, runs: dict[str, list[dict]], rate: dict[str, float], rates: Rates) -> dict:
+    """Each mode's step beside its bound (runtime/plan/step_time.py): the resident step's measured time, the host
+    AdamW over the experts it activated and the store's bytes over the disk's bandwidth (one process: every core
+    the host optimizer's, and the model's, so they add up)."""
+    per_expert = count_parameters(cfg.model).per_expert
+    out = {}
+    for mode, rs in runs.items():
+        metrics = [m for r in rs for m in r["metrics"]]
+        mean = lambda key: (sum(m.get(f"offload/{key}", 0) for m in metrics) / len(metrics)  # noqa: E731
+                            if metrics else 0.0)
+        work = StepWork(compute_s=1 / rate["none"], optimizer_params=mean("experts_active") * per_expert,
+                        host_cores=rates.cores, disk_read_bytes=mean("ssd_read_bytes"),
+                        disk_write_bytes=mean("ssd_write_bytes"))
+        out[mode] = step_bound(work, rates).to_dict(1 / rate[mode])
+    return out
+
+
 def _compare(cfg: MoesysConfig, pool: ProcessPoolExecutor, tmp: Path, data: str, cache_experts: int, skew: float,
-             warmup: int, steps: int, rounds: int, disk: DiskBandwidth, deadline: float) -> dict:
+             warmup: int, steps: int, rounds: int, disk: DiskBandwidth, deadline: float, rates: Rates) -> dict:
     """The four modes on one input, alternating over `rounds` (median kept); each run gets an equal share of the
     time left before `deadline` for its timed steps. fetch_all steps take seconds each, so it times a third of the
     steps after one warm-up step."""
@@ -265,8 +288,9 @@ def _compare(cfg: MoesysConfig, pool: ProcessPoolExecutor, tmp: Path, data: str,
     ssd = [m for r in runs["ssd"] for m in r["metrics"]]
     peaks = runs["ssd"][-1]["peaks"]
     mean = lambda key: sum(m[f"offload/{key}"] for m in ssd) / len(ssd)  # noqa: E731
+    bounds = _bounds(cfg, runs, rate, rates)
     host = {mode: _median_host([r["host"] for r in runs[mode]]) | {"steps_per_s": rate[mode],
-                                                                   "vs_none": rate[mode] / rate["none"]}
+                                                                   "vs_none": rate[mode] / rate["none"]} | bounds[mode]
             for mode in OFFLOADED}
     for h in host.values():  # the disk's time for the store's bytes, per active parameter: what ssd's waits approach
         disk_s = (h["store_read_bytes_per_step"] / disk.read_bytes_per_s
@@ -281,7 +305,7 @@ def _compare(cfg: MoesysConfig, pool: ProcessPoolExecutor, tmp: Path, data: str,
         "ssd_bytes_per_step": mean("ssd_read_bytes") + mean("ssd_write_bytes"),
         "ssd_host_peak_bytes": peaks["host_peak_bytes"], "ssd_device_peak_bytes": peaks["device_peak_bytes"],
         "none_s_per_step": 1 / rate["none"], **_traffic("ssd", runs["ssd"], disk),
-        **_traffic("fetch_all", runs["fetch_all"], disk), **host,
+        **_traffic("fetch_all", runs["fetch_all"], disk), **host, "bound": bounds,
     }
 
 
@@ -327,6 +351,8 @@ def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, lay
     comparisons = len(inputs) + (load_tokens is not None)
     with tempfile.TemporaryDirectory(dir=ssd_path) as tmp, fresh as pool:
         disk = measure_disk(tmp, disk_probe_bytes)
+        rates = dataclasses.replace(measured_rates(cfg, CPU), disk_read_bytes_per_s=disk.read_bytes_per_s,
+                                    disk_write_bytes_per_s=disk.write_bytes_per_s, cores=usable_cpus())
 
         def share() -> float:  # each comparison's end, so that one slow input leaves time for the others
             nonlocal comparisons
@@ -335,12 +361,12 @@ def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, lay
             return end
 
         by_input = {data: _compare(cfg, pool, Path(tmp), data, cache_experts, skew, warmup, steps, rounds, disk,
-                                   share()) for data in inputs}
+                                   share(), rates) for data in inputs}
         load = None
         if load_tokens is not None:
             load_cfg = bench_config(hidden, ffn, experts, layers, load_tokens)
             load = _compare(load_cfg, pool, Path(tmp), load_input, cache_experts, skew, max(1, load_steps // 3),
-                            load_steps, rounds, disk, share())
+                            load_steps, rounds, disk, share(), rates)
             load.update(input=load_input, tokens_per_step=load_tokens,
                         active_expert_fraction=load["mean_active_experts"] / total_experts)
     headline = load if load is not None else by_input[inputs[0]]

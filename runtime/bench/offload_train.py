@@ -2,8 +2,9 @@
 by real `torchrun` jobs with storage.offload=none, cpu (and cpu with the delayed update) and ssd, each on its own run
 directory; on request also cpu with the first half of the MoE layers kept on the device (cpu_half), or as many as the
 plan says the GPU holds (cpu_fit). Reports tokens/s after warm-up, the ratios to none, MFU against the device's
-measured matmul peak, and the host side of each offloaded step from its metrics (host work, the hidden share, fetch
-stalls, alpha: the share of the offloaded experts a step activates)."""
+measured matmul peak (and its data sheet's, mfu_spec), the host side of each offloaded step from its metrics (host
+work, the hidden share, fetch stalls, alpha: the share of the offloaded experts a step activates), and each step's
+bound (runtime/plan/step_time.py) from this machine's measured rates: bound_s, bound_term, bound_terms_s, vs_bound."""
 
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ from pathlib import Path
 
 import torch
 
-from runtime.bench.mfu import peak_flops, training_flops_per_token
+from runtime.bench.machine import measured_rates
+from runtime.bench.mfu import peak_flops, spec_peak_flops, training_flops_per_token
 from runtime.config import MoesysConfig
 from runtime.bench.jobs import job_root
 from runtime.errors import UserError
 from runtime.launch.job import run_job
 from runtime.files.run_dir import read_metrics
 from runtime.model.precision import PRECISION_DTYPES
+from runtime.plan.params import count_parameters
 from runtime.plan.planner import plan_placement
+from runtime.plan.step_time import Rates, StepBound, StepWork, compute_seconds, step_bound, tokens_per_rank
 
 VARIANTS = {"none": ("none", False, 0.0), "cpu": ("cpu", False, 0.0), "cpu_delayed": ("cpu", True, 0.0),
             "ssd": ("ssd", False, 0.0), "cpu_half": ("cpu", False, 0.5), "cpu_half_delayed": ("cpu", True, 0.5),
@@ -61,7 +65,8 @@ def _run(cfg: MoesysConfig, warmup: int, timeout_s: float) -> dict:
     steps = read_metrics(run_dir)[warmup:]
     median = lambda key: statistics.median(m[key] for m in steps) if steps and key in steps[0] else None  # noqa
     out = {"tokens_per_s": median("tokens_per_s"), "step_time_s": median("step_time_s"), "steps_timed": len(steps)}
-    for key in ("host_cost_s", "host_hidden_share", "fetch_stall_s", "experts_active"):
+    for key in ("host_cost_s", "host_hidden_share", "fetch_stall_s", "experts_active", "copied_bytes",
+                "grad_home_bytes", "ssd_read_bytes", "ssd_write_bytes"):
         value = median(f"offload/{key}")
         if value is not None:
             out[key] = value
@@ -72,6 +77,20 @@ def _run(cfg: MoesysConfig, warmup: int, timeout_s: float) -> dict:
         out["time_s"] = {k[len("offload/time_"):-len("_s")]: statistics.median(m.get(k, 0.0) for m in steps)
                          for k in kinds}
     return out
+
+
+def variant_bound(cfg: MoesysConfig, measured: dict, none: dict | None, rates: Rates) -> StepBound:
+    """The bound of one variant's measured step (runtime/plan/step_time.py): the resident step's time (none's
+    measured step, else the plan's compute), and the bytes and active experts its metrics report."""
+    compute = (none["step_time_s"] if none and none.get("step_time_s")
+               else compute_seconds(cfg, rates, tokens_per_rank(cfg)))
+    d2h = measured.get("grad_home_bytes", 0.0)
+    work = StepWork(compute_s=compute, h2d_bytes=max(0.0, measured.get("copied_bytes", 0.0) - d2h), d2h_bytes=d2h,
+                    optimizer_params=measured.get("experts_active", 0) * count_parameters(cfg.model).per_expert,
+                    host_cores=rates.cores / max(1, cfg.topology.processes_per_node),
+                    disk_read_bytes=measured.get("ssd_read_bytes", 0.0),
+                    disk_write_bytes=measured.get("ssd_write_bytes", 0.0))
+    return step_bound(work, rates)
 
 
 def _offloaded_experts(cfg: MoesysConfig) -> int:
@@ -97,9 +116,17 @@ def run_offload_train_bench(base: MoesysConfig, steps: int = 10, warmup: int = 3
         for i, name in enumerate(variants):
             budget = max(60.0, (deadline - time.monotonic()) / (len(variants) - i))
             results[name] = _run(_variant(base, Path(tmp), name, steps), warmup, budget)
+    spec = spec_peak_flops(device, dtype)
     for r in results.values():
         if r.get("tokens_per_s"):
             r["mfu"] = flops * r["tokens_per_s"] / (peak * devices)
+            if spec:
+                r["mfu_spec"] = flops * r["tokens_per_s"] / (spec * devices)
+    rates = measured_rates(base, device, "ssd" in variants)
+    for name, r in results.items():
+        if r.get("step_time_s"):
+            r.update(variant_bound(_variant(base, Path("."), name, steps), r, results.get("none"), rates)
+                     .to_dict(r["step_time_s"]))
     none = results.get("none", {}).get("tokens_per_s")
     ratios = {f"{name}_vs_none": r["tokens_per_s"] / none for name, r in results.items()
               if name != "none" and none and r.get("tokens_per_s")}

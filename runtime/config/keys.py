@@ -73,7 +73,7 @@ def _default(f: dataclasses.Field) -> Any:
 def config_keys(cls: type = MoesysConfig, prefix: str = "") -> list[ConfigKey]:
     """The leaf keys of a schema dataclass, in declaration order; a dict of dataclasses (tasks) as NAME."""
     hints = typing.get_type_hints(cls, include_extras=True)
-    docs = attribute_docs(cls)
+    docs = {k: v for base in reversed(cls.__mro__) for k, v in attribute_docs(base).items()}  # a section's bases too
     keys: list[ConfigKey] = []
     for f in dataclasses.fields(cls):
         tp, dotted = hints[f.name], f"{prefix}{f.name}"

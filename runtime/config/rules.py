@@ -35,7 +35,7 @@ def experts_split_over_ranks(cfg: MoesysConfig) -> list[str]:
 
 def resident_layers_leave_some_offloaded(cfg: MoesysConfig) -> list[str]:
     """storage.resident_layers keeps fewer MoE layers on the device than the model has (all of them is offload=none)."""
-    resident, moe = cfg.storage.resident_layers, cfg.model.num_moe_layers
+    resident, moe = cfg.storage.resident_layers or 0, cfg.model.num_moe_layers
     if resident and resident >= moe:
         return [f"storage.resident_layers={resident} keeps every one of the model's {moe} MoE layers on the device; "
                 f"set it below {moe}, or storage.offload=none"]
@@ -186,11 +186,39 @@ def chat_data_is_jsonl(cfg: MoesysConfig) -> list[str]:
     return problems
 
 
+def step_schedule_combines(cfg: MoesysConfig) -> list[str]:
+    """train.grad_accum_steps, train.recompute and train.compile with what they are built and tested with: grad
+    accumulation on the language model (not multi-task heads, a distillation or sharded dense states); recompute=block
+    not with offloaded experts (a block's forward again would fetch them again) and no recomputation with sharded
+    dense states; compile on one expert-parallel rank, experts resident, no recomputation."""
+    p, tr, st = Problems(), cfg.train, cfg.storage
+    if tr.grad_accum_steps > 1:
+        for on, what in ((cfg.tasks, "multi-task heads (tasks)"), (cfg.distill.teacher, "a distillation"),
+                         (st.dense_shard, "storage.dense_shard=true")):
+            p.need(not on, f"train.grad_accum_steps={tr.grad_accum_steps} is not built for {what}; set "
+                           "train.grad_accum_steps=1 and raise train.micro_batch_size instead")
+    p.need(not (tr.recompute == "block" and st.offload in ("cpu", "ssd")),
+           f"train.recompute=block would fetch the offloaded experts (storage.offload={st.offload}) again in backward; "
+           "use train.recompute=moe, which recomputes only their FFNs")
+    p.need(tr.recompute in ("none", "auto") or not st.dense_shard,
+           f"train.recompute={tr.recompute} is not built for storage.dense_shard=true (it gathers each block's "
+           "weights once a forward); set train.recompute=none")
+    if tr.compile:
+        for on, what in ((cfg.topology.expert_parallel > 1, f"topology.expert_parallel={cfg.topology.expert_parallel} "
+                                                            "(the AlltoAll dispatch reads split sizes on the host)"),
+                         (st.offload in ("cpu", "ssd"), f"storage.offload={st.offload} (experts fetched as they run)"),
+                         (tr.recompute not in ("none", "auto"), f"train.recompute={tr.recompute}"),
+                         (st.dense_shard, "storage.dense_shard=true")):
+            p.need(not on, f"train.compile=true compiles each block whole, which it cannot with {what}; set "
+                           "train.compile=false")
+    return p
+
+
 CROSS_SECTION_RULES: tuple[Callable[[MoesysConfig], list[str]], ...] = (
     experts_split_over_ranks, node_rank_in_range, endpoint_reachable, hierarchical_spans_nodes,
     embedding_columns_split, vocab_holds_bytes, eval_needs_language_model, sequence_fits_model,
     distillation_student, resident_layers_leave_some_offloaded, init_from_starts_a_language_model,
-    chat_data_is_jsonl, freeze_applies,
+    chat_data_is_jsonl, freeze_applies, step_schedule_combines,
 )
 """The rules that read more than one section, in the order their messages are listed."""
 

@@ -8,13 +8,17 @@ from typing import Annotated, Dict, List, Literal, Optional
 
 from runtime.config.checks import ConfigSection, Problems
 from runtime.config.model import ModelConfig
+from runtime.config.machine import MachineRates
+
+AUTO_LAYERS = None
+"""storage.resident_layers=auto as the schema stores it (0 is a value of its own: no layer kept)."""
 
 FREEZABLE = ("router", "attention", "norms", "embeddings", "experts", "shared_experts")
 """The parameter sets train.freeze names (runtime/train/freeze.py says which parameters each holds)."""
 
 
 @dataclass
-class TopologyConfig(ConfigSection):
+class TopologyConfig(MachineRates, ConfigSection):
     """The machines: nodes, GPUs and memory per node (a node is the paper's 'device')."""
 
     nodes: int = 1
@@ -45,7 +49,7 @@ class TopologyConfig(ConfigSection):
         return self.nodes * self.processes_per_node
 
     BOUNDS = (("positive", "nodes expert_parallel nproc_per_node"),
-              (">= 0", "gpus_per_node gpu_memory_gb cpu_memory_gb ssd_gb"))
+              (">= 0", "gpus_per_node gpu_memory_gb cpu_memory_gb ssd_gb"), *MachineRates.RATE_BOUNDS)
 
     def rules(self, p: Problems, at: str) -> None:
         """expert_parallel is resolved from auto (0) before this runs."""
@@ -81,23 +85,26 @@ class StorageConfig(ConfigSection):
     """storage.offload=ssd: the store's reads and writes bypass the page cache (O_DIRECT) where its filesystem
     allows, so the disk moves the states without a CPU copy. false: through the page cache, which costs 4-6x a
     memcpy of CPU per byte but keeps recently written experts in free RAM (faster only where it holds the store)."""
-    resident_layers: int = 0
+    resident_layers: Optional[int] = 0
     """storage.offload=cpu|ssd: the first N MoE layers keep their expert states on the device, trained by the resident
     optimizer as with offload=none; the rest are offloaded (ZeRO-Offload++'s Twin-Flow, by layer). Spends spare GPU
-    memory so that the CPU optimizer steps fewer experts; `moesys plan` counts both parts."""
+    memory so that the CPU optimizer steps fewer experts; `moesys plan` counts both parts. `auto` (stored as null): as
+    many as the plan's schedule finds fastest among those that fit."""
     delayed_update: bool = False
     """ZeRO-Offload's one-step delayed parameter update (storage.offload=cpu): step t's CPU AdamW runs during step
     t+1's forward and backward, which see the weights of step t-1. Hides the CPU optimizer when it is slower than
     the device's step; not bit-equal to training without it."""
 
     BOUNDS = (("in (0, 1]", "alpha"), (">= 0", "cpu_cache_experts hit_threshold"), ("in (0, 1]", "decay_beta"),
-              ("positive", "decay_every"), (">= 0", "prefetch_depth resident_layers"))
+              ("positive", "decay_every"), (">= 0", "prefetch_depth"))
 
     def rules(self, p: Problems, at: str) -> None:
         p.need(self.direct_io or self.offload in ("ssd", "auto"),
                f"{at}.direct_io=false applies to the SSD store only (got {at}.offload={self.offload}); set "
                f"{at}.offload=ssd or drop {at}.direct_io")
-        p.need(not self.resident_layers or self.offload in ("cpu", "ssd"),
+        kept = self.resident_layers or 0
+        p.need(kept >= 0, f"{at}.resident_layers must be >= 0 or auto (got {self.resident_layers})")
+        p.need(kept <= 0 or self.offload in ("cpu", "ssd"),
                f"{at}.resident_layers={self.resident_layers} needs {at}.offload=cpu or ssd (got {self.offload}): it "
                f"keeps some offloaded layers on the device; set {at}.offload or drop {at}.resident_layers")
         p.need(not self.delayed_update or self.offload == "cpu",
@@ -127,7 +134,11 @@ class TrainConfig(ConfigSection):
     max_steps: int = 100
     """Optimizer steps."""
     micro_batch_size: int = 8
-    """Sequences per rank per step."""
+    """Sequences per rank in one forward and backward (a micro-batch)."""
+    grad_accum_steps: int = 1
+    """Micro-batches each rank runs per optimizer step, their gradients summed before one update: tokens per step =
+    ranks x micro_batch_size x grad_accum_steps x seq_len. `auto` (stored as 0): the plan splits micro_batch_size
+    sequences into micro-batch x accumulation for this machine (moesys plan's schedule)."""
     seq_len: int = 128
     """Tokens per sequence."""
     lr: float = 1e-3
@@ -189,9 +200,14 @@ class TrainConfig(ConfigSection):
     precision: Annotated[str, Literal["fp32", "bf16", "fp16"]] = "fp32"
     """fp32, bf16 or fp16 compute (fp32 master weights)."""
     log_every: int = 1
-    """Steps between metrics lines."""
+    """Steps between metrics lines; a line averages its steps, which read nothing back to the host until it."""
     collective_timeout_s: float = 300.0
     """Seconds a rank waits in a collective for its peers before the job fails with a line naming it."""
+    recompute: Annotated[str, Literal["none", "moe", "block", "auto"]] = "none"
+    """Activation recomputation in backward: none, moe (the experts' FFNs keep only their input rows), block (each
+    transformer block keeps only its input), or auto (the plan's schedule picks); gradients are exact."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile, one graph a block (no graph breaks)."""
     tensorboard: bool = False
     """Also write TensorBoard event files (RUN_DIR/tensorboard/, rank 0) with the metrics.jsonl values: scalars per
     step, each MoE layer's expert load as a histogram. Needs the extra: pip install 'moesys[tensorboard]'."""
@@ -208,7 +224,8 @@ class TrainConfig(ConfigSection):
     throughout (constant)."""
 
     BOUNDS = (("positive", "max_steps micro_batch_size seq_len log_every lr collective_timeout_s"),
-              (">= 0", "checkpoint_every max_restarts warmup_steps grad_clip weight_decay eval_every eval_windows"))
+              (">= 0", "checkpoint_every max_restarts warmup_steps grad_clip weight_decay eval_every eval_windows "
+                      "grad_accum_steps"))
 
     def rules(self, p: Problems, at: str) -> None:
         p.need(bool(self.tokenizer), f"{at}.tokenizer is empty; set it to bytes or the path of a tokenizer.json")

@@ -119,6 +119,11 @@ class ChatBatch:
         move = (lambda t: None if t is None else t.to(device))
         return ChatBatch(move(self.inputs), move(self.targets), move(self.positions), move(self.segments))
 
+    def rows(self, rows: slice) -> "ChatBatch":
+        """The rows `rows` of this batch (a micro-batch of a rank's step)."""
+        take = (lambda t: None if t is None else t[rows])
+        return ChatBatch(take(self.inputs), take(self.targets), take(self.positions), take(self.segments))
+
     @property
     def target_count(self) -> int:
         return int((self.targets != IGNORE).sum())

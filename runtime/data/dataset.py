@@ -28,13 +28,14 @@ class EpochOrder:
 
     def __init__(self, count: int, seed: int):
         self.count, self.seed = count, seed
-        self._perms: dict[int, torch.Tensor] = {}
+        self._perms: dict[int, np.ndarray] = {}
 
-    def _perm(self, epoch: int) -> torch.Tensor:
+    def _perm(self, epoch: int) -> np.ndarray:
+        """torch's randperm, held as numpy: a batch is put together on the host without reading a tensor back."""
         perm = self._perms.get(epoch)
         if perm is None:
             gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (2**63))
-            perm = torch.randperm(self.count, generator=gen)
+            perm = torch.randperm(self.count, generator=gen).numpy()
             if len(self._perms) >= 4:
                 self._perms.pop(next(iter(self._perms)))
             self._perms[epoch] = perm
@@ -102,11 +103,11 @@ class TokenDataset:
 
     def stack(self, rows: list[np.ndarray]) -> torch.Tensor:
         """Windows as one [count, seq_len + 1] int64 tensor, checked against the vocabulary."""
-        seqs = torch.from_numpy(np.stack(rows).astype(np.int64))
-        if self.vocab_size is not None and seqs.numel() and int(seqs.max()) >= self.vocab_size:
-            raise DataError(f"{self.name} holds token id {int(seqs.max())}, not below model.vocab_size="
+        ids = np.stack(rows).astype(np.int64)
+        if self.vocab_size is not None and ids.size and int(ids.max()) >= self.vocab_size:
+            raise DataError(f"{self.name} holds token id {int(ids.max())}, not below model.vocab_size="
                             f"{self.vocab_size}; tokenize it with the run's train.tokenizer (moesys tokenize)")
-        return seqs
+        return torch.from_numpy(ids)
 
     def windows(self, first_sample: int, count: int) -> torch.Tensor:
         """Samples first_sample .. first_sample + count - 1 of the run, as [count, seq_len + 1] int64."""

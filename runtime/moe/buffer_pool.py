@@ -27,9 +27,11 @@ class BufferPool:
         """Buffers allocated so far (the rest of the takes were served from the pool)."""
         self._lock = threading.Lock()  # taken on one thread, given back on another
 
-    def take(self, like: Tensor) -> tuple[Tensor, Tensor]:
-        """(buffer, view shaped like `like`) from a free buffer at least as large, or a new one. When none fits,
-        the largest smaller buffer is dropped, so a pool that sees shapes grow does not keep the old sizes."""
+    def take(self, like: Tensor, at_least: int = 0) -> tuple[Tensor, Tensor]:
+        """(buffer, view shaped like `like`) from a free buffer at least as large, or a new one of at least
+        `at_least` elements (a size every later take of its kind fits: sizes that vary from step to step then
+        never make a new buffer). When none fits, the largest smaller buffer is dropped, so a pool that sees shapes
+        grow does not keep the old sizes."""
         n = like.numel()
         device = torch.device("cpu") if self.pinned else like.device
         with self._lock:
@@ -39,10 +41,15 @@ class BufferPool:
             if buf is None and same:
                 self.free.pop(max(same, key=lambda i: self.free[i].numel()))
         if buf is None:
-            buf = torch.empty(n, dtype=like.dtype, device=device, pin_memory=self.pinned)
+            buf = torch.empty(max(n, at_least), dtype=like.dtype, device=device, pin_memory=self.pinned)
             self.made += 1
         return buf, buf[:n].view(like.shape)
 
     def give(self, buf: Tensor) -> None:
         with self._lock:
             self.free.append(buf)
+
+    def clear(self) -> None:
+        """Drop the free buffers (their memory goes back to the allocator); buffers in use are not the pool's."""
+        with self._lock:
+            self.free.clear()

@@ -121,11 +121,12 @@ class LocalDispatcher:
         row_of_slot_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
         slot_of_row_R = order_N[:rows]
         token_idx_R = slot_of_row_R // top_k if top_k > 1 else slot_of_row_R
-        if dropless:
+        if dropless and not torch.compiler.is_compiling():  # compiled: the plain gather, which it differentiates
             x_RD = _GatherRows.apply(x_TD, token_idx_R, row_of_slot_N.view(num_tokens, top_k))
         else:
             x_RD = x_TD.index_select(0, token_idx_R)
-            row_of_slot_N = row_of_slot_N.masked_fill(row_of_slot_N >= rows, 0)
+            if not dropless:
+                row_of_slot_N = row_of_slot_N.masked_fill(row_of_slot_N >= rows, 0)
         meta = DispatchMeta(token_idx_R, slot_of_row_R, row_of_slot_N.view(num_tokens, top_k), weights_TK,
                             dropless)
         return x_RD, tokens_per_expert_E, meta
@@ -134,5 +135,8 @@ class LocalDispatcher:
         """The inverse of permute: each token's weighted sum of its K rows."""
         if y_RD.shape[0] == 0:
             return y_RD.new_zeros(meta.num_tokens, y_RD.shape[1])
+        if torch.compiler.is_compiling():  # the plain gather and weighted sum, which it differentiates and fuses
+            y_TKD = y_RD.index_select(0, meta.row_of_slot_TK.reshape(-1)).view(*meta.row_of_slot_TK.shape, -1)
+            return (y_TKD * meta.weights_TK.to(y_RD.dtype).unsqueeze(-1)).sum(1)
         return _WeightedSumRows.apply(y_RD, meta.weights_TK.to(y_RD.dtype), meta.row_of_slot_TK, meta.token_idx_R,
                                       meta.slot_of_row_R)

@@ -11,8 +11,10 @@ Weights follow nn.Linear's [out, in] layout: w1 [e, F, D], w2 [e, D, F], w3 [e, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.moe.buffer_pool import BufferPool
+from runtime.moe.grouped_mm_op import grouped_mm
 
 EXPERT_TYPES = ("gelu", "swiglu")
 IMPLS = ("auto", "grouped_mm", "bmm", "loop")
@@ -52,23 +55,29 @@ def _contiguous_grad(t: Tensor) -> Tensor:
 
 
 class _AddExpertBias(torch.autograd.Function):
-    """h_RF[rows of expert i] += b_eF[i] in place; the bias gradient is each expert's row sum of the gradient.
-    One pass over h instead of a one-hot [R, e] x [e, F] addmm (10x slower on CPU); _grouped_mm takes no
-    differentiable bias."""
+    """h_RF[r] += b_eF[expert_R[r]] in place; the bias gradient is each expert's sum of its rows' gradients. One pass
+    over h instead of a one-hot [R, e] x [e, F] addmm (10x slower on CPU), and each row's expert is found on the
+    device (rows_expert), so nothing is read on the host; _grouped_mm takes no differentiable bias."""
 
     @staticmethod
-    def forward(ctx, h_RF: Tensor, b_eF: Tensor, counts: list[int]) -> Tensor:
-        ctx.counts = counts
-        for rows_F, bias_F in zip(h_RF.split(counts), b_eF):
-            rows_F.add_(bias_F)
+    def forward(ctx, h_RF: Tensor, b_eF: Tensor, expert_R: Tensor) -> Tensor:
+        ctx.save_for_backward(expert_R)
+        ctx.experts = b_eF.shape[0]
+        h_RF.add_(b_eF.index_select(0, expert_R))
         ctx.mark_dirty(h_RF)
         return h_RF
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_RF: Tensor):
-        grad_b = torch.stack([rows_F.sum(0) for rows_F in grad_RF.split(ctx.counts)])
+        (expert_R,) = ctx.saved_tensors
+        grad_b = grad_RF.new_zeros(ctx.experts, grad_RF.shape[1]).index_add_(0, expert_R, grad_RF)
         return grad_RF, grad_b, None
+
+
+def rows_expert(offs_e: Tensor, rows: int) -> Tensor:
+    """The expert of each of `rows` rows grouped by expert (offs_e: each expert's end row), on the device."""
+    return torch.searchsorted(offs_e, torch.arange(rows, device=offs_e.device, dtype=offs_e.dtype), right=True)
 
 
 class _GeluGradInPlace(torch.autograd.Function):
@@ -117,12 +126,33 @@ class _SwiGLUGradInPlace(torch.autograd.Function):
 
 
 _activations = BufferPool()
+_unpooled = threading.local()
+
+
+def release_pooled_activations() -> None:
+    """Give the CPU activation pool's free buffers back to the allocator (a measurement of a step's memory then
+    sees every buffer the step takes)."""
+    _activations.clear()
+
+
+@contextlib.contextmanager
+def unpooled_activations():
+    """Activations computed inside are fresh tensors, not pooled buffers: a recomputed region (train.recompute)
+    drops its forward's activations until backward computes them again, which a buffer held by the forward's
+    autograd node would not let it do."""
+    depth = getattr(_unpooled, "depth", 0)
+    _unpooled.depth = depth + 1
+    try:
+        yield
+    finally:
+        _unpooled.depth = depth
 
 
 def _pooled_output(ctx, like: Tensor) -> Tensor | None:
-    """On CPU, a pooled buffer shaped like `like`, kept on ctx until backward gives it back; None elsewhere."""
+    """On CPU, a pooled buffer shaped like `like`, kept on ctx until backward gives it back; None elsewhere and in
+    unpooled_activations."""
     ctx.buf = None
-    if like.device.type != "cpu":
+    if like.device.type != "cpu" or getattr(_unpooled, "depth", 0):
         return None
     ctx.buf, out = _activations.take(like)
     return out
@@ -138,26 +168,37 @@ def _autograd_on(t: Tensor) -> bool:
     return torch.is_grad_enabled() and t.requires_grad
 
 
+def _compiling() -> bool:
+    """torch.compile traces this call (train.compile): the plain operators, which it differentiates and fuses."""
+    return torch.compiler.is_compiling()
+
+
 def _gelu(h_RF: Tensor) -> Tensor:
-    """Pooled gelu under autograd; plain gelu when nothing will run backward (the output is freed right away)."""
-    return _GeluGradInPlace.apply(h_RF) if _autograd_on(h_RF) else F.gelu(h_RF)
+    """Pooled gelu under autograd; plain gelu when nothing will run backward (the output is freed right away) or
+    torch.compile traces it (it fuses the plain expression itself)."""
+    return _GeluGradInPlace.apply(h_RF) if _autograd_on(h_RF) and not _compiling() else F.gelu(h_RF)
 
 
 def _swiglu(h1_RF: Tensor, h3_RF: Tensor) -> Tensor:
-    """Pooled silu(h1) * h3 under autograd, the plain expression otherwise."""
-    if _autograd_on(h1_RF) or _autograd_on(h3_RF):
+    """Pooled silu(h1) * h3 under autograd, the plain expression otherwise (and when compiled)."""
+    if (_autograd_on(h1_RF) or _autograd_on(h3_RF)) and not _compiling():
         return _SwiGLUGradInPlace.apply(h1_RF, h3_RF)
     return F.silu(h1_RF) * h3_RF
 
 
 def _ffn_grouped_mm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
-    """Rows stay packed; one _grouped_mm per projection, then each expert's bias added to its rows in place."""
+    """Rows stay packed; one _grouped_mm per projection, then each expert's bias added to its rows in place (traced
+    by torch.compile: the grouped GEMM as one custom operator, the bias a gather)."""
     offs_e = torch.cumsum(counts_e, 0, dtype=torch.int32)
-    counts = counts_e.tolist() if b1 is not None else None
+    expert_R = rows_expert(offs_e, x_RD.shape[0]) if b1 is not None else None
+    compiling = _compiling()
 
     def proj(a, w, b):
+        if compiling:
+            out = grouped_mm(a, w.transpose(-2, -1), offs_e)
+            return out if b is None else out + b.index_select(0, expert_R)
         out = _contiguous_grad(torch._grouped_mm(a, w.transpose(-2, -1), offs=offs_e))
-        return out if b is None else _AddExpertBias.apply(out, b, counts)
+        return out if b is None else _AddExpertBias.apply(out, b, expert_R)
 
     h_RF = proj(x_RD, w1, b1)
     h_RF = _gelu(h_RF) if kind == "gelu" else _swiglu(h_RF, proj(x_RD, w3, b3))

@@ -15,7 +15,9 @@ import torch.distributed as dist
 from runtime.parallel.groups import ParallelGroups, ProcessGroup, group_size
 
 Counts = Union[Sequence[int], torch.Tensor]
-AllToAll = Callable[[torch.Tensor, Counts], "tuple[torch.Tensor, list[int]]"]
+AllToAll = Callable[..., "tuple[torch.Tensor, list[int]]"]
+"""(x_RD, send_counts, recv_counts=None) -> (rows received, recv_counts): recv_counts when the caller knows them
+(then no count exchange and no host read)."""
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -118,10 +120,11 @@ def chunk_transpose_index(counts_AB: torch.Tensor) -> torch.Tensor:
 def make_all_to_all(kind: str, groups: ParallelGroups) -> AllToAll:
     """`parallel.alltoall` as a function (x_RD, send_counts) -> (y_RD, recv_counts) over the expert group."""
     if kind == "flat":
-        return lambda x_RD, send_counts: all_to_all_rows(x_RD, send_counts, groups.ep_group)
+        return lambda x_RD, send_counts, recv_counts=None: all_to_all_rows(x_RD, send_counts, groups.ep_group,
+                                                                          recv_counts)
     if kind == "hierarchical":
         _hierarchy(groups)  # fail at build time, not at the first MoE layer
-        return lambda x_RD, send_counts: hierarchical_all_to_all_rows(x_RD, send_counts, groups)
+        return lambda x_RD, send_counts, recv_counts=None: hierarchical_all_to_all_rows(x_RD, send_counts, groups)
     raise ValueError(f"parallel.alltoall={kind!r} is not one of flat, hierarchical")
 
 

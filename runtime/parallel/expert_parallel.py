@@ -41,15 +41,21 @@ class ExpertParallelDispatcher(LocalDispatcher):
         self.ep_size, self.ep_rank, self.ep_group = ep_size, ep_rank, ep_group
         self.local_experts = num_experts // ep_size
         self.all_to_all = all_to_all
+        self.host_reads = 0
+        """Reads of device data on the host so far: one a forward, the split sizes of both AlltoAlls (combine and
+        both backwards reuse them)."""
 
     def dispatch(self, x_TD: Tensor, routing: Routing,
                  keep_TK: Tensor | None = None) -> tuple[Tensor, Tensor, ExpertParallelMeta]:
         x_RD, tokens_per_expert_E, local = super().dispatch(x_TD, routing, keep_TK)
         counts_Pe = tokens_per_expert_E.view(self.ep_size, self.local_experts)
-        # recv_Pe[p, j]: rows rank p sends for this rank's local expert j (counts exchanged before the rows).
-        recv_Pe = exchange_counts(counts_Pe, self.ep_group, x_TD.device).cpu()
-        send_counts = counts_Pe.sum(1).tolist()
-        x_recv_QD, recv_counts = self.all_to_all(x_RD, send_counts)
+        # recv_Pe[p, j]: rows rank p sends for this rank's local expert j (counts exchanged before the rows); the
+        # rows each rank sends, and these, come to the host in one read
+        recv_Pe = exchange_counts(counts_Pe, self.ep_group, x_TD.device)
+        both = torch.cat([counts_Pe.sum(1), recv_Pe.reshape(-1)]).cpu()
+        self.host_reads += 1
+        send_counts, recv_Pe = both[:self.ep_size].tolist(), both[self.ep_size:].view(self.ep_size, -1)
+        x_recv_QD, recv_counts = self.all_to_all(x_RD, send_counts, recv_Pe.sum(1))
         by_expert_Q = chunk_transpose_index(recv_Pe).to(x_TD.device)
         by_source_Q = torch.empty_like(by_expert_Q)
         by_source_Q[by_expert_Q] = torch.arange(by_expert_Q.numel(), device=x_TD.device)
@@ -58,7 +64,7 @@ class ExpertParallelDispatcher(LocalDispatcher):
         return x_QD, recv_Pe.sum(0), meta
 
     def combine(self, y_QD: Tensor, meta: ExpertParallelMeta) -> Tensor:
-        y_back_RD, _ = self.all_to_all(y_QD.index_select(0, meta.by_source_Q), meta.recv_counts)
+        y_back_RD, _ = self.all_to_all(y_QD.index_select(0, meta.by_source_Q), meta.recv_counts, meta.send_counts)
         return super().combine(y_back_RD, meta.local)
 
 

@@ -65,7 +65,10 @@ def _digest(cfg: MoesysConfig) -> str:
     """What the placement depends on: the model, topology, storage and tasks sections and the batch shape."""
     parts = {k: dataclasses.asdict(getattr(cfg, k)) for k in ("model", "topology", "storage")}
     parts["tasks"] = {name: dataclasses.asdict(task) for name, task in cfg.tasks.items()}
-    parts["batch"] = [cfg.train.micro_batch_size, cfg.train.seq_len, cfg.train.precision]
+    tr = cfg.train
+    parts["batch"] = [tr.micro_batch_size, tr.seq_len, tr.precision]
+    if tr.grad_accum_steps != 1 or tr.recompute != "none":  # the split (a digest of a run without one unchanged)
+        parts["batch"] += [tr.grad_accum_steps, tr.recompute]
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 

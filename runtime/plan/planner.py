@@ -207,6 +207,8 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> Rank
     if mode.offloaded:
         window = min(offloaded_layers, 1 + st.prefetch_depth) or 1
         device["expert_buffers"] = layer_active * window
+        if cfg.train.grad_accum_steps > 1:  # the offloaded experts' gradients summed on the device, in fp32
+            device["expert_grad_accumulators"] = 4 * local_sparse
     # Parameters with their states and torch's AdamW on this rank (dense share, resident experts), and what a step
     # adds around them (runtime/plan/step_memory.py).
     resident = device["dense_states"] // DENSE_STATE_BYTES + resident_experts
@@ -218,7 +220,8 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> Rank
     if t.gpus_per_node:
         device["cuda_workspace"] = CUDA_WORKSPACE_BYTES
     device = {k: v for k, v in device.items() if v or k == "activations"}
-    peak, moment = step_peak(device, 4 * resident)
+    grads_at_backward = 4 * resident if cfg.train.grad_accum_steps <= 1 else 0  # accumulating: they are there
+    peak, moment = step_peak(device, grads_at_backward)
     # Without a GPU the device tier is a pool in the same RAM as the host tier: the host gets what it leaves.
     host_capacity = ram_per_rank if t.gpus_per_node else max(0, ram_per_rank - peak)
     if mode.offloaded:
@@ -238,7 +241,7 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> Rank
         if extra > 0:
             window += extra
             device["expert_buffers"] = layer_active * window
-            peak, moment = step_peak(device, 4 * resident)
+            peak, moment = step_peak(device, grads_at_backward)
     return RankEstimate(device=device, host=host, ssd=ssd, device_capacity=device_capacity,
                         host_capacity=host_capacity, cache_experts=cache_experts, local_experts=local_experts,
                         device_total=peak, device_peak_at=moment, ram_share=0 if t.gpus_per_node else ram_per_rank,
@@ -332,6 +335,22 @@ def plan_placement(cfg: MoesysConfig) -> Plan:
                 disk=disk, keepable_layers=0 if problems else keepable_layers(cfg, p, chosen))
 
 
+def fit_training(cfg: MoesysConfig) -> tuple[OffloadMode, RankEstimate, list[str], ParamCounts]:
+    """(the mode storage.offload gives, or auto's first that fits; its per-rank estimate; why training does not fit,
+    disk included; the parameter counts): plan_placement's training verdict without its suggestions, for searches
+    that try many configs (runtime/plan/schedule.py)."""
+    p = count_parameters(cfg.model)
+    problems = _problems_of(p)
+    mode, est, found = OffloadMode.NONE, None, []
+    for mode in requested_modes(cfg.storage.offload):
+        est = _rank_estimate(cfg, p, mode)
+        found = problems(cfg, mode)
+        if not found:
+            break
+    assert est is not None
+    return mode, est, found, p
+
+
 def keepable_layers(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> int:
     """The most MoE layers storage.resident_layers could keep on the GPU with `mode`'s plan still fitting, leaving
     at least one offloaded; 0 without GPUs (the device pool is the host's RAM: nothing moves off the CPU). Each
@@ -389,7 +408,8 @@ def _assumptions(cfg: MoesysConfig) -> list[str]:
         f"experts split over topology.expert_parallel={t.expert_parallel} ranks; "
         f"dense states {'sharded over' if cfg.storage.dense_shard else 'replicated on'} the {world_size(cfg)} "
         "data-parallel ranks",
-        "activations: what the model code saves for backward (no recomputation; flash or memory-efficient "
+        f"activations: what the model code saves for backward of one micro-batch (train.recompute="
+        f"{cfg.train.recompute}; flash or memory-efficient "
         "attention, no S x S scores), the routed rows and [R, F] intermediates of the experts, fp32 logits' "
         "log-softmax and gradients; device total: the larger of the start of backward (no gradients yet) and the "
         "optimizer step (torch AdamW's temporaries), not the sum of the rows",

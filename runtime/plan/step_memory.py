@@ -49,7 +49,8 @@ def routed_rows(cfg: MoesysConfig, tokens: int) -> int:
 
 
 def activation_bytes(cfg: MoesysConfig) -> int:
-    """Bytes saved for backward by one micro-batch's forward, at the start of backward, with the loss's gradient.
+    """Bytes saved for backward by one micro-batch's forward, at the start of backward, with the loss's gradient, and
+    with train.recompute the largest part recomputed in backward on top (one block, or one MoE layer's experts).
 
     The residual stream is fp32 (fp32 weights under autocast); a norm keeps its input (RMSNorm also its normalized
     fp32 value); under autocast each projection keeps its own half-precision copy of its input; attention is
@@ -57,8 +58,20 @@ def activation_bytes(cfg: MoesysConfig) -> int:
     scores); an MoE layer keeps its fp32 norm output (the router's input), the routed rows in the compute dtype,
     the experts' [R, F] intermediates (gelu: input and output; SwiGLU: both projections and their product) and
     the rows they return; the loss keeps the logits, their fp32 log-softmax, and backward starts with two fp32
-    [T, V] gradients.
+    [T, V] gradients. recompute=moe keeps no [R, F] intermediate; recompute=block keeps each block's fp32 input only.
     """
+    blocks, experts_RF, tail = _saved_bytes(cfg)
+    T, D = cfg.train.micro_batch_size * cfg.train.seq_len, cfg.model.hidden_size
+    if cfg.train.recompute == "block":
+        return int(len(blocks) * 4 * T * D + max(blocks) + tail)
+    if cfg.train.recompute == "moe" and experts_RF:
+        return int(sum(blocks) - (cfg.model.num_moe_layers - 1) * experts_RF + tail)
+    return int(sum(blocks) + tail)
+
+
+def _saved_bytes(cfg: MoesysConfig) -> tuple[list[int], int, int]:
+    """(what each block saves for backward, what one MoE layer's experts save of [R, F] intermediates, what the
+    final norm and the loss keep), per micro-batch (activation_bytes' terms)."""
     m, c = cfg.model, compute_bytes(cfg)
     half = c < 4
     T = cfg.train.micro_batch_size * cfg.train.seq_len
@@ -72,17 +85,19 @@ def activation_bytes(cfg: MoesysConfig) -> int:
 
     attention = 4 * T * D + rms + inputs(3) + 4 * c * T * m.num_heads * m.head_width
     R = routed_rows(cfg, T)
+    experts_RF = (3 if swiglu else 2) * c * R * F  # the experts' [R, F]
     moe = (4 * T * D + rms + 4 * T * D + 12 * T * m.num_experts  # residual, norm output for the router, routing
-           + 2 * c * R * D + (3 if swiglu else 2) * c * R * F)  # routed rows in and out, the experts' [R, F]
+           + 2 * c * R * D + experts_RF)  # routed rows in and out
+
     def dense_ffn_rows(width: int) -> int:
         return inputs(2 if swiglu else 1) + (4 if swiglu else 2) * c * T * width
 
     dense_ffn = 4 * T * D + rms + dense_ffn_rows(m.dense_ffn_size)
     if m.shared_expert_hidden_size:  # every token's shared expert beside the routed rows
         moe += dense_ffn_rows(m.shared_expert_hidden_size)
-    layers = sum(attention + (moe if m.is_moe_layer(i) else dense_ffn) for i in range(m.num_layers))
+    blocks = [attention + (moe if m.is_moe_layer(i) else dense_ffn) for i in range(m.num_layers)]
     logits = (c if half else 0) * T * V + 4 * T * V + 8 * T * V
-    return int(layers + 4 * T * D + rms + inputs(1) + logits)
+    return blocks, experts_RF if m.num_moe_layers else 0, 4 * T * D + rms + inputs(1) + logits
 
 
 def weight_cast_params(cfg: MoesysConfig, p: ParamCounts, resident_experts: int) -> int:

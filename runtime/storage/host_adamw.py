@@ -80,6 +80,8 @@ class HostOptimizer:
         measure of the host work itself, which two cores shared with the model's compute would inflate)."""
         self.caught_up = 0
         """Zero-gradient catch-up steps applied by updates (read and reset by the metrics)."""
+        self.calls = {"take_in": 0, "submit": 0}
+        """Layers' gradients taken in and updates started so far (one of each a layer and optimizer step)."""
         self._widened: Tensor | None = None
 
     def take_in(self, layer: int, keys: list, slots: list[ExpertSlot], grads: dict[str, Tensor], rows: list[int],
@@ -89,6 +91,7 @@ class HostOptimizer:
         are in row rows[i]; `sums`: their squares (see `squares`), or [] when they count in no norm yet; `flat`:
         the [n, P] buffer `grads` are views of, if any; `release` gives it back once it is no longer read."""
         layout = self.layouts[layer]
+        self.calls["take_in"] += 1
 
         def job() -> LayerGrads:
             if landed is not None:
@@ -121,6 +124,7 @@ class HostOptimizer:
         it then runs once every layer is updated, so that no layer's update waits behind it, last layer first, as
         that step's backward frees them."""
         self.wait()
+        self.calls["submit"] += 1
         # the kernel divides the gradients by grad_scale as it reads them: the multiplier folds in (no extra pass)
         factor = divisor if multiplier is None else divisor / multiplier
         scale = None if factor == 1 else torch.tensor(float(factor), dtype=torch.float32)

@@ -1,38 +1,36 @@
 """Training with expert states off the device (the paper's section 3.2: expert states on CPU or SSD, 2D prefetch,
 the CPU optimizer where the states live).
 
-`install_offload(model, ...)` swaps every MoE layer's GroupedExperts for OffloadedGroupedExperts (same call
-signature). A forward of such a layer sends its active experts' weights to the device (TransferEngine) from their
-host slots (a HostHome or an SSDHome); its backward sends their gradients home, where the HostOptimizer takes them
-in while the backward goes on, and updates them once the trainer has the global norm (`step`). Experts that get no
-tokens are neither moved nor stepped: they apply the zero-gradient AdamW steps they missed when next used, so
-offloaded training equals resident training bit for bit.
+`install_offload(model, ...)` (runtime/storage/offload_install.py) swaps every MoE layer's GroupedExperts for
+OffloadedGroupedExperts (same call signature). A forward of such a layer sends its active experts' weights to the
+device (TransferEngine) from their host slots (a HostHome or an SSDHome); its backward sends their gradients home,
+where the HostOptimizer takes them in while the backward goes on, and updates them once the trainer has the global
+norm (`step`); the micro-batches of one step (train.grad_accum_steps) first sum them on the device (LayerGradSum).
+Experts that get no tokens are neither moved nor stepped: they apply the zero-gradient AdamW steps they missed when
+next used, so offloaded training equals resident training bit for bit.
 Legend: R routed rows, D model dim, e local experts, a active local experts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from itertools import chain
-from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from runtime.model.init import drawn_in_parallel, init_expert
-from runtime.moe.experts import GroupedExperts, expert_ffn, output_dtype
-from runtime.moe.layer import EXPERT_PARAM_NAMES
+from runtime.moe.experts import expert_ffn, output_dtype
 from runtime.storage.optim import AdamWHyper, catch_up
 from runtime.plan.budget import STORED_SPARSE_BYTES
-from runtime.plan.modes import OffloadMode
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, needs_separate_stage
-from runtime.storage.expert_store import ExpertKey, ExpertStore
+from runtime.storage.expert_store import ExpertKey
+from runtime.storage.grad_sum import LayerGradSum
 from runtime.storage.host_adamw import HostOptimizer, LayerGrads, squares
-from runtime.storage.host_home import ExpertHome, HostHome, initial_slot
-from runtime.storage.ssd_home import SSDHome
+from runtime.storage.host_home import ExpertHome
+from runtime.storage.replica_grads import average_over_replicas
 from runtime.storage.step_timeline import StepTimeline, by_kind, host_cost
 from runtime.storage.tiers import Tiers
 from runtime.storage.transfers import DeviceCopy, TransferEngine
@@ -124,11 +122,21 @@ class OffloadEngine:
         self._copies: dict[int, DeviceCopy] = {}
         self._history: dict[int, list[ExpertKey]] = {}
         self._pending: list[LayerGrads] = []
-        self._active = self._caught_up = self._copied0 = self._grad_bytes = 0
+        self._caught_up = self._copied0 = self._home0 = 0
+        self._step_keys: set[ExpertKey] = set()
+        """Experts that computed rows since the metrics were last taken (experts_active)."""
+        self.accumulating = False
+        """A micro-batch before the last of an optimizer step runs: gradients are summed on the device, not sent."""
+        self._sums: dict[int, LayerGradSum] = {}
+        self._held: dict[ExpertKey, ExpertSlot] = {}
+        """Slots the training forwards of this optimizer step acquired (a later micro-batch reuses them)."""
         self.last_spans: list = []
         """The timeline of the step whose metrics were taken last (the benchmark draws it)."""
+        self.ffn = expert_ffn
+        """The experts' FFN on the fetched weights (train.recompute=moe wraps it: runtime/train/recompute.py)."""
         self.home = make_home(self)
         self.transfers = TransferEngine(device, compute_dtype, self.layouts, window, tiers, self.timeline)
+        self.transfers.layer_elements = {s.index: s.num_local * s.layout.numel for s in specs}
         self.optimizer = HostOptimizer(self.layouts, adamw, lr_schedule, self.timeline,
                                        threads=1 if device.type == "cpu" else None)
 
@@ -145,18 +153,30 @@ class OffloadEngine:
     def fetch_all(self) -> bool:
         return getattr(self.home, "fetch_all", False)
 
+    @contextlib.contextmanager
+    def accumulate(self):
+        """The micro-batches run inside sum their experts' gradients on the device (LayerGradSum); the next backward
+        outside sends the sums home, once a layer, for one update."""
+        self.accumulating = True
+        try:
+            yield
+        finally:
+            self.accumulating = False
+
     # ---- forward ----
 
     def run_layer(self, layer: int, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
         spec = self.specs[layer]
         with self.timeline.span("route_to_host", True):  # which experts to move: one small copy per layer
             counts_e = tokens_per_expert_e.detach().to("cpu", torch.long)
-        active = list(range(spec.num_local)) if self.fetch_all else torch.nonzero(counts_e).flatten().tolist()
+        routed = torch.nonzero(counts_e).flatten().tolist()
+        active = list(range(spec.num_local)) if self.fetch_all else routed
         keys = [spec.key(j) for j in active]
-        if torch.is_grad_enabled():  # a training step's layer (an evaluation's forward is neither counted nor learned)
+        training = torch.is_grad_enabled()  # an evaluation's forward is neither counted nor learned
+        if training:
             self.home.before_layer(layer, keys)
             self._history[layer] = keys
-            self._active += int((counts_e > 0).sum())
+            self._step_keys.update(spec.key(j) for j in routed)
         if not active:  # no rows here; stay in the graph so this rank's backward runs the same AlltoAlls as its peers
             return x_RD[:0].to(output_dtype(x_RD)) * 0
         if not self.delayed:
@@ -164,7 +184,7 @@ class OffloadEngine:
                 self._updated[layer].wait()
         with self._use_lock:  # before the acquire: an expert it loads and then evicts for the next is still in use
             self._in_use.update(keys)
-        slots = self.home.acquire(keys)
+        slots = self._acquire(keys) if training else self.home.acquire(keys)
         self._catch_up(keys, slots)
         grad = torch.is_grad_enabled()
         block = None if self.transfers.cuda else self.home.layer_slots(layer)
@@ -176,7 +196,7 @@ class OffloadEngine:
         copy.active = (keys, slots, rows)
         self._prefetch_after(layer)
         counts = counts.to(x_RD.device, non_blocking=True)
-        y_RD = expert_ffn(x_RD, counts, **copy.leaves, kind=spec.kind, impl=spec.impl)
+        y_RD = self.ffn(x_RD, counts, **copy.leaves, kind=spec.kind, impl=spec.impl)
         if not grad or not y_RD.requires_grad:
             self._done_reading(copy)
             self.home.release_unused(keys, slots)
@@ -191,6 +211,12 @@ class OffloadEngine:
         for leaf in copy.leaves.values():
             copy.hooks.append(leaf.register_post_accumulate_grad_hook(lambda leaf, copy=copy: self._grad_arrived(copy)))
         return y_RD
+
+    def _acquire(self, keys: list[ExpertKey]) -> list[ExpertSlot]:
+        """The slots of a training forward: those an earlier micro-batch of this step acquired, the rest from home."""
+        fresh = [key for key in keys if key not in self._held]
+        self._held.update(zip(fresh, self.home.acquire(fresh)))
+        return [self._held[key] for key in keys]
 
     def _catch_up(self, keys: list[ExpertKey], slots: list[ExpertSlot]) -> None:
         """Bring experts idle since their last update to the step this forward must see (with a delayed update,
@@ -229,13 +255,39 @@ class OffloadEngine:
             self.transfers.prefetch_backward(copy.layer)
 
     def _grad_arrived(self, copy: DeviceCopy) -> None:
-        """Once every leaf of the layer has its gradient, send them home and free the device copy."""
+        """Once every leaf of the layer has its gradient, send them home and free the device copy; while accumulating
+        add them to the layer's sum instead, and send the sum with the last micro-batch's."""
         copy.grads_arrived += 1
         if copy.grads_arrived < len(copy.leaves):
+            return
+        summed = self._sums.get(copy.layer)
+        if self.accumulating or summed:
+            self._sum_of(copy.layer).add(*copy.active, {name: leaf.grad for name, leaf in copy.leaves.items()})
+            self._copies.pop(copy.layer, None)
+            if self.accumulating:  # the stages are read again by the next micro-batch: not free yet
+                self.transfers.release(copy)
+            else:
+                self._send_sum(copy.layer)
+                self._done_reading(copy)
             return
         sums = self._squares({name: leaf.grad for name, leaf in copy.leaves.items()})
         grads, flat, landed, release = self.transfers.grads_home(copy)
         self._take_in(copy, grads, landed, sums, flat, release)
+
+    def _sum_of(self, layer: int) -> LayerGradSum:
+        if layer not in self._sums:
+            spec = self.specs[layer]
+            self._sums[layer] = LayerGradSum(layer, spec.layout, spec.num_local, spec.first_global,
+                                             self.transfers.device, self.tiers)
+        return self._sums[layer]
+
+    def _send_sum(self, layer: int) -> None:
+        """The layer's gradients summed over this step's micro-batches go home, in the compute dtype from a GPU."""
+        keys, slots, packed = self._sums[layer].take(self.compute_dtype if self.transfers.cuda else torch.float32)
+        grads, flat, landed, release = self.transfers.packed_home(layer, packed)
+        self.optimizer.take_in(layer, keys, slots, grads, list(range(len(keys))), landed,
+                               self._squares(self.layouts[layer].views(packed)),
+                               flat if self.layouts[layer].dense else None, release)
 
     def _squares(self, grads: dict[str, Tensor]) -> list[Tensor]:
         """The gradients' shares of the global norm, computed where they were made (on a GPU, not by the host);
@@ -246,14 +298,16 @@ class OffloadEngine:
     def _take_in(self, copy: DeviceCopy, grads: dict[str, Tensor], landed, sums: list[Tensor],
                  flat: Tensor | None = None, release=None) -> None:
         keys, slots, rows = copy.active
-        self._grad_bytes += sum(g.numel() * g.element_size() for g in grads.values())
         self.optimizer.take_in(copy.layer, keys, slots, grads, rows, landed, sums, flat, release)
         self._copies.pop(copy.layer, None)
         self._done_reading(copy)
 
     def _frozen_done(self, copy: DeviceCopy) -> None:
-        """A frozen layer's backward is past its experts: let go of their copy and slots."""
+        """A frozen layer's backward is past its experts: let go of their copy and slots (a later micro-batch
+        acquires them again)."""
         keys, slots, _ = copy.active
+        for key in keys:
+            self._held.pop(key, None)
         self._copies.pop(copy.layer, None)
         self._done_reading(copy)
         self.home.release_unused(keys, slots)
@@ -270,8 +324,15 @@ class OffloadEngine:
             if not self.trainable:
                 self._frozen_done(copy)
                 continue
+            if self._sums.get(copy.layer):
+                self._copies.pop(copy.layer)
+                self._done_reading(copy)
+                continue
             zeros = {n: torch.zeros_like(leaf) for n, leaf in copy.leaves.items()}
             self._take_in(copy, zeros, None, self._squares(zeros))
+        for layer, summed in self._sums.items():  # no rows in the last micro-batch: the earlier ones' sum
+            if summed:
+                self._send_sum(layer)
         self.transfers.end_step()
         for event in self._stage_free.values():
             event.set()
@@ -282,38 +343,14 @@ class OffloadEngine:
 
     def _reduce_over_replicas(self, g) -> None:
         """Replicas of an expert may route different tokens: agree on the union of active experts, average grads."""
-        all_keys = [s.key(j) for s in self.specs.values() for j in range(s.num_local)]
-        mine = {key: (lg, i) for lg in self._pending for i, key in enumerate(lg.keys)}
-        mask = torch.tensor([k in mine for k in all_keys], dtype=torch.float32)
-        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=g.edp_group)
-        union = [k for k, m in zip(all_keys, mask.tolist()) if m > 0]
-        merged: list[tuple[LayerGrads, Tensor]] = []
-        for layer in self.order:
-            keys = [k for k in union if k[0] == layer]
-            if not keys:
-                continue
-            missing = [k for k in keys if k not in mine]
-            extra = dict(zip(missing, self.home.acquire(missing)))
+        def acquire(missing: list[ExpertKey]) -> list[ExpertSlot]:
             with self._use_lock:
                 self._in_use.update(missing)
-            layout = self.layouts[layer]
-            flat = torch.zeros(len(keys), layout.numel)  # the layer's fp32 gradients, reduced in place
-            grads = layout.views(flat)
-            for row, key in enumerate(keys):
-                if key in mine:
-                    lg, i = mine[key]
-                    for n in layout.names:
-                        grads[n][row] = lg.grads[n][lg.rows[i]]
-            slots = [mine[k][0].slots[mine[k][1]] if k in mine else extra[k] for k in keys]
-            merged.append((LayerGrads(layer, keys, slots, grads, list(range(len(keys))),
-                                      flat=flat if layout.dense else None), flat))
-        for lg, flat in merged:
-            dist.all_reduce(flat, group=g.edp_group)
-            flat.div_(g.edp_size)
-            lg.squares = squares(lg.grads)
-        for lg in self._pending:
-            lg.applied()  # copied into `merged`
-        self._pending = [lg for lg, _ in merged]
+            return self.home.acquire(missing)
+
+        all_keys = [s.key(j) for s in self.specs.values() for j in range(s.num_local)]
+        self._pending = average_over_replicas(self._pending, all_keys, self.order, self.layouts, acquire,
+                                              g.edp_group, g.edp_size)
 
     def grad_sq(self) -> Tensor:
         """Sum of squared expert gradients held by this rank, as the resident experts' reduction leaves them
@@ -329,6 +366,7 @@ class OffloadEngine:
         `multiplier` (the clip coefficient, over the loss scale with fp16)."""
         self.optimizer.wait()
         self.home.end_step()
+        self._held.clear()
         layers, self._pending = self._pending, []
         ep = self.groups.ep_size if self.groups is not None else 1
         for lg in layers:
@@ -348,6 +386,7 @@ class OffloadEngine:
         a zero-gradient step, like one it was idle for."""
         self.optimizer.wait()
         self.home.end_step()
+        self._held.clear()
         for lg in self._pending:
             lg.applied()
             self.home.settle(lg.keys, lg.slots)
@@ -392,16 +431,17 @@ class OffloadEngine:
         spans = self.timeline.take()
         kinds = by_kind(spans)
         cost = host_cost(spans)
-        out = {"experts_active": self._active,
+        out = {"experts_active": len(self._step_keys), "grad_home_bytes": self.transfers.grad_home_bytes - self._home0,
                "fetch_stall_s": sum(s.seconds for s in spans if s.critical and s.kind in STALLS),
                "catch_up_steps": self._caught_up + self.optimizer.caught_up,
                "host_work_s": cost["work_s"], "host_idle_wait_s": cost["idle_wait_s"], "host_cost_s": cost["cost_s"],
                "host_exposed_s": cost["exposed_s"], "host_hidden_share": cost["hidden_share"],
-               "copied_bytes": self.transfers.copied_bytes - self._copied0, "grad_bytes": self._grad_bytes,
+               "copied_bytes": self.transfers.copied_bytes - self._copied0,
                **{f"time_{kind}_s": seconds for kind, seconds in sorted(kinds.items())},
                **self.home.metrics(), **self.tiers.step_metrics()}
-        self._active = self._caught_up = self.optimizer.caught_up = self._grad_bytes = 0
-        self._copied0 = self.transfers.copied_bytes
+        self._step_keys.clear()
+        self._caught_up = self.optimizer.caught_up = 0
+        self._copied0, self._home0 = self.transfers.copied_bytes, self.transfers.grad_home_bytes
         self.last_spans = spans
         return {f"offload/{k}": v for k, v in out.items()}
 
@@ -417,107 +457,3 @@ class OffloadEngine:
             self.transfers.end_step()
             self.optimizer.close()
             self.home.close()
-
-
-def layer_specs(model: nn.Module) -> list[tuple[nn.Module, LayerSpec]]:
-    """(MoE layer, spec) for every MoE layer of `model`, in forward order (shapes only: works on the meta device)."""
-    names = {id(module): name for name, module in model.named_modules()}
-    out = []
-    for index, layer in enumerate(model.moe_layers()):
-        experts: GroupedExperts = layer.experts
-        shapes = {n: tuple(getattr(experts, n).shape[1:]) for n in EXPERT_PARAM_NAMES
-                  if getattr(experts, n, None) is not None}
-        out.append((layer, LayerSpec(index, names[id(experts)], experts.num_experts, experts.first_expert,
-                                     SlotLayout.of(shapes), experts.expert_type, experts.impl)))
-    return out
-
-
-def spare_slots(specs: list[LayerSpec], cache_experts: int, prefetch_depth: int, fetch_all: bool) -> int:
-    """Released slots an SSD home keeps for the next reads: the experts a step moves through host memory beside the
-    cache (read, stepped, written home; the plan's host term counts them on their way home while the next step
-    reads its own), at least the read-ahead's."""
-    local = sum(s.num_local for s in specs)
-    ahead = max(1, prefetch_depth) * max((s.num_local for s in specs), default=0)
-    return max(ahead, local - (0 if fetch_all else cache_experts))
-
-
-def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.device, *, seed: int,
-                    lr_schedule: Callable[[int], float], cache_experts: int = 0, hit_threshold: float = 1,
-                    decay_beta: float = 0.5, decay_every: int = 10, prefetch_depth: int = 1,
-                    adamw: AdamWHyper = AdamWHyper(), tiers: Tiers | None = None, groups=None,
-                    fetch_all: bool = False, write_initial: bool = True, compute_dtype: torch.dtype = torch.float32,
-                    delayed_update: bool = False, window: int | None = None,
-                    resident_layers: int = 0, initial: InitialExpert | None = None,
-                    trainable: bool = True) -> OffloadEngine:
-    """Swap every MoE layer's experts but the first `resident_layers` for OffloadedGroupedExperts whose states live
-    in host memory (`store` None: storage.offload=cpu) or in `store` behind an LFU cache of `cache_experts` (ssd).
-
-    With `write_initial` each expert is created in its home one at a time (fp32 master weights drawn from
-    (seed, name, global expert) as a resident model draws them, or initial(prefix, shapes, global expert) when given:
-    read from train.init_from's files; zero moments); without it a checkpoint's load fills them. `window`: layers of active experts the device holds at once (default 1 + prefetch_depth). The model may
-    be on the meta device: its expert tensors are never read. trainable=False: frozen experts (OffloadEngine)."""
-    pairs = layer_specs(model)[resident_layers:]
-    specs = [s for _, s in pairs]
-    tiers = tiers or Tiers.with_budgets()
-    pin = device.type == "cuda"
-
-    def make_home(engine: OffloadEngine) -> ExpertHome:
-        if store is None:
-            return HostHome({s.index: s.first_global for s in specs}, engine.layouts,
-                            {s.index: s.num_local for s in specs}, compute_dtype, engine.separate_stage, pin, tiers,
-                            moments=trainable)
-        home = SSDHome(store, engine.layouts, engine.order, cache_experts, hit_threshold, decay_beta, decay_every,
-                       prefetch_depth, compute_dtype, engine.separate_stage, pin, tiers, engine.timeline,
-                       engine.wait_updated, engine.in_use,
-                       spare_slots=spare_slots(specs, cache_experts, prefetch_depth, fetch_all), moments=trainable)
-        if fetch_all:
-            home.fetch_everything()
-        return home
-
-    engine = OffloadEngine(specs, device, lr_schedule, adamw, tiers, groups, compute_dtype, delayed_update,
-                           window if window is not None else 1 + prefetch_depth, make_home, trainable)
-    for layer, spec in pairs:
-        if write_initial:
-            shapes = dict(zip(spec.names, spec.layout.shapes))
-            make = initial or (lambda prefix, shapes, g: init_expert(seed, prefix, shapes, g))
-            drawn = drawn_in_parallel(lambda j: make(spec.param_prefix, shapes, spec.key(j)[1]),
-                                      range(spec.num_local), 4 * spec.layout.numel)
-            for j, params in enumerate(drawn):
-                key = spec.key(j)
-                engine.home.restore(key, initial_slot(engine.home.restore_target(key), spec.layout, params))
-        if store is not None:
-            tiers.ssd.allocate(spec.num_local * (spec.expert_bytes if trainable else spec.frozen_bytes))
-        layer.experts = OffloadedGroupedExperts(engine, spec)
-    if store is not None:
-        store.bytes_written = 0
-    return engine
-
-
-def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, placement,
-                        write_initial: bool = True, initial: InitialExpert | None = None,
-                        trainable: bool = True) -> OffloadEngine | None:
-    """The offload runtime of `placement` (runtime/plan/placement.py: RUN_DIR/plan.json, decided once by
-    `moesys train`), or None when expert states stay on the device.
-
-    With offload=ssd each rank keeps its own store under STORE/ep{r}-of-{n}-edp{k} (STORE: storage.ssd_path, or
-    the run directory's expert_store/), owned by this run; with offload=cpu the states stay in host memory."""
-    from runtime.storage.optim import lr_at
-    from runtime.files.paths import expert_store_dir, expert_store_root
-
-    st = cfg.storage
-    if not placement.offload.offloaded:
-        return None
-    tiers = Tiers.with_budgets(placement.device_capacity, placement.host_capacity, placement.ssd_capacity)
-    ep_rank, ep_size, edp_rank = (groups.ep_rank, groups.ep_size, groups.edp_rank) if groups is not None else (0, 1, 0)
-    store = None
-    if placement.offload is OffloadMode.SSD:
-        store = ExpertStore(expert_store_root(cfg) / expert_store_dir(ep_rank, ep_size, edp_rank),
-                            owner=str(Path(cfg.train.run_dir).resolve()), direct=st.direct_io)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
-    return install_offload(model, store, device, seed=cfg.train.seed, cache_experts=placement.cpu_cache_experts,
-                           hit_threshold=st.hit_threshold, decay_beta=st.decay_beta, decay_every=st.decay_every,
-                           prefetch_depth=st.prefetch_depth, lr_schedule=lambda step: lr_at(step, cfg.train),
-                           adamw=AdamWHyper(weight_decay=cfg.train.weight_decay), tiers=tiers, groups=groups,
-                           write_initial=write_initial, compute_dtype=dtype, delayed_update=st.delayed_update,
-                           window=placement.device_expert_layers or None, resident_layers=st.resident_layers,
-                           initial=initial, trainable=trainable)

@@ -67,6 +67,10 @@ class TransferEngine:
         """Layers with experts on the device this step, in forward order (a prefetched one included)."""
         self.copied_bytes = 0
         """Bytes copied between host and device so far (both ways)."""
+        self.grad_home_bytes = 0
+        """Bytes of gradients sent home so far (without a GPU they are handed over where they lie)."""
+        self.grads_sent = 0
+        """Layers' gradients sent home so far (one a layer and optimizer step, however many micro-batches)."""
         self.stage_read: dict[int, object] = {}
         """CUDA: per layer, an event after the last copy that read its host slots (an update must wait for it)."""
         self._spare: list[torch.UntypedStorage] = []
@@ -74,6 +78,8 @@ class TransferEngine:
         at most `window`, the device budget): fresh host memory pays a page fault per page on its first write, about
         as much as the copy itself."""
         self._largest = 0
+        self.layer_elements: dict[int, int] = {}
+        """Elements of every local expert of a layer (its gradients' staging buffers are at least this large)."""
         self.grad_staging = BufferPool(pinned=True)
         """CUDA: the pinned buffers gradients come home in, reused from step to step (given back once the optimizer
         has applied them): pinning a layer's worth anew each time cost more than the backward itself."""
@@ -209,9 +215,9 @@ class TransferEngine:
         the leaves' own gradients: nothing moves."""
         grads = {name: leaf.grad for name, leaf in copy.leaves.items()}
         if not self.cuda:
+            self._count_home(sum(g.numel() * g.element_size() for g in grads.values()))
             return grads, None, None, None
         with self.timeline.span("d2h", True):
-            base, staging = self.grad_staging.take(copy.buffer)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 # packed on the device first: a tensor's rows are strided in [a, P], and a copy into strided host
@@ -220,13 +226,33 @@ class TransferEngine:
                 for name, view in self.layouts[copy.layer].views(packed).items():
                     view.copy_(grads[name])
                     grads[name].record_stream(self.stream)
+        return self.packed_home(copy.layer, packed)
+
+    def packed_home(self, layer: int, packed: Tensor) -> tuple[dict[str, Tensor], Tensor | None,
+                                                               Callable[[], None] | None, Callable[[], None] | None]:
+        """grads_home for gradients already packed in one [n, P] device tensor (an accumulated sum): one pinned
+        copy on the side stream into a staging buffer sized for the layer's every expert, so that buffers of a pool
+        fit whatever number of experts is active."""
+        views = self.layouts[layer].views(packed)
+        if not self.cuda:
+            self._count_home(packed.numel() * packed.element_size())
+            return views, packed, None, None
+        with self.timeline.span("d2h", True):
+            base, staging = self.grad_staging.take(packed, at_least=self.layer_elements.get(layer, 0))
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
                 staging.copy_(packed, non_blocking=True)
+                packed.record_stream(self.stream)
                 landed = torch.cuda.Event()
                 landed.record(self.stream)
-            views = self.layouts[copy.layer].views(staging)
         self.tiers.host.moved(staging.numel() * staging.element_size())
         self.copied_bytes += staging.numel() * staging.element_size()
-        return views, staging, landed.synchronize, lambda: self.grad_staging.give(base)
+        self._count_home(staging.numel() * staging.element_size())
+        return self.layouts[layer].views(staging), staging, landed.synchronize, lambda: self.grad_staging.give(base)
+
+    def _count_home(self, nbytes: int) -> None:
+        self.grad_home_bytes += nbytes
+        self.grads_sent += 1
 
     def release(self, copy: DeviceCopy) -> None:
         """The layer is done with its device copy this step: without a GPU its memory is kept for the next copy

@@ -24,15 +24,18 @@ from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.embedding_partition import partition_embedding, partitioned_parameters
 from runtime.parallel.expert_parallel import shard_experts
 from runtime.parallel.groups import ParallelGroups
-from runtime.storage.offload_engine import OffloadEngine, offload_from_config
+from runtime.storage.offload_engine import OffloadEngine
+from runtime.storage.offload_install import offload_from_config
 from runtime.data.chat_records import is_chat
 from runtime.data.chat_source import open_chat_dataset
 from runtime.data.dataset import open_dataset
 from runtime.plan.placement import Placement, decide
+from runtime.train.compiled import compile_blocks
 from runtime.train.distill import Distillation
 from runtime.train.freeze import freeze
 from runtime.train.init_from import InitialWeights
 from runtime.train.objective import ChatLanguageModel, LanguageModel, Objective
+from runtime.train.recompute import apply_recompute
 from runtime.train.parts import (OffloadedExperts, Part, PartitionedEmbeddingPart, Replicated, ShardedDense,
                                  TaskHeads)
 from runtime.train.tasks import MultiTask, add_heads_to_optimizer, build_multitask
@@ -138,6 +141,9 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
     if cfg.tasks:  # task heads replace model.output
         tasks = build_multitask(cfg, model, groups, device, placement.task_gpus)
     freeze(model, cfg.train.freeze)  # before the reducers, the dense shard and the optimizer take the parameters
+    apply_recompute(model, cfg.train.recompute, offload)  # model converters: before the optimizer exists
+    if cfg.train.compile:
+        compile_blocks(model)
     dense, experts = split_params(model)
     dense_shard = None
     if cfg.storage.dense_shard:  # Algorithm 1: replaces the dense all-reduce and the replicated dense states
@@ -162,9 +168,11 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
         objective = Distillation.from_config(cfg, groups, device)
     elif is_chat(cfg.train.data, cfg.train.data_format):  # loss on the assistant's tokens of packed samples
         objective = ChatLanguageModel(open_chat_dataset(cfg, run_tokenizer(cfg), "train.data", cfg.train.data),
-                                      groups, cfg.train.micro_batch_size, cfg.train.seq_len)
+                                      groups, cfg.train.micro_batch_size, cfg.train.seq_len,
+                                      max(1, cfg.train.grad_accum_steps))
     else:
         objective = LanguageModel(open_dataset(cfg, run_tokenizer(cfg), "train.data", cfg.train.data),
-                                  groups, cfg.train.micro_batch_size, cfg.train.seq_len)
+                                  groups, cfg.train.micro_batch_size, cfg.train.seq_len,
+                                  max(1, cfg.train.grad_accum_steps))
     return Components(model=model, optimizer=optimizer, objective=objective, parts=parts, dense_params=dense,
                       expert_params=experts, offload=offload, dense_shard=dense_shard, tasks=tasks)

@@ -1,6 +1,6 @@
 """What a training step computes (`Objective`). The language model: next-token cross-entropy of this rank's
-micro-batch plus the router losses; on chat data, of the assistant's tokens only; the multi-task objective (runtime/train/tasks.py) and distillation
-(runtime/train/distill.py) are the others."""
+micro-batch plus the router losses; on chat data, of the assistant's tokens only; the multi-task objective
+(runtime/train/tasks.py) and distillation (runtime/train/distill.py) are the others."""
 
 from __future__ import annotations
 
@@ -36,21 +36,42 @@ class Objective(Protocol):
 
 
 class LanguageModel:
-    def __init__(self, data: TokenDataset, groups: ParallelGroups, micro_batch_size: int, seq_len: int):
+    """A rank's share of a step is its contiguous slice of the step's global batch, micro_batch_size x micro_batches
+    sequences, run as `micro_batches` micro-batches of micro_batch_size each (train.grad_accum_steps)."""
+
+    def __init__(self, data: TokenDataset, groups: ParallelGroups, micro_batch_size: int, seq_len: int,
+                 micro_batches: int = 1):
         self.data, self.groups, self.micro_batch_size = data, groups, micro_batch_size
-        self.tokens_per_step = groups.world_size * micro_batch_size * seq_len
+        self.micro_batches = micro_batches
+        """Micro-batches of a step: each one's loss counts 1/micro_batches, so their gradients sum to the step's."""
+        self.tokens_per_step = groups.world_size * micro_batch_size * micro_batches * seq_len
+        self._batch: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def forward_backward(self, model: nn.Module, step: int, device: torch.device, autocast,
-                         scaler=None) -> tuple[torch.Tensor, object]:
-        """(this rank's language-model loss, model output) after backward of loss + router losses."""
-        inputs, targets = self.data.rank_batch(step, self.groups.rank, self.groups.world_size, self.micro_batch_size)
-        inputs, targets = inputs.to(device), targets.to(device)
+                         scaler=None, micro: int = 0) -> tuple[torch.Tensor, object]:
+        """(this rank's language-model loss of micro-batch `micro`, model output) after backward of its loss plus
+        router losses, over the number of micro-batches (the router losses are each micro-batch's own, as
+        Megatron computes them)."""
+        inputs, targets = self._micro_batch(step, micro)
+        copy = device.type == "cuda"  # the ids go to the device without the host waiting for the copy
+        inputs, targets = inputs.to(device, non_blocking=copy), targets.to(device, non_blocking=copy)
         with autocast:
             out = model(inputs)
         lm_loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
         loss = lm_loss + out.aux_loss.float()
+        if self.micro_batches > 1:
+            loss = loss / self.micro_batches
         (scaler.scale(loss) if scaler else loss).backward()
         return lm_loss.detach(), out
+
+    def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows micro x micro_batch_size onward of this rank's batch of `step` (read once a step)."""
+        if self._batch is None or self._batch[0] != step:
+            g = self.groups
+            self._batch = (step, *self.data.rank_batch(step, g.rank, g.world_size,
+                                                       self.micro_batch_size * self.micro_batches))
+        rows = slice(micro * self.micro_batch_size, (micro + 1) * self.micro_batch_size)
+        return self._batch[1][rows], self._batch[2][rows]
 
     def records(self, step: int) -> tuple[dict, list[dict]]:
         """Objective-specific metrics and extra metrics lines (none for the language model); collective."""
@@ -59,24 +80,29 @@ class LanguageModel:
 
 class ChatLanguageModel(LanguageModel):
     """Next-token cross-entropy of the assistant's tokens of packed chat rows (runtime/data/chat_data.py): this
-    rank's summed loss over the tokens counted on every rank, times the world size, as the reducers average the
-    gradients over ranks; so the step is the global batch's mean over its counted tokens, whatever each rank's
-    share of them, and the loss reported (the mean over ranks) is that mean too."""
+    rank's summed loss over the tokens counted on every rank in the whole step (all its micro-batches), times the
+    world size, as the reducers average the gradients over ranks; so the step is the global batch's mean over its
+    counted tokens, whatever each rank's or micro-batch's share of them, and the loss reported (the mean over ranks
+    and micro-batches) is that mean too."""
 
     data: ChatDataset
 
     def forward_backward(self, model: nn.Module, step: int, device: torch.device, autocast,
-                         scaler=None) -> tuple[torch.Tensor, object]:
-        g = self.groups
-        batch = self.data.rank_batch(step, g.rank, g.world_size, self.micro_batch_size).to(device)
-        counted = torch.tensor([float(batch.target_count)])
-        if g.world_size > 1:
-            dist.all_reduce(counted)
+                         scaler=None, micro: int = 0) -> tuple[torch.Tensor, object]:
+        g, n = self.groups, self.micro_batches
+        if self._batch is None or self._batch[0] != step:  # the step's rows and its counted tokens, once a step
+            batch = self.data.rank_batch(step, g.rank, g.world_size, self.micro_batch_size * n)
+            counted = torch.tensor([float(batch.target_count)])
+            if g.world_size > 1:
+                dist.all_reduce(counted)
+            self._batch = (step, batch, max(float(counted), 1.0))
+        _, batch, counted = self._batch
+        rows = batch.rows(slice(micro * self.micro_batch_size, (micro + 1) * self.micro_batch_size)).to(device)
         with autocast:
-            out = model(batch.inputs, positions=batch.positions, segments=batch.segments)
-        total = F.cross_entropy(out.logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE,
+            out = model(rows.inputs, positions=rows.positions, segments=rows.segments)
+        total = F.cross_entropy(out.logits.float().flatten(0, 1), rows.targets.flatten(), ignore_index=IGNORE,
                                 reduction="sum")
-        lm_loss = total * (g.world_size / max(float(counted), 1.0))
-        loss = lm_loss + out.aux_loss.float()
+        share = total * (g.world_size / counted)  # this micro-batch's part of the step's loss
+        loss = share + out.aux_loss.float() / n
         (scaler.scale(loss) if scaler else loss).backward()
-        return lm_loss.detach(), out
+        return (share * n).detach(), out

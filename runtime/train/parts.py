@@ -2,14 +2,17 @@
 their optimizer state and takes part in a step through one small interface, so the loop, the gradient norm and the
 checkpoint writer iterate over parts and name no feature (as torchtitan's model converters and optimizer hooks).
 
-Legend of a step: objective.forward_backward -> part.after_backward -> global norm from part.grad_sq ->
+Legend of a step: objective.forward_backward (each micro-batch but the last inside part.accumulating) ->
+part.after_backward -> global norm from part.grad_sq ->
 part.scale_grads (clipping) -> part.before_optimizer_step -> optimizer.step; checkpoints: part.held_params are
 left to part.save / part.load.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import ContextManager
 
 import torch
 import torch.distributed as dist
@@ -33,6 +36,11 @@ GradSq = tuple[torch.Tensor, object]
 
 class Part:
     """Does nothing by default; a part overrides the steps it takes part in."""
+
+    def accumulating(self) -> ContextManager:
+        """The context of a micro-batch before the last of an optimizer step (train.grad_accum_steps): its gradients
+        add up where they are made, nothing is reduced or sent anywhere until the last micro-batch's backward."""
+        return contextlib.nullcontext()
 
     def after_backward(self) -> None:
         """Finish this part's gradient reductions; gradients are complete afterwards."""
@@ -72,10 +80,12 @@ class Part:
         """Stop background work; also called when a step raised."""
 
 
-def _scale(params, coef: float) -> None:
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef)
+def _scale(params, coef) -> None:
+    """Multiply the gradients by `coef` (a float, or a 0-d tensor on their device: no host read), in one foreach call
+    (each gradient times the coefficient rounded to its dtype, as a Python float multiplies it)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype) if isinstance(coef, torch.Tensor) else coef)
 
 
 def _sq(params) -> torch.Tensor:
@@ -92,6 +102,12 @@ class Replicated(Part):
         self.dense, self.experts, self.groups = dense, experts, groups
         self.dense_reducer = GradBucketReducer(dense, groups.dp_group, bucket_bytes)
         self.expert_reducer = GradBucketReducer(experts, groups.edp_group, bucket_bytes)
+
+    def accumulating(self) -> ContextManager:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.dense_reducer.no_sync())
+        stack.enter_context(self.expert_reducer.no_sync())
+        return stack
 
     def after_backward(self) -> None:
         self.dense_reducer.finish()
@@ -188,14 +204,17 @@ class OffloadedExperts(Part):
     def __init__(self, engine: OffloadEngine, groups: ParallelGroups):
         self.engine, self.groups = engine, groups
 
+    def accumulating(self) -> ContextManager:
+        return self.engine.accumulate()
+
     def after_backward(self) -> None:
         self.engine.finish_backward()
 
     def grad_sq(self) -> list[GradSq]:  # summed with the resident experts' share before the EP all-reduce
         return [(self.engine.grad_sq().reshape(1), self.groups.ep_group if self.groups.ep_size > 1 else None)]
 
-    def before_optimizer_step(self, step: int, lr: float, coef: float | None) -> None:
-        self.engine.step(lr, coef)  # the gradients are scaled inside the CPU kernel
+    def before_optimizer_step(self, step: int, lr: float, coef) -> None:
+        self.engine.step(lr, None if coef is None else float(coef))  # scaled inside the CPU kernel, on the host
 
     def skip_step(self) -> None:
         self.engine.skip_step()
@@ -217,21 +236,23 @@ class OffloadedExperts(Part):
         self.engine.close()
 
 
-def global_grad_norm(parts: list[Part]) -> float:
-    """L2 norm of every gradient counted once: shares of one group are summed and all-reduced together (one
-    collective per group, in the parts' order, so every rank issues the same ones)."""
+def global_grad_norm(parts: list[Part], device: torch.device | None = None) -> torch.Tensor:
+    """L2 norm of every gradient counted once, a float64 0-d tensor on `device` (nothing read back to the host):
+    shares of one group are summed in fp32 and all-reduced together (one collective per group, in the parts' order,
+    so every rank issues the same ones), the groups' sums added in float64."""
+    device = device or torch.device("cpu")
     shares: dict[int, list] = {}
     for part in parts:
         for sq, group in part.grad_sq():
             key = id(group) if group is not None else 0
-            entry = shares.setdefault(key, [group, torch.zeros(1)])
-            entry[1] = entry[1] + sq.detach().float().cpu().reshape(1)
-    total = 0.0
+            entry = shares.setdefault(key, [group, torch.zeros(1, device=device)])
+            entry[1] = entry[1] + sq.detach().float().reshape(1).to(device, non_blocking=True)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for group, sq in shares.values():
         if group is not None:
             dist.all_reduce(sq, group=group)
-        total += float(sq)
-    return total ** 0.5
+        total = total + sq.double().reshape(())
+    return total.sqrt()
 
 
 class TaskHeads(Part):

@@ -27,6 +27,22 @@ def test_take_reuses_the_smallest_fitting_buffer_and_drops_outgrown_ones():
     assert other.dtype == torch.float64 and other is not big
 
 
+def test_a_buffer_made_at_least_as_large_as_asked_serves_every_later_size():
+    """The offloaded experts' gradient staging: a layer's active experts vary from step to step, so a buffer sized for
+    all of them is made once and every later take fits it (pinning a new one each time cost a step's d2h)."""
+    pool = BufferPool()
+    first, view = pool.take(torch.empty(3, 5), at_least=8 * 5)
+    assert first.numel() == 40 and view.shape == (3, 5)
+    pool.give(first)
+    for rows in (7, 8, 1, 8):
+        buf, view = pool.take(torch.empty(rows, 5), at_least=8 * 5)
+        assert buf is first and view.shape == (rows, 5)
+        pool.give(buf)
+    assert pool.made == 1
+    pool.clear()
+    assert pool.free == []
+
+
 def _weights(kind="gelu", e=4, d=16, f=32):
     torch.manual_seed(0)
     w = {"w1": torch.randn(e, f, d, requires_grad=True), "w2": torch.randn(e, d, f, requires_grad=True),

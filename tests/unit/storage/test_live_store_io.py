@@ -18,7 +18,7 @@ from runtime.storage.expert_slots import IO_BLOCK, ExpertSlot, SlotLayout, io_sl
 from runtime.storage.expert_store import ExpertStore
 from runtime.storage.host_home import initial_slot
 from runtime.storage.live_files import read_file, write_file
-from runtime.storage.offload_engine import install_offload
+from runtime.storage.offload_install import install_offload
 from runtime.files.tensorfile import ChecksumError, verify
 from runtime.train.build import build_model
 

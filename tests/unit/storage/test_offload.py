@@ -18,7 +18,8 @@ from runtime.storage.expert_store import ExpertStore
 from runtime.storage.live_files import direct_io_supported
 from runtime.storage.optim import AdamWHyper, lr_at
 from runtime.storage.offload_checkpoint import save_offloaded
-from runtime.storage.offload_engine import OffloadedGroupedExperts, install_offload
+from runtime.storage.offload_engine import OffloadedGroupedExperts
+from runtime.storage.offload_install import install_offload
 from runtime.train.build import build_model, build_optimizer
 from runtime.train.parts import OffloadedExperts as OffloadedExpertsPart
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint

@@ -92,7 +92,7 @@ def test_frozen_offloaded_experts_keep_no_moments_and_move_no_gradients(tmp_path
     trained = run(tmp_path, offload, [])
     assert [m["loss"] for m in frozen] == [m["loss"] for m in resident]
     assert [m["loss"] for m in trained] != [m["loss"] for m in frozen]
-    assert all(m["offload/grad_bytes"] == 0 for m in frozen) and all(m["offload/grad_bytes"] > 0 for m in trained)
+    assert all(m["offload/grad_home_bytes"] == 0 for m in frozen) and all(m["offload/grad_home_bytes"] > 0 for m in trained)
     assert all(m["offload/catch_up_steps"] == 0 for m in frozen)
     if offload == "ssd":  # unchanged experts are never written back; their files hold weights and a step only
         assert sum(m["offload/ssd_write_bytes"] for m in frozen) == 0

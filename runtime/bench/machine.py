@@ -1,0 +1,160 @@
+"""`moesys plan --measure`: this machine's rates, measured here and kept in its profile
+(runtime/plan/machine_profile.py) for later plans: pinned copies each way (with a GPU), torch's fused AdamW per CPU core, the disk each way, the dense
+GEMM rate, and the resident MFU of the planned model's training step on one process."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from runtime.bench.disk import measure_disk
+from runtime.bench.mfu import peak_flops
+from runtime.config import MoesysConfig
+from runtime.model.precision import PRECISION_DTYPES
+from runtime.storage.optim import AdamWHyper, fused_adamw
+from runtime.plan.machine_profile import cache_root, machine_rates, model_key, usable_cores, write_profile
+from runtime.plan.step_time import GB, Rates, training_flops_per_token
+from runtime.host.topology import set_cpu_threads
+
+ADAMW_PARAMS = 1 << 24
+"""Parameters the AdamW probe steps (64 MB a tensor: past every cache, as a real step's are)."""
+COPY_BYTES = 256 << 20
+DISK_BYTES = 256 << 20
+
+
+def _median_seconds(fn, repeats: int = 3, sync=lambda: None) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def adamw_params_per_s_per_core(params: int = ADAMW_PARAMS) -> float:
+    """torch's fused CPU AdamW over `params` fp32 parameters on every usable core, per core."""
+    cores = usable_cores()
+    before = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        p, g, m, v = (torch.randn(params) for _ in range(4))
+        v.abs_()
+        step = torch.zeros(())
+        seconds = _median_seconds(lambda: fused_adamw([p], [g], [m], [v], [step], 1e-4, AdamWHyper()))
+    finally:
+        torch.set_num_threads(before)
+    return params / seconds / cores
+
+
+def pinned_copy_gbps(nbytes: int = COPY_BYTES) -> tuple[float, float]:
+    """(host to device, device to host) GB/s of one pinned copy of `nbytes` on GPU 0."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    sync = torch.cuda.synchronize
+    h2d = _median_seconds(lambda: device.copy_(host, non_blocking=True), sync=sync)
+    d2h = _median_seconds(lambda: host.copy_(device, non_blocking=True), sync=sync)
+    return nbytes / h2d / GB, nbytes / d2h / GB
+
+
+def _probe_config(cfg: MoesysConfig, run_dir: Path, memory_bytes: float) -> MoesysConfig:
+    """The planned model trained resident on one process, with as many of its layers as fit a share of `memory_bytes`
+    (a model's MFU hardly changes with its depth), no accumulation or recomputation."""
+    from runtime.plan.params import count_parameters
+
+    m = cfg.model
+    per_layer = max(1, count_parameters(m).total // max(1, m.num_layers))
+    layers = max(m.moe_layer_freq, min(m.num_layers, int(memory_bytes / 4 / (16 * per_layer))))
+    layers -= layers % m.moe_layer_freq
+    model = dataclasses.replace(m, num_layers=max(layers, m.moe_layer_freq))
+    topology = dataclasses.replace(cfg.topology, nodes=1, nproc_per_node=1, expert_parallel=1,
+                                   gpus_per_node=min(1, cfg.topology.gpus_per_node))
+    storage = dataclasses.replace(cfg.storage, offload="none", resident_layers=0, delayed_update=False,
+                                  dense_shard=False)
+    train = dataclasses.replace(cfg.train, grad_accum_steps=1, recompute="none", compile=False, run_dir=str(run_dir),
+                                micro_batch_size=max(1, cfg.train.micro_batch_size))
+    return dataclasses.replace(cfg, model=model, topology=topology, storage=storage, train=train, tasks={})
+
+
+def resident_mfu(cfg: MoesysConfig, gemm_flops: float, device: torch.device, steps: int = 3) -> float:
+    """The resident step's MFU against `gemm_flops` (the rate of one rank's share), timed on one process over
+    `steps` steps after a warm-up one."""
+    from runtime.parallel.groups import build_groups
+    from runtime.train.build import build_components
+    from runtime.train.loop import forward_backward, optimizer_step
+
+    groups = build_groups(1, 0, 1, 1)
+    c = build_components(cfg, groups, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step(i: int) -> None:
+        forward_backward(c, cfg, groups, i, device)
+        optimizer_step(c, cfg, groups, i)
+
+    step(0)
+    sync()
+    began = time.perf_counter()
+    for i in range(1, steps + 1):
+        step(i)
+    sync()
+    seconds = (time.perf_counter() - began) / steps
+    for part in c.parts:
+        part.close()
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    flops = tokens * training_flops_per_token(cfg.model, cfg.train.seq_len)
+    return flops / seconds / gemm_flops
+
+
+def measure_machine(cfg: MoesysConfig, disk_dir: str | Path | None = None) -> tuple[dict, Path]:
+    """Measure this machine's rates (and the planned model's resident MFU) and merge them into its profile. Returns
+    (the rates measured, the profile's path)."""
+    gpus = torch.cuda.is_available() and bool(cfg.topology.gpus_per_node)
+    device = torch.device("cuda" if gpus else "cpu")
+    rates: dict = {"adamw_gparams_per_core": adamw_params_per_s_per_core() / GB}
+    if gpus:
+        rates["pcie_h2d_gbps"], rates["pcie_d2h_gbps"] = pinned_copy_gbps()
+    directory = Path(disk_dir or cfg.storage.ssd_path or cache_root())
+    directory.mkdir(parents=True, exist_ok=True)
+    disk = measure_disk(directory, DISK_BYTES)
+    rates["disk_read_gbps"], rates["disk_write_gbps"] = disk.read_bytes_per_s / GB, disk.write_bytes_per_s / GB
+    dtype = PRECISION_DTYPES[cfg.train.precision] if gpus else torch.float32
+    threads = torch.get_num_threads()
+    set_cpu_threads(1, respect_env=False)  # the node's cores together (the rate a plan divides among its ranks)
+    try:
+        gemm = peak_flops(device, dtype)
+        rates["gemm_tflops"] = gemm / 1e12
+        if not gpus:  # each rank computes on its share of the cores
+            set_cpu_threads(cfg.topology.processes_per_node, respect_env=False)
+        share = gemm if gpus else gemm / max(1, cfg.topology.processes_per_node)
+        memory = (torch.cuda.get_device_properties(device).total_memory if gpus
+                  else cfg.topology.cpu_memory_gb * GB / max(1, cfg.topology.processes_per_node))
+        with tempfile.TemporaryDirectory(prefix="moesys-measure-") as tmp:
+            probe = _probe_config(cfg, Path(tmp), memory)
+            mfu = resident_mfu(probe, share, device)
+    finally:
+        torch.set_num_threads(threads)
+    rates_out = {**rates, "resident_mfu": mfu}
+    return rates_out, write_profile(rates, model_key(cfg), mfu)
+
+
+def measured_rates(cfg: MoesysConfig, device: torch.device, disk: bool = False,
+                   disk_dir: str | Path | None = None) -> Rates:
+    """The rates a benchmark's bound uses: `cfg`'s (keys, profile, defaults) with the host AdamW, the pinned copies
+    (on a GPU) and, when `disk`, the disk measured now."""
+    rates = machine_rates(cfg)
+    changes = {"adamw_params_per_s_per_core": adamw_params_per_s_per_core()}
+    if device.type == "cuda":
+        h2d, d2h = pinned_copy_gbps()
+        changes.update(h2d_bytes_per_s=h2d * GB, d2h_bytes_per_s=d2h * GB)
+    if disk:
+        with tempfile.TemporaryDirectory(dir=disk_dir or cfg.storage.ssd_path or None) as tmp:
+            bw = measure_disk(tmp, DISK_BYTES)
+        changes.update(disk_read_bytes_per_s=bw.read_bytes_per_s, disk_write_bytes_per_s=bw.write_bytes_per_s)
+    return dataclasses.replace(rates, **changes)
