@@ -34,8 +34,8 @@ def run_moe_layer_bench(tokens: int = 4096, hidden: int = 512, ffn: int = 2048, 
     """Forward+backward tokens/s of moe, ceiling and loop, measured round-robin; returns a JSON-ready dict.
     device: default the GPU where there is one (as `bench ring`), else the CPU. fine_grained: the shape (keys of
     FINE_GRAINED, plus dtypes) of the comparison with transformers' Qwen3-MoE block, timed over
-    `fine_grained_repeats` rounds after one warm-up (its eager contender takes minutes a round on a CPU); None skips
-    it."""
+    `fine_grained_repeats` rounds after the output check (its eager contender takes minutes a round on a CPU); None
+    skips it."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     torch.manual_seed(seed)
@@ -73,7 +73,7 @@ def run_moe_layer_bench(tokens: int = 4096, hidden: int = 512, ffn: int = 2048, 
     times = alternate(runs, reset, sync, repeats, warmup)
     fine = None
     if fine_grained is not None:
-        fine = run_qwen3_moe_block_bench(**{**FINE_GRAINED, **fine_grained}, repeats=fine_grained_repeats, warmup=1,
+        fine = run_qwen3_moe_block_bench(**{**FINE_GRAINED, **fine_grained}, repeats=fine_grained_repeats,
                                          seed=seed, device=dev, sync=sync)
     return {
         "config": {"tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": experts, "top_k": top_k,

@@ -120,11 +120,12 @@ def _compare_dtype(cfg: ModelConfig, dtype: torch.dtype, tokens: int, dev: torch
 
 def run_qwen3_moe_block_bench(tokens: int = 1024, hidden: int = 2048, ffn: int = 768, experts: int = 128,
                               top_k: int = 8, dtypes: tuple[str, ...] = ("fp32", "bf16"), repeats: int = 3,
-                              warmup: int = 1, seed: int = 0, device: torch.device | None = None,
+                              warmup: int = 0, seed: int = 0, device: torch.device | None = None,
                               sync: Callable[[], None] = lambda: None) -> dict:
     """Tokens/s of moe, transformers (its default experts implementation) and transformers_eager, forward + backward,
     and moe's speed-up over each per round and its median, for each dtype (weights and input in it; moesys's router
-    computes in fp32 whatever the dtype, the block's in the dtype)."""
+    computes in fp32 whatever the dtype, the block's in the dtype). Each contender's first run, the output check,
+    warms it up: `warmup` more rounds are not kept."""
     try:
         import transformers
     except ImportError:

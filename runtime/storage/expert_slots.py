@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -134,19 +135,26 @@ def new_slots(numel: int, count: int, compute_dtype: torch.dtype, separate_stage
 _blocks = itertools.count()
 
 
-def slot_runs(slots: list[ExpertSlot], rows: list[int] | None = None) -> list[tuple[int, int]]:
-    """[start, stop) ranges of `slots` that are consecutive rows of one `new_slots` block (in every state, the step
-    included) and, when `rows` is given, whose `rows` are consecutive too: each range is one run of memory that one
-    kernel call can take. Decided from the slots' `row` records, without reading a tensor."""
+def runs_where(count: int, joins: Callable[[int], bool]) -> list[tuple[int, int]]:
+    """[start, stop) ranges that cut 0..count-1 wherever `joins(i)` (item i continues item i - 1's range) is false."""
     runs: list[tuple[int, int]] = []
-    for i, slot in enumerate(slots):
-        prev = slots[i - 1].row if i else None
-        if (prev is not None and slot.row == (prev[0], prev[1] + 1)
-                and (rows is None or rows[i] == rows[i - 1] + 1)):
+    for i in range(count):
+        if i and joins(i):
             runs[-1] = (runs[-1][0], i + 1)
         else:
             runs.append((i, i + 1))
     return runs
+
+
+def slot_runs(slots: list[ExpertSlot], rows: list[int] | None = None) -> list[tuple[int, int]]:
+    """[start, stop) ranges of `slots` that are consecutive rows of one `new_slots` block (in every state, the step
+    included) and, when `rows` is given, whose `rows` are consecutive too: each range is one run of memory that one
+    kernel call can take. Decided from the slots' `row` records, without reading a tensor."""
+    def joins(i: int) -> bool:
+        prev, row = slots[i - 1].row, slots[i].row
+        return prev is not None and row == (prev[0], prev[1] + 1) and (rows is None or rows[i] == rows[i - 1] + 1)
+
+    return runs_where(len(slots), joins)
 
 
 def step_counts(slots: list[ExpertSlot]) -> list[float]:
@@ -188,13 +196,7 @@ def io_slot(numel: int, compute_dtype: torch.dtype, separate_stage: bool, pin: b
 def contiguous_runs(slots: list[ExpertSlot], attr: str = "stage") -> list[tuple[int, int]]:
     """[start, stop) index ranges of `slots` whose `attr` tensors follow each other in one block of memory, so each
     range moves in one copy."""
-    runs: list[tuple[int, int]] = []
-    for i, slot in enumerate(slots):
-        if runs and _follows(slots[i - 1], slot, attr):
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
+    return runs_where(len(slots), lambda i: _follows(slots[i - 1], slots[i], attr))
 
 
 def _follows(prev: ExpertSlot, slot: ExpertSlot, attr: str) -> bool:

@@ -17,9 +17,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from runtime.optim import AdamWHyper, catch_up, fused_adamw, fused_adamw_counted, square_sum
+from runtime.optim import AdamWHyper, catch_up, fused_adamw_counted, square_sum
 from runtime.moe.buffer_pool import BufferPool
-from runtime.storage.expert_slots import ExpertSlot, SlotLayout, block_of, slot_runs, step_counts
+from runtime.storage.expert_slots import ExpertSlot, SlotLayout, block_of, runs_where, slot_runs, step_counts
 from runtime.storage.step_timeline import StepTimeline
 
 
@@ -66,18 +66,12 @@ def _worth_packing(layout: SlotLayout, rows: list[int]) -> bool:
     least four consecutive experts on average (the pack copies each run's tensors apart, the update takes each run
     of consecutive slots in one piece)."""
     small = layout.numel < PACK_BELOW * len(layout.names)
-    return layout.dense and small and 4 * len(_consecutive(rows)) <= len(rows)
+    return bool(rows) and layout.dense and small and 4 * len(_consecutive(rows)) <= len(rows)
 
 
 def _consecutive(rows: list[int]) -> list[tuple[int, int]]:
     """[start, stop) ranges of positions in `rows` over which the rows count up by one."""
-    runs: list[tuple[int, int]] = []
-    for i, row in enumerate(rows):
-        if runs and row == rows[i - 1] + 1:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
+    return runs_where(len(rows), lambda i: rows[i] == rows[i - 1] + 1)
 
 
 def squares(grads: dict[str, Tensor]) -> list[Tensor]:

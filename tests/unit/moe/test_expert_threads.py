@@ -84,3 +84,21 @@ def test_a_forked_child_gets_its_own_workers():
     assert queue.get(timeout=120) is True  # the fork's copy of the pool has no threads: a new one must be made
     child.join()
     assert child.exitcode == 0
+
+
+def test_weights_that_are_rows_of_a_wider_block_as_offloaded_slots_lie():
+    """An offloaded layer's weights are views of one [e, P] block of slots (each expert's tensors side by side)."""
+    counts = [5, 0, 3]
+    layout = (8 * 16, 16 * 8)  # w1 [8, 16] then w2 [16, 8] in each row
+    block = torch.randn(3, sum(layout), requires_grad=False)
+    w = block[:, :layout[0]].view(3, 8, 16).detach().requires_grad_(True)
+    x = torch.randn(8, 16, requires_grad=True)
+    y = ExpertLinear.apply(x, w, row_bounds(counts), 2)
+    (y * torch.arange(8.0)[:, None]).sum().backward()
+    dense = w.detach().clone().requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    ref = per_expert(x2, dense, counts)
+    (ref * torch.arange(8.0)[:, None]).sum().backward()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, dense.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)

@@ -37,7 +37,7 @@ def test_fine_grained_shape_runs_beside_transformers_blocks_on_the_same_work():
                               fine_grained=TINY_QWEN3, fine_grained_repeats=2)
     json.dumps(out)
     fine = out["fine_grained"]
-    assert fine["config"] == {**TINY_QWEN3, "expert_type": "swiglu", "bias": False, "repeats": 2, "warmup": 1}
+    assert fine["config"] == {**TINY_QWEN3, "expert_type": "swiglu", "bias": False, "repeats": 2, "warmup": 0}
     assert fine["transformers_default_impl"] == "grouped_mm"  # transformers 5's default where it can dispatch
     assert set(fine["by_dtype"]) == {"fp32", "bf16"}
     fp32 = fine["by_dtype"]["fp32"]
