@@ -1,16 +1,17 @@
 """Benchmark of one MoE layer, forward + backward, side by side with its ceiling and a plain loop MoE
 (ORT MoE "merged experts"): (1) the dropless MoELayer, (2) the same expert kernel on equal row counts with no
-routing at all, (3) routing + per-expert Python loop + index_add. Interleaved, medians.
+routing at all, (3) routing + per-expert Python loop + index_add. Interleaved, medians. Beside it, `fine_grained`:
+the layer at Qwen3-MoE's shape against transformers' own block (runtime/bench/qwen3_moe_block.py).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Callable
 
 import torch
 
+from runtime.bench.qwen3_moe_block import run_qwen3_moe_block_bench
+from runtime.bench.rounds import alternate, paired_ratios
 from runtime.config import ModelConfig
 from runtime.moe.experts import expert_ffn, reference_moe_forward
 from runtime.moe.layer import MoELayer
@@ -22,11 +23,19 @@ def _equal_counts(rows: int, experts: int) -> torch.Tensor:
     return counts
 
 
+FINE_GRAINED = {"tokens": 1024, "hidden": 2048, "ffn": 768, "experts": 128, "top_k": 8}
+"""Qwen3-30B-A3B's MoE layer at 1,024 tokens: 128 experts of 768, top-8 (8x the routed rows of a top-2 layer)."""
+
+
 def run_moe_layer_bench(tokens: int = 4096, hidden: int = 512, ffn: int = 2048, experts: int = 8, top_k: int = 2,
                         repeats: int = 7, warmup: int = 1, expert_type: str = "gelu", bias: bool = True,
-                        seed: int = 0, device: str | None = None) -> dict:
+                        seed: int = 0, device: str | None = None, fine_grained: dict | None = FINE_GRAINED,
+                        fine_grained_repeats: int = 3) -> dict:
     """Forward+backward tokens/s of moe, ceiling and loop, measured round-robin; returns a JSON-ready dict.
-    device: default the GPU where there is one (as `bench ring`), else the CPU."""
+    device: default the GPU where there is one (as `bench ring`), else the CPU. fine_grained: the shape (keys of
+    FINE_GRAINED, plus dtypes) of the comparison with transformers' Qwen3-MoE block, timed over
+    `fine_grained_repeats` rounds after the output check (its eager contender takes minutes a round on a CPU); None
+    skips it."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     torch.manual_seed(seed)
@@ -56,21 +65,16 @@ def run_moe_layer_bench(tokens: int = 4096, hidden: int = 512, ffn: int = 2048, 
         y.backward(g_TD)
 
     runs: dict[str, Callable[[], None]] = {"moe": moe, "ceiling": ceiling, "loop": loop}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for i in range(warmup + repeats):
-        for name, fn in runs.items():
-            layer.zero_grad(set_to_none=True)
-            x_TD.grad = x_RD.grad = None
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    tps = {name: tokens / statistics.median(ts) for name, ts in times.items()}
-    rounds = list(zip(times["moe"], times["ceiling"], times["loop"]))
-    moe_vs_ceiling = [c / m for m, c, _ in rounds]
-    moe_vs_loop = [lp / m for m, _, lp in rounds]
+
+    def reset() -> None:
+        layer.zero_grad(set_to_none=True)
+        x_TD.grad = x_RD.grad = None
+
+    times = alternate(runs, reset, sync, repeats, warmup)
+    fine = None
+    if fine_grained is not None:
+        fine = run_qwen3_moe_block_bench(**{**FINE_GRAINED, **fine_grained}, repeats=fine_grained_repeats,
+                                         seed=seed, device=dev, sync=sync)
     return {
         "config": {"tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": experts, "top_k": top_k,
                    "expert_type": expert_type, "bias": bias, "repeats": repeats, "warmup": warmup},
@@ -78,14 +82,8 @@ def run_moe_layer_bench(tokens: int = 4096, hidden: int = 512, ffn: int = 2048, 
         "torch_version": torch.__version__,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "expert_impl": layer.experts.impl,
-        "moe_tokens_per_s": tps["moe"],
-        "ceiling_tokens_per_s": tps["ceiling"],
-        "loop_tokens_per_s": tps["loop"],
-        "moe_vs_ceiling": statistics.median(moe_vs_ceiling),
-        "moe_vs_loop": statistics.median(moe_vs_loop),
-        "moe_vs_ceiling_rounds": moe_vs_ceiling,
-        "moe_vs_loop_rounds": moe_vs_loop,
-        "median_s": {name: statistics.median(ts) for name, ts in times.items()},
+        **paired_ratios(times, tokens),
+        **({"fine_grained": fine} if fine is not None else {}),
     }
 
 

@@ -32,6 +32,7 @@ import torch
 
 from runtime.bench.disk import DiskBandwidth, measure_disk
 from runtime.bench.machine import measured_rates
+from runtime.bench.offload_fine_grained import VARIANTS, run_fine_grained
 from runtime.storage.optim import AdamWHyper, fused_adamw
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.plan.params import count_parameters
@@ -153,9 +154,11 @@ def bench_data(data: str, cfg: MoesysConfig) -> TokenDataset:
     return TokenDataset(tokens, cfg.train.seq_len, cfg.train.seed, name="random tokens")
 
 
-def bench_config(hidden: int, ffn: int, experts: int, layers: int, tokens: int) -> MoesysConfig:
+def bench_config(hidden: int, ffn: int, experts: int, layers: int, tokens: int, top_k: int = 1,
+                 expert_type: str = "gelu", bias: bool = True) -> MoesysConfig:
     model = ModelConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers, num_heads=4,
-                        num_experts=experts, top_k=1, max_seq_len=max(tokens, 8), aux_loss_weight=0.0)
+                        num_experts=experts, top_k=top_k, max_seq_len=max(tokens, 8), aux_loss_weight=0.0,
+                        expert_type=expert_type, bias=bias)
     return MoesysConfig(model=model, train=TrainConfig(seq_len=tokens, micro_batch_size=1, warmup_steps=1))
 
 
@@ -269,12 +272,16 @@ def _bounds(cfg: MoesysConfig, runs: dict[str, list[dict]], rate: dict[str, floa
     return out
 
 
+MODES = ("none", "cpu", "ssd", "fetch_all")
+
+
 def _compare(cfg: MoesysConfig, pool: ProcessPoolExecutor, tmp: Path, data: str, cache_experts: int, skew: float,
-             warmup: int, steps: int, rounds: int, disk: DiskBandwidth, deadline: float, rates: Rates) -> dict:
-    """The four modes on one input, alternating over `rounds` (median kept); each run gets an equal share of the
-    time left before `deadline` for its timed steps. fetch_all steps take seconds each, so it times a third of the
-    steps after one warm-up step."""
-    runs: dict[str, list[dict]] = {"none": [], "cpu": [], "ssd": [], "fetch_all": []}
+             warmup: int, steps: int, rounds: int, disk: DiskBandwidth, deadline: float, rates: Rates,
+             modes: tuple[str, ...] = MODES) -> dict:
+    """The modes (none, cpu and ssd at least) on one input, alternating over `rounds` (median kept); each run gets
+    an equal share of the time left before `deadline` for its timed steps. fetch_all steps take seconds each, so it
+    times a third of the steps after one warm-up step."""
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     left = rounds * len(runs)
     for round_ in range(rounds):
         for mode in runs:
@@ -296,16 +303,18 @@ def _compare(cfg: MoesysConfig, pool: ProcessPoolExecutor, tmp: Path, data: str,
         disk_s = (h["store_read_bytes_per_step"] / disk.read_bytes_per_s
                   + h["store_write_bytes_per_step"] / disk.write_bytes_per_s)
         h["disk_floor_ns_per_param"] = disk_s / h["active_params_per_step"] * 1e9 if h["active_params_per_step"] else 0.0
+    fetch_all = {} if "fetch_all" not in runs else {
+        "fetch_all_steps_per_s": rate["fetch_all"], "ssd_vs_fetch_all": rate["ssd"] / rate["fetch_all"],
+        **_traffic("fetch_all", runs["fetch_all"], disk)}
     return {
         "none_steps_per_s": rate["none"], "cpu_steps_per_s": rate["cpu"], "ssd_steps_per_s": rate["ssd"],
-        "fetch_all_steps_per_s": rate["fetch_all"], "cpu_vs_none": rate["cpu"] / rate["none"],
-        "ssd_vs_none": rate["ssd"] / rate["none"], "ssd_vs_fetch_all": rate["ssd"] / rate["fetch_all"],
+        "cpu_vs_none": rate["cpu"] / rate["none"], "ssd_vs_none": rate["ssd"] / rate["none"],
         "mean_active_experts": mean("experts_active"), "ssd_cache_hit_rate": mean("cache_hit_rate"),
         "ssd_stall_s_per_step": mean("fetch_stall_s"),
         "ssd_bytes_per_step": mean("ssd_read_bytes") + mean("ssd_write_bytes"),
         "ssd_host_peak_bytes": peaks["host_peak_bytes"], "ssd_device_peak_bytes": peaks["device_peak_bytes"],
-        "none_s_per_step": 1 / rate["none"], **_traffic("ssd", runs["ssd"], disk),
-        **_traffic("fetch_all", runs["fetch_all"], disk), **host, "bound": bounds,
+        "none_s_per_step": 1 / rate["none"], **_traffic("ssd", runs["ssd"], disk), **fetch_all, **host,
+        "bound": bounds,
     }
 
 
@@ -329,7 +338,8 @@ def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, lay
                       steps: int = 12, warmup: int = 3, rounds: int = 2, cache_fraction: float = 0.25,
                       skew: float = 4.0, ssd_path: str | None = None, inputs: tuple[str, ...] = ("corpus", "random"),
                       load_tokens: int | None = 512, load_input: str = "random", load_steps: int = 6,
-                      disk_probe_bytes: int = 1 << 30, time_limit_s: float = 240.0) -> dict:
+                      disk_probe_bytes: int = 1 << 30, time_limit_s: float = 240.0,
+                      fine_grained_s: float | None = 120.0) -> dict:
     """Steps/s of none, ssd (cache = cache_fraction of all experts) and fetch_all; JSON-ready dict with ratios.
 
     The top-level numbers are for the first input (the shipped corpus); `by_input` has every input, random tokens
@@ -340,7 +350,9 @@ def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, lay
     Each mode runs in a fresh process: one mode's host states, threads and garbage must not slow another down
     (measured: fetch-everything left the resident run 3x slower). `cpu` and `ssd` (top level: the realistic load's,
     else the first input's) price the host side of the offloaded step (module docstring). Timed steps share
-    `time_limit_s`: on a slow machine fewer steps are timed, never more time taken (plus each process's start)."""
+    `time_limit_s`: on a slow machine fewer steps are timed, never more time taken (plus each process's start).
+    `fine_grained` (unless fine_grained_s is None): 128 experts a layer, top-8, beside 8, top-2, at the realistic load
+    (runtime/bench/offload_fine_grained.py), their timed steps sharing `fine_grained_s` more."""
     cfg = bench_config(hidden, ffn, experts, layers, tokens)
     params = count_parameters(cfg.model)
     total_experts = experts * cfg.model.num_moe_layers
@@ -369,11 +381,25 @@ def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, lay
                             load_steps, rounds, disk, share(), rates)
             load.update(input=load_input, tokens_per_step=load_tokens,
                         active_expert_fraction=load["mean_active_experts"] / total_experts)
+        fine = None
+        if fine_grained_s is not None:
+            fine_end = time.monotonic() + fine_grained_s
+            variants = len(VARIANTS)
+
+            def compare(variant_cfg: MoesysConfig, cache: int) -> dict:
+                nonlocal variants
+                end = time.monotonic() + (fine_end - time.monotonic()) / variants
+                variants -= 1
+                return _compare(variant_cfg, pool, Path(tmp), load_input, cache, skew, max(1, load_steps // 3),
+                                load_steps, rounds, disk, end, rates, modes=("none", "cpu", "ssd"))
+
+            fine = run_fine_grained(bench_config, compare, hidden, ffn, layers, load_tokens or tokens, cache_fraction)
     headline = load if load is not None else by_input[inputs[0]]
     return {
         **by_input[inputs[0]], "input": inputs[0], "by_input": by_input,
         **{mode: headline[mode] for mode in OFFLOADED},
         **({"realistic_load": load} if load is not None else {}),
+        **({"fine_grained": fine} if fine is not None else {}),
         "disk": disk.as_dict(),
         "expert_param_fraction": params.sparse / params.total, "total_experts": total_experts,
         "cache_experts": cache_experts,

@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.moe.buffer_pool import BufferPool
+from runtime.moe.expert_threads import ExpertLinear, expert_threads, row_bounds
 from runtime.moe.grouped_mm_op import grouped_mm
 
 EXPERT_TYPES = ("gelu", "swiglu")
-IMPLS = ("auto", "grouped_mm", "bmm", "loop")
+IMPLS = ("auto", "grouped_mm", "expert_threads", "bmm", "loop")
 
 
 def grouped_mm_ok(*tensors: Tensor) -> bool:
@@ -205,6 +206,20 @@ def _ffn_grouped_mm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
     return proj(h_RF, w2, b2)
 
 
+def _ffn_expert_threads(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
+    """As _ffn_grouped_mm, each expert's products on one CPU thread (runtime/moe/expert_threads.py)."""
+    counts = counts_e.tolist()
+    bounds, threads = row_bounds(counts), torch.get_num_threads()
+
+    def proj(a, w, b):
+        out = ExpertLinear.apply(a, w, bounds, threads)
+        return out if b is None else _AddExpertBias.apply(out, b, counts)
+
+    h_RF = proj(x_RD, w1, b1)
+    h_RF = _gelu(h_RF) if kind == "gelu" else _swiglu(h_RF, proj(x_RD, w3, b3))
+    return proj(h_RF, w2, b2)
+
+
 def _ffn_bmm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
     """Pad every expert to the largest row count, run the FFN as batched matmuls, then unpad."""
     num_e, rows = counts_e.numel(), x_RD.shape[0]
@@ -237,6 +252,16 @@ def _ffn_loop(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
                       for i, c in enumerate(chunks)], dim=0)
 
 
+def resolve_impl(impl: str, x_RD: Tensor, w1: Tensor) -> str:
+    """What `expert_ffn(x_RD, ..., w1, impl=impl)` runs: auto picks expert_threads (many experts of enough work on a
+    multi-threaded CPU), else grouped_mm where its strides allow, else bmm; the others are themselves."""
+    if impl != "auto":
+        return impl
+    if expert_threads(x_RD, w1.shape[0], w1.shape[2], w1.shape[1]):
+        return "expert_threads"
+    return "grouped_mm" if grouped_mm_ok(x_RD, w1) else "bmm"
+
+
 def output_dtype(x_RD: Tensor) -> torch.dtype:
     """The dtype experts compute and answer in: autocast's when it is on, else the rows' own. Every rank must
     answer in it, rows or none: the combine's AlltoAll sends each rank's gradient in its own dtype."""
@@ -249,8 +274,10 @@ def expert_ffn(x_RD: Tensor, tokens_per_expert_e: Tensor, w1: Tensor, w2: Tensor
                kind: str = "gelu", impl: str = "auto") -> Tensor:
     """All experts' FFNs on rows grouped by expert (row counts tokens_per_expert_e) -> y_RD.
 
-    A pure function so offloading can pass weights it fetched. impl: auto (grouped_mm when the shapes
-    allow, else bmm), grouped_mm, bmm (pad to the largest expert), loop (reference, one expert at a time).
+    A pure function so offloading can pass weights it fetched. impl: auto (expert_threads for many experts of
+    enough work on a multi-threaded CPU, else grouped_mm when the shapes allow, else bmm), grouped_mm,
+    expert_threads (each expert's products on one CPU thread), bmm (pad to the largest expert), loop (reference,
+    one expert at a time).
     Weights are cast to x's dtype.
     """
     if kind not in EXPERT_TYPES:
@@ -266,9 +293,9 @@ def expert_ffn(x_RD: Tensor, tokens_per_expert_e: Tensor, w1: Tensor, w2: Tensor
     if kind == "gelu":
         w3 = b3 = None
     counts_e = tokens_per_expert_e.to(device=x_RD.device, dtype=torch.long)
-    if impl == "auto":
-        impl = "grouped_mm" if grouped_mm_ok(x_RD, w1) else "bmm"
-    fn = {"grouped_mm": _ffn_grouped_mm, "bmm": _ffn_bmm, "loop": _ffn_loop}[impl]
+    impl = resolve_impl(impl, x_RD, w1)
+    fn = {"grouped_mm": _ffn_grouped_mm, "expert_threads": _ffn_expert_threads, "bmm": _ffn_bmm,
+          "loop": _ffn_loop}[impl]
     with torch.autocast(device_type, enabled=False):
         return fn(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind)
 

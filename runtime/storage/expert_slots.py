@@ -10,8 +10,10 @@ Legend: P elements of one expert's slot, e experts.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -74,6 +76,9 @@ class ExpertSlot:
     updates are not delayed; else refreshed from it after each update."""
     pad: Tensor | None = None
     """fp32 run after the step that ends an `io_slot`'s memory on an IO_BLOCK boundary (stored with the states)."""
+    row: tuple[int, int] | None = None
+    """(block, index): the slot is row `index` of the blocks `new_slots` made together (one per state), so slots of
+    one block with consecutive indices are one run of memory in every state; None for a slot of its own."""
 
     @property
     def has_moments(self) -> bool:
@@ -129,7 +134,41 @@ def new_slots(numel: int, count: int, compute_dtype: torch.dtype, separate_stage
     width = numel if moments else 0
     exp_avg, exp_avg_sq, steps = new(count, width), new(count, width), new(count)
     stage = new(count, numel, dtype=compute_dtype, pin_memory=pin) if separate_stage else master
-    return [ExpertSlot(master[i], exp_avg[i], exp_avg_sq[i], steps[i], stage[i]) for i in range(count)]
+    block = next(_blocks)
+    return [ExpertSlot(master[i], exp_avg[i], exp_avg_sq[i], steps[i], stage[i], row=(block, i)) for i in range(count)]
+
+
+_blocks = itertools.count()
+
+
+def runs_where(count: int, joins: Callable[[int], bool]) -> list[tuple[int, int]]:
+    """[start, stop) ranges that cut 0..count-1 wherever `joins(i)` (item i continues item i - 1's range) is false."""
+    runs: list[tuple[int, int]] = []
+    for i in range(count):
+        if i and joins(i):
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def slot_runs(slots: list[ExpertSlot], rows: list[int] | None = None) -> list[tuple[int, int]]:
+    """[start, stop) ranges of `slots` that are consecutive rows of one `new_slots` block (in every state, the step
+    included) and, when `rows` is given, whose `rows` are consecutive too: each range is one run of memory that one
+    kernel call can take. Decided from the slots' `row` records, without reading a tensor."""
+    def joins(i: int) -> bool:
+        prev, row = slots[i - 1].row, slots[i].row
+        return prev is not None and row == (prev[0], prev[1] + 1) and (rows is None or rows[i] == rows[i - 1] + 1)
+
+    return runs_where(len(slots), joins)
+
+
+def step_counts(slots: list[ExpertSlot]) -> list[float]:
+    """Each slot's step count, read a run of slots at a time (one host read per run, not one per expert)."""
+    out: list[float] = []
+    for start, stop in slot_runs(slots):
+        out += block_of(slots, start, stop, "step").reshape(-1).tolist()
+    return out
 
 
 def io_slot(numel: int, compute_dtype: torch.dtype, separate_stage: bool, pin: bool = False,
@@ -165,17 +204,17 @@ def io_slot(numel: int, compute_dtype: torch.dtype, separate_stage: bool, pin: b
 def contiguous_runs(slots: list[ExpertSlot], attr: str = "stage") -> list[tuple[int, int]]:
     """[start, stop) index ranges of `slots` whose `attr` tensors follow each other in one block of memory, so each
     range moves in one copy."""
-    runs: list[tuple[int, int]] = []
-    for i, slot in enumerate(slots):
-        t = getattr(slot, attr)
-        if runs and i == runs[-1][1]:
-            prev = getattr(slots[i - 1], attr)
-            if (t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
-                    and t.data_ptr() == prev.data_ptr() + prev.numel() * prev.element_size()):
-                runs[-1] = (runs[-1][0], i + 1)
-                continue
-        runs.append((i, i + 1))
-    return runs
+    return runs_where(len(slots), lambda i: _follows(slots[i - 1], slots[i], attr))
+
+
+def _follows(prev: ExpertSlot, slot: ExpertSlot, attr: str) -> bool:
+    """`slot`'s `attr` tensor starts where `prev`'s ends, in the same memory: told by the slots' `row` records where
+    both have one (no tensor touched), else by their addresses."""
+    if prev.row is not None and slot.row is not None:
+        return slot.row == (prev.row[0], prev.row[1] + 1)
+    t, p = getattr(slot, attr), getattr(prev, attr)
+    return (t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+            and t.data_ptr() == p.data_ptr() + p.numel() * p.element_size())
 
 
 def block_of(slots: list[ExpertSlot], start: int, stop: int, attr: str = "stage") -> Tensor:

@@ -17,8 +17,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from runtime.moe.buffer_pool import BufferPool
+from runtime.storage.expert_slots import ExpertSlot, SlotLayout, block_of, runs_where, slot_runs, step_counts
 from runtime.storage.optim import AdamWHyper, catch_up, fused_adamw, fused_adamw_counted, square_sum
-from runtime.storage.expert_slots import ExpertSlot, SlotLayout
 from runtime.storage.step_timeline import StepTimeline
 
 
@@ -52,6 +53,25 @@ class LayerGrads:
 WIDEN_CHUNK = 1 << 22
 """Elements of a gradient widened to fp32 at once before the update reads them: 16 MB, which stays in cache between
 the widening and the kernel."""
+PACK_BELOW = 1 << 15
+"""Elements: gradients that come home one tensor per name (without a GPU) are packed into one [a, P] buffer at intake
+when their experts' tensors are smaller than this on average (fine-grained experts: 128 x 3 tensors of a few
+thousand elements a layer). The update then makes one kernel call per run of consecutive slots instead of one per
+(expert, tensor), each of which costs microseconds (a fork and join of the intra-op threads), for one memcpy of the
+gradients."""
+
+
+def _worth_packing(layout: SlotLayout, rows: list[int]) -> bool:
+    """Pack per-name gradients (see PACK_BELOW): small tensors in a dense layout, and rows that come in runs of at
+    least four consecutive experts on average (the pack copies each run's tensors apart, the update takes each run
+    of consecutive slots in one piece)."""
+    small = layout.numel < PACK_BELOW * len(layout.names)
+    return bool(rows) and layout.dense and small and 4 * len(_consecutive(rows)) <= len(rows)
+
+
+def _consecutive(rows: list[int]) -> list[tuple[int, int]]:
+    """[start, stop) ranges of positions in `rows` over which the rows count up by one."""
+    return runs_where(len(rows), lambda i: rows[i] == rows[i - 1] + 1)
 
 
 def squares(grads: dict[str, Tensor]) -> list[Tensor]:
@@ -83,6 +103,8 @@ class HostOptimizer:
         self.calls = {"take_in": 0, "submit": 0}
         """Layers' gradients taken in and updates started so far (one of each a layer and optimizer step)."""
         self._widened: Tensor | None = None
+        self._packs = BufferPool()
+        """The buffers small gradients are packed into at intake (see PACK_BELOW), reused from step to step."""
 
     def take_in(self, layer: int, keys: list, slots: list[ExpertSlot], grads: dict[str, Tensor], rows: list[int],
                 landed: Callable[[], None] | None, sums: list[Tensor], flat: Tensor | None = None,
@@ -101,9 +123,28 @@ class HostOptimizer:
                 if flat is not None and layout.dense:
                     return LayerGrads(layer, keys, slots, layout.views(flat), rows, sums, flat, release)
                 on_host = {n: g.to("cpu") for n, g in grads.items()}  # (zeros made on the device: none came home)
+                if _worth_packing(layout, rows):
+                    packed, give_back = self._pack(layout, on_host, rows)
+                    if release is not None:
+                        release()
+                    return LayerGrads(layer, keys, slots, layout.views(packed), list(range(len(rows))), sums,
+                                      packed, give_back)
                 return LayerGrads(layer, keys, slots, on_host, rows, sums, release=release)
 
         self._taken[layer] = self._run(self._intake, job)
+
+    def _pack(self, layout: SlotLayout, grads: dict[str, Tensor], rows: list[int]) -> tuple[Tensor, Callable]:
+        """Rows `rows` of the per-name gradients, in that order, as one pooled [len(rows), P] buffer (see
+        PACK_BELOW), and the call that gives it back."""
+        first = next(iter(grads.values()))
+        buf, flat = self._packs.take(first.new_empty(1).expand(len(rows), layout.numel))
+        views = layout.views(flat)
+        at = 0
+        for start, stop in _consecutive(rows):  # one copy per run of consecutive rows and tensor, no gather
+            for name, view in views.items():
+                view[at:at + stop - start].copy_(grads[name][rows[start]:rows[start] + stop - start])
+            at += stop - start
+        return flat, lambda: self._packs.give(buf)
 
     def gathered(self) -> list[LayerGrads]:
         """Every layer taken in this step, in forward order (waits for the intake to finish)."""
@@ -145,23 +186,36 @@ class HostOptimizer:
     def _update_layer(self, lg: LayerGrads, step: int, lr: float, grad_scale: Tensor | None,
                       write_stages: bool = False) -> None:
         with self.timeline.span("catch_up", False):
-            for slot in lg.slots:
-                self.caught_up += catch_up(slot, step, self.lr_schedule, self.adamw)
+            for slot, done in zip(lg.slots, step_counts(lg.slots)):
+                if done < step:
+                    self.caught_up += catch_up(slot, step, self.lr_schedule, self.adamw)
         widening = any(g.dtype != torch.float32 for g in lg.grads.values())
+        runs = slot_runs(lg.slots, lg.rows) if lg.flat is not None else []
         with self.timeline.span("adamw", False):
             if widening:
-                self._adamw_widening(lg, lr, grad_scale, write_stages)
-            elif lg.flat is not None:  # one kernel call over each whole slot
-                fused_adamw([slot.master for slot in lg.slots], [lg.flat[r] for r in lg.rows],
-                            [slot.exp_avg for slot in lg.slots], [slot.exp_avg_sq for slot in lg.slots],
-                            [slot.step for slot in lg.slots], lr, self.adamw, grad_scale)
+                self._adamw_widening(lg, runs, lr, grad_scale, write_stages)
+            elif lg.flat is not None:  # one kernel call over each run of whole slots
+                self._advance(lg.slots, runs)
+                pieces = [self._run_states(lg, start, stop) for start, stop in runs]
+                fused_adamw_counted([p[0] for p in pieces], [p[4] for p in pieces], [p[1] for p in pieces],
+                                    [p[2] for p in pieces], [lg.slots[start].step for start, _ in runs], lr,
+                                    self.adamw, grad_scale)
             else:
                 self._adamw_per_tensor(lg, lr, grad_scale)
         if write_stages and not widening:
             with self.timeline.span("refresh", False):
-                for slot in lg.slots:
-                    slot.refresh_stage()
+                for start, stop in runs or slot_runs(lg.slots):
+                    stage = block_of(lg.slots, start, stop, "stage")
+                    if stage.data_ptr() != lg.slots[start].master.data_ptr():
+                        stage.copy_(block_of(lg.slots, start, stop, "master"))
         lg.applied()
+
+    @staticmethod
+    def _advance(slots: list[ExpertSlot], runs: list[tuple[int, int]]) -> None:
+        """Add 1 to the slots' step counts, one add per run (the counts of a run are equal: every expert was caught
+        up to this step first, so the run's first count serves the whole run in the kernel)."""
+        for start, stop in runs:
+            block_of(slots, start, stop, "step").add_(1)
 
     def _adamw_per_tensor(self, lg: LayerGrads, lr: float, grad_scale: Tensor | None) -> None:
         """One kernel call over every (expert, tensor) pair."""
@@ -176,30 +230,41 @@ class HostOptimizer:
                             [views[name] for views in state[2::3] for name in names],
                             [slot.step for slot in lg.slots for _ in names], lr, self.adamw, grad_scale)
 
-    def _adamw_widening(self, lg: LayerGrads, lr: float, grad_scale: Tensor | None, write_stages: bool) -> None:
-        """Gradients in the compute dtype: each expert's (whole slot, or tensor by tensor) widened to fp32 a chunk at
-        a time into one scratch buffer, then stepped over that chunk of its slot, whose stage is then written when
-        `write_stages` (widening is exact and AdamW elementwise: the numbers of widening them all first, without
-        their fp32 copy or a second pass over memory)."""
-        torch._foreach_add_([slot.step for slot in lg.slots], 1)
+    def _adamw_widening(self, lg: LayerGrads, runs: list[tuple[int, int]], lr: float, grad_scale: Tensor | None,
+                        write_stages: bool) -> None:
+        """Gradients in the compute dtype: each run of whole slots (`runs`, when they came home in one buffer), else
+        each expert's tensors, widened to fp32 a chunk at a time into one scratch buffer, then stepped over that chunk
+        of its states, whose stage is then written when `write_stages` (widening is exact and AdamW elementwise: the
+        numbers of widening them all first, without their fp32 copy or a second pass over memory)."""
+        if lg.flat is not None:
+            self._advance(lg.slots, runs)
+            groups = [([self._run_states(lg, start, stop)], lg.slots[start].step) for start, stop in runs]
+        else:
+            torch._foreach_add_([slot.step for slot in lg.slots], 1)
+            groups = [(self._tensor_states(lg, slot, row), slot.step) for slot, row in zip(lg.slots, lg.rows)]
         if self._widened is None:
             self._widened = torch.empty(WIDEN_CHUNK)
-        for slot, row in zip(lg.slots, lg.rows):
-            writes = write_stages and slot.stage.data_ptr() != slot.master.data_ptr()
-            for master, exp_avg, exp_avg_sq, stage, grad in self._pieces(lg, slot, row):
+        for pieces, step in groups:
+            for master, exp_avg, exp_avg_sq, stage, grad in pieces:
+                writes = write_stages and stage.data_ptr() != master.data_ptr()
                 for lo in range(0, grad.numel(), WIDEN_CHUNK):
                     part = slice(lo, min(lo + WIDEN_CHUNK, grad.numel()))
                     widened = self._widened[:part.stop - lo].copy_(grad[part])
-                    fused_adamw_counted([master[part]], [widened], [exp_avg[part]], [exp_avg_sq[part]], [slot.step],
+                    fused_adamw_counted([master[part]], [widened], [exp_avg[part]], [exp_avg_sq[part]], [step],
                                         lr, self.adamw, grad_scale)
                     if writes:
                         stage[part].copy_(master[part])
 
-    def _pieces(self, lg: LayerGrads, slot: ExpertSlot, row: int) -> list[tuple[Tensor, ...]]:
-        """(master, exp_avg, exp_avg_sq, stage, gradient), flat, for each part of a slot its gradient covers: the
-        whole slot when the gradients came home in one buffer, else one per tensor."""
-        if lg.flat is not None:
-            return [(slot.master, slot.exp_avg, slot.exp_avg_sq, slot.stage, lg.flat[row])]
+    @staticmethod
+    def _run_states(lg: LayerGrads, start: int, stop: int) -> tuple[Tensor, ...]:
+        """(master, exp_avg, exp_avg_sq, stage, gradient), flat, over slots start..stop: consecutive whole slots and
+        consecutive rows of lg.flat (see slot_runs)."""
+        states = [block_of(lg.slots, start, stop, attr).reshape(-1)
+                  for attr in ("master", "exp_avg", "exp_avg_sq", "stage")]
+        return (*states, lg.flat[lg.rows[start]:lg.rows[start] + stop - start].reshape(-1))
+
+    def _tensor_states(self, lg: LayerGrads, slot: ExpertSlot, row: int) -> list[tuple[Tensor, ...]]:
+        """(master, exp_avg, exp_avg_sq, stage, gradient), flat, for each of a slot's tensors."""
         layout = self.layouts[lg.layer]
         views = [slot.views(attr, layout) for attr in ("master", "exp_avg", "exp_avg_sq", "stage")]
         return [(*(v[name].reshape(-1) for v in views), lg.grads[name][row].reshape(-1)) for name in layout.names]

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from runtime.moe.experts import expert_ffn, output_dtype
 from runtime.storage.optim import AdamWHyper, catch_up
 from runtime.plan.budget import STORED_SPARSE_BYTES
-from runtime.storage.expert_slots import ExpertSlot, SlotLayout, needs_separate_stage
+from runtime.storage.expert_slots import ExpertSlot, SlotLayout, needs_separate_stage, step_counts
 from runtime.storage.expert_store import ExpertKey
 from runtime.storage.grad_sum import LayerGradSum
 from runtime.storage.host_adamw import HostOptimizer, LayerGrads, squares
@@ -225,8 +225,8 @@ class OffloadEngine:
             return
         target = self.steps_done - 1 if self.delayed and self.steps_done else self.steps_done
         with self.timeline.span("catch_up", True), torch.no_grad():
-            for key, slot in zip(keys, slots):
-                if key in self._in_flight or int(slot.step) >= target:
+            for key, slot, done in zip(keys, slots, step_counts(slots)):
+                if key in self._in_flight or done >= target:
                     continue
                 self._caught_up += catch_up(slot, target, self.lr_schedule, self.adamw)
                 slot.refresh_stage()

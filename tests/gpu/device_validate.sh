@@ -91,7 +91,7 @@ elif [ "$PART" = C ]; then
   step bench_infer_large 480 'moesys bench infer --size large infer.ring_slots=4 --json'
   step bench_serve 100 'moesys bench serve --json'
 else
-  step bench_moe_layer 90 'moesys bench moe-layer --json'
+  step bench_moe_layer 180 'moesys bench moe-layer --json'
   step bench_ring 150 'moesys bench ring --json'
   step bench_offload 150 'moesys bench offload --json'
   step tests_unit 200 'python3 -m pytest -p no:cacheprovider -q -x -n 8 tests/unit tests/config'

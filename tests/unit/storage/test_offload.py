@@ -16,7 +16,7 @@ from runtime.plan.params import count_parameters
 from runtime.parallel.groups import build_groups
 from runtime.storage.expert_store import ExpertStore
 from runtime.storage.live_files import direct_io_supported
-from runtime.storage.optim import AdamWHyper, lr_at
+from runtime.storage.optim import AdamWHyper, catch_up, lr_at
 from runtime.storage.offload_checkpoint import save_offloaded
 from runtime.storage.offload_engine import OffloadedGroupedExperts
 from runtime.storage.offload_install import install_offload
@@ -282,3 +282,52 @@ def test_a_step_leaves_no_tensors_behind(tmp_path):
     grew = min(after[-3:]) - before
     run.close()
     assert grew < 40, grew  # about 110 a step before the fix
+
+
+def fine_grained_config() -> MoesysConfig:
+    """Qwen3-MoE's expert regime at tiny dims: 128 experts of 16 a layer, top-8, SwiGLU without biases."""
+    return MoesysConfig(
+        model=ModelConfig(hidden_size=32, ffn_hidden_size=16, num_layers=2, num_heads=2, num_experts=128, top_k=8,
+                          expert_type="swiglu", bias=False, max_seq_len=32),
+        train=TrainConfig(seq_len=16, micro_batch_size=4, max_steps=8, grad_clip=0.0, warmup_steps=2))
+
+
+@pytest.mark.parametrize("home", ["cpu", "ssd"])
+def test_fine_grained_experts_train_like_resident_with_one_update_call_per_layer(tmp_path, home, monkeypatch):
+    """128 experts a layer, top-8: the same losses and, after the steps, the same parameters (dense ones and every
+    expert's, idle ones caught up) as resident training, bit for bit. The update steps a layer in one kernel call
+    whose tensors are whole runs of consecutive slots (host memory: a run of active experts; the SSD home's slots lie
+    apart: one per expert), not one per (expert, tensor)."""
+    import runtime.storage.host_adamw as host_adamw
+
+    cfg = fine_grained_config()
+    ref = Run(cfg)
+    expected = ref.train(4)
+    calls = []
+    kernel = host_adamw.fused_adamw_counted
+
+    def counted(params, *args, **kwargs):
+        calls.append((len(params), sum(p.numel() for p in params)))
+        return kernel(params, *args, **kwargs)
+
+    monkeypatch.setattr(host_adamw, "fused_adamw_counted", counted)
+    run = Run(cfg, "cpu" if home == "cpu" else tmp_path, cache=64)
+    got = run.train(4)
+    run.mgr.drain()
+    assert got == expected
+    for name, param in run.model.named_parameters():
+        assert torch.equal(param, dict(ref.model.named_parameters())[name]), name
+    for spec in run.mgr.specs.values():
+        resident = ref.model.moe_layers()[spec.index].experts
+        for j in range(spec.num_local):
+            slot = run.mgr.home.checkpoint_slot(spec.key(j))
+            catch_up(slot, 4, run.mgr.lr_schedule, run.mgr.adamw)
+            for name, tensor in spec.layout.views(slot.master).items():
+                assert torch.equal(tensor, getattr(resident, name)[spec.key(j)[1]]), (spec.index, j, name)
+    per_expert = spec.layout.numel
+    assert len(calls) == 4 * len(run.mgr.specs)  # one call per layer and step
+    assert sum(m["offload/experts_active"] for m in run.metrics) == sum(n // per_expert for _, n in calls)
+    for tensors, numel in calls:
+        active = numel // per_expert
+        assert active > 64 and (tensors * 4 <= active if home == "cpu" else tensors == active)
+    run.close()

@@ -10,7 +10,8 @@ from runtime.bench.offload import run_offload_bench
 @pytest.mark.extended
 def test_offload_bench_small():
     r = run_offload_bench(hidden=32, ffn=64, experts=4, layers=2, tokens=8, steps=3, warmup=1, rounds=1,
-                          inputs=("corpus",), load_tokens=256, load_steps=3, disk_probe_bytes=32 << 20)
+                          inputs=("corpus",), load_tokens=256, load_steps=3, disk_probe_bytes=32 << 20,
+                          fine_grained_s=30.0)
     assert r["input"] == "corpus" and set(r["by_input"]) == {"corpus"}
     for result in (*r["by_input"].values(), r["realistic_load"]):
         for mode in ("none", "ssd", "fetch_all"):
@@ -34,6 +35,18 @@ def test_offload_bench_small():
         assert h["floor_ns_per_param"] > 0 and 0.0 <= h["hidden_share"] <= 1.0
     assert r["ssd"]["seconds_by_kind"]["ssd_write"] > 0 and r["ssd"]["disk_floor_ns_per_param"] > 0
     assert r["cpu"]["store_write_bytes_per_step"] == 0 and "ssd_write" not in r["cpu"]["seconds_by_kind"]
+    fine = r["fine_grained"]  # 128 experts a layer, top-8, beside 8, top-2, as many expert parameters a layer
+    for name, experts, top_k, ffn in (("coarse", 8, 2, 64), ("fine", 128, 8, 4)):
+        variant = fine[name]
+        assert (variant["config"]["experts"], variant["config"]["top_k"], variant["config"]["ffn"]) == (experts, top_k,
+                                                                                                          ffn)
+        assert 0 < variant["mean_active_experts"] <= 2 * experts and 0.0 <= variant["ssd_cache_hit_rate"] <= 1.0
+        assert variant["ssd_bytes_per_step"] > 0 and "fetch_all_steps_per_s" not in variant
+        for mode in ("cpu", "ssd"):
+            assert variant[mode]["cpu_side_vs_floor"] > 0 and variant[mode]["active_params_per_step"] > 0
+    for mode in ("cpu", "ssd"):
+        assert fine["fine_vs_coarse_host"][mode] == pytest.approx(
+            fine["fine"][mode]["cpu_side_vs_floor"] / fine["coarse"][mode]["cpu_side_vs_floor"])
 
 
 def test_disk_probe_moves_its_bytes_and_leaves_nothing(tmp_path):
