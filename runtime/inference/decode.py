@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from runtime.inference.cpu_bandwidth import decode_kernels
 from runtime.inference.errors import InferError
 from runtime.model.attention import StaticKVCache
 from runtime.model.transformer import Transformer
@@ -69,7 +70,8 @@ class DecodeStep:
     def __call__(self, tokens_B1: Tensor, pos_1: Tensor, cache: StaticKVCache) -> Tensor:
         """Next-token logits [B, V] for tokens [B, 1] at position pos_1 (device tensor)."""
         try:
-            return self._decode(tokens_B1, pos_1, cache)
+            with decode_kernels(self.device):
+                return self._decode(tokens_B1, pos_1, cache)
         except torch._dynamo.exc.TorchDynamoException as exc:  # only a compiled step raises these
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise InferError(f"infer.compile=true: torch.compile failed ({reason}); set infer.compile=false") from exc
@@ -89,6 +91,7 @@ class ForwardStep(DecodeStep):
         return super().prefill(tokens_BS, cache)
 
     def __call__(self, tokens_B1: Tensor, pos_1: Tensor, cache: StaticKVCache) -> Tensor:
-        logits_BV = self.model(tokens_B1, cache, self.position).logits[:, -1]
+        with decode_kernels(self.device):
+            logits_BV = self.model(tokens_B1, cache, self.position).logits[:, -1]
         self.position += 1
         return logits_BV
