@@ -27,13 +27,22 @@ def compile_default(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def compile_options(device: torch.device) -> dict[str, bool]:
+    """inductor's options for a decode step: CUDA graphs on CUDA (reduce-overhead mode's option), and eager's
+    rounding of low-precision intermediates."""
+    return {"triton.cudagraphs": device.type == "cuda", "emulate_precision_casts": True}
+
+
 class DecodeStep:
     """`Transformer.decode` with the static cache it writes, eager or compiled; one per model, reused across
     generations (a compiled step is compiled once per batch size and cache capacity).
 
     Compiled: `fullgraph=True` where every MoE layer's experts are resident (GroupedExperts); an offloader's
     stand-in experts run outside the graph (their copies and host reads are not capturable), splitting it.
-    On CUDA the mode is reduce-overhead (CUDA graphs) and the cache's buffers are marked static."""
+    On CUDA the graph is replayed as CUDA graphs (reduce-overhead's `triton.cudagraphs`): the weights are
+    parameters and the cache's buffers are marked static, so every replay reads and writes the same addresses and
+    only the token and position are copied in. inductor rounds where eager rounds (`emulate_precision_casts`):
+    compiled tokens are eager tokens in bf16 too."""
 
     def __init__(self, model: Transformer, compile: bool = False, backend: str | Callable = "inductor"):
         """backend: torch.compile's (tests check graph breaks around stand-ins with aot_eager: seconds to compile)."""
@@ -41,11 +50,13 @@ class DecodeStep:
         self.device = model.tok_embeddings.weight.device
         self.compiled = compile
         self.fullgraph = all(isinstance(layer.experts, GroupedExperts) for layer in model.moe_layers())
+        for layer in model.moe_layers():  # routers compute in fp32: an exact fp32 gate is not cast every token
+            layer.router.gate.float()
         self.cache: Optional[StaticKVCache] = None
         fn: Callable[[Tensor, Tensor, StaticKVCache], Tensor] = model.decode
         if compile:
-            mode = "reduce-overhead" if self.device.type == "cuda" and backend == "inductor" else None
-            fn = torch.compile(model.decode, fullgraph=self.fullgraph, mode=mode, dynamic=False, backend=backend)
+            options = compile_options(self.device) if backend == "inductor" else None
+            fn = torch.compile(model.decode, fullgraph=self.fullgraph, dynamic=False, backend=backend, options=options)
         self._decode = fn
 
     def cache_for(self, batch: int, positions: int) -> StaticKVCache:
@@ -69,6 +80,8 @@ class DecodeStep:
 
     def __call__(self, tokens_B1: Tensor, pos_1: Tensor, cache: StaticKVCache) -> Tensor:
         """Next-token logits [B, V] for tokens [B, 1] at position pos_1 (device tensor)."""
+        if self.compiled and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs have been read
         try:
             with decode_kernels(self.device):
                 return self._decode(tokens_B1, pos_1, cache)
