@@ -108,3 +108,41 @@ class ForwardStep(DecodeStep):
             logits_BV = self.model(tokens_B1, cache, self.position).logits[:, -1]
         self.position += 1
         return logits_BV
+
+
+class BatchDecodeStep(DecodeStep):
+    """The continuous batch's decode step (vLLM's CUDA-graph decode batches): `Transformer.decode` over rows 0..n-1
+    of the batch's cache, each row at its own position, n padded up to a bucket (a power of two, at most the
+    batch's rows) so that one compiled step, and on CUDA one set of CUDA graphs, serves every batch of up to that
+    many rows. Padding rows decode a dummy token into free rows of the cache (a row taken later is written over
+    by its prefill). A row's logits are its lone step's up to the kernels' batch (in)variance: one product over the
+    rows where a lone step makes a one-row product; greedy tokens agree, and are equal where the kernels are
+    batch-invariant."""
+
+    def __init__(self, model: Transformer, max_rows: int, compile: bool = False, backend: str | Callable = "inductor"):
+        super().__init__(model, compile, backend)
+        self.buckets = sorted({min(max_rows, 1 << i) for i in range(max(1, max_rows).bit_length() + 1)})
+        self.windows: dict[int, StaticKVCache] = {}
+        self._of: Optional[StaticKVCache] = None
+
+    def bucket(self, rows: int) -> int:
+        """The batch size a step over `rows` rows runs at."""
+        return next(b for b in self.buckets if b >= rows)
+
+    def rows(self, tokens_n: Tensor, pos_n: Tensor, cache: StaticKVCache) -> Tensor:
+        """Next-token logits [n, V] for token tokens_n[b] at position pos_n[b] of cache row b."""
+        n = tokens_n.shape[0]
+        rows = self.bucket(n)
+        if self._of is not cache:  # the windows are views of one batch cache's buffers
+            self.windows, self._of = {}, cache
+        window = self.windows.get(rows)
+        if window is None:
+            window = self.windows[rows] = cache.window(rows)
+            if self.compiled and self.device.type == "cuda":
+                for buf in window.buffers():
+                    torch._dynamo.mark_static_address(buf)
+        pad = rows - n
+        if pad:
+            tokens_n = torch.cat((tokens_n, tokens_n.new_zeros(pad)))
+            pos_n = torch.cat((pos_n, pos_n.new_zeros(pad)))
+        return self(tokens_n[:, None], pos_n, window)[:n]

@@ -116,11 +116,28 @@ class StaticKVCache(nn.Module):
         return buf_k[:, :, :end], buf_v[:, :, :end]
 
     def write(self, layer: int, pos_S: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Store k, v [B, KV, S, hd] at positions pos_S (a device tensor); the whole buffers, for `mask`."""
+        """Store k, v [B, KV, S, hd] at positions pos_S (a device tensor): the same S positions in every row, or, for
+        one new position per row (S = 1, pos_B of B entries), row b's at pos_B[b]. The whole buffers, for `mask`."""
         buf_k, buf_v = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
+        if pos_S.numel() != k.shape[2]:  # one position per row: continuous batching
+            rows_B = torch.arange(k.shape[0], device=k.device)
+            buf_k[rows_B, :, pos_S] = k[:, :, 0]
+            buf_v[rows_B, :, pos_S] = v[:, :, 0]
+            return buf_k, buf_v
         buf_k.index_copy_(2, pos_S, k)
         buf_v.index_copy_(2, pos_S, v)
         return buf_k, buf_v
+
+    def window(self, rows: int) -> "StaticKVCache":
+        """A cache over rows 0..rows-1 of this one, sharing its buffers (views: the same addresses every time, for
+        CUDA graphs): what a decode step over the first `rows` rows of a larger batch's cache reads and writes."""
+        view = StaticKVCache.__new__(StaticKVCache)
+        nn.Module.__init__(view)
+        view.num_layers, view.capacity = self.num_layers, self.capacity
+        for name, buf in self.named_buffers():
+            view.register_buffer(name, buf[:rows] if name[0] in "kv" and name[1:].isdigit() else buf,
+                                 persistent=False)
+        return view
 
     def rope(self, pos_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [S, hd] of positions pos_S, for `rotate`."""
