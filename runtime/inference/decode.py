@@ -44,8 +44,10 @@ class DecodeStep:
     only the token and position are copied in. inductor rounds where eager rounds (`emulate_precision_casts`):
     compiled tokens are eager tokens in bf16 too."""
 
-    def __init__(self, model: Transformer, compile: bool = False, backend: str | Callable = "inductor"):
-        """backend: torch.compile's (tests check graph breaks around stand-ins with aot_eager: seconds to compile)."""
+    def __init__(self, model: Transformer, compile: bool = False, backend: str | Callable = "inductor",
+                 dynamic: Optional[bool] = False):
+        """backend: torch.compile's (tests check graph breaks around stand-ins with aot_eager: seconds to compile);
+        dynamic: its dynamic-shape setting (a lone step's shapes are static)."""
         self.model = model
         self.device = model.tok_embeddings.weight.device
         self.compiled = compile
@@ -56,7 +58,8 @@ class DecodeStep:
         fn: Callable[[Tensor, Tensor, StaticKVCache], Tensor] = model.decode
         if compile:
             options = compile_options(self.device) if backend == "inductor" else None
-            fn = torch.compile(model.decode, fullgraph=self.fullgraph, dynamic=False, backend=backend, options=options)
+            fn = torch.compile(model.decode, fullgraph=self.fullgraph, dynamic=dynamic, backend=backend,
+                               options=options)
         self._decode = fn
 
     def cache_for(self, batch: int, positions: int) -> StaticKVCache:
@@ -113,17 +116,16 @@ class ForwardStep(DecodeStep):
 class BatchDecodeStep(DecodeStep):
     """The continuous batch's decode step (vLLM's CUDA-graph decode batches): `Transformer.decode` over rows 0..n-1
     of the batch's cache, each row at its own position, n padded up to a bucket (a power of two, at most the
-    batch's rows) so that one compiled step, and on CUDA one set of CUDA graphs, serves every batch of up to that
-    many rows. Padding rows decode a dummy token into free rows of the cache (a row taken later is written over
-    by its prefill). A row's logits are its lone step's up to the kernels' batch (in)variance: one product over the
-    rows where a lone step makes a one-row product; greedy tokens agree, and are equal where the kernels are
-    batch-invariant."""
+    batch's rows). Compiled, the batch dimension is dynamic: one graph serves every bucket above one row (and one
+    the single row), and on CUDA each bucket replays its own CUDA graph, recorded the first time it runs. Padding
+    rows decode a dummy token into free rows of the cache (a row taken later is written over by its prefill). A
+    row's logits are its lone step's up to the kernels' batch (in)variance: one product over the rows where a lone
+    step makes a one-row product; greedy tokens agree, and are equal where the kernels are batch-invariant."""
 
     def __init__(self, model: Transformer, max_rows: int, compile: bool = False, backend: str | Callable = "inductor"):
-        super().__init__(model, compile, backend)
+        super().__init__(model, compile, backend, dynamic=None)
         self.buckets = sorted({min(max_rows, 1 << i) for i in range(max(1, max_rows).bit_length() + 1)})
-        self.windows: dict[int, StaticKVCache] = {}
-        self._of: Optional[StaticKVCache] = None
+        self._static: Optional[StaticKVCache] = None
 
     def bucket(self, rows: int) -> int:
         """The batch size a step over `rows` rows runs at."""
@@ -132,17 +134,18 @@ class BatchDecodeStep(DecodeStep):
     def rows(self, tokens_n: Tensor, pos_n: Tensor, cache: StaticKVCache) -> Tensor:
         """Next-token logits [n, V] for token tokens_n[b] at position pos_n[b] of cache row b."""
         n = tokens_n.shape[0]
-        rows = self.bucket(n)
-        if self._of is not cache:  # the windows are views of one batch cache's buffers
-            self.windows, self._of = {}, cache
-        window = self.windows.get(rows)
-        if window is None:
-            window = self.windows[rows] = cache.window(rows)
-            if self.compiled and self.device.type == "cuda":
-                for buf in window.buffers():
-                    torch._dynamo.mark_static_address(buf)
-        pad = rows - n
+        pad = self.bucket(n) - n
         if pad:
             tokens_n = torch.cat((tokens_n, tokens_n.new_zeros(pad)))
             pos_n = torch.cat((pos_n, pos_n.new_zeros(pad)))
-        return self(tokens_n[:, None], pos_n, window)[:n]
+        if self.compiled:
+            if self.device.type == "cuda" and self._static is not cache:
+                for buf in cache.buffers():
+                    torch._dynamo.mark_static_address(buf)
+                self._static = cache
+            if pos_n.shape[0] > 1:
+                torch._dynamo.mark_dynamic(pos_n, 0)
+        tokens_B1 = tokens_n[:, None]
+        if self.compiled and pos_n.shape[0] > 1:
+            torch._dynamo.mark_dynamic(tokens_B1, 0)
+        return self(tokens_B1, pos_n, cache)[:n]
