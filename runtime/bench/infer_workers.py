@@ -35,6 +35,7 @@ def _decode_rate(generate, new_tokens: int, repeats: int, measured: Optional[dic
     start = time.perf_counter()
     generate(2)  # warm-up (compiles a compiled step)
     measured["warm_up_s"] = time.perf_counter() - start
+    _partial(measured)
     rates, tokens = measured.setdefault("decode_rates", []), []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -73,6 +74,7 @@ def _hf_worker(checkpoint: str, slots: int, offload_dir: Optional[str], new_toke
 
     measured: dict[str, Any] = {"threads": _threads(threads)}
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    start = time.perf_counter()
     kwargs: dict[str, Any] = {"dtype": torch.bfloat16}
     if offload_dir is not None:
         config = transformers.AutoConfig.from_pretrained(checkpoint)
@@ -88,6 +90,8 @@ def _hf_worker(checkpoint: str, slots: int, offload_dir: Optional[str], new_toke
     if offload_dir is None:
         model.to(device)
     ids = torch.tensor([PROMPT], device=device)
+    measured["load_s"] = time.perf_counter() - start
+    _partial(measured)
     cfg = model.config
     capacity = -(-(len(PROMPT) + new_tokens) // 64) * 64
     cache = transformers.StaticCache(config=cfg, max_cache_len=capacity) if static else None
@@ -150,6 +154,7 @@ def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repe
     model = loaded.model
     offloader = make_offloader(model, mode, device, slots, source=loaded.experts)
     measured["load_s"] = time.perf_counter() - start
+    _partial(measured)
     if forward_step:
         step = ForwardStep(model)
     else:

@@ -25,6 +25,10 @@ WORKERS = {"transformers": ("_hf_worker", {"offload_dir": None}),
            "ring": ("_moesys_worker", {"mode": "ring", "counts": False})}
 REPEATS = 2
 """Generations timed per system: on a GPU each takes a second or less; loading and compiling take the time."""
+SHARES = {"none": 1.4, "auto": 1.4, "transformers_static": 1.2, "ring": 1.0, "accelerate": 0.8, "transformers": 0.6,
+          "profile": 0.8}
+"""Each system's weight in the time left when it starts: compiled steps (none, auto, transformers' static cache)
+spend most of theirs compiling; the time a system leaves unused goes to the ones after it."""
 PROFILE_TOKENS = 8
 
 
@@ -105,7 +109,8 @@ def main(limit_s: float, systems: list[str], slots: int, size: str = "large") ->
         common = {"checkpoint": str(checkpoint), "slots": slots, "new_tokens": bench.NEW_TOKENS,
                   "repeats": REPEATS}
         for i, name in enumerate(systems):
-            budget = max(30.0, (deadline - time.monotonic() - 10) / (len(systems) - i))
+            weight = SHARES.get(name, 1.0) / sum(SHARES.get(n, 1.0) for n in systems[i:])
+            budget = max(30.0, (deadline - time.monotonic() - 10) * weight)
             start = time.monotonic()
             if name == "profile":
                 out["profile"] = _profile(checkpoint, slots, budget)
