@@ -138,14 +138,13 @@ class BatchDecodeStep(DecodeStep):
         if pad:
             tokens_n = torch.cat((tokens_n, tokens_n.new_zeros(pad)))
             pos_n = torch.cat((pos_n, pos_n.new_zeros(pad)))
+        tokens_B1 = tokens_n[:, None]
         if self.compiled:
             if self.device.type == "cuda" and self._static is not cache:
                 for buf in cache.buffers():
                     torch._dynamo.mark_static_address(buf)
                 self._static = cache
-            if pos_n.shape[0] > 1:
+            if pos_n.shape[0] > 1:  # one graph for every bucket above one row
                 torch._dynamo.mark_dynamic(pos_n, 0)
-        tokens_B1 = tokens_n[:, None]
-        if self.compiled and pos_n.shape[0] > 1:
-            torch._dynamo.mark_dynamic(tokens_B1, 0)
+                torch._dynamo.mark_dynamic(tokens_B1, 0)
         return self(tokens_B1, pos_n, cache)[:n]
