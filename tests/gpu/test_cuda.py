@@ -215,31 +215,18 @@ def test_the_serving_batch_replays_one_cuda_graph_set_per_bucket_with_its_lone_g
     from torch._dynamo.utils import counters
 
     from runtime.inference.decode import BatchDecodeStep
-    from runtime.serving.batch import ContinuousBatch, Sequence
+    from tests.unit.inference.test_batch_step import LENGTHS, PROMPTS, batched
 
     loaded = open_checkpoint(_bf16_mixtral_checkpoint(tmp_path), device=CUDA)
     offloader = make_offloader(loaded.model, "none", CUDA, source=loaded.experts)
     model = loaded.model
-    prompts, lengths = [[3, 14, 15], [92, 65, 35, 89, 79, 32, 38], [46], [26, 43, 38, 32, 79]], [9, 4, 12, 6]
-    lone = [generate(model, [p], n).tokens[0] for p, n in zip(prompts, lengths)]
+    lone = [generate(model, [p], n).tokens[0] for p, n in zip(PROMPTS, LENGTHS)]
     step = BatchDecodeStep(model, 4, compile=True)
-
-    def batched() -> list[list[int]]:
-        batch = ContinuousBatch(model, 4, step=step)
-        seqs = [Sequence(p, n) for p, n in zip(prompts, lengths)]
-        for seq in seqs:
-            batch.join(seq)
-        while batch.rows:
-            batch.step()
-            for seq in [s for s in batch.rows if s.full]:
-                batch.leave(seq)
-        return [s.tokens for s in seqs]
-
     counters.clear()
-    assert batched() == lone
+    assert batched(model, step) == lone
     assert counters["inductor"]["cudagraph_skips"] == 0
     counters.clear()
-    assert batched() == lone
+    assert batched(model, step) == lone
     assert counters["frames"]["total"] == 0
     offloader.close()
 

@@ -32,7 +32,7 @@ def _model(family: dict) -> Transformer:
     return model
 
 
-def _batched(model: Transformer, step: BatchDecodeStep) -> list[list[int]]:
+def batched(model: Transformer, step: BatchDecodeStep) -> list[list[int]]:
     """PROMPTS through a continuous batch of 4 rows with `step`: all join, each leaves after its LENGTHS tokens
     (rows move as the batch shrinks, and the bucket with them)."""
     batch = ContinuousBatch(model, 4, step=step)
@@ -50,7 +50,7 @@ def _batched(model: Transformer, step: BatchDecodeStep) -> list[list[int]]:
 def test_rows_at_their_own_positions_give_their_lone_runs_greedy_tokens(family):
     model = _model(family)
     lone = [generate(model, [p], n).tokens[0] for p, n in zip(PROMPTS, LENGTHS)]
-    assert _batched(model, BatchDecodeStep(model, 4)) == lone
+    assert batched(model, BatchDecodeStep(model, 4)) == lone
 
 
 def test_buckets_are_powers_of_two_up_to_the_batch():
@@ -62,12 +62,12 @@ def test_the_compiled_step_compiles_two_graphs_for_every_bucket_and_gives_the_ea
     """4, 3, 2 and 1 rows decode at buckets 4, 2 and 1: one graph with a dynamic batch serves 4 and 2, one the single
     row; a second pass compiles nothing."""
     model = _model(MIXTRAL)
-    eager = _batched(model, BatchDecodeStep(model, 4))
+    eager = batched(model, BatchDecodeStep(model, 4))
     step = BatchDecodeStep(model, 4, compile=True, backend="aot_eager")
     torch._dynamo.reset()
     counters.clear()
-    assert _batched(model, step) == eager
+    assert batched(model, step) == eager
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
     counters.clear()
-    assert _batched(model, step) == eager
+    assert batched(model, step) == eager
     assert counters["frames"]["total"] == 0
