@@ -117,6 +117,15 @@ def _ratio(a: dict, b: dict) -> Optional[float]:
     return a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
 
 
+def _complete(result: dict) -> dict:
+    """A worker's row: the row it had reported complete (transformers' eager static cache) when it was killed
+    later (compiling on a CPU), with why it stopped (`compile_error`)."""
+    partial = result.get("partial", {})
+    if "error" not in result or not partial.pop("complete", False):
+        return result
+    return {**partial, "compile_error": result["error"]}
+
+
 def _best_transformers(systems: dict[str, dict]) -> dict:
     """The faster of transformers' two rows (default generate, static cache) that measured a rate."""
     rows = [systems.get(k, {}) for k in ("transformers", "transformers_static")]
@@ -171,8 +180,8 @@ def run_infer_bench(ring_slots: int, shape: Optional[dict] = None, new_tokens: i
         def decode_at(t: int) -> dict[str, dict]:  # the rows compared at each thread count
             at = {**common, "threads": t}
             return {"transformers": _subprocess("_hf_worker", {**at, "offload_dir": None}, isolate),
-                    "transformers_static": _subprocess("_hf_worker", {**at, "offload_dir": None, "static": True},
-                                                       isolate),
+                    "transformers_static": _complete(_subprocess("_hf_worker", {**at, "offload_dir": None,
+                                                                                "static": True}, isolate)),
                     "moesys_none": _subprocess("_moesys_worker", {**at, "mode": "none", "compile": compile,
                                                                   "against_forward": t == main}, isolate)}
 

@@ -10,7 +10,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 PROMPT = list(range(100, 116))
 NEW_TOKENS = 32
@@ -28,14 +28,15 @@ def _partial(result: dict) -> None:
         print("PARTIAL " + json.dumps(result), flush=True)
 
 
-def _decode_rate(generate, new_tokens: int, repeats: int, measured: Optional[dict] = None) -> tuple[list[int], float]:
-    """(tokens, decode tokens/s): generate(n) makes n greedy tokens; decode = (t(n) - t(1)) over n - 1 tokens. Each
-    rate is added to `measured` (and printed as PARTIAL) as it comes."""
+def _decode_rate(generate, new_tokens: int, repeats: int, measured: Optional[dict] = None,
+                 report: Callable[[dict], None] = _partial) -> tuple[list[int], float]:
+    """(tokens, decode tokens/s): generate(n) makes n greedy tokens; decode = (t(n) - t(1)) over n - 1 tokens. The
+    warm-up's time and each rate are added to `measured` and reported (as PARTIAL lines) as they come."""
     measured = {} if measured is None else measured
     start = time.perf_counter()
     generate(2)  # warm-up (compiles a compiled step)
     measured["warm_up_s"] = time.perf_counter() - start
-    _partial(measured)
+    report(measured)
     rates, tokens = measured.setdefault("decode_rates", []), []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -45,7 +46,7 @@ def _decode_rate(generate, new_tokens: int, repeats: int, measured: Optional[dic
         tokens = generate(new_tokens)
         rates.append((new_tokens - 1) / max(1e-9, time.perf_counter() - start - first))
         measured["decode_tokens_per_s"] = statistics.median(rates)
-        _partial(measured)
+        report(measured)
     return tokens, statistics.median(rates)
 
 
@@ -105,26 +106,30 @@ def _hf_worker(checkpoint: str, slots: int, offload_dir: Optional[str], new_toke
         return out[0, len(PROMPT):].tolist()
 
     tokens, rate = _decode_rate(generate, new_tokens, repeats, measured)
+    measured.pop("decode_rates", None)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    positions = capacity if static else len(PROMPT) + new_tokens / 2  # a dynamic cache grows with the token
+    measured.update(offload_folder_bytes=sum(f.stat().st_size for f in Path(offload_dir).rglob("*") if f.is_file())
+                    if offload_dir else 0, kv_cache_bytes_per_token=kv_cache_bytes(
+                        cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, int(positions), 2))
     compiled = static and device == "cuda"
     if static and device == "cpu":  # compiled where that pays: measured beside the eager static cache
+        eager = {**measured, "tokens": tokens, "decode_tokens_per_s": rate, "compiled": False}
+        _partial({**eager, "complete": True})  # stands if compiling runs past the time limit
         measured["eager_tokens_per_s"] = rate
         model.forward = torch.compile(model.forward, dynamic=False)
         compiled_run: dict[str, Any] = {}
         measured["compiled_run"] = compiled_run
-        compiled_tokens, compiled_rate = _decode_rate(generate, new_tokens, repeats, compiled_run)
+        compiled_tokens, compiled_rate = _decode_rate(
+            generate, new_tokens, repeats, compiled_run,
+            report=lambda run: _partial({**eager, "complete": True, "compiled_run": run}))
+        compiled_run.pop("decode_rates", None)
         measured["compiled_tokens_per_s"] = compiled_rate
         if compiled_rate > rate:
             tokens, rate, compiled = compiled_tokens, compiled_rate, True
     read_before = _read_bytes()
     generate(new_tokens)
-    offloaded = sum(f.stat().st_size for f in Path(offload_dir).rglob("*") if f.is_file()) if offload_dir else 0
-    positions = capacity if static else len(PROMPT) + new_tokens / 2  # a dynamic cache grows with the token
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    measured.pop("decode_rates", None)
-    return {**measured, "tokens": tokens, "decode_tokens_per_s": rate, "offload_folder_bytes": offloaded,
-            "compiled": compiled,
-            "kv_cache_bytes_per_token": kv_cache_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
-                                                       int(positions), 2),
+    return {**measured, "tokens": tokens, "decode_tokens_per_s": rate, "compiled": compiled,
             "disk_read_bytes_per_token": (_read_bytes() - read_before) / new_tokens}
 
 

@@ -52,3 +52,12 @@ def test_a_worker_prints_partial_lines_only_in_its_own_process(capsys):
     finally:
         infer_workers._WORKER = False
     assert capsys.readouterr().out == 'PARTIAL {"load_s": 1.0}\n'
+
+
+def test_transformers_static_killed_while_compiling_keeps_its_eager_row():
+    row = {"tokens": [1, 2], "decode_tokens_per_s": 9.0, "compiled": False}
+    killed = {"error": "_hf_worker ran past its 5 s limit and was killed",
+              "partial": {**row, "complete": True, "compiled_run": {"warm_up_s": 4.0}}}
+    assert bench._complete(killed) == {**row, "compiled_run": {"warm_up_s": 4.0}, "compile_error": killed["error"]}
+    early = {"error": "killed", "partial": {"load_s": 3.0}}  # nothing measured yet: stays an error row
+    assert bench._complete(early) == early
