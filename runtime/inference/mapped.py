@@ -123,11 +123,10 @@ class MappedFile:
     def _advise(self, t: Tensor, advice: int) -> None:
         self._map.madvise(advice, *self._pages(t))
 
-    def will_need(self, t: Tensor) -> None:
-        """Start reading the pages of `t` (a view of this map) that are not in memory, as one request; nothing when
-        all are (asking costs the kernel a look-up per page, a tenth of reading them; asking whether they are in
-        memory costs a page-table walk)."""
-        begin, length = self._pages(t)
+    def will_need(self, begin: int, length: int) -> None:
+        """Start reading the pages [begin, begin + length) of this map (page-aligned offsets) that are not in memory,
+        as one request; nothing when all are (asking costs the kernel a look-up per page, a tenth of reading them;
+        asking whether they are in memory costs a page-table walk)."""
         if not in_memory(self._bytes.data_ptr() + begin, length):
             self._map.madvise(mmap.MADV_WILLNEED, begin, length)
 
@@ -201,9 +200,21 @@ class TensorFiles:
                 yield file, t
 
     def will_need(self, tensors: Iterable[Tensor]) -> None:
-        """Ask the kernel to read these views' pages now, each as one request (a no-op for other tensors)."""
+        """Ask the kernel to read these views' pages now (a no-op for other tensors), the views that lie next to
+        each other in a file (an expert's weights) as one request."""
+        spans: dict[MappedFile, list[tuple[int, int]]] = {}
         for file, t in self._mapped(tensors):
-            file.will_need(t)
+            begin, length = file._pages(t)
+            spans.setdefault(file, []).append((begin, begin + length))
+        for file, ranges in spans.items():
+            ranges.sort()
+            begin, end = ranges[0]
+            for b, e in ranges[1:]:
+                if b > end + mmap.PAGESIZE:  # a gap: the run so far is one request
+                    file.will_need(begin, end - begin)
+                    begin = b
+                end = max(end, e)
+            file.will_need(begin, end - begin)
 
     def random_access(self, tensors: Iterable[Tensor]) -> None:
         """Turn off readahead on these views' pages (read piecemeal where they are used; a no-op for others)."""
