@@ -39,7 +39,8 @@ RESIDENT, INPLACE, HYBRID = "resident", "inplace", "hybrid"
 
 
 def _cast(weights: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
-    return {k: v.to(dtype) for k, v in weights.items()}
+    """The weights in `dtype` (no operator for those already in it: a decode token counts them)."""
+    return {k: v if v.dtype == dtype else v.to(dtype) for k, v in weights.items()}
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ class AutoOffloader(Offloader):
         self.source.will_need(m, routed)
         if self.predict_ahead and m + 1 < self.num_layers and self.placement[m + 1] == INPLACE:
             self._prefetch_predicted(m + 1, x_TD.reshape(-1, x_TD.shape[-1]))
-        self.streamed_bytes += sum(self.source.expert_bytes(m, j, stored=True) for j in routed)
+        self.streamed_bytes += len(routed) * self.source.expert_bytes(m, stored=True)  # a layer's experts: one size
         self.inplace_computes += len(routed)
         x_ND = x_TD.reshape(-1, x_TD.shape[-1])
         K = expert_ids_TK.shape[-1]

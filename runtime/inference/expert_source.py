@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from runtime.inference.cpu_bandwidth import empty_weight
 from runtime.inference.mapped import TensorFiles
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
@@ -105,7 +106,7 @@ class ExpertSource:
             if param is None:
                 continue
             dtype = self.placed_dtype(name, layer) if param.is_meta else param.dtype
-            data = torch.empty((len(views), *views[0].shape), dtype=dtype, device=device)
+            data = empty_weight((len(views), *views[0].shape), dtype, device)
             for j, v in enumerate(views):
                 data[j].copy_(v)
             setattr(experts, name, torch.nn.Parameter(data, requires_grad=param.requires_grad))

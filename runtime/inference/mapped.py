@@ -6,16 +6,18 @@ Whole tensors are copied with the kernel's readahead; ranges read piecemeal (str
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import struct
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
 
 from runtime.files import tensorfile
+from runtime.inference.cpu_bandwidth import empty_weight
 from runtime.errors import UserError
 from runtime.files.tensorfile import DTYPES, unreadable_reason
 
@@ -56,6 +58,30 @@ def _entry_error(name: str, entry, data_size: int) -> Optional[str]:
     return None
 
 
+def _mincore() -> Optional[Callable[..., int]]:
+    try:
+        call = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):  # no mincore on this OS
+        return None
+    call.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    return call
+
+
+_MINCORE = _mincore()
+
+
+def in_memory(address: int, length: int) -> bool:
+    """Whether every page of the mapped range [address, address + length) is in memory (mincore; the address
+    page-aligned); False where the kernel cannot say."""
+    if _MINCORE is None:
+        return False
+    pages = -(-length // mmap.PAGESIZE)
+    vec = ctypes.create_string_buffer(pages)
+    if _MINCORE(address, length, vec) != 0:
+        return False
+    return b"\0" not in vec.raw[:pages]  # bit 0 of each byte: resident; the other bits are unused
+
+
 class MappedFile:
     """One safetensors file, memory-mapped privately (pages shared with the page cache, never written back).
 
@@ -88,14 +114,21 @@ class MappedFile:
         offset = t.data_ptr() - self._bytes.data_ptr()
         return 0 <= offset < self._bytes.numel()
 
-    def _advise(self, t: Tensor, advice: int) -> None:
+    def _pages(self, t: Tensor) -> tuple[int, int]:
+        """(offset of the first page in the map, bytes up to the end of `t`) of the pages `t` lies on."""
         offset = t.data_ptr() - self._bytes.data_ptr()
         begin = offset - offset % mmap.PAGESIZE
-        self._map.madvise(advice, begin, offset + t.numel() * t.element_size() - begin)
+        return begin, offset + t.numel() * t.element_size() - begin
 
-    def will_need(self, t: Tensor) -> None:
-        """Start reading the pages of `t` (a view of this map) in the background, as one request."""
-        self._advise(t, mmap.MADV_WILLNEED)
+    def _advise(self, t: Tensor, advice: int) -> None:
+        self._map.madvise(advice, *self._pages(t))
+
+    def will_need(self, begin: int, length: int) -> None:
+        """Start reading the pages [begin, begin + length) of this map (page-aligned offsets) that are not in memory,
+        as one request; nothing when all are (asking costs the kernel a look-up per page, a tenth of reading them;
+        asking whether they are in memory costs a page-table walk)."""
+        if not in_memory(self._bytes.data_ptr() + begin, length):
+            self._map.madvise(mmap.MADV_WILLNEED, begin, length)
 
     def random_access(self, t: Tensor) -> None:
         """Turn off readahead on `t`'s pages: it is read where it is used, not in file order (a streamed expert:
@@ -125,8 +158,9 @@ class MappedFile:
 
 
 def copy_to(t: Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
-    """A copy of `t` of its own on `device` (never a view of a memory map, which the kernel may drop)."""
-    return torch.empty(t.shape, dtype=dtype or t.dtype, device=device).copy_(t)
+    """A copy of `t` of its own on `device` (never a view of a memory map, which the kernel may drop); a large one
+    on the CPU on huge pages (`empty_weight`)."""
+    return empty_weight(t.shape, dtype or t.dtype, device).copy_(t)
 
 
 class TensorFiles:
@@ -162,17 +196,30 @@ class TensorFiles:
         return self.where[name].path
 
     def _mapped(self, tensors: Iterable[Tensor]) -> Iterable[tuple[MappedFile, Tensor]]:
-        """(file, view) for each tensor that is a view of one of these files' maps; other tensors are skipped."""
+        """(file, view) for each tensor that is a view of one of these files' maps; other tensors are skipped. A
+        view shares its file's storage, so the storage's address names the file (one look-up, not one per file)."""
+        by_storage = {file._bytes.data_ptr(): file for file in self.files if file._bytes is not None}
         for t in tensors:
-            for file in self.files:
-                if file.contains(t):
-                    yield file, t
-                    break
+            file = by_storage.get(t.untyped_storage().data_ptr())
+            if file is not None and file.contains(t):
+                yield file, t
 
     def will_need(self, tensors: Iterable[Tensor]) -> None:
-        """Ask the kernel to read these views' pages now, each as one request (a no-op for other tensors)."""
+        """Ask the kernel to read these views' pages now (a no-op for other tensors), the views that lie next to
+        each other in a file (an expert's weights) as one request."""
+        spans: dict[MappedFile, list[tuple[int, int]]] = {}
         for file, t in self._mapped(tensors):
-            file.will_need(t)
+            begin, length = file._pages(t)
+            spans.setdefault(file, []).append((begin, begin + length))
+        for file, ranges in spans.items():
+            ranges.sort()
+            begin, end = ranges[0]
+            for b, e in ranges[1:]:
+                if b > end + mmap.PAGESIZE:  # a gap: the run so far is one request
+                    file.will_need(begin, end - begin)
+                    begin = b
+                end = max(end, e)
+            file.will_need(begin, end - begin)
 
     def random_access(self, tensors: Iterable[Tensor]) -> None:
         """Turn off readahead on these views' pages (read piecemeal where they are used; a no-op for others)."""

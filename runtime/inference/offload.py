@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from runtime.inference.cpu_bandwidth import empty_weight
 from runtime.inference.expert_source import ExpertSource
 from runtime.inference.errors import InferError
 from runtime.inference.expert_cache import StoreHold
@@ -279,7 +280,7 @@ class SlotOffloader(Offloader):
         if store.num_layers != self.num_layers:
             raise InferError(f"expert store has {store.num_layers} layers, the model {self.num_layers} MoE layers")
         self.store, self.num_slots = store, num_slots
-        self.slots = [torch.empty(store.layer_bytes, dtype=torch.uint8, device=device) for _ in range(num_slots)]
+        self.slots = [empty_weight((store.layer_bytes,), torch.uint8, device) for _ in range(num_slots)]
         self.slot_views = [store.views(s) for s in self.slots]
         self.slot_layer: list[Optional[int]] = [None] * num_slots
         for m, layer in enumerate(model.moe_layers()):  # the resident experts go; the store holds them now

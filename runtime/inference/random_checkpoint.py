@@ -4,12 +4,15 @@ file is written atomically; shards are numbered from 1, as Hugging Face names th
 
 from __future__ import annotations
 
+import itertools
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from runtime.hf.files import INDEX
 from runtime.host.io import atomic_write_json
+from runtime.host.topology import usable_cpus
 from runtime.files.tensorfile import save_tensors
 
 
@@ -27,16 +30,21 @@ def write_random_mixtral(path: Path, hidden: int, ffn: int, layers: int, experts
               "num_experts_per_tok": top_k, "max_position_embeddings": max_seq_len, "rms_norm_eps": 1e-5,
               "rope_theta": 1e6, "tie_word_embeddings": False, "hidden_act": "silu",
               "torch_dtype": str(dtype).removeprefix("torch.")}
-    generator = torch.Generator().manual_seed(seed)
+    drawn = itertools.count()
+    pool = ThreadPoolExecutor(max_workers=usable_cpus(), thread_name_prefix="moesys-random-weights")
 
-    def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=generator) * 0.02).to(dtype)
+    def rand(*shape: int) -> Future:
+        """N(0, 0.02) drawn on the pool from a generator of the tensor's own (seed, draw number): the CPUs draw a
+        shard's tensors at once, with the same values whatever their number."""
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + next(drawn))
+        return pool.submit(lambda: torch.empty(shape, dtype=dtype).normal_(0.0, 0.02, generator=generator))
 
     weight_map: dict[str, str] = {}
     written = 0
 
-    def shard(index: int, tensors: dict[str, torch.Tensor]) -> None:
+    def shard(index: int, tensors: dict[str, torch.Tensor | Future]) -> None:
         nonlocal written
+        tensors = {k: v.result() if isinstance(v, Future) else v for k, v in tensors.items()}
         name = f"model-{index:05d}-of-{layers + 1:05d}.safetensors"
         save_tensors(path / name, tensors, {"format": "pt"})  # streamed, atomic; transformers needs "format"
         weight_map.update(dict.fromkeys(tensors, name))
@@ -45,6 +53,16 @@ def write_random_mixtral(path: Path, hidden: int, ffn: int, layers: int, experts
     def ones() -> torch.Tensor:
         return torch.ones(hidden, dtype=dtype)
 
+    with pool:
+        _shards(shard, rand, ones, hidden, ffn, layers, experts, vocab, heads, kv_heads)
+    atomic_write_json(path / INDEX, {"metadata": {"total_size": written}, "weight_map": weight_map})
+    atomic_write_json(path / "config.json", config)
+    return written
+
+
+def _shards(shard, rand, ones, hidden: int, ffn: int, layers: int, experts: int, vocab: int, heads: int,
+            kv_heads: int) -> None:
+    """The embeddings and head, then one shard per decoder layer, in Hugging Face Mixtral's names."""
     shard(1, {"model.embed_tokens.weight": rand(vocab, hidden), "lm_head.weight": rand(vocab, hidden),
               "model.norm.weight": ones()})
     head_dim = hidden // heads
@@ -61,6 +79,3 @@ def write_random_mixtral(path: Path, hidden: int, ffn: int, layers: int, experts
             tensors.update({f"{e}.w1.weight": rand(ffn, hidden), f"{e}.w3.weight": rand(ffn, hidden),
                             f"{e}.w2.weight": rand(hidden, ffn)})
         shard(i + 2, tensors)
-    atomic_write_json(path / INDEX, {"metadata": {"total_size": written}, "weight_map": weight_map})
-    atomic_write_json(path / "config.json", config)
-    return written

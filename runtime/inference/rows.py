@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from runtime.inference.cpu_bandwidth import decode_kernels
 from runtime.model.attention import Attention, StaticKVCache, rotate
 from runtime.model.ffn import DenseFFN
 from runtime.model.transformer import Block, Transformer
@@ -50,6 +51,11 @@ def _one_by_one(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor
     return torch.cat([F.linear(x_B1D[b:b + 1], weight, bias) for b in range(x_B1D.shape[0])])
 
 
+def _kernels() -> bool:
+    """Which kernels products take now (oneDNN on or off, `decode_kernels`): part of every probe's key."""
+    return torch._C._get_mkldnn_enabled()
+
+
 FORMS = (_one_product, _batched_rows, _one_by_one)
 """Cheapest first: one product over all rows reads the weight once (a GEMM; its rows are lone rows where the
 kernel is batch-invariant, as oneDNN's bf16 GEMM is on CPU); one batched call of B one-row products reads it B
@@ -61,7 +67,7 @@ def _form(rows: int, weight: Tensor, bias: Optional[Tensor]) -> Callable:
     """The first of FORMS whose rows equal F.linear's one row at a time, bit for bit, for this shape, dtype and
     device: tried once on random rows (which kernel runs, and so the summation order, depends on the shape, not on
     the values)."""
-    key = (rows, tuple(weight.shape), weight.dtype, weight.device, bias is not None)
+    key = (rows, tuple(weight.shape), weight.dtype, weight.device, bias is not None, _kernels())
     if key not in _FORM:
         x = torch.randn(rows, 1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
         lone = _one_by_one(x, weight, bias)
@@ -122,7 +128,7 @@ def _attention_is_row_wise(rows: int, q_shape: torch.Size, slots: int, dtype: to
                            device: torch.device) -> bool:
     """Whether one attention call over `rows` rows (a [rows, 1, 1, slots] mask) gives each row a lone call's
     bits, for these shapes, dtype and device: tried once on random rows."""
-    key = (rows, tuple(q_shape), slots, dtype, device)
+    key = (rows, tuple(q_shape), slots, dtype, device, _kernels())
     if key not in _ATTENTION:
         gen = torch.Generator().manual_seed(0)
         KV, _, hd = q_shape
@@ -189,7 +195,7 @@ def _grouped_is_row_wise(rows: int, w1: Tensor, w2: Tensor) -> bool:
     grouped GEMM takes (`grouped_mm_in_place`): one product over m rows gives one-row products for every
     m <= rows (`_form`), and the grouped GEMM gives each group a product's numbers (probed once on random rows in
     uneven groups)."""
-    key = (rows, tuple(w1.shape), tuple(w2.shape), w1.dtype, w1.device)
+    key = (rows, tuple(w1.shape), tuple(w2.shape), w1.dtype, w1.device, _kernels())
     if key not in _GROUPED:
         ok = all(_form(m, t[0], None) is _one_product for m in range(1, rows + 1) for t in (w1, w2))
         if ok:
@@ -242,6 +248,12 @@ def decode_rows(model: Transformer, tokens_B: Tensor, pos_B: Tensor, cache: Stat
     """Next-token logits [B, V] for token tokens_B[b] at position pos_B[b] of cache row b (rows 0..B-1; each row's
     earlier positions already in its cache row). spans[b]: the slots row b attends over, the capacity of the cache
     its lone run would use (default: the whole cache)."""
+    with decode_kernels(tokens_B.device):
+        return _decode_rows(model, tokens_B, pos_B, cache, spans)
+
+
+def _decode_rows(model: Transformer, tokens_B: Tensor, pos_B: Tensor, cache: StaticKVCache,
+                 spans: Optional[list[int]]) -> Tensor:
     B = tokens_B.shape[0]
     rows_B = torch.arange(B, device=tokens_B.device)
     spans = [cache.capacity] * B if spans is None else spans

@@ -118,8 +118,15 @@ class StaticKVCache(nn.Module):
         return buf_k[:, :, :end], buf_v[:, :, :end]
 
     def write(self, layer: int, pos_S: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Store k, v [B, KV, S, hd] at positions pos_S (a device tensor); the whole buffers, for `mask`."""
+        """Store k, v [B, KV, S, hd] at positions pos_S (a device tensor): the same S positions in every row, or, for
+        one new position per row (S = 1, pos_B of B entries; or rows 0..B-1 of a larger batch's cache), row b's at
+        pos_B[b]. The whole buffers, for `mask`."""
         buf_k, buf_v = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
+        if pos_S.numel() != k.shape[2] or buf_k.shape[0] != k.shape[0]:  # a position per row: continuous batching
+            rows_B = torch.arange(k.shape[0], device=k.device)
+            buf_k[rows_B, :, pos_S] = k[:, :, 0]
+            buf_v[rows_B, :, pos_S] = v[:, :, 0]
+            return buf_k, buf_v
         buf_k.index_copy_(2, pos_S, k)
         buf_v.index_copy_(2, pos_S, v)
         return buf_k, buf_v
@@ -215,5 +222,6 @@ class Attention(nn.Module):
         if self.rope:
             q, k = rotate(torch.cat((q, k), dim=2), *rope).split((group, 1), dim=2)
         keys, values = cache.write(self.layer_index, pos_1, k, v)
+        keys, values = keys[:B], values[:B]  # rows 0..B-1 of a larger batch's cache (continuous batching)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_1L)
         return self.wo(out.reshape(B, 1, self.num_heads * hd))

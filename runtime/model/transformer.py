@@ -141,15 +141,23 @@ class Transformer(nn.Module):
     def decode(self, tokens_B1: torch.Tensor, pos_1: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """The decode step: tokens [B, 1] at position pos_1 (a one-element device tensor, below the cache's
         capacity; the prefix is in `cache`) -> next-token logits [B, V]. Static shapes, no host read, MoE layers
-        through `MoELayer.decode`: the step `torch.compile` captures whole."""
-        h = self.tok_embeddings(tokens_B1)
-        rope = None
-        if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(pos_1)
-        else:
-            rope = cache.rope(pos_1)
+        through `MoELayer.decode`: the step `torch.compile` captures whole. With a position per row instead (pos_B
+        of B entries: continuous batching), row b is at pos_B[b] of cache row b."""
+        h = self.tokens_at(tokens_B1, pos_1)
+        rope = None if self.pos_embeddings is not None else cache.rope(pos_1)
         mask_1L = cache.mask(pos_1)
+        if pos_1.numel() > 1:  # one position per row: broadcast over heads (and query rows) per row
+            rope = None if rope is None else tuple(t[:, None, None] for t in rope)
+            mask_1L = mask_1L[:, None, None]
         for block in self.layers:
             h = block.decode(h, rope, cache, pos_1, mask_1L)
         h = self.norm(h)[:, 0]
         return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+
+    def tokens_at(self, tokens_B1: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Embeddings [B, 1, D] of tokens at positions `pos` (one for every row, or one per row), with the learned
+        position embedding where the model has one."""
+        h = self.tok_embeddings(tokens_B1)
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(pos).view(pos.numel(), 1, -1)
+        return h

@@ -327,11 +327,14 @@ def _expert_range(num_experts: int, device: torch.device) -> Tensor:
 
 def one_token_in_place(x_TD: Tensor, *weights: Tensor | None) -> bool:
     """Whether `grouped_routed_ffn` computes this step: one token (its K choices are K distinct experts, one row
-    each), eager (torch.compile traces the gathered form: the grouped GEMM's meta kernel takes bf16 only), and a
-    grouped GEMM that takes these weights (bf16 on CUDA, 16-byte aligned: an offloader's slot views may not be)."""
-    if x_TD.numel() != x_TD.shape[-1] or torch.compiler.is_compiling():
+    each) and a grouped GEMM that takes these weights: 16-byte aligned (an offloader's slot views may not be), bf16
+    on CUDA, and bf16 when torch.compile traces it (the grouped GEMM's meta kernel takes bf16 only; a model's own
+    parameters are aligned by their allocator, and addresses cannot be read while tracing)."""
+    if x_TD.numel() != x_TD.shape[-1]:
         return False
     given = [w for w in weights if w is not None]
+    if torch.compiler.is_compiling():
+        return given[0].dtype == torch.bfloat16 and grouped_mm_ok(*given) and grouped_mm_ok(x_TD.reshape(1, -1))
     if given[0].device.type == "cuda" and given[0].dtype != torch.bfloat16:
         return False
     return grouped_mm_in_place(*given) and grouped_mm_ok(x_TD.reshape(1, -1))
@@ -355,7 +358,9 @@ def sort_by_expert(ids_R: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Ten
     """(sorted ids, the order that sorts them, each expert's end offset in int32): rows grouped by expert for a
     grouped GEMM, computed on the device."""
     sorted_ids, order_R = torch.sort(ids_R, stable=True)
-    offs_e = torch.searchsorted(sorted_ids, _expert_range(num_experts, ids_R.device), right=True, out_int32=True)
+    experts = torch.arange(num_experts, device=ids_R.device) if torch.compiler.is_compiling() else \
+        _expert_range(num_experts, ids_R.device)  # a compiled step holds the range as a constant
+    offs_e = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
     return sorted_ids, order_R, offs_e
 
 
@@ -394,9 +399,14 @@ def gathered_ffn(x_TD: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor, w3: T
 
 
 def combine_choices(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
-    """y_TD = sum over k of weights_TK[t, k] * y_TKD[t, k], in y's dtype: the one combine of every decode form."""
-    return torch.einsum("...kd,...k->...d", y_TKD, weights_TK.to(y_TKD.dtype) if weights_TK.dtype != y_TKD.dtype
-                        else weights_TK)
+    """y_TD = sum over k of weights_TK[t, k] * y_TKD[t, k]: the one combine of every decode form, in fp32 (the
+    router's weights; y is promoted to them) and rounded once to y's dtype, written as operators that eager mode and
+    a compiled step (inductor) compute alike, so that compiled tokens are eager tokens in bf16 too."""
+    weights_TK1 = weights_TK.unsqueeze(-1)
+    if weights_TK1.dtype != torch.float32:
+        weights_TK1 = weights_TK1.float()
+    y_TD = (y_TKD * weights_TK1).sum(dim=-2)
+    return y_TD if y_TD.dtype == y_TKD.dtype else y_TD.to(y_TKD.dtype)
 
 
 def row_ffn(x_1D: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None, b1: Tensor | None = None,

@@ -1,19 +1,22 @@
 """Continuous batching: sequences join and leave a shared decode batch at token granularity, each in its own row
 of one static KV cache. A sequence joins by a prefill of its prompt alone (as `generate` runs it), then takes a
 row; every step decodes all rows at once with `decode_rows`, whose rows are computed as lone decode steps are,
-and samples each row with its own sampler: each sequence's tokens are its lone run's (`moesys infer`). A sequence
-may also score its prompt (echo): the prefill's logits at every position give each prompt token's log-probability;
-one that generates nothing leaves after its prefill without taking a row."""
+and samples each row with its own sampler: each sequence's tokens are its lone run's (`moesys infer`). With a
+compiled step (`BatchDecodeStep`: CUDA graphs per batch-size bucket on a GPU) the rows share one product per weight
+instead: greedy tokens agree with the lone run's, bit for bit where the kernels are batch-invariant. A sequence may
+also score its prompt (echo): the prefill's logits at every position give each prompt token's log-probability; one
+that generates nothing leaves after its prefill without taking a row."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from runtime.inference.decode import CACHE_BUCKET
+from runtime.inference.decode import CACHE_BUCKET, BatchDecodeStep
 from runtime.inference.offload import Offloader
 from runtime.inference.rows import decode_rows
 from runtime.inference.sampling import Sampler, Sampling
@@ -71,8 +74,11 @@ class Sequence:
 class ContinuousBatch:
     """Up to `max_rows` sequences decoding together; rows 0..len(rows)-1 of the cache are in use."""
 
-    def __init__(self, model: Transformer, max_rows: int, offloader: Optional[Offloader] = None):
-        self.model, self.max_rows, self.offloader = model, max_rows, offloader
+    def __init__(self, model: Transformer, max_rows: int, offloader: Optional[Offloader] = None,
+                 step: Optional[BatchDecodeStep] = None):
+        """step: decode the rows with this (compiled) step, its bucket's CUDA graphs on CUDA, rather than with
+        `decode_rows`, whose rows are lone steps' bit for bit."""
+        self.model, self.max_rows, self.offloader, self.decode_step = model, max_rows, offloader, step
         self.device = model.tok_embeddings.weight.device
         self.rows: list[Sequence] = []
         self.steps = 0
@@ -122,11 +128,11 @@ class ContinuousBatch:
         tokens_B = torch.tensor([s.tokens[-1] for s in self.rows], dtype=torch.long, device=self.device)
         pos_B = torch.tensor([s.position for s in self.rows], dtype=torch.long, device=self.device)
         spans = [s.span for s in self.rows]
-        if self.offloader is not None:
-            with self.offloader.computing():
+        with self.offloader.computing() if self.offloader is not None else contextlib.nullcontext():
+            if self.decode_step is not None:
+                logits_BV = self.decode_step.rows(tokens_B, pos_B, self._batch_cache())
+            else:
                 logits_BV = decode_rows(self.model, tokens_B, pos_B, self._batch_cache(), spans)
-        else:
-            logits_BV = decode_rows(self.model, tokens_B, pos_B, self._batch_cache(), spans)
         self.steps += 1
         return [self._take(seq, logits_BV[b:b + 1]) for b, seq in enumerate(list(self.rows))]
 

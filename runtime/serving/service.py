@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 
 from runtime.config import MoesysConfig
+from runtime.inference.decode import compile_default
 from runtime.inference.generate import infer_sampling
 from runtime.inference.load import LoadedModel, resolve_infer_config
 from runtime.inference.offloaders import Opened, open_for_inference
@@ -112,6 +113,7 @@ def open_service(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any
 
     opened, offloader = on_passing_thread(open_and_place)
     loaded, cfg, device = opened.loaded, opened.cfg, opened.device
+    compile = compile_default(device) if cfg.infer.compile is None else cfg.infer.compile
     worker = GenerationWorker(loaded.model, offloader, cfg.serve.max_batch_size, cfg.serve.max_queue,
-                              stuck_after_s=cfg.serve.request_timeout_s)
+                              stuck_after_s=cfg.serve.request_timeout_s, compile=compile)
     return Service(loaded.path.resolve().name, cfg, loaded, offloader, worker, device)

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from runtime.inference.decode import BatchDecodeStep
 from runtime.inference.offload import Offloader
 from runtime.model.transformer import Transformer
 from runtime.serving.batch import ContinuousBatch, Sequence, TokenOut
@@ -123,14 +124,16 @@ class GenerationWorker:
     model's forwards ends the thread: every job it holds fails with WorkerDied, and so does every later submit."""
 
     def __init__(self, model: Transformer, offloader: Offloader, max_batch_size: int = 1, max_queue: int = 64,
-                 stuck_after_s: float = 600.0):
+                 stuck_after_s: float = 600.0, compile: bool = False):
         """A model with an expert capacity decodes one sequence at a time (which tokens an expert drops would
-        depend on the batch)."""
+        depend on the batch). compile: decode the batch with a compiled step per batch-size bucket (infer.compile;
+        CUDA graphs on CUDA) instead of row by row lone steps' arithmetic."""
         dropless = model.cfg.capacity_factor == 0
         self.model, self.offloader = model, offloader
         self.max_batch_size = max_batch_size if dropless else 1
         self.max_queue = max_queue
-        self.batch = ContinuousBatch(model, self.max_batch_size, offloader)
+        step = BatchDecodeStep(model, self.max_batch_size, compile=True) if compile else None
+        self.batch = ContinuousBatch(model, self.max_batch_size, offloader, step)
         self.completed = self.failed = self.cancelled = 0
         self.error: Optional[str] = None
         """Why the thread died (None while it runs, and after a stop)."""

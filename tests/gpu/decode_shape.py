@@ -15,11 +15,20 @@ import time
 from pathlib import Path
 
 from runtime.bench import infer as bench
+from runtime.bench.infer_bounds import apply_bounds, measure_bandwidths
 
 WORKERS = {"transformers": ("_hf_worker", {"offload_dir": None}),
+           "transformers_static": ("_hf_worker", {"offload_dir": None, "static": True}),
            "accelerate": ("_hf_worker", {"offload_dir": "offload"}),
-           "none": ("_moesys_worker", {"mode": "none"}), "auto": ("_moesys_worker", {"mode": "auto"}),
-           "ring": ("_moesys_worker", {"mode": "ring"})}
+           "none": ("_moesys_worker", {"mode": "none", "counts": False}),
+           "auto": ("_moesys_worker", {"mode": "auto", "counts": False}),
+           "ring": ("_moesys_worker", {"mode": "ring", "counts": False})}
+REPEATS = 2
+"""Generations timed per system: on a GPU each takes a second or less; loading and compiling take the time."""
+SHARES = {"none": 1.4, "auto": 1.4, "transformers_static": 1.2, "ring": 1.0, "accelerate": 0.8, "transformers": 0.6,
+          "profile": 0.8}
+"""Each system's weight in the time left when it starts: compiled steps (none, auto, transformers' static cache)
+spend most of theirs compiling; the time a system leaves unused goes to the ones after it."""
 PROFILE_TOKENS = 8
 
 
@@ -94,11 +103,14 @@ def main(limit_s: float, systems: list[str], slots: int, size: str = "large") ->
                                                        shape["experts"], shape["vocab"], heads=shape["heads"],
                                                        kv_heads=shape["kv_heads"])
         out["write_s"] = time.monotonic() - start
-        out["bandwidth"] = bench._bandwidths()
+        print("checkpoint", json.dumps({k: out[k] for k in ("checkpoint_bytes", "write_s")}), flush=True)
+        out["bandwidth"] = measure_bandwidths(bench._sweep_threads(None), bench._largest_file(checkpoint))
+        print("bandwidth", json.dumps(out["bandwidth"]), flush=True)
         common = {"checkpoint": str(checkpoint), "slots": slots, "new_tokens": bench.NEW_TOKENS,
-                  "repeats": bench.REPEATS}
+                  "repeats": REPEATS}
         for i, name in enumerate(systems):
-            budget = max(30.0, (deadline - time.monotonic() - 10) / (len(systems) - i))
+            weight = SHARES.get(name, 1.0) / sum(SHARES.get(n, 1.0) for n in systems[i:])
+            budget = max(30.0, (deadline - time.monotonic() - 10) * weight)
             start = time.monotonic()
             if name == "profile":
                 out["profile"] = _profile(checkpoint, slots, budget)
@@ -106,12 +118,12 @@ def main(limit_s: float, systems: list[str], slots: int, size: str = "large") ->
                 continue
             call, extra = WORKERS[name]
             extra = {k: (str(root / v) if k == "offload_dir" and v else v) for k, v in extra.items()}
-            key = {"transformers": "transformers", "accelerate": "accelerate_disk"}.get(name, f"moesys_{name}")
+            key = name if name.startswith("transformers") else {"accelerate": "accelerate_disk"}.get(
+                name, f"moesys_{name}")
             out["systems"][key] = bench._subprocess(call, {**common, **extra}, timeout=budget)
             out["systems"][key]["wall_s"] = time.monotonic() - start
             print(key, json.dumps({k: v for k, v in out["systems"][key].items() if k != "tokens"}), flush=True)
-        names = ("transformers", "accelerate_disk", "moesys_none", "moesys_auto", "moesys_ring", "moesys_none_forward")
-        bench._bounds({**{n: {} for n in names}, **out["systems"]}, out["bandwidth"])
+        out["bound_table"] = apply_bounds(out["systems"], out["bandwidth"])
         reference = out["systems"].get("moesys_none", {}).get("tokens")
         for result in out["systems"].values():
             result["matching_prefix"] = bench._matching_prefix(result.get("tokens") or [], reference or [])

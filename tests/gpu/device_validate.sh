@@ -8,7 +8,11 @@
 #                                         # states) with storage=cpu against its plan, and the 2.43B shape at alpha
 #                                         # 0.25 (a one-token corpus: each layer's tokens all go to the same 2 of 8
 #                                         # experts)
-#   bash tests/gpu/device_validate.sh C   # bench infer at its 16-layer shape (K=4 of 16), bench serve
+#   bash tests/gpu/device_validate.sh C   # decode's GPU checks in under 9 minutes: bench infer's systems at
+#                                         # the 16-layer shape (K=4 of 16; tests/gpu/decode_shape.py: none, auto,
+#                                         # transformers_static, accelerate, transformers, the compiled token's CUDA
+#                                         # profile, each in its share of 370 s, a killed one reporting what it had
+#                                         # measured), then bench serve (batched vs one at a time, 16 clients)
 #   bash tests/gpu/device_validate.sh B   # bench moe-layer, ring, offload; tests/unit + tests/config
 #   bash tests/gpu/device_validate.sh D   # pinned H2D bandwidth, tiny training none/cpu/ssd and a big model vs plan
 #   bash tests/gpu/device_validate.sh F   # one call for a lease with little time: offload-train at the 2.43B shape
@@ -88,8 +92,9 @@ elif [ "$PART" = F ]; then
   step offload_32k 130 'python3 tests/gpu/offload_train_shape.py 110 none,cpu_delayed train.micro_batch_size=16'
   step decode_large 225 'python3 tests/gpu/decode_shape.py 205 none,profile,auto,transformers 4'
 elif [ "$PART" = C ]; then
-  step bench_infer_large 480 'moesys bench infer --size large infer.ring_slots=4 --json'
-  step bench_serve 100 'moesys bench serve --json'
+  step env 15 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g'
+  step decode_large 390 'python3 tests/gpu/decode_shape.py 370 none,auto,transformers_static,accelerate,transformers,profile 4'
+  step bench_serve 115 'moesys bench serve --json'
 else
   step bench_moe_layer 180 'moesys bench moe-layer --json'
   step bench_ring 150 'moesys bench ring --json'

@@ -175,3 +175,70 @@ def test_hybrid_decode_synchronises_at_most_once_per_streamed_layer(costs):
     counts = count_decode(lambda n: generate(model, prompt, n, offloader=offloader), 4, cuda=True)
     assert counts.host_syncs_per_token <= 3
     offloader.close()
+
+
+def _bf16_mixtral_checkpoint(tmp_path):
+    path = tmp_path / "mixtral"
+    write_random_mixtral(path, hidden=256, ffn=512, layers=4, experts=8, vocab=1024)
+    return path
+
+
+def test_compiled_bf16_step_replays_cuda_graphs_at_static_addresses_without_recompiling(tmp_path):
+    """A checkpoint placed on the GPU (bf16, experts resident): the compiled step runs as CUDA graphs (inductor skips
+    none: the cache's buffers and the expert weights keep their addresses, and the experts' grouped GEMM reads its
+    offsets on the device), a second and third generation in the same cache compile nothing, and the tokens are the
+    eager step's."""
+    from torch._dynamo.utils import counters
+
+    from runtime.inference.decode import DecodeStep
+
+    loaded = open_checkpoint(_bf16_mixtral_checkpoint(tmp_path), device=CUDA)
+    offloader = make_offloader(loaded.model, "none", CUDA, source=loaded.experts)
+    prompt = [[3, 14, 15, 92, 65, 35]]
+    eager = generate(loaded.model, prompt, 24, step=DecodeStep(loaded.model)).tokens
+    step = DecodeStep(loaded.model, compile=True)
+    torch._dynamo.reset()
+    counters.clear()
+    assert generate(loaded.model, prompt, 24, step=step).tokens == eager
+    assert counters["inductor"]["cudagraph_skips"] == 0 and not counters["graph_break"]
+    counters.clear()
+    for _ in range(2):
+        assert generate(loaded.model, prompt, 24, step=step).tokens == eager
+    assert counters["frames"]["total"] == 0 and not counters["recompiles"]
+    offloader.close()
+
+
+def test_the_serving_batch_replays_one_cuda_graph_set_per_bucket_with_its_lone_greedy_tokens(tmp_path):
+    """Rows at their own positions through the compiled batch step: each sequence's greedy tokens are its lone
+    run's (bf16 GEMMs over several rows need not round as one-row products do: greedy agreement is the test), and a
+    second pass over the same buckets compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    from runtime.inference.decode import BatchDecodeStep
+    from tests.unit.inference.test_batch_step import LENGTHS, PROMPTS, batched
+
+    loaded = open_checkpoint(_bf16_mixtral_checkpoint(tmp_path), device=CUDA)
+    offloader = make_offloader(loaded.model, "none", CUDA, source=loaded.experts)
+    model = loaded.model
+    lone = [generate(model, [p], n).tokens[0] for p, n in zip(PROMPTS, LENGTHS)]
+    step = BatchDecodeStep(model, 4, compile=True)
+    counters.clear()
+    assert batched(model, step) == lone
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    counters.clear()
+    assert batched(model, step) == lone
+    assert counters["frames"]["total"] == 0
+    offloader.close()
+
+
+def test_bench_infer_bounds_a_gpu_token_by_hbm_and_its_streamed_path():
+    """The bound instrument on a GPU: HBM read bandwidth, pinned copies, and auto's streamed path the faster of
+    the CPU over host memory and PCIe."""
+    from runtime.bench.infer_bounds import measure_bandwidths, streamed_path
+
+    bandwidth = measure_bandwidths([1])
+    assert bandwidth["device_read_bytes_per_s"] > bandwidth["host_read_bytes_per_s"] > 0
+    assert bandwidth["host_to_device_bytes_per_s"] > 0
+    path, rate = streamed_path("moesys_auto", bandwidth, bandwidth)
+    assert rate == max(bandwidth["host_read_bytes_per_s"], bandwidth["host_to_device_bytes_per_s"])
+    assert streamed_path("moesys_ring", bandwidth, bandwidth) == ("pcie_copy", bandwidth["host_to_device_bytes_per_s"])

@@ -109,11 +109,13 @@ def test_sampling_draws_what_multinomial_draws_without_reading_the_host(top_k):
         assert torch.equal(got, want)
 
 
-def test_compiled_step_is_one_graph_for_every_position_and_gives_the_eager_tokens():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_step_is_one_graph_for_every_position_and_gives_the_eager_tokens(dtype):
     """fullgraph=True with the inductor backend; after the first step compiles, 32 more positions run the same code
-    (no frame is compiled again), and the tokens are the eager step's."""
-    model = _model()
-    eager = generate(model, PROMPT, 33).tokens
+    (no frame is compiled again), and the tokens are the eager step's. In bf16 the logits too, bit for bit: the
+    experts' grouped GEMM is the eager one and inductor rounds where eager rounds."""
+    model = _model(dtype=dtype)
+    eager = generate(model, PROMPT, 33, keep_logits=True)
     step = DecodeStep(model, compile=True)
     assert step.fullgraph
     torch._dynamo.reset()
@@ -121,8 +123,11 @@ def test_compiled_step_is_one_graph_for_every_position_and_gives_the_eager_token
     generate(model, PROMPT, 3, step=step)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     counters.clear()
-    assert generate(model, PROMPT, 33, step=step).tokens == eager
+    compiled = generate(model, PROMPT, 33, step=step, keep_logits=True)
+    assert compiled.tokens == eager.tokens
     assert counters["frames"]["total"] == 0 and not counters["recompiles"]
+    if dtype == torch.bfloat16:
+        assert torch.equal(compiled.logits[0], eager.logits[0])
 
 
 @pytest.mark.parametrize("mode,slots", [("ring", 2), ("ondemand", 1), ("auto", 1)])

@@ -1,7 +1,8 @@
-"""`moesys bench infer` at a tiny shape: every system (transformers, transformers + accelerate's disk offload,
-moesys none/auto/ring and none through the forward per token) decodes the same greedy tokens, accelerate really offloaded the streamed layers' experts to
-its folder, the speed ratios between the systems are reported, and so are each moesys mode's profiler counts and every
-system's bandwidth bound. No timing is asserted."""
+"""`moesys bench infer` at a tiny shape: every system (transformers' default generate and its static cache,
+transformers + accelerate's disk offload, moesys none/auto/ring and none through the forward per token) decodes the
+same greedy tokens, accelerate really offloaded the streamed layers' experts to its folder, the targeted ratios
+are reported, and so are each moesys mode's profiler counts, the bytes its token reads and every system's
+bandwidth bound at its thread count, on one thread and on all. No timing is asserted."""
 
 import pytest
 
@@ -17,8 +18,8 @@ TINY = {"hidden": 128, "ffn": 256, "layers": 4, "experts": 4, "vocab": 512, "hea
 def test_every_system_decodes_the_same_tokens_and_accelerate_offloads_to_disk():
     r = run_infer_bench(ring_slots=2, shape=TINY, new_tokens=6, repeats=1, capped=False, isolate=False)
     systems = r["systems"]
-    assert set(systems) == {"transformers", "accelerate_disk", "moesys_none", "moesys_auto", "moesys_ring",
-                            "moesys_none_forward"}
+    assert set(systems) == {"transformers", "transformers_static", "accelerate_disk", "moesys_none", "moesys_auto",
+                            "moesys_ring", "moesys_none_forward"}
     for name, result in systems.items():
         assert "error" not in result, (name, result)
         assert result["same_tokens_as_none"] and len(result["tokens"]) == 6, name
@@ -43,4 +44,19 @@ def test_every_system_decodes_the_same_tokens_and_accelerate_offloads_to_disk():
     assert none["host_read_bytes_per_token"] == 0 < auto["host_read_bytes_per_token"]
     for name, result in systems.items():
         assert 0 < result["bandwidth_bound_tokens_per_s"] < float("inf"), name
+        assert result["threads"] == r["threads"] and f"{name}@{r['threads']}" in r["bound_table"], name
     assert r["bandwidth"]["host_read_bytes_per_s"] > 0
+    # the bytes a token reads, by part: 4 layers' top-2 experts, the static cache of 64 slots (2 KV heads of 32)
+    assert none["token_bytes"]["routed_experts"] == 4 * routed
+    assert auto["token_bytes"]["streamed_experts"] == 2 * routed and auto["host_read_bytes_per_token"] > 0
+    assert none["kv_cache_bytes_per_token"] == 2 * 4 * 2 * 64 * 32 * 2
+    assert auto["bound"]["streamed_path"] == "cpu_compute" and none["bound"]["streamed_path"] is None
+    static = systems["transformers_static"]
+    assert static["eager_tokens_per_s"] > 0 and static["compiled_tokens_per_s"] > 0
+    # every thread count beside the best of transformers' two rows, each against the bandwidth at its count
+    counts = sorted({1, r["threads"]})
+    assert sorted(int(t) for t in r["by_threads"]) == counts == sorted(int(t) for t in r["bandwidth"]["by_threads"])
+    for t, rows in r["by_threads"].items():
+        assert rows["moesys_none"]["threads"] == int(t) and rows["transformers_static"]["threads"] == int(t)
+        assert rows["none_vs_transformers"] > 0 and f"moesys_none@{t}" in r["bound_table"]
+        assert rows["moesys_none"]["same_tokens_as_none"]

@@ -86,3 +86,25 @@ def test_random_access_and_will_need_leave_the_bytes_unchanged(tmp_path):
     files.will_need(views[2:3])
     for j, v in enumerate(views):
         assert torch.equal(v, tensors[f"e{j}"])
+
+
+def test_will_need_reads_pages_not_in_memory_and_asks_nothing_of_pages_that_are(tmp_path):
+    """mincore says which pages are in memory: after eviction the range is not, after will_need (which starts the
+    read) and a read it is, and will_need on pages in memory changes nothing."""
+    from runtime.inference.mapped import in_memory
+    from runtime.host.page_cache import evict
+
+    path = save_tensors(tmp_path / "x.safetensors", {"w": torch.arange(1 << 20, dtype=torch.float32)})
+    files = TensorFiles([path])
+    view = files.get("w")
+    file = files.files[0]
+    begin, length = file._pages(view)
+    address = file._bytes.data_ptr() + begin
+    if not evict(path):
+        pytest.skip("this system cannot evict a file from the page cache")
+    assert not in_memory(address, length)
+    files.will_need([view])
+    assert float(view.sum()) == float(sum(range(1 << 20)))
+    assert in_memory(address, length)
+    files.will_need([view])
+    assert in_memory(address, length)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime.config import ModelConfig
-from runtime.inference.decode import CACHE_BUCKET
+from runtime.inference.decode import CACHE_BUCKET, DecodeStep
 from runtime.inference.rows import decode_rows
 from runtime.model.transformer import Transformer
 
@@ -23,9 +23,10 @@ PARTS = dict(MIXTRAL, moe_layer_freq=1, moe_layers=[1], qk_norm="head", head_dim
 
 def _lone(model, prompt, token):
     """The logits of `token` after `prompt`, as `generate` computes them: prefill, then one decode step."""
-    cache = model.new_static_cache(1, CACHE_BUCKET)
-    model(torch.tensor([prompt]), cache, 0)
-    return model.decode(torch.tensor([[token]]), torch.tensor([len(prompt)]), cache)[0]
+    step = DecodeStep(model)
+    cache = step.cache_for(1, CACHE_BUCKET)
+    step.prefill(torch.tensor([prompt]), cache)
+    return step(torch.tensor([[token]]), torch.tensor([len(prompt)]), cache)[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
