@@ -109,7 +109,7 @@ def resident_mfu(cfg: MoesysConfig, gemm_flops: float, device: torch.device, ste
         part.close()
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
     flops = tokens * training_flops_per_token(cfg.model, cfg.train.seq_len)
-    return flops / seconds / gemm_flops
+    return min(1.0, flops / seconds / gemm_flops)  # above 1 only when the machine was busier during the GEMM probe
 
 
 def measure_machine(cfg: MoesysConfig, disk_dir: str | Path | None = None) -> tuple[dict, Path]:
@@ -126,13 +126,11 @@ def measure_machine(cfg: MoesysConfig, disk_dir: str | Path | None = None) -> tu
     rates["disk_read_gbps"], rates["disk_write_gbps"] = disk.read_bytes_per_s / GB, disk.write_bytes_per_s / GB
     dtype = PRECISION_DTYPES[cfg.train.precision] if gpus else torch.float32
     threads = torch.get_num_threads()
-    set_cpu_threads(1, respect_env=False)  # the node's cores together (the rate a plan divides among its ranks)
+    ranks = 1 if gpus else max(1, cfg.topology.processes_per_node)
+    set_cpu_threads(ranks, respect_env=False)  # a rank's share of the cores, as the step below computes on it
     try:
-        gemm = peak_flops(device, dtype)
-        rates["gemm_tflops"] = gemm / 1e12
-        if not gpus:  # each rank computes on its share of the cores
-            set_cpu_threads(cfg.topology.processes_per_node, respect_env=False)
-        share = gemm if gpus else gemm / max(1, cfg.topology.processes_per_node)
+        share = peak_flops(device, dtype)  # one rank's GEMM rate, measured at the threads its step runs with
+        rates["gemm_tflops"] = share * ranks / 1e12  # the node's (the rate a plan divides among its ranks)
         memory = (torch.cuda.get_device_properties(device).total_memory if gpus
                   else cfg.topology.cpu_memory_gb * GB / max(1, cfg.topology.processes_per_node))
         with tempfile.TemporaryDirectory(prefix="moesys-measure-") as tmp:

@@ -144,7 +144,7 @@ class TrainConfig(ConfigSection):
     lr: float = 1e-3
     """Peak learning rate of AdamW."""
     min_lr: float = 1e-4
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at train.max_steps, where the cosine or linear decay (train.lr_schedule) ends."""
     warmup_steps: int = 10
     """Linear warm-up steps."""
     weight_decay: float = 0.01

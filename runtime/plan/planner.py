@@ -43,6 +43,13 @@ token counts change. Both fill up and level off at 0.64 GB of anonymous RSS (tor
 sizes; fp32 and fp16 matmuls keep none (tests/unit/plan/test_onednn_bf16_memory.py). 0.70 GB leaves a margin."""
 
 
+
+RECOMPUTE_KEEPS = {"none": "every block's saved tensors, the experts' routed rows and [R, F] intermediates",
+                   "moe": "every block's saved tensors and the experts' routed rows, not their [R, F] intermediates "
+                          "(recomputed in backward)",
+                   "block": "each block's input only, one block's saved tensors at a time in backward"}
+"""What a micro-batch keeps for backward under each train.recompute, as the plan's assumptions say it."""
+
 def process_runtime_bytes(cfg: MoesysConfig) -> int:
     """Host memory a worker takes beyond the states, activations and cache the estimate counts: the runtime, CUDA's
     host side with a GPU, oneDNN's bf16 kernels without one."""
@@ -409,10 +416,10 @@ def _assumptions(cfg: MoesysConfig) -> list[str]:
         f"dense states {'sharded over' if cfg.storage.dense_shard else 'replicated on'} the {world_size(cfg)} "
         "data-parallel ranks",
         f"activations: what the model code saves for backward of one micro-batch (train.recompute="
-        f"{cfg.train.recompute}; flash or memory-efficient "
-        "attention, no S x S scores), the routed rows and [R, F] intermediates of the experts, fp32 logits' "
-        "log-softmax and gradients; device total: the larger of the start of backward (no gradients yet) and the "
-        "optimizer step (torch AdamW's temporaries), not the sum of the rows",
+        f"{cfg.train.recompute}: {RECOMPUTE_KEEPS.get(cfg.train.recompute, RECOMPUTE_KEEPS['none'])}; flash or "
+        "memory-efficient attention, no S x S scores), fp32 logits' log-softmax and gradients; device total: the "
+        "larger of the start of backward (no gradients yet) and the optimizer step (torch AdamW's temporaries), not "
+        "the sum of the rows",
         f"token embedding {'split column-wise over' if cfg.model.embedding_partition else 'replicated on'} the "
         "data-parallel ranks (model.embedding_partition)",
         f"prefetch buffers hold {cfg.storage.prefetch_depth} layer(s) ahead",

@@ -1,5 +1,5 @@
 """The step's bound and the plan's prediction (runtime/plan/step_time.py, prediction.py) against the arithmetic done by
-hand: the largest term with GPUs, compute plus host work without them; the issue's 2.43B shape on an H200's rates."""
+hand: the largest term with GPUs, compute plus host work without them; the offload benchmark's 2.43B Mixtral-style shape on an H200's rates."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def test_without_gpus_compute_and_host_work_share_the_cores():
     assert b.bound_s == pytest.approx(0.3 + 1e9 / 0.5e9) and b.bound_term == "cpu_optimizer"
 
 
-def issue_shape(**storage) -> MoesysConfig:
-    """The issue's 2.43B Mixtral-style shape, 8,192 tokens a step, on one H200 with 16 host cores."""
+def h200_shape(**storage) -> MoesysConfig:
+    """The offload benchmark's 2.43B Mixtral-style shape, 8,192 tokens a step, on one H200 with 16 host cores."""
     model = ModelConfig(hidden_size=2048, num_layers=8, num_heads=16, num_kv_heads=4, ffn_hidden_size=5632,
                         num_experts=8, top_k=2, expert_type="swiglu", norm="rmsnorm", position="rope", bias=False,
                         tie_embeddings=False, vocab_size=32000, max_seq_len=4096)
@@ -50,8 +50,8 @@ def issue_shape(**storage) -> MoesysConfig:
                         train=TrainConfig(micro_batch_size=4, seq_len=2048, precision="bf16"))
 
 
-def test_the_issues_shape_is_bound_by_the_host_adamw_at_a_quarter_of_resident():
-    cfg = issue_shape(offload="cpu")
+def test_the_2_43b_shape_is_bound_by_the_host_adamw_at_a_quarter_of_resident():
+    cfg = h200_shape(offload="cpu")
     rates = machine_rates(cfg, profile={})
     p = count_parameters(cfg.model)
     tokens = 4 * 2048
@@ -63,12 +63,12 @@ def test_the_issues_shape_is_bound_by_the_host_adamw_at_a_quarter_of_resident():
     assert modes["cpu"]["terms_s"]["pcie"] == pytest.approx(p.sparse * 2 / 55e9)  # bf16 weights in (and grads out)
     assert modes["cpu"]["bound_term"] == "cpu_optimizer"
     assert modes["cpu"]["vs_none"] == pytest.approx(compute / adamw)
-    assert 0.2 < modes["cpu"]["vs_none"] < 0.35  # the issue: no schedule brings 8,192 tokens above 0.28x
+    assert 0.2 < modes["cpu"]["vs_none"] < 0.35  # no schedule brings 8,192 tokens above 0.28x
     assert 50_000 < modes["none"]["tokens_per_s"] < 65_000  # the H200 measured 57,303
 
 
 def test_recomputation_costs_a_forward_of_what_it_recomputes():
-    m = issue_shape().model
+    m = h200_shape().model
     p = count_parameters(m)
     assert recompute_flops_per_token(m, 2048, "none") == 0
     assert recompute_flops_per_token(m, 2048, "moe") == 2 * m.top_k * p.per_expert * p.moe_layers
@@ -77,14 +77,14 @@ def test_recomputation_costs_a_forward_of_what_it_recomputes():
 
 
 def test_recomputation_keeps_fewer_activations_in_the_order_it_recomputes():
-    cfg = issue_shape()
+    cfg = h200_shape()
     sizes = {r: activation_bytes(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute=r)))
              for r in ("none", "moe", "block")}
     assert sizes["none"] > sizes["moe"] > sizes["block"] > 0
 
 
 def test_a_prediction_uses_the_mode_auto_would_choose_and_says_when_it_does_not_fit():
-    cfg = issue_shape(offload="auto")
+    cfg = h200_shape(offload="auto")
     got = predict(cfg, machine_rates(cfg, profile={}))
     assert got.mode is OffloadMode.NONE and got.fits  # 2.43B fits an H200
     tiny = dataclasses.replace(cfg, topology=dataclasses.replace(cfg.topology, gpu_memory_gb=8))
