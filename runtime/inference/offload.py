@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from runtime.inference.cpu_bandwidth import empty_weight
 from runtime.inference.expert_source import ExpertSource
 from runtime.inference.errors import InferError
-from runtime.inference.expert_cache import StoreHold
+from runtime.inference.store_cache import StoreHold
 from runtime.files.tensorfile import DTYPES
 from runtime.inference.mapped import MappedFileError, read_header
 from runtime.model.transformer import Transformer
@@ -162,7 +162,7 @@ class Timeline:
 
 # ---- offloaders ----
 
-class SlotExperts(nn.Module):
+class LayerSlotExperts(nn.Module):
     """Stands in for a layer's GroupedExperts: computes on the weights its offloader puts in a device slot."""
 
     def __init__(self, offloader: "Offloader", index: int, expert_type: str):
@@ -192,7 +192,7 @@ class Offloader:
     def __init__(self, model: Transformer, device: torch.device, source: Optional[ExpertSource] = None,
                  hold: Optional[StoreHold] = None):
         """source: where the experts were placed from (close() lets go of its mapped files); hold: the on-disk store's
-        copy this offloader uses (runtime/inference/expert_cache.py), let go of by close()."""
+        copy this offloader uses (runtime/inference/store_cache.py), let go of by close()."""
         self.model, self.device = model, device
         self.num_layers = len(model.moe_layers())
         self.timeline = Timeline(device)
@@ -270,7 +270,7 @@ class Offloader:
             self.source.close()
 
 
-class SlotOffloader(Offloader):
+class LayerSlotOffloader(Offloader):
     """Experts live in an LayerStore; `num_slots` device buffers of one layer each, allocated once."""
 
     def __init__(self, model: Transformer, device: torch.device, store: LayerStore, num_slots: int,
@@ -284,7 +284,7 @@ class SlotOffloader(Offloader):
         self.slot_views = [store.views(s) for s in self.slots]
         self.slot_layer: list[Optional[int]] = [None] * num_slots
         for m, layer in enumerate(model.moe_layers()):  # the resident experts go; the store holds them now
-            layer.experts = SlotExperts(self, m, layer.experts.expert_type)
+            layer.experts = LayerSlotExperts(self, m, layer.experts.expert_type)
 
     @property
     def expert_device_bytes(self) -> int:
@@ -304,7 +304,7 @@ class SlotOffloader(Offloader):
         self.copies += 1
 
 
-class OnDemandOffloader(SlotOffloader):
+class OnDemandOffloader(LayerSlotOffloader):
     """The baseline: one slot; each layer's experts are copied synchronously just before the layer runs."""
 
     mode = "ondemand"

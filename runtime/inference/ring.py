@@ -16,12 +16,12 @@ from torch import Tensor
 
 from runtime.inference.errors import InferError
 from runtime.inference.expert_source import ExpertSource
-from runtime.inference.expert_cache import StoreHold
-from runtime.inference.offload import LayerStore, SlotOffloader
+from runtime.inference.store_cache import StoreHold
+from runtime.inference.offload import LayerStore, LayerSlotOffloader
 from runtime.model.transformer import Transformer
 
 
-class RingOffloader(SlotOffloader):
+class RingOffloader(LayerSlotOffloader):
     """K slots; after use u computes, use u+K's layer is fetched into its slot behind the next K-1 layers."""
 
     mode = "ring"

@@ -78,7 +78,7 @@ def _locked(path: Path, how: int) -> Optional[IO]:
         f.close()
 
 
-class CachedCopy:
+class CachedStore:
     """A checkpoint's copy in the cache, held (shared lock) until close(): no other process evicts it meanwhile."""
 
     def __init__(self, directory: Path, lock: IO):
@@ -90,7 +90,7 @@ class CachedCopy:
             self._lock = None
 
 
-class ScratchCopy:
+class ScratchStore:
     """A copy of this process's own (a model given without a checkpoint), removed by close()."""
 
     def __init__(self):
@@ -132,7 +132,7 @@ def _evict(root: Path, keep: str, room: int) -> None:
             lock.close()
 
 
-def checkout(root: Path, fingerprint: str, need_bytes: int, cap_gb: float) -> CachedCopy:
+def checkout(root: Path, fingerprint: str, need_bytes: int, cap_gb: float) -> CachedStore:
     """Hold the copy of the checkpoint `fingerprint` names under `root`, making room for its `need_bytes` first:
     copies least recently used go until the cache fits in `cap_gb`, and the filesystem must have the bytes still to
     write. The copy's files are written (or found reusable) by the caller while it holds the copy."""
@@ -160,7 +160,7 @@ def checkout(root: Path, fingerprint: str, need_bytes: int, cap_gb: float) -> Ca
         raise CacheError(f"infer.cache_dir={root}: the copy of the checkpoint's experts needs {missing:,} bytes more "
                          f"and its filesystem has {free:,} free; set infer.cache_dir to a filesystem with room, or use "
                          "--offload auto (it reads the experts where they lie)")
-    return CachedCopy(root / key, lock)
+    return CachedStore(root / key, lock)
 
 
 def store_bytes(specs: Iterable[dict]) -> int:

@@ -13,7 +13,7 @@ from runtime.inference.expert_source import ExpertSource, ExpertWeights
 from runtime.inference.step_counts import host_list
 
 
-class HostTier:
+class HostExperts:
     """Streamed experts where the CPU computes them and copies start from (pinned on CUDA), and the moves of rows
     and weights between host and device that a streamed layer makes."""
 
