@@ -237,7 +237,7 @@ class AutoOffloader(Offloader):
         if start is None:  # the copy ran on this stream: compute stood still for it
             start, end = before, self.timeline.mark()
         self.timeline.add("copy", start, end)
-        self.timeline.add("wait", before, end)
+        self.timeline.add("wait", before, end, critical=True)
         self.copied_bytes += sum(w.numel() * w.element_size() for w in weights.values())  # as placed
         self.copies += 1
         if len(self.cache) >= self.cache_capacity:

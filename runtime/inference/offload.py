@@ -1,12 +1,12 @@
 """Expert offloading for inference (the paper's "Ring Memory Offloading"): the host-tier expert store (one safetensors
-file per MoE layer, memory-mapped; pinned on CUDA), device slots that MoE layers compute from, copy/compute
-timelines, and the `none` and `ondemand` modes. The ring itself is in runtime/inference/ring.py.
+file per MoE layer, memory-mapped; pinned on CUDA), device slots that MoE layers compute from, and the `none` and
+`ondemand` modes; each offloader records its copies and compute on a Timeline. The ring itself is in
+runtime/inference/ring.py.
 """
 
 from __future__ import annotations
 
 import mmap
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +21,14 @@ from runtime.inference.errors import InferError
 from runtime.inference.store_cache import StoreHold
 from runtime.files.tensorfile import DTYPES
 from runtime.inference.mapped import MappedFileError, read_header
+from runtime.host.timeline import Timeline, overlap_s
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import expert_ffn, routed_ffn
 from runtime.files.tensorfile import save_tensors
 
 MODES = ("auto", "ring", "ondemand", "none")
+TOKEN_SPANS = ("copy", "compute", "wait")
+"""The kinds of span an offloader records: `--json`'s `timeline` has one list of each for the last decoded token."""
 
 
 @dataclass(frozen=True)
@@ -104,62 +107,6 @@ def _matches(path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], 
     return meta.get("fingerprint") == fingerprint and stored == specs
 
 
-# ---- timelines: when copies ran, when compute ran, when compute waited ----
-
-def overlap_s(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Total time covered by both interval lists (each list's intervals are disjoint)."""
-    a, b = sorted(a), sorted(b)
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-class Timeline:
-    """Timestamps from host clocks (CPU) or CUDA events on a given stream (resolved when read)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.base = self.mark()
-        self.spans: dict[str, list[tuple[Any, Any]]] = {"copy": [], "compute": [], "wait": []}
-
-    def mark(self, stream: Optional[torch.cuda.Stream] = None) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        return event
-
-    def add(self, kind: str, start: Any, end: Any) -> None:
-        self.spans[kind].append((start, end))
-
-    def seconds(self, kind: str) -> list[tuple[float, float]]:
-        if not self.cuda:
-            return list(self.spans[kind])
-        torch.cuda.synchronize()
-        return [(self.base.elapsed_time(s) / 1e3, self.base.elapsed_time(e) / 1e3) for s, e in self.spans[kind]]
-
-    def clear(self) -> None:
-        for spans in self.spans.values():
-            spans.clear()
-
-    def last_forward(self) -> dict[str, list[list[float]]]:
-        """The copy/compute timeline of one token: the last forward's compute span (the last decoded token) and the
-        copy and wait spans that overlap it, in seconds from that forward's start (a copy started during the
-        token before begins below 0). Empty before any forward."""
-        compute = self.seconds("compute")
-        if not compute:
-            return {}
-        start, end = compute[-1]
-        return {kind: [[round(s - start, 7), round(e - start, 7)] for s, e in self.seconds(kind)
-                       if e > start and s < end] for kind in self.spans}  # lists: JSON-ready
-
-
 # ---- offloaders ----
 
 class LayerSlotExperts(nn.Module):
@@ -210,7 +157,7 @@ class Offloader:
         self._started = self.timeline.mark()
 
     def _end(self, module, args, output) -> None:
-        self.timeline.add("compute", self._started, self.timeline.mark())
+        self.timeline.add("compute", self._started, self.timeline.mark(), critical=True)
 
     @contextmanager
     def computing(self) -> Iterator[None]:
@@ -251,7 +198,7 @@ class Offloader:
             "expert_device_bytes": self.expert_device_bytes, "expert_host_bytes": self.expert_host_bytes,
             "copied_bytes": self.copied_bytes, "copies": self.copies, "copy_s": copy_s,
             "copy_hidden_s": max(0.0, hidden), "copy_hidden_share": max(0.0, hidden) / copy_s if copy_s > 0 else None,
-            "timeline": self.timeline.last_forward(),
+            "timeline": self.timeline.around_last("compute", TOKEN_SPANS),
         }
 
     def mode_fields(self, stats: dict[str, Any]) -> dict[str, Any]:
@@ -317,7 +264,7 @@ class OnDemandOffloader(LayerSlotOffloader):
         if self.slot_layer[0] != layer:
             start = self.timeline.mark()
             self.copy_now(0, layer)
-            self.timeline.add("wait", start, self.timeline.mark())  # compute stood still for the copy
+            self.timeline.add("wait", start, self.timeline.mark(), critical=True)  # compute stood still for it
         return self.slot_views[0]
 
     def release(self, layer: int) -> None:

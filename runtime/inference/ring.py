@@ -91,7 +91,7 @@ class RingOffloader(LayerSlotOffloader):
             start = self.timeline.mark()
             torch.cuda.current_stream().wait_event(pending)
         if record:
-            self.timeline.add("wait", start, self.timeline.mark())
+            self.timeline.add("wait", start, self.timeline.mark(), critical=True)
 
     def _drain(self) -> None:
         for slot in range(self.num_slots):
