@@ -1,7 +1,7 @@
-"""Expert offloading for inference (the paper's "Ring Memory Offloading"): the host-tier expert store (one safetensors
-file per MoE layer, memory-mapped; pinned on CUDA), device slots that MoE layers compute from, and the `none` and
-`ondemand` modes; each offloader records its copies and compute on a Timeline. The ring itself is in
-runtime/inference/ring.py.
+"""Expert offloading for inference (the paper's "Ring Memory Offloading"): the layer store (one safetensors file per
+MoE layer on disk, mapped into host memory; pinned on CUDA), device layer slots that MoE layers compute from, and the
+`none` and `ondemand` modes; each offloader records its copies and compute on a Timeline. The ring itself is in
+runtime/inference/ring.py; the words are docs/glossary.md's.
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ class Field:
 
 
 class LayerStore:
-    """The host tier: every MoE layer's stacked experts as one contiguous byte region per layer.
+    """The store ring and ondemand copy from: every MoE layer's stacked experts as one file on disk, exported once
+    from the checkpoint, DIR/layer{m}.safetensors (m = MoE layer order).
 
-    On disk: DIR/layer{m}.safetensors (m = MoE layer order). CPU reads them memory-mapped (the page cache is the
-    host tier); on CUDA each layer is read once into pinned memory so copies to the device are asynchronous.
+    `regions` are the layers in the host tier, one contiguous byte region each: the files memory-mapped on CPU (the
+    page cache holds them), read once into pinned memory on CUDA so copies to the device are asynchronous.
     """
 
     def __init__(self, directory: Path, num_layers: int, pin: bool = False):
@@ -80,7 +81,7 @@ class LayerStore:
         return self.layer_bytes * self.num_layers
 
     def views(self, region: Tensor) -> dict[str, Tensor]:
-        """Typed weight views (w1 [E, F, D], ...) of a layer-sized byte buffer (a slot or a store region)."""
+        """Typed weight views (w1 [E, F, D], ...) of a layer-sized byte buffer (a layer slot or a region)."""
         return {k: region[f.begin:f.end].view(f.dtype).view(f.shape) for k, f in self.fields.items()}
 
     @staticmethod
@@ -110,7 +111,7 @@ def _matches(path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], 
 # ---- offloaders ----
 
 class LayerSlotExperts(nn.Module):
-    """Stands in for a layer's GroupedExperts: computes on the weights its offloader puts in a device slot."""
+    """Stands in for a layer's GroupedExperts: computes on the weights its offloader puts in a device layer slot."""
 
     def __init__(self, offloader: "Offloader", index: int, expert_type: str):
         super().__init__()
@@ -138,8 +139,8 @@ class Offloader:
 
     def __init__(self, model: Transformer, device: torch.device, source: Optional[ExpertSource] = None,
                  hold: Optional[StoreHold] = None):
-        """source: where the experts were placed from (close() lets go of its mapped files); hold: the on-disk store's
-        copy this offloader uses (runtime/inference/store_cache.py), let go of by close()."""
+        """source: where the experts were placed from (close() lets go of its mapped files); hold: the layer store
+        this offloader uses (runtime/inference/store_cache.py), let go of by close()."""
         self.model, self.device = model, device
         self.num_layers = len(model.moe_layers())
         self.timeline = Timeline(device)
@@ -218,7 +219,8 @@ class Offloader:
 
 
 class LayerSlotOffloader(Offloader):
-    """Experts live in an LayerStore; `num_slots` device buffers of one layer each, allocated once."""
+    """Experts are read from a LayerStore into `num_slots` device layer slots (buffers of one MoE layer's experts
+    each, allocated once)."""
 
     def __init__(self, model: Transformer, device: torch.device, store: LayerStore, num_slots: int,
                  source: Optional[ExpertSource] = None, hold: Optional[StoreHold] = None):

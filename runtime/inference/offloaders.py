@@ -124,7 +124,7 @@ def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slo
 
 
 def fingerprint(path: Path) -> str:
-    """The checkpoint's identity for the expert-store cache: its weight files' names, sizes and mtimes."""
+    """The checkpoint's identity for the store cache: its weight files' names, sizes and mtimes."""
     files = sorted(path.rglob("*.safetensors"))
     return str(path.resolve()) + "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
 

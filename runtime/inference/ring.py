@@ -1,9 +1,9 @@
 """Ring-memory expert offloading (the paper's "Ring Memory Offloading").
 
-N MoE layers' experts sit in the host tier; K device slots are allocated once and reused round-robin. The ring
-turns over *uses*, not layers: use u (layer u mod N, wrapping into the next token's forward) computes from slot
-u mod K; when it is done the slot is released and use u+K's layer is copied into it asynchronously (a CUDA copy
-stream with events, or a background copy thread on CPU) while uses u+1..u+K-1 compute.
+N MoE layers' experts sit in the layer store, mapped into the host tier; K device layer slots are allocated once and
+reused round-robin. The ring turns over *uses*, not layers: use u (layer u mod N, wrapping into the next token's
+forward) computes from slot u mod K; when it is done the slot is released and use u+K's layer is copied into it
+asynchronously (a CUDA copy stream with events, or a background copy thread on CPU) while uses u+1..u+K-1 compute.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The on-disk copy of a checkpoint's experts that `--offload ring|ondemand` reads (one safetensors file per MoE layer,
-runtime/inference/offload.py LayerStore): one directory per checkpoint under infer.cache_dir, reused while the
-checkpoint is unchanged, bounded by infer.cache_gb, and checked for free space before it is written.
+"""The cache of layer stores: the on-disk copy of a checkpoint's experts that `--offload ring|ondemand` reads (one
+safetensors file per MoE layer, runtime/inference/offload.py LayerStore), one directory per checkpoint under
+infer.cache_dir, reused while the checkpoint is unchanged, bounded by infer.cache_gb, and checked for free space
+before it is written.
 
 ROOT/<digest>/        a checkpoint's copy (digest of its path, weight files' sizes and times)
 ROOT/<digest>.lock    held shared (flock) by every process using the copy; its mtime is the copy's last use
@@ -30,7 +31,7 @@ CACHE_GB = InferConfig.cache_gb
 
 
 class StoreHold(Protocol):
-    """What an offloader lets go of when it closes: a cached copy's lock, or a private copy."""
+    """What an offloader lets go of when it closes: a cached store's lock, or a private store."""
 
     directory: Path
 
@@ -79,7 +80,8 @@ def _locked(path: Path, how: int) -> Optional[IO]:
 
 
 class CachedStore:
-    """A checkpoint's copy in the cache, held (shared lock) until close(): no other process evicts it meanwhile."""
+    """A checkpoint's layer store in the cache, held (shared lock) until close(): no other process evicts it
+    meanwhile."""
 
     def __init__(self, directory: Path, lock: IO):
         self.directory, self._lock = directory, lock
@@ -91,7 +93,7 @@ class CachedStore:
 
 
 class ScratchStore:
-    """A copy of this process's own (a model given without a checkpoint), removed by close()."""
+    """A layer store of this process's own (a model given without a checkpoint), removed by close()."""
 
     def __init__(self):
         self.directory = Path(tempfile.mkdtemp(prefix="moesys-experts-"))
