@@ -11,7 +11,7 @@ the experts its tokens were routed to, reading their weights from the checkpoint
   routed expert missing from it is either computed on the CPU from pinned host memory, with only its rows crossing
   the bus (as llama.cpp's --n-cpu-moe and Fiddler do), or copied to the device on a side stream, whichever a cost
   model measured on this machine at start says is faster for the rows at hand (policy `hybrid`): decode's few
-  rows go to the CPU, prefill's many rows fetch the weights. The layer synchronises once (host_tier.py).
+  rows go to the CPU, prefill's many rows fetch the weights. The layer synchronises once (host_experts.py).
 The ring's whole-layer copies (the paper's ring memory) remain `--offload ring`; with K = N every mode is resident.
 """
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.inference.expert_source import ExpertSource, ExpertWeights
-from runtime.inference.host_tier import HostTier
+from runtime.inference.host_experts import HostExperts
 from runtime.inference.offload import Offloader
 from runtime.inference.step_counts import host_list
 from runtime.model.transformer import Transformer
@@ -129,7 +129,7 @@ class AutoOffloader(Offloader):
         self.cache_capacity = source.num_experts if HYBRID in self.placement else 0
         """Fetched experts kept on the device: one layer's worth (the slot the resident layers left free)."""
         streamed = [m for m, policy in enumerate(self.placement) if policy == HYBRID]
-        self.host = HostTier(source, streamed, device)
+        self.host = HostExperts(source, streamed, device)
         self.cpu_threads = torch.get_num_threads()
         """Threads the CPU computes streamed experts with (the process's intra-op pool, set by the caller)."""
         if costs is None and streamed:  # timed here, not inside the first (timed) forward
@@ -237,7 +237,7 @@ class AutoOffloader(Offloader):
         if start is None:  # the copy ran on this stream: compute stood still for it
             start, end = before, self.timeline.mark()
         self.timeline.add("copy", start, end)
-        self.timeline.add("wait", before, end)
+        self.timeline.add("wait", before, end, critical=True)
         self.copied_bytes += sum(w.numel() * w.element_size() for w in weights.values())  # as placed
         self.copies += 1
         if len(self.cache) >= self.cache_capacity:

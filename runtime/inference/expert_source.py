@@ -1,5 +1,6 @@
 """Where each MoE layer's experts lie: one tensor per expert and weight, usually a view of the checkpoint's memory
-map, so nothing of an expert is read until it is placed on the device or computed in place.
+map (the experts' home in inference), so nothing of an expert is read until it is placed on the device or computed
+in place.
 
 Every placement reads from here: `none` copies each layer into the model, ring/ondemand write the per-layer store
 one layer at a time, and `auto` computes cold experts straight from these views.

@@ -1,12 +1,12 @@
-"""Expert offloading for inference (the paper's "Ring Memory Offloading"): the host-tier expert store (one safetensors
-file per MoE layer, memory-mapped; pinned on CUDA), device slots that MoE layers compute from, copy/compute
-timelines, and the `none` and `ondemand` modes. The ring itself is in runtime/inference/ring.py.
+"""Expert offloading for inference (the paper's "Ring Memory Offloading"): the layer store (one safetensors file per
+MoE layer on disk, mapped into host memory; pinned on CUDA), device layer slots that MoE layers compute from, and the
+`none` and `ondemand` modes; each offloader records its copies and compute on a Timeline. The ring itself is in
+runtime/inference/ring.py; the words are docs/glossary.md's.
 """
 
 from __future__ import annotations
 
 import mmap
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,14 +18,17 @@ from torch import Tensor, nn
 from runtime.inference.cpu_bandwidth import empty_weight
 from runtime.inference.expert_source import ExpertSource
 from runtime.inference.errors import InferError
-from runtime.inference.expert_cache import StoreHold
+from runtime.inference.store_cache import StoreHold
 from runtime.files.tensorfile import DTYPES
 from runtime.inference.mapped import MappedFileError, read_header
+from runtime.host.timeline import Timeline, overlap_s
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import expert_ffn, routed_ffn
 from runtime.files.tensorfile import save_tensors
 
 MODES = ("auto", "ring", "ondemand", "none")
+TOKEN_SPANS = ("copy", "compute", "wait")
+"""The kinds of span an offloader records: `--json`'s `timeline` has one list of each for the last decoded token."""
 
 
 @dataclass(frozen=True)
@@ -39,10 +42,11 @@ class Field:
 
 
 class LayerStore:
-    """The host tier: every MoE layer's stacked experts as one contiguous byte region per layer.
+    """The store ring and ondemand copy from: every MoE layer's stacked experts as one file on disk, exported once
+    from the checkpoint, DIR/layer{m}.safetensors (m = MoE layer order).
 
-    On disk: DIR/layer{m}.safetensors (m = MoE layer order). CPU reads them memory-mapped (the page cache is the
-    host tier); on CUDA each layer is read once into pinned memory so copies to the device are asynchronous.
+    `regions` are the layers in the host tier, one contiguous byte region each: the files memory-mapped on CPU (the
+    page cache holds them), read once into pinned memory on CUDA so copies to the device are asynchronous.
     """
 
     def __init__(self, directory: Path, num_layers: int, pin: bool = False):
@@ -77,7 +81,7 @@ class LayerStore:
         return self.layer_bytes * self.num_layers
 
     def views(self, region: Tensor) -> dict[str, Tensor]:
-        """Typed weight views (w1 [E, F, D], ...) of a layer-sized byte buffer (a slot or a store region)."""
+        """Typed weight views (w1 [E, F, D], ...) of a layer-sized byte buffer (a layer slot or a region)."""
         return {k: region[f.begin:f.end].view(f.dtype).view(f.shape) for k, f in self.fields.items()}
 
     @staticmethod
@@ -104,66 +108,10 @@ def _matches(path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], 
     return meta.get("fingerprint") == fingerprint and stored == specs
 
 
-# ---- timelines: when copies ran, when compute ran, when compute waited ----
-
-def overlap_s(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Total time covered by both interval lists (each list's intervals are disjoint)."""
-    a, b = sorted(a), sorted(b)
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-class Timeline:
-    """Timestamps from host clocks (CPU) or CUDA events on a given stream (resolved when read)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.base = self.mark()
-        self.spans: dict[str, list[tuple[Any, Any]]] = {"copy": [], "compute": [], "wait": []}
-
-    def mark(self, stream: Optional[torch.cuda.Stream] = None) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        return event
-
-    def add(self, kind: str, start: Any, end: Any) -> None:
-        self.spans[kind].append((start, end))
-
-    def seconds(self, kind: str) -> list[tuple[float, float]]:
-        if not self.cuda:
-            return list(self.spans[kind])
-        torch.cuda.synchronize()
-        return [(self.base.elapsed_time(s) / 1e3, self.base.elapsed_time(e) / 1e3) for s, e in self.spans[kind]]
-
-    def clear(self) -> None:
-        for spans in self.spans.values():
-            spans.clear()
-
-    def last_forward(self) -> dict[str, list[list[float]]]:
-        """The copy/compute timeline of one token: the last forward's compute span (the last decoded token) and the
-        copy and wait spans that overlap it, in seconds from that forward's start (a copy started during the
-        token before begins below 0). Empty before any forward."""
-        compute = self.seconds("compute")
-        if not compute:
-            return {}
-        start, end = compute[-1]
-        return {kind: [[round(s - start, 7), round(e - start, 7)] for s, e in self.seconds(kind)
-                       if e > start and s < end] for kind in self.spans}  # lists: JSON-ready
-
-
 # ---- offloaders ----
 
-class SlotExperts(nn.Module):
-    """Stands in for a layer's GroupedExperts: computes on the weights its offloader puts in a device slot."""
+class LayerSlotExperts(nn.Module):
+    """Stands in for a layer's GroupedExperts: computes on the weights its offloader puts in a device layer slot."""
 
     def __init__(self, offloader: "Offloader", index: int, expert_type: str):
         super().__init__()
@@ -191,8 +139,8 @@ class Offloader:
 
     def __init__(self, model: Transformer, device: torch.device, source: Optional[ExpertSource] = None,
                  hold: Optional[StoreHold] = None):
-        """source: where the experts were placed from (close() lets go of its mapped files); hold: the on-disk store's
-        copy this offloader uses (runtime/inference/expert_cache.py), let go of by close()."""
+        """source: where the experts were placed from (close() lets go of its mapped files); hold: the layer store
+        this offloader uses (runtime/inference/store_cache.py), let go of by close()."""
         self.model, self.device = model, device
         self.num_layers = len(model.moe_layers())
         self.timeline = Timeline(device)
@@ -210,7 +158,7 @@ class Offloader:
         self._started = self.timeline.mark()
 
     def _end(self, module, args, output) -> None:
-        self.timeline.add("compute", self._started, self.timeline.mark())
+        self.timeline.add("compute", self._started, self.timeline.mark(), critical=True)
 
     @contextmanager
     def computing(self) -> Iterator[None]:
@@ -251,7 +199,7 @@ class Offloader:
             "expert_device_bytes": self.expert_device_bytes, "expert_host_bytes": self.expert_host_bytes,
             "copied_bytes": self.copied_bytes, "copies": self.copies, "copy_s": copy_s,
             "copy_hidden_s": max(0.0, hidden), "copy_hidden_share": max(0.0, hidden) / copy_s if copy_s > 0 else None,
-            "timeline": self.timeline.last_forward(),
+            "timeline": self.timeline.around_last("compute", TOKEN_SPANS),
         }
 
     def mode_fields(self, stats: dict[str, Any]) -> dict[str, Any]:
@@ -270,8 +218,9 @@ class Offloader:
             self.source.close()
 
 
-class SlotOffloader(Offloader):
-    """Experts live in an LayerStore; `num_slots` device buffers of one layer each, allocated once."""
+class LayerSlotOffloader(Offloader):
+    """Experts are read from a LayerStore into `num_slots` device layer slots (buffers of one MoE layer's experts
+    each, allocated once)."""
 
     def __init__(self, model: Transformer, device: torch.device, store: LayerStore, num_slots: int,
                  source: Optional[ExpertSource] = None, hold: Optional[StoreHold] = None):
@@ -284,7 +233,7 @@ class SlotOffloader(Offloader):
         self.slot_views = [store.views(s) for s in self.slots]
         self.slot_layer: list[Optional[int]] = [None] * num_slots
         for m, layer in enumerate(model.moe_layers()):  # the resident experts go; the store holds them now
-            layer.experts = SlotExperts(self, m, layer.experts.expert_type)
+            layer.experts = LayerSlotExperts(self, m, layer.experts.expert_type)
 
     @property
     def expert_device_bytes(self) -> int:
@@ -304,7 +253,7 @@ class SlotOffloader(Offloader):
         self.copies += 1
 
 
-class OnDemandOffloader(SlotOffloader):
+class OnDemandOffloader(LayerSlotOffloader):
     """The baseline: one slot; each layer's experts are copied synchronously just before the layer runs."""
 
     mode = "ondemand"
@@ -317,7 +266,7 @@ class OnDemandOffloader(SlotOffloader):
         if self.slot_layer[0] != layer:
             start = self.timeline.mark()
             self.copy_now(0, layer)
-            self.timeline.add("wait", start, self.timeline.mark())  # compute stood still for the copy
+            self.timeline.add("wait", start, self.timeline.mark(), critical=True)  # compute stood still for it
         return self.slot_views[0]
 
     def release(self, layer: int) -> None:

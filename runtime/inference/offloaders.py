@@ -16,8 +16,8 @@ import torch
 
 from runtime.inference.auto import AutoOffloader
 from runtime.inference.errors import InferError
-from runtime.inference.expert_cache import (CACHE_GB, ScratchCopy, StoreHold, checkout, default_cache_root,
-                                            store_bytes)
+from runtime.inference.store_cache import (CACHE_GB, ScratchStore, StoreHold, checkout, default_cache_root,
+                                           store_bytes)
 from runtime.inference.expert_source import ExpertSource
 from runtime.inference.load import LoadedModel, open_checkpoint
 from runtime.inference.offload import MODES, LayerStore, OnDemandOffloader, Offloader
@@ -65,7 +65,7 @@ def _store(source: ExpertSource, options: PlaceOptions, moe_layers: int,
     if options.cache_dir is not None:
         hold, directory = None, Path(options.cache_dir)
     elif not options.fingerprint:
-        hold = ScratchCopy()
+        hold = ScratchStore()
         directory = hold.directory
     else:
         need = store_bytes(source.stacked_specs(m) for m in range(source.num_layers))
@@ -111,7 +111,7 @@ def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slo
     `source` says where the experts lie (a checkpoint opened by `open_checkpoint`, whose model's experts are still
     on the meta device); without it they are the model's own resident experts. ring/ondemand export the experts
     into the on-disk store one layer at a time: into cache_dir when given, else the fingerprinted checkpoint's copy
-    in the cache at cache_root (default_cache_root()) bounded by cache_gb (runtime/inference/expert_cache.py), else
+    in the cache at cache_root (default_cache_root()) bounded by cache_gb (runtime/inference/store_cache.py), else
     a private directory removed on close; auto computes streamed
     layers from the source itself. auto takes any budget of at least one slot (more slots than MoE layers: all
     resident) and runs a model without MoE layers as none; ring checks 1 <= ring_slots <= MoE layers.
@@ -124,7 +124,7 @@ def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slo
 
 
 def fingerprint(path: Path) -> str:
-    """The checkpoint's identity for the expert-store cache: its weight files' names, sizes and mtimes."""
+    """The checkpoint's identity for the store cache: its weight files' names, sizes and mtimes."""
     files = sorted(path.rglob("*.safetensors"))
     return str(path.resolve()) + "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
 

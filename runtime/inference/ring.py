@@ -1,9 +1,9 @@
 """Ring-memory expert offloading (the paper's "Ring Memory Offloading").
 
-N MoE layers' experts sit in the host tier; K device slots are allocated once and reused round-robin. The ring
-turns over *uses*, not layers: use u (layer u mod N, wrapping into the next token's forward) computes from slot
-u mod K; when it is done the slot is released and use u+K's layer is copied into it asynchronously (a CUDA copy
-stream with events, or a background copy thread on CPU) while uses u+1..u+K-1 compute.
+N MoE layers' experts sit in the layer store, mapped into the host tier; K device layer slots are allocated once and
+reused round-robin. The ring turns over *uses*, not layers: use u (layer u mod N, wrapping into the next token's
+forward) computes from slot u mod K; when it is done the slot is released and use u+K's layer is copied into it
+asynchronously (a CUDA copy stream with events, or a background copy thread on CPU) while uses u+1..u+K-1 compute.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from torch import Tensor
 
 from runtime.inference.errors import InferError
 from runtime.inference.expert_source import ExpertSource
-from runtime.inference.expert_cache import StoreHold
-from runtime.inference.offload import LayerStore, SlotOffloader
+from runtime.inference.store_cache import StoreHold
+from runtime.inference.offload import LayerStore, LayerSlotOffloader
 from runtime.model.transformer import Transformer
 
 
-class RingOffloader(SlotOffloader):
+class RingOffloader(LayerSlotOffloader):
     """K slots; after use u computes, use u+K's layer is fetched into its slot behind the next K-1 layers."""
 
     mode = "ring"
@@ -91,7 +91,7 @@ class RingOffloader(SlotOffloader):
             start = self.timeline.mark()
             torch.cuda.current_stream().wait_event(pending)
         if record:
-            self.timeline.add("wait", start, self.timeline.mark())
+            self.timeline.add("wait", start, self.timeline.mark(), critical=True)
 
     def _drain(self) -> None:
         for slot in range(self.num_slots):

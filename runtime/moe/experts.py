@@ -426,7 +426,7 @@ def row_ffn(x_1D: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None, b1: 
 class Experts(Protocol):
     """The seam between a MoE layer and its experts: every local expert's FFN on rows grouped by expert, as
     MoELayer.forward calls it. GroupedExperts holds the weights; each offloader puts a stand-in in its place that
-    finds them elsewhere (training's OffloadedGroupedExperts, inference's SlotExperts and StreamedExperts)."""
+    finds them elsewhere (training's OffloadedGroupedExperts, inference's LayerSlotExperts and StreamedExperts)."""
 
     def __call__(self, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
         """y_RD for rows x_RD grouped by expert, tokens_per_expert_e[i] rows for local expert i."""

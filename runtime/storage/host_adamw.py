@@ -20,7 +20,7 @@ from torch import Tensor
 from runtime.moe.buffer_pool import BufferPool
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, block_of, runs_where, slot_runs, step_counts
 from runtime.storage.optim import AdamWHyper, catch_up, fused_adamw, fused_adamw_counted, square_sum
-from runtime.storage.step_timeline import StepTimeline
+from runtime.host.timeline import Timeline
 
 
 @dataclass(eq=False)
@@ -85,7 +85,7 @@ class HostOptimizer:
     update (the caller refreshes the device copies' source and settles the experts)."""
 
     def __init__(self, layouts: dict[int, SlotLayout], adamw: AdamWHyper, lr_schedule: Callable[[int], float],
-                 timeline: StepTimeline, threads: int | None = None):
+                 timeline: Timeline, threads: int | None = None):
         """threads: intra-op threads of the two background threads (None: torch's default). With the model computing
         on the CPU, 1: a second OpenMP team beside the model's oversubscribes the cores, and from then on every
         parallel kernel of either team pays a sleep and wake-up (measured: the host AdamW 2x slower)."""

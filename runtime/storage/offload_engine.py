@@ -31,7 +31,7 @@ from runtime.storage.grad_sum import LayerGradSum
 from runtime.storage.host_adamw import HostOptimizer, LayerGrads, squares
 from runtime.storage.host_home import ExpertHome
 from runtime.storage.replica_grads import average_over_replicas
-from runtime.storage.step_timeline import StepTimeline, by_kind, host_cost
+from runtime.host.timeline import Timeline, by_kind, host_cost
 from runtime.storage.tiers import Tiers
 from runtime.storage.transfers import DeviceCopy, TransferEngine
 
@@ -109,7 +109,7 @@ class OffloadEngine:
         self.separate_stage = needs_separate_stage(compute_dtype, delayed_update)
         self.steps_done = 0
         """Updates submitted so far (the trainer's step)."""
-        self.timeline = StepTimeline()
+        self.timeline = Timeline()
         self._updated = {i: threading.Event() for i in self.order}
         """Set when the layer's last update is applied and settled: a forward (or an SSD read) may use it."""
         self._stage_free = {i: threading.Event() for i in self.order}

@@ -14,7 +14,7 @@ from runtime.prefetch.sparse import SparsePrefetcher
 from runtime.storage.cache import LFUCache
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, io_slot, slot_bytes
 from runtime.storage.expert_store import ExpertKey, ExpertStore
-from runtime.storage.step_timeline import StepTimeline
+from runtime.host.timeline import Timeline
 from runtime.storage.tiers import Tiers
 from runtime.storage.write_behind import WriteBehind
 
@@ -27,7 +27,7 @@ class SSDHome:
 
     def __init__(self, store: ExpertStore, layouts: dict[int, SlotLayout], order: list[int], cache_experts: int,
                  hit_threshold: float, decay_beta: float, decay_every: int, prefetch_depth: int,
-                 compute_dtype: torch.dtype, separate_stage: bool, pin: bool, tiers: Tiers, timeline: StepTimeline,
+                 compute_dtype: torch.dtype, separate_stage: bool, pin: bool, tiers: Tiers, timeline: Timeline,
                  wait_updated: Callable[[int], None], in_use: Callable[[ExpertKey], bool], spare_slots: int = 0,
                  moments: bool = True):
         """spare_slots: released slots kept for the next reads to take over (install_offload: the experts a step

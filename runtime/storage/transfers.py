@@ -21,7 +21,7 @@ from torch import Tensor
 
 from runtime.moe.buffer_pool import BufferPool
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, block_of, contiguous_runs
-from runtime.storage.step_timeline import StepTimeline
+from runtime.host.timeline import Timeline
 from runtime.storage.tiers import Tiers
 
 
@@ -57,7 +57,7 @@ class TransferEngine:
     """Moves experts between host slots and the device, within a window of `window` layers."""
 
     def __init__(self, device: torch.device, compute_dtype: torch.dtype, layouts: dict[int, SlotLayout],
-                 window: int, tiers: Tiers, timeline: StepTimeline):
+                 window: int, tiers: Tiers, timeline: Timeline):
         self.device, self.dtype, self.layouts = device, compute_dtype, layouts
         self.window = max(1, window)
         self.tiers, self.timeline = tiers, timeline

@@ -10,7 +10,7 @@ from runtime.config import ModelConfig
 from runtime.inference.generate import generate
 from runtime.inference.errors import InferError
 from runtime.inference.expert_source import ExpertSource
-from runtime.inference.offload import LayerStore, overlap_s
+from runtime.inference.offload import LayerStore
 from runtime.inference.offloaders import make_offloader
 from runtime.inference.ring import RingOffloader
 from runtime.model.transformer import Transformer
@@ -134,9 +134,3 @@ def test_expert_store_is_memory_mapped_and_reused(tmp_path):
     with open(tmp_path / "layer1.safetensors", "rb") as f:  # the region reads the file's bytes, not a copy
         data = f.read()
     assert bytes(store.regions[1][:16].tolist()) in data
-
-
-def test_overlap_of_interval_lists():
-    assert overlap_s([(0, 2), (5, 6)], [(1, 5.5)]) == pytest.approx(1.5)
-    assert overlap_s([(0, 1)], [(1, 2)]) == 0.0
-    assert overlap_s([(3, 4), (0, 1)], [(0.5, 3.5)]) == pytest.approx(1.0)

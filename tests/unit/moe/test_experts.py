@@ -74,17 +74,17 @@ def test_every_stand_in_is_on_the_declared_seam(tmp_path):
     """The resident experts and each offloader's stand-in are Experts; those a decode step runs are RoutedExperts."""
     from runtime.config import ModelConfig
     from runtime.inference.auto import StreamedExperts
-    from runtime.inference.offload import SlotExperts
+    from runtime.inference.offload import LayerSlotExperts
     from runtime.inference.offloaders import make_offloader
     from runtime.model.transformer import Transformer
     from runtime.moe.experts import Experts, GroupedExperts, RoutedExperts
     from runtime.storage.offload_engine import OffloadedGroupedExperts
 
-    assert all(issubclass(cls, Experts) for cls in (GroupedExperts, SlotExperts, StreamedExperts,
+    assert all(issubclass(cls, Experts) for cls in (GroupedExperts, LayerSlotExperts, StreamedExperts,
                                                     OffloadedGroupedExperts))
     cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, vocab_size=64, ffn_hidden_size=32, num_experts=4,
                       top_k=2, max_seq_len=16)
-    for mode, cls in (("none", GroupedExperts), ("ring", SlotExperts), ("auto", StreamedExperts)):
+    for mode, cls in (("none", GroupedExperts), ("ring", LayerSlotExperts), ("auto", StreamedExperts)):
         model = Transformer(cfg).eval()
         offloader = make_offloader(model, mode, torch.device("cpu"), 1, cache_dir=tmp_path / mode)
         experts = [layer.experts for layer in model.moe_layers()]

@@ -14,7 +14,7 @@ from runtime.storage.expert_slots import SlotLayout, new_slots
 from runtime.storage import host_adamw
 from runtime.storage.host_adamw import HostOptimizer
 from runtime.storage.host_home import initial_slot
-from runtime.storage.step_timeline import StepTimeline
+from runtime.host.timeline import Timeline
 
 LAYOUT = SlotLayout.of({"w1": (32, 16), "w2": (16, 32), "b1": (32,)})
 
@@ -28,7 +28,7 @@ def update(grads_flat: torch.Tensor, flat: bool, step: int, released: list | Non
     slots = [initial_slot(s, LAYOUT, {n: torch.randn(shape) for n, shape in zip(LAYOUT.names, LAYOUT.shapes)})
              for s in new_slots(LAYOUT.numel, 3, torch.bfloat16, True)]
     slots[1].step.fill_(step)  # up to date; the others catch up first
-    opt = HostOptimizer({0: LAYOUT}, AdamWHyper(), lambda s: 1e-2 / (1 + s), StepTimeline())
+    opt = HostOptimizer({0: LAYOUT}, AdamWHyper(), lambda s: 1e-2 / (1 + s), Timeline())
     opt.inline = True
     opt.take_in(0, ["a", "b", "c"], slots, LAYOUT.views(grads_flat), [2, 0, 3], None, [],
                 grads_flat if flat else None, None if released is None else lambda: released.append(1))
@@ -62,7 +62,7 @@ def test_a_finish_that_waits_for_the_step_beside_holds_up_no_layer_update():
     import threading
 
     layers = {i: LAYOUT for i in range(3)}
-    opt = HostOptimizer(layers, AdamWHyper(), lambda s: 1e-2, StepTimeline())
+    opt = HostOptimizer(layers, AdamWHyper(), lambda s: 1e-2, Timeline())
     slots = {i: new_slots(LAYOUT.numel, 1, torch.bfloat16, True) for i in layers}
     for i in layers:
         opt.take_in(i, [(i, 0)], slots[i], LAYOUT.views(torch.ones(1, LAYOUT.numel)), [0], None, [])

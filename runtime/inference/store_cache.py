@@ -1,6 +1,7 @@
-"""The on-disk copy of a checkpoint's experts that `--offload ring|ondemand` reads (one safetensors file per MoE layer,
-runtime/inference/offload.py LayerStore): one directory per checkpoint under infer.cache_dir, reused while the
-checkpoint is unchanged, bounded by infer.cache_gb, and checked for free space before it is written.
+"""The cache of layer stores: the on-disk copy of a checkpoint's experts that `--offload ring|ondemand` reads (one
+safetensors file per MoE layer, runtime/inference/offload.py LayerStore), one directory per checkpoint under
+infer.cache_dir, reused while the checkpoint is unchanged, bounded by infer.cache_gb, and checked for free space
+before it is written.
 
 ROOT/<digest>/        a checkpoint's copy (digest of its path, weight files' sizes and times)
 ROOT/<digest>.lock    held shared (flock) by every process using the copy; its mtime is the copy's last use
@@ -30,7 +31,7 @@ CACHE_GB = InferConfig.cache_gb
 
 
 class StoreHold(Protocol):
-    """What an offloader lets go of when it closes: a cached copy's lock, or a private copy."""
+    """What an offloader lets go of when it closes: a cached store's lock, or a private store."""
 
     directory: Path
 
@@ -78,8 +79,9 @@ def _locked(path: Path, how: int) -> Optional[IO]:
         f.close()
 
 
-class CachedCopy:
-    """A checkpoint's copy in the cache, held (shared lock) until close(): no other process evicts it meanwhile."""
+class CachedStore:
+    """A checkpoint's layer store in the cache, held (shared lock) until close(): no other process evicts it
+    meanwhile."""
 
     def __init__(self, directory: Path, lock: IO):
         self.directory, self._lock = directory, lock
@@ -90,8 +92,8 @@ class CachedCopy:
             self._lock = None
 
 
-class ScratchCopy:
-    """A copy of this process's own (a model given without a checkpoint), removed by close()."""
+class ScratchStore:
+    """A layer store of this process's own (a model given without a checkpoint), removed by close()."""
 
     def __init__(self):
         self.directory = Path(tempfile.mkdtemp(prefix="moesys-experts-"))
@@ -132,7 +134,7 @@ def _evict(root: Path, keep: str, room: int) -> None:
             lock.close()
 
 
-def checkout(root: Path, fingerprint: str, need_bytes: int, cap_gb: float) -> CachedCopy:
+def checkout(root: Path, fingerprint: str, need_bytes: int, cap_gb: float) -> CachedStore:
     """Hold the copy of the checkpoint `fingerprint` names under `root`, making room for its `need_bytes` first:
     copies least recently used go until the cache fits in `cap_gb`, and the filesystem must have the bytes still to
     write. The copy's files are written (or found reusable) by the caller while it holds the copy."""
@@ -160,7 +162,7 @@ def checkout(root: Path, fingerprint: str, need_bytes: int, cap_gb: float) -> Ca
         raise CacheError(f"infer.cache_dir={root}: the copy of the checkpoint's experts needs {missing:,} bytes more "
                          f"and its filesystem has {free:,} free; set infer.cache_dir to a filesystem with room, or use "
                          "--offload auto (it reads the experts where they lie)")
-    return CachedCopy(root / key, lock)
+    return CachedStore(root / key, lock)
 
 
 def store_bytes(specs: Iterable[dict]) -> int:

@@ -1,12 +1,14 @@
-"""The host cost of an offloaded step from its timeline: work on every thread, plus the training path's waits with
-no host work running; background I/O counts its CPU time, not the time its disk took."""
+"""The timeline both offload subsystems record on. Training: the host cost of an offloaded step from its spans, work on
+every thread plus the training path's waits with no host work running, background I/O counted by its CPU time, not
+the time its disk took. Inference: a token's copy/compute/wait spans and how much copying hid behind compute."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from runtime.storage import step_timeline
-from runtime.storage.step_timeline import Span, StepTimeline, by_kind, host_cost
+from runtime.host import timeline as timeline_module
+from runtime.host.timeline import Span, Timeline, by_kind, host_cost, overlap_s
 
 
 class Clocks:
@@ -46,8 +48,8 @@ def test_the_host_cost_counts_work_and_idle_waits_and_io_by_its_cpu_time():
 
 def test_an_io_span_records_the_threads_cpu_time_beside_its_wall_time(monkeypatch):
     clocks = Clocks()
-    monkeypatch.setattr(step_timeline, "time", clocks)  # only these two clocks: the span reads no other
-    timeline = StepTimeline()
+    monkeypatch.setattr(timeline_module, "time", clocks)  # only these two clocks: the span reads no other
+    timeline = Timeline()
     with timeline.io_span("ssd_write"):
         clocks.blocked_on_disk(0.2)
     with timeline.io_span("ssd_read"):
@@ -67,10 +69,41 @@ def test_io_on_the_training_path_is_work_for_its_cpu_time_and_an_idle_wait_for_t
     assert cost["exposed_s"] == pytest.approx(2.5)
     assert by_kind(spans)["acquire"] == pytest.approx(0.5)
     clocks = Clocks()
-    monkeypatch.setattr(step_timeline, "time", clocks)
-    timeline = StepTimeline()
+    monkeypatch.setattr(timeline_module, "time", clocks)
+    timeline = Timeline()
     with timeline.io_span("acquire", critical=True):
         clocks.copying(0.01)
         clocks.blocked_on_disk(0.05)
     (read,) = timeline.take()
     assert read.critical and (read.seconds, read.cpu, read.work) == pytest.approx((0.06, 0.01, 0.01))
+
+
+def test_overlap_of_interval_lists():
+    assert overlap_s([(0, 2), (5, 6)], [(1, 5.5)]) == pytest.approx(1.5)
+    assert overlap_s([(0, 1)], [(1, 2)]) == 0.0
+    assert overlap_s([(3, 4), (0, 1)], [(0.5, 3.5)]) == pytest.approx(1.0)
+
+
+def test_a_tokens_spans_are_read_around_its_compute_without_being_taken(monkeypatch):
+    clocks = Clocks()
+    monkeypatch.setattr(timeline_module, "time", clocks)
+    timeline = Timeline(torch.device("cpu"))
+    copy_start = timeline.mark()  # a copy started during the token before ...
+    clocks.copying(1.0)
+    token = timeline.mark()
+    clocks.copying(0.5)
+    timeline.add("copy", copy_start, timeline.mark())  # ... lands half a second into this token's compute
+    wait = timeline.mark()
+    clocks.copying(0.25)
+    timeline.add("wait", wait, timeline.mark(), critical=True)
+    clocks.copying(0.25)
+    timeline.add("compute", token, timeline.mark(), critical=True)
+    assert timeline.seconds("copy") == [(0.0, 1.5)]
+    assert timeline.around_last("compute", ("copy", "compute", "wait")) == {
+        "copy": [[-1.0, 0.5]], "compute": [[0.0, 1.0]], "wait": [[0.5, 0.75]]}
+    assert timeline.around_last("compute", ("copy", "prefetch")) == {"copy": [[-1.0, 0.5]], "prefetch": []}
+    hidden = overlap_s(timeline.seconds("copy"), timeline.seconds("compute"))
+    assert hidden == pytest.approx(0.5)
+    (copy, wait, compute) = timeline.take()
+    assert (copy.kind, copy.critical, wait.is_wait, compute.critical) == ("copy", False, True, True)
+    assert timeline.seconds("copy") == [] and timeline.around_last("compute", ("copy",)) == {}

@@ -1,4 +1,4 @@
-"""The host tier of auto's streamed (hybrid) layers on CUDA: their experts pinned in host memory, so a copy to the
+"""auto's streamed (hybrid) experts in the host tier on CUDA: pinned copies of the checkpoint's, so a copy to the
 device runs on a side stream without the host waiting, and a streamed layer's one synchronisation, which brings
 its row counts and its rows to the host together. Without a GPU the host is the device: nothing is copied."""
 
@@ -13,7 +13,7 @@ from runtime.inference.expert_source import ExpertSource, ExpertWeights
 from runtime.inference.step_counts import host_list
 
 
-class HostTier:
+class HostExperts:
     """Streamed experts where the CPU computes them and copies start from (pinned on CUDA), and the moves of rows
     and weights between host and device that a streamed layer makes."""
 
