@@ -22,7 +22,8 @@ from runtime.inference.expert_cache import StoreHold
 from runtime.files.tensorfile import DTYPES
 from runtime.inference.mapped import MappedFileError, read_header
 from runtime.model.transformer import Transformer
-from runtime.moe.experts import expert_ffn, routed_ffn
+from runtime.moe.experts import expert_ffn
+from runtime.moe.routed import routed_ffn
 from runtime.files.tensorfile import save_tensors
 
 MODES = ("auto", "ring", "ondemand", "none")
