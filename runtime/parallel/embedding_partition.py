@@ -126,17 +126,6 @@ class PartitionedEmbedding(nn.Module):
         blocks_NTC, _ = all_to_all_rows(rows_AC, counts_N, self.group, recv_counts=[t] * self.n)
         return blocks_NTC.view(self.n, t, self.cols).permute(1, 0, 2).reshape(*ids.shape, self.hidden)
 
-    def full_table(self) -> torch.Tensor:
-        """Collective: the whole [V, H] table (for checkpoints and resharding), detached."""
-        return gather_columns(self.weight, self.group)
-
-    @torch.no_grad()
-    def load_full_table_(self, full_VH: torch.Tensor) -> None:
-        """Keep this rank's columns of a full table, whatever N wrote it."""
-        if tuple(full_VH.shape) != (self.vocab, self.hidden):
-            raise ValueError(f"full embedding has shape {tuple(full_VH.shape)}, expected {(self.vocab, self.hidden)}")
-        self.weight.copy_(shard_of(full_VH, self.rank, self.n))
-
 
 class PartitionedTiedHead(nn.Module):
     """logits = h @ W^T for the tied output head, W gathered from the shards of a PartitionedEmbedding.
