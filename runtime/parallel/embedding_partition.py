@@ -31,12 +31,6 @@ def full_table_from_shards(shards_VC: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(list(shards_VC), dim=1)
 
 
-def reshard(shards_VC: list[torch.Tensor], n: int) -> list[torch.Tensor]:
-    """The shards a different number n of ranks holds for the same table."""
-    full_VH = full_table_from_shards(shards_VC)
-    return [shard_of(full_VH, r, n) for r in range(n)]
-
-
 def gather_columns(shard_VC: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
     """Collective, not differentiable: every rank's shard of `group`, concatenated into the full [V, H] table."""
     n = group_size(group)
