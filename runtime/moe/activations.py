@@ -19,11 +19,11 @@ from runtime.moe.buffer_pool import BufferPool
 
 class _GeluGradInPlace(torch.autograd.Function):
     """gelu whose backward writes the input gradient over the incoming one, and whose output on CPU lives in a
-    pooled buffer given back in backward (the next projection, its only reader, is done by then). Saves the
-    two largest fresh [R, F] allocations of a step (64 MB each at the bench shape) and, on CPU, their page
-    faults and unmaps. Only for where this module uses it: an output read by one projection, a gradient nobody
-    else holds. Reusing the buffer bumps its version, so a second backward through a graph whose buffer was
-    taken again fails autograd's in-place check instead of reading the new contents."""
+    pooled buffer given back in backward (the next projection, its only reader, is done by then). Saves the two
+    largest fresh [R, F] allocations of a step and, on CPU, their page faults and unmaps. Only for where this module
+    uses it: an output read by one projection, a gradient nobody else holds. Reusing the buffer bumps its version,
+    so a second backward through a graph whose buffer was taken again fails autograd's in-place check instead of
+    reading the new contents."""
 
     @staticmethod
     def forward(ctx, h_RF: Tensor) -> Tensor:

@@ -33,8 +33,9 @@ def _contiguous_grad(t: Tensor) -> Tensor:
 
 class _AddExpertBias(torch.autograd.Function):
     """h_RF[r] += b_eF[expert_R[r]] in place; the bias gradient is each expert's sum of its rows' gradients. One pass
-    over h instead of a one-hot [R, e] x [e, F] addmm (10x slower on CPU), and each row's expert is found on the
-    device (rows_expert), so nothing is read on the host; _grouped_mm takes no differentiable bias."""
+    over h instead of a one-hot [R, e] x [e, F] addmm, many times slower on CPU (benchmarks/cpu-kernels_*.md), and
+    each row's expert is found on the device (rows_expert), so nothing is read on the host; _grouped_mm takes no
+    differentiable bias."""
 
     @staticmethod
     def forward(ctx, h_RF: Tensor, b_eF: Tensor, expert_R: Tensor) -> Tensor:
