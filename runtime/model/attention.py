@@ -51,9 +51,9 @@ class StaticKVCache(nn.Module):
     """Keys and values of every attention layer in buffers [B, KV, capacity, hd] allocated once (module buffers:
     CUDA graphs see fixed addresses).
 
-    Prefill writes positions 0..S-1 through `update`. A decode step writes its position by index
-    (`write`, the position a device tensor) and attends to the whole buffer under `mask`: its shapes never change
-    and nothing is read on the host, so one compiled step serves every position.
+    Prefill writes positions 0..S-1 through `update`. A decode step writes its position by index (`write`, the
+    position a device tensor) and attends to the whole buffer under `mask`: its shapes never change and nothing is
+    read on the host, so one compiled step serves every position.
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
