@@ -50,7 +50,7 @@ for a GPU machine)."""
 MOESYS_MODES = ("none", "auto", "ring")
 CAPPED_SLOTS = 1
 """The budget inside the cap: half of the default checkpoint is 0.80 GB, which holds the dense weights (0.20 GB),
-the process's runtime (about 0.3 GB) and one layer's experts (0.18 GB), not three."""
+the process's runtime (the plan's PROCESS_RUNTIME_BYTES) and one layer's experts (0.18 GB), not three."""
 
 
 def _subprocess(call: str, args: dict, isolate: bool = True, timeout: float = 900,

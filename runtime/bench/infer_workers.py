@@ -146,7 +146,8 @@ def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repe
     import torch
 
     from runtime.bench.decode_bound import token_bytes
-    from runtime.inference.decode import DecodeStep, ForwardStep, compile_default
+    from runtime.bench.forward_step import ForwardStep
+    from runtime.inference.decode import DecodeStep, compile_default
     from runtime.inference.generate import generate
     from runtime.inference.load import open_checkpoint
     from runtime.inference.offloaders import make_offloader

@@ -348,8 +348,8 @@ def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, lay
     active every step; `load_steps` timed steps, a third of them warm-up) unless load_tokens is None. `disk` is the
     disk's own sequential bandwidth in the store's directory, the denominator of every *_vs_disk ratio.
     Each mode runs in a fresh process: one mode's host states, threads and garbage must not slow another down
-    (measured: fetch-everything left the resident run 3x slower). `cpu` and `ssd` (top level: the realistic load's,
-    else the first input's) price the host side of the offloaded step (module docstring). Timed steps share
+    (an earlier run of this bench, benchmarks/offload_*.md). `cpu` and `ssd` (top level: the realistic load's, else
+    the first input's) price the host side of the offloaded step (module docstring). Timed steps share
     `time_limit_s`: on a slow machine fewer steps are timed, never more time taken (plus each process's start).
     `fine_grained` (unless fine_grained_s is None): 128 experts a layer, top-8, beside 8, top-2, at the realistic load
     (runtime/bench/offload_fine_grained.py), their timed steps sharing `fine_grained_s` more."""

@@ -25,8 +25,9 @@ from runtime.moe.layer import is_expert_param
 MODES = ("none", "ondemand", "ring")
 
 BATCHES = (4, 1, 32)
-"""The first is the headline. At 4 a layer's copy takes about 0.6x its compute here, the regime where both targets
-can hold (copy hidden: ring ~ none; copy large enough that ondemand pays >= 1.5x); 1 is copy-bound, 32 compute-bound."""
+"""The first is the headline. At 4 a layer's copy is a little under its compute on the development machine, the
+regime where both targets can hold (copy hidden: ring ~ none; copy large enough that ondemand pays >= 1.5x;
+benchmarks/ring_*.md); 1 is copy-bound, 32 compute-bound."""
 
 
 def bench_model_config(hidden: int = 256, ffn: int = 1024, experts: int = 8, layers: int = 4,

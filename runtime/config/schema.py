@@ -83,8 +83,9 @@ class StorageConfig(ConfigSection):
     """Layers fetched ahead of the one computing."""
     direct_io: bool = True
     """storage.offload=ssd: the store's reads and writes bypass the page cache (O_DIRECT) where its filesystem
-    allows, so the disk moves the states without a CPU copy. false: through the page cache, which costs 4-6x a
-    memcpy of CPU per byte but keeps recently written experts in free RAM (faster only where it holds the store)."""
+    allows, so the disk moves the states without a CPU copy. false: through the page cache, which costs the CPU
+    several times a memcpy per byte but keeps recently written experts in free RAM (faster only where it holds the
+    store)."""
     resident_layers: Optional[int] = 0
     """storage.offload=cpu|ssd: the first N MoE layers keep their expert states on the device, trained by the resident
     optimizer as with offload=none; the rest are offloaded (ZeRO-Offload++'s Twin-Flow, by layer). Spends spare GPU
@@ -271,8 +272,9 @@ class InferConfig(ConfigSection):
     ring, ondemand or none."""
     prefetch: bool = False
     """auto: start reading a streamed layer's likely experts (the layer's gate applied to the previous layer's
-    input) while the previous layer computes. Off by default: measured on the CPU machine it guessed 64% of the
-    routed experts, gained nothing from a cold page cache and halved decode speed under a memory cap."""
+    input) while the previous layer computes. Off by default: its wrong guesses evict pages still needed, so it
+    gained nothing from a cold page cache and slowed decode under a memory cap
+    (benchmarks/infer-prefetch_*.md)."""
     compile: Optional[bool] = None
     """Wrap the decode step in torch.compile (CUDA graphs on a GPU); null: where it pays, on CUDA, not on the CPU."""
     cache_dir: Optional[str] = None

@@ -113,13 +113,6 @@ class TokenDataset:
         """Samples first_sample .. first_sample + count - 1 of the run, as [count, seq_len + 1] int64."""
         return self.stack([self.window_at(self.order.item(n)) for n in range(first_sample, first_sample + count)])
 
-    def global_batch(self, step: int, global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each [global_batch_size, seq_len], of `step` for all ranks together."""
-        if step < 0 or global_batch_size <= 0:
-            raise DataError(f"{self.name}: need step >= 0 and a positive batch (got {step}, {global_batch_size})")
-        seqs = self.windows(step * global_batch_size, global_batch_size)
-        return seqs[:, :-1], seqs[:, 1:]
-
     def rank_batch(self, step: int, rank: int, world_size: int,
                    micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank `rank`'s contiguous slice [rank * mbs, (rank + 1) * mbs) of the global batch of `step`."""

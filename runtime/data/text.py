@@ -219,12 +219,6 @@ def segments(path: Optional[str | Path], key: str = "train.data", text_key: str 
         raise DataError(f"{source_name(path, key)} is empty")
 
 
-def read_text_bytes(path: Optional[str | Path] = None, key: str = "train.data", text_key: str = "text",
-                    errors: str = "strict") -> bytes:
-    """The whole text of a source, as the byte tokenizer reads it."""
-    return b"".join(segments(path, key, text_key, errors=errors))
-
-
 def check_token_count(tokens: int, seq_len: int, name: str) -> None:
     if tokens < seq_len + 1:
         raise DataError(f"{name} holds {tokens} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; "

@@ -15,14 +15,11 @@ import hashlib
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from runtime.config import BYTE_VOCAB, MoesysConfig
 from runtime.errors import UserError
 from runtime.files.paths import CHECKPOINTS, TOKENIZER_FILE
-
-if TYPE_CHECKING:
-    import torch
 
 BYTES = "bytes"
 EOS = "<|endoftext|>"
@@ -140,14 +137,6 @@ class ByteTokenizer(SpecialTokens):
                     offsets.extend([(at + k, at + k + 1)] * len(data))
             at += len(part)
         return ids, offsets
-
-    def encode_bytes(self, data: bytes) -> "torch.Tensor":
-        """Raw bytes (a file's contents) as a uint8 tensor of ids, without decoding them first."""
-        import torch
-
-        if not data:
-            return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     def encode_pieces(self, pieces: Sequence[bytes]) -> list[Sequence[int]]:
         """Each piece of raw text as its ids (its bytes, undecoded: training text holds no special token)."""

@@ -19,9 +19,9 @@ from runtime.data.tokenizer import EOS, SPECIAL_TOKENS, SPECIAL_VOCAB, JsonToken
 
 MAX_VOCAB = 1 << 20
 """The largest vocabulary `moesys tokenizer train` learns (1,048,576). The tokenizers library sizes its trainer's
-tables by the vocabulary asked for, not by the text: a billion aborts the process on a 70 GB allocation. Released
-models use at most 262,144 tokens (Gemma's), and an embedding row per token at any useful hidden size makes more
-than a million impractical, so 2^20 leaves room without letting a typo take the machine's memory."""
+tables by the vocabulary asked for, not by the text: a billion aborts the process on an allocation no machine makes.
+Released models use at most 262,144 tokens (Gemma's), and an embedding row per token at any useful hidden size makes
+more than a million impractical, so 2^20 leaves room without letting a typo take the machine's memory."""
 
 
 def train_bpe(path: Optional[str | Path], vocab_size: int, out: str | Path, key: str = "data",

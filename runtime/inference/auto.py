@@ -33,7 +33,8 @@ from runtime.inference.offload import Offloader
 from runtime.inference.step_counts import host_list
 from runtime.model.transformer import Transformer
 from runtime.moe.dispatch import LocalDispatcher
-from runtime.moe.experts import combine_choices, ffn_one, row_ffn
+from runtime.moe.experts import ffn_one
+from runtime.moe.routed import combine_choices, row_ffn
 
 RESIDENT, INPLACE, HYBRID = "resident", "inplace", "hybrid"
 

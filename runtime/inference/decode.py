@@ -93,26 +93,6 @@ class DecodeStep:
             raise InferError(f"infer.compile=true: torch.compile failed ({reason}); set infer.compile=false") from exc
 
 
-class ForwardStep(DecodeStep):
-    """Each decode token through the model's forward, as a prompt runs: sort-based expert dispatch (row counts read
-    on the host), the position a host int. The baseline `moesys bench infer` measures the static step against, on
-    the same cache and weights."""
-
-    def __init__(self, model: Transformer):
-        super().__init__(model)
-        self.position = 0
-
-    def prefill(self, tokens_BS: Tensor, cache: StaticKVCache) -> Tensor:
-        self.position = tokens_BS.shape[1]
-        return super().prefill(tokens_BS, cache)
-
-    def __call__(self, tokens_B1: Tensor, pos_1: Tensor, cache: StaticKVCache) -> Tensor:
-        with decode_kernels(self.device):
-            logits_BV = self.model(tokens_B1, cache, self.position).logits[:, -1]
-        self.position += 1
-        return logits_BV
-
-
 class BatchDecodeStep(DecodeStep):
     """The continuous batch's decode step (vLLM's CUDA-graph decode batches): `Transformer.decode` over rows 0..n-1
     of the batch's cache, each row at its own position, n padded up to a bucket (a power of two, at most the

@@ -23,7 +23,8 @@ from runtime.files.tensorfile import DTYPES
 from runtime.inference.mapped import MappedFileError, read_header
 from runtime.host.timeline import Timeline, overlap_s
 from runtime.model.transformer import Transformer
-from runtime.moe.experts import expert_ffn, routed_ffn
+from runtime.moe.experts import expert_ffn
+from runtime.moe.routed import routed_ffn
 from runtime.files.tensorfile import save_tensors
 
 MODES = ("auto", "ring", "ondemand", "none")

@@ -24,8 +24,10 @@ from runtime.inference.cpu_bandwidth import decode_kernels
 from runtime.model.attention import Attention, StaticKVCache, rotate
 from runtime.model.ffn import DenseFFN
 from runtime.model.transformer import Block, Transformer
-from runtime.moe.experts import GroupedExperts, combine_choices, grouped_mm_in_place, sort_by_expert, sorted_ffn
+from runtime.moe.experts import GroupedExperts
+from runtime.moe.grouped_mm_op import grouped_mm_in_place
 from runtime.moe.layer import MoELayer
+from runtime.moe.routed import combine_choices, sort_by_expert, sorted_ffn
 from runtime.moe.shared import SharedExperts
 
 

@@ -126,8 +126,8 @@ def rendezvous_join_s(cfg: MoesysConfig) -> int:
 
 def rendezvous_connect_s(cfg: MoesysConfig) -> int:
     """The longest torchrun on a node other than node 0 may try to reach node 0's rendezvous store before it gives
-    up: its TCP store client connects twice, read_timeout (rendezvous_join_s) each, with a back-off of up to a minute
-    between (torch 2.13, measured: read_timeout=10 gave up after 32 s, read_timeout=60 after 119 s)."""
+    up: its TCP store client connects twice, read_timeout (rendezvous_join_s) each, with a back-off between
+    (benchmarks/rendezvous_*.md)."""
     return 3 * rendezvous_join_s(cfg)
 
 

@@ -1,5 +1,5 @@
-"""Causal grouped-query self-attention with RoPE (HF Llama/Mixtral rotate_half convention) and KV caches: one that
-grows, and a static one a decode step writes by a position held on the device (gpt-fast's)."""
+"""Causal grouped-query self-attention with RoPE (HF Llama/Mixtral rotate_half convention) and a static KV cache
+that prefill fills and a decode step writes by a position held on the device (gpt-fast's)."""
 
 from __future__ import annotations
 
@@ -47,42 +47,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-class KVCache:
-    """Keys and values of past positions, one entry per attention layer, for incremental decoding.
-
-    Buffers [B, KV, capacity, hd] are allocated on first use (dtype and device of the keys) and grow by doubling;
-    `max_len` preallocates that many positions so generation never reallocates.
-    """
-
-    def __init__(self, num_layers: int, max_len: Optional[int] = None):
-        self.max_len = max_len
-        self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.values: list[Optional[torch.Tensor]] = [None] * num_layers
-
-    def update(self, layer: int, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, KV, S, hd] at positions start_pos.. and return all keys/values up to start_pos + S."""
-        end = start_pos + k.shape[2]
-        buf_k, buf_v = self.keys[layer], self.values[layer]
-        if buf_k is None or buf_k.shape[2] < end or buf_k.shape[0] != k.shape[0]:
-            capacity = max(end, self.max_len or 0, 2 * buf_k.shape[2] if buf_k is not None else 0)
-            shape = (k.shape[0], k.shape[1], capacity, k.shape[3])
-            new_k, new_v = k.new_zeros(shape), v.new_zeros(shape)
-            if buf_k is not None and buf_k.shape[0] == k.shape[0]:
-                new_k[:, :, : buf_k.shape[2]] = buf_k
-                new_v[:, :, : buf_v.shape[2]] = buf_v
-            self.keys[layer], self.values[layer] = buf_k, buf_v = new_k, new_v
-        buf_k[:, :, start_pos:end] = k
-        buf_v[:, :, start_pos:end] = v
-        return buf_k[:, :, :end], buf_v[:, :, :end]
-
-
 class StaticKVCache(nn.Module):
     """Keys and values of every attention layer in buffers [B, KV, capacity, hd] allocated once (module buffers:
     CUDA graphs see fixed addresses).
 
-    Prefill writes positions 0..S-1 through `update`, as KVCache does. A decode step writes its position by index
-    (`write`, the position a device tensor) and attends to the whole buffer under `mask`: its shapes never change
-    and nothing is read on the host, so one compiled step serves every position.
+    Prefill writes positions 0..S-1 through `update`. A decode step writes its position by index (`write`, the
+    position a device tensor) and attends to the whole buffer under `mask`: its shapes never change and nothing is
+    read on the host, so one compiled step serves every position.
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
@@ -108,7 +79,7 @@ class StaticKVCache(nn.Module):
         return [getattr(self, f"v{layer}") for layer in range(self.num_layers)]
 
     def update(self, layer: int, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """KVCache.update: store k, v [B, KV, S, hd] at start_pos.. and return keys/values up to start_pos + S."""
+        """Store k, v [B, KV, S, hd] at start_pos.. and return keys/values up to start_pos + S."""
         end = start_pos + k.shape[2]
         if end > self.capacity:
             raise ValueError(f"positions up to {end} exceed the static KV cache's {self.capacity}")
@@ -176,7 +147,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-        cache: Optional[KVCache] = None,
+        cache: Optional[StaticKVCache] = None,
         start_pos: int = 0,
         mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:

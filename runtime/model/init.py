@@ -54,9 +54,10 @@ PARALLEL_DRAW_BYTES = 1 << 30
 
 def drawn_in_parallel(draw: Callable[[int], T], indices: Iterable[int], item_bytes: int) -> Iterator[T]:
     """draw(i) for each index, in order, computed up to `torch.get_num_threads()` at a time on threads: a
-    generator's normal_ runs on one core (about 5 ns a value), and each expert's draws have their own generator, so
-    the values do not depend on the threads. `item_bytes`: the memory one draw holds until it is consumed; the
-    threads hold at most PARALLEL_DRAW_BYTES of it (one draw at a time for an expert larger than that)."""
+    generator's normal_ runs on one core, slowly for a model's experts (benchmarks/host-costs_*.md), and each
+    expert's draws have their own generator, so the values do not depend on the threads. `item_bytes`: the memory
+    one draw holds until it is consumed; the threads hold at most PARALLEL_DRAW_BYTES of it (one draw at a time for
+    an expert larger than that)."""
     indices = list(indices)
     workers = max(1, min(torch.get_num_threads(), len(indices), PARALLEL_DRAW_BYTES // max(1, item_bytes)))
     if workers == 1:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.config import ModelConfig
-from runtime.model.attention import Attention, KVCache, StaticKVCache, rope_cos_sin, segment_mask
+from runtime.model.attention import Attention, StaticKVCache, rope_cos_sin, segment_mask
 from runtime.model.ffn import DenseFFN
 from runtime.model.init import draw_seed, init_parameters
 from runtime.model.norms import build_norm
@@ -40,7 +40,7 @@ class Block(nn.Module):
         self.ffn_norm = build_norm(cfg)
         self.ffn = MoELayer(cfg) if self.is_moe else DenseFFN(cfg)
 
-    def forward(self, x, rope=None, cache: Optional[KVCache] = None, start_pos: int = 0, moe_stats: bool = True,
+    def forward(self, x, rope=None, cache: Optional[StaticKVCache] = None, start_pos: int = 0, moe_stats: bool = True,
                 mask: Optional[torch.Tensor] = None):
         """x [B, S, D] -> (y [B, S, D], MoEStats or None); mask: the attention's (Attention.forward)."""
         h = x + self.attention(self.attention_norm(x), rope, cache, start_pos, mask)
@@ -83,10 +83,6 @@ class Transformer(nn.Module):
         """The MoE layers in block order (their dispatcher or experts can be swapped from outside)."""
         return [block.ffn for block in self.layers if block.is_moe]
 
-    def new_cache(self, max_len: Optional[int] = None) -> KVCache:
-        """An empty KV cache for incremental decoding with this model."""
-        return KVCache(len(self.layers), max_len)
-
     def new_static_cache(self, batch: int, capacity: int) -> StaticKVCache:
         """A zeroed static KV cache of `capacity` positions for `batch` rows, in this model's dtype and device."""
         weight = self.tok_embeddings.weight
@@ -99,7 +95,7 @@ class Transformer(nn.Module):
         generator; without a seed, one is drawn from torch's global RNG."""
         init_parameters(self, draw_seed() if seed is None else seed)
 
-    def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, start_pos: int = 0,
+    def forward(self, tokens: torch.Tensor, cache: Optional[StaticKVCache] = None, start_pos: int = 0,
                 moe_stats: bool = True, positions: Optional[torch.Tensor] = None,
                 segments: Optional[torch.Tensor] = None) -> ModelOutput:
         """tokens [B, S] at positions start_pos..start_pos+S-1 (start_pos > 0 needs the cache of the prefix).
@@ -133,7 +129,7 @@ class Transformer(nn.Module):
                              h.new_zeros(()))
         return ModelOutput(logits=logits, aux_loss=aux, moe_stats=stats)
 
-    def prefill(self, tokens_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def prefill(self, tokens_BS: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """A prompt's forward into an empty cache -> the last position's next-token logits [B, V]; no MoE losses
         or metrics (inference has no use for them)."""
         return self(tokens_BS, cache, 0, moe_stats=False).logits[:, -1]

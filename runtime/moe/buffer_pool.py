@@ -1,7 +1,7 @@
 """Reused flat buffers for large activations on CPU.
 
 glibc serves blocks over 32 MB with mmap and unmaps them on free, so an activation of that size allocated fresh
-every step pays a page fault per 4 KB page on first write and an munmap at the end (about 15 ms per 64 MB here).
+every step pays a page fault per 4 KB page on first write and an munmap at the end (benchmarks/cpu-kernels_*.md).
 CUDA's caching allocator already reuses memory; this does the same for the few CPU tensors where it matters. A
 buffer is taken in forward and given back when its last reader is done (in backward), so the pool never holds more
 than the most buffers that were in use at once. Pinned host buffers (the gradients of offloaded experts coming

@@ -1,9 +1,6 @@
 """Merged experts: all local experts' FFNs computed together on rows grouped by expert (ORT MoE "merged
-experts", ORT MoE; MegaBlocks-style grouped GEMM), plus the plain per-expert loop used as the reference.
-
-For a few tokens (a decode step) `routed_ffn` instead gathers each token's routed experts' weights by index
-(gpt-fast's `w1[expert_ids]`): no sort, no row counts, nothing read on the host. For one token in eager mode it
-reads them in place instead (a grouped GEMM with offsets computed on the device), with the same numbers.
+experts", ORT MoE; MegaBlocks-style grouped GEMM), plus the plain per-expert loop used as the reference. The decode
+forms are in runtime/moe/routed.py, the pooled activations in runtime/moe/activations.py.
 
 Legend: R routed rows, D model dim, F ffn dim, e local experts, T tokens, K top-k.
 Weights follow nn.Linear's [out, in] layout: w1 [e, F, D], w2 [e, D, F], w3 [e, F, D], b1 [e, F], b2 [e, D].
@@ -11,41 +8,20 @@ Weights follow nn.Linear's [out, in] layout: w1 [e, F, D], w2 [e, D, F], w3 [e, 
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-import threading
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.moe.buffer_pool import BufferPool
+from runtime.moe.activations import pooled_gelu, pooled_swiglu
 from runtime.moe.expert_threads import ExpertLinear, expert_threads, row_bounds
-from runtime.moe.grouped_mm_op import grouped_mm
+from runtime.moe.grouped_mm_op import grouped_mm, grouped_mm_ok
+from runtime.moe.routed import routed_ffn
 
 EXPERT_TYPES = ("gelu", "swiglu")
 IMPLS = ("auto", "grouped_mm", "expert_threads", "bmm", "loop")
-
-
-def grouped_mm_ok(*tensors: Tensor) -> bool:
-    """torch._grouped_mm needs 16-byte aligned strides (CPU and sm90+ CUDA in torch 2.13)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    dev = tensors[0].device
-    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (9, 0):
-        return False
-    if dev.type not in ("cpu", "cuda"):
-        return False
-    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
-
-
-def grouped_mm_in_place(*weights: Tensor | None) -> bool:
-    """torch._grouped_mm reads these weights where they lie: `grouped_mm_ok`, and each one's data 16-byte aligned
-    (an offloader's slot views may not be). None entries (an absent w3) are skipped."""
-    given = [w for w in weights if w is not None]
-    return all(w.data_ptr() % 16 == 0 for w in given) and grouped_mm_ok(*given)
 
 
 def _contiguous_grad(t: Tensor) -> Tensor:
@@ -57,8 +33,9 @@ def _contiguous_grad(t: Tensor) -> Tensor:
 
 class _AddExpertBias(torch.autograd.Function):
     """h_RF[r] += b_eF[expert_R[r]] in place; the bias gradient is each expert's sum of its rows' gradients. One pass
-    over h instead of a one-hot [R, e] x [e, F] addmm (10x slower on CPU), and each row's expert is found on the
-    device (rows_expert), so nothing is read on the host; _grouped_mm takes no differentiable bias."""
+    over h instead of a one-hot [R, e] x [e, F] addmm, many times slower on CPU (benchmarks/cpu-kernels_*.md), and
+    each row's expert is found on the device (rows_expert), so nothing is read on the host; _grouped_mm takes no
+    differentiable bias."""
 
     @staticmethod
     def forward(ctx, h_RF: Tensor, b_eF: Tensor, expert_R: Tensor) -> Tensor:
@@ -81,118 +58,12 @@ def rows_expert(offs_e: Tensor, rows: int) -> Tensor:
     return torch.searchsorted(offs_e, torch.arange(rows, device=offs_e.device, dtype=offs_e.dtype), right=True)
 
 
-class _GeluGradInPlace(torch.autograd.Function):
-    """gelu whose backward writes the input gradient over the incoming one, and whose output on CPU lives in a
-    pooled buffer given back in backward (the next projection, its only reader, is done by then). Saves the
-    two largest fresh [R, F] allocations of a step (64 MB each at the bench shape) and, on CPU, their page
-    faults and unmaps. Only for where this module uses it: an output read by one projection, a gradient nobody
-    else holds. Reusing the buffer bumps its version, so a second backward through a graph whose buffer was
-    taken again fails autograd's in-place check instead of reading the new contents."""
-
-    @staticmethod
-    def forward(ctx, h_RF: Tensor) -> Tensor:
-        ctx.save_for_backward(h_RF)
-        out_RF = _pooled_output(ctx, h_RF)
-        return F.gelu(h_RF) if out_RF is None else torch.ops.aten.gelu.out(h_RF, out=out_RF)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_RF: Tensor) -> Tensor:
-        (h_RF,) = ctx.saved_tensors
-        _give_back_output(ctx)
-        return torch.ops.aten.gelu_backward.grad_input(grad_RF, h_RF, grad_input=grad_RF)
-
-
-class _SwiGLUGradInPlace(torch.autograd.Function):
-    """silu(h1) * h3 on the same terms as _GeluGradInPlace: the output pooled on CPU, both input gradients written
-    over buffers backward owns (the incoming gradient and a recomputed silu(h1)). Saves h1 and h3 only, where
-    autograd of the plain expression keeps silu(h1) too, and four fresh [R, F] allocations a step."""
-
-    @staticmethod
-    def forward(ctx, h1_RF: Tensor, h3_RF: Tensor) -> Tensor:
-        ctx.save_for_backward(h1_RF, h3_RF)
-        out_RF = _pooled_output(ctx, h1_RF)
-        if out_RF is None:
-            return F.silu(h1_RF) * h3_RF
-        return torch.ops.aten.silu.out(h1_RF, out=out_RF).mul_(h3_RF)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_RF: Tensor):
-        h1_RF, h3_RF = ctx.saved_tensors
-        _give_back_output(ctx)
-        grad_h3 = F.silu(h1_RF).mul_(grad_RF)
-        grad_h1 = torch.ops.aten.silu_backward.grad_input(grad_RF.mul_(h3_RF), h1_RF, grad_input=grad_RF)
-        return grad_h1, grad_h3
-
-
-_activations = BufferPool()
-_unpooled = threading.local()
-
-
-def release_pooled_activations() -> None:
-    """Give the CPU activation pool's free buffers back to the allocator (a measurement of a step's memory then
-    sees every buffer the step takes)."""
-    _activations.clear()
-
-
-@contextlib.contextmanager
-def unpooled_activations():
-    """Activations computed inside are fresh tensors, not pooled buffers: a recomputed region (train.recompute)
-    drops its forward's activations until backward computes them again, which a buffer held by the forward's
-    autograd node would not let it do."""
-    depth = getattr(_unpooled, "depth", 0)
-    _unpooled.depth = depth + 1
-    try:
-        yield
-    finally:
-        _unpooled.depth = depth
-
-
-def _pooled_output(ctx, like: Tensor) -> Tensor | None:
-    """On CPU, a pooled buffer shaped like `like`, kept on ctx until backward gives it back; None elsewhere and in
-    unpooled_activations."""
-    ctx.buf = None
-    if like.device.type != "cpu" or getattr(_unpooled, "depth", 0):
-        return None
-    ctx.buf, out = _activations.take(like)
-    return out
-
-
-def _give_back_output(ctx) -> None:
-    if ctx.buf is not None:
-        _activations.give(ctx.buf)
-        ctx.buf = None
-
-
-def _autograd_on(t: Tensor) -> bool:
-    return torch.is_grad_enabled() and t.requires_grad
-
-
-def _compiling() -> bool:
-    """torch.compile traces this call (train.compile): the plain operators, which it differentiates and fuses."""
-    return torch.compiler.is_compiling()
-
-
-def _gelu(h_RF: Tensor) -> Tensor:
-    """Pooled gelu under autograd; plain gelu when nothing will run backward (the output is freed right away) or
-    torch.compile traces it (it fuses the plain expression itself)."""
-    return _GeluGradInPlace.apply(h_RF) if _autograd_on(h_RF) and not _compiling() else F.gelu(h_RF)
-
-
-def _swiglu(h1_RF: Tensor, h3_RF: Tensor) -> Tensor:
-    """Pooled silu(h1) * h3 under autograd, the plain expression otherwise (and when compiled)."""
-    if (_autograd_on(h1_RF) or _autograd_on(h3_RF)) and not _compiling():
-        return _SwiGLUGradInPlace.apply(h1_RF, h3_RF)
-    return F.silu(h1_RF) * h3_RF
-
-
 def _ffn_grouped_mm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
     """Rows stay packed; one _grouped_mm per projection, then each expert's bias added to its rows in place (traced
     by torch.compile: the grouped GEMM as one custom operator, the bias a gather)."""
     offs_e = torch.cumsum(counts_e, 0, dtype=torch.int32)
     expert_R = rows_expert(offs_e, x_RD.shape[0]) if b1 is not None else None
-    compiling = _compiling()
+    compiling = torch.compiler.is_compiling()
 
     def proj(a, w, b):
         if compiling:
@@ -202,7 +73,7 @@ def _ffn_grouped_mm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
         return out if b is None else _AddExpertBias.apply(out, b, expert_R)
 
     h_RF = proj(x_RD, w1, b1)
-    h_RF = _gelu(h_RF) if kind == "gelu" else _swiglu(h_RF, proj(x_RD, w3, b3))
+    h_RF = pooled_gelu(h_RF) if kind == "gelu" else pooled_swiglu(h_RF, proj(x_RD, w3, b3))
     return proj(h_RF, w2, b2)
 
 
@@ -216,7 +87,7 @@ def _ffn_expert_threads(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
         return out if b is None else _AddExpertBias.apply(out, b, counts)
 
     h_RF = proj(x_RD, w1, b1)
-    h_RF = _gelu(h_RF) if kind == "gelu" else _swiglu(h_RF, proj(x_RD, w3, b3))
+    h_RF = pooled_gelu(h_RF) if kind == "gelu" else pooled_swiglu(h_RF, proj(x_RD, w3, b3))
     return proj(h_RF, w2, b2)
 
 
@@ -298,128 +169,6 @@ def expert_ffn(x_RD: Tensor, tokens_per_expert_e: Tensor, w1: Tensor, w2: Tensor
           "loop": _ffn_loop}[impl]
     with torch.autocast(device_type, enabled=False):
         return fn(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind)
-
-
-def routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor,
-               w3: Tensor | None = None, b1: Tensor | None = None, b2: Tensor | None = None,
-               b3: Tensor | None = None, kind: str = "gelu") -> Tensor:
-    """y_TD = sum over k of weights_TK[t, k] * expert expert_ids_TK[t, k]'s FFN of x_TD[t] (leading dims of x, ids
-    and weights may be any, e.g. [B, 1]). Reads only routed experts and never the host, so it is for a few tokens:
-    one token in eager mode reads its experts' weights in place (`grouped_routed_ffn`), else each token gathers its
-    own K experts' weights (`gather_routed_ffn`); the same numbers either way."""
-    ffn = grouped_routed_ffn if one_token_in_place(x_TD, w1, w2, w3) else gather_routed_ffn
-    return ffn(x_TD, expert_ids_TK, weights_TK, w1, w2, w3, b1, b2, b3, kind)
-
-
-def gather_routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor,
-                      w3: Tensor | None = None, b1: Tensor | None = None, b2: Tensor | None = None,
-                      b3: Tensor | None = None, kind: str = "gelu") -> Tensor:
-    """`routed_ffn` from the routed experts' weights gathered by index (gpt-fast's `w1[expert_ids]`)."""
-    pick = lambda t: None if t is None else t[expert_ids_TK]  # noqa: E731
-    return gathered_ffn(x_TD, weights_TK, pick(w1), pick(w2), pick(w3), pick(b1), pick(b2), pick(b3), kind)
-
-
-@functools.lru_cache(maxsize=16)
-def _expert_range(num_experts: int, device: torch.device) -> Tensor:
-    """arange(num_experts), made once per device (a decode step would otherwise launch it every layer)."""
-    return torch.arange(num_experts, device=device)
-
-
-def one_token_in_place(x_TD: Tensor, *weights: Tensor | None) -> bool:
-    """Whether `grouped_routed_ffn` computes this step: one token (its K choices are K distinct experts, one row
-    each) and a grouped GEMM that takes these weights: 16-byte aligned (an offloader's slot views may not be), bf16
-    on CUDA, and bf16 when torch.compile traces it (the grouped GEMM's meta kernel takes bf16 only; a model's own
-    parameters are aligned by their allocator, and addresses cannot be read while tracing)."""
-    if x_TD.numel() != x_TD.shape[-1]:
-        return False
-    given = [w for w in weights if w is not None]
-    if torch.compiler.is_compiling():
-        return given[0].dtype == torch.bfloat16 and grouped_mm_ok(*given) and grouped_mm_ok(x_TD.reshape(1, -1))
-    if given[0].device.type == "cuda" and given[0].dtype != torch.bfloat16:
-        return False
-    return grouped_mm_in_place(*given) and grouped_mm_ok(x_TD.reshape(1, -1))
-
-
-def grouped_routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor,
-                       w3: Tensor | None = None, b1: Tensor | None = None, b2: Tensor | None = None,
-                       b3: Tensor | None = None, kind: str = "gelu") -> Tensor:
-    """`routed_ffn` for one token, its routed experts' weights read in place: its K rows grouped by expert with
-    offsets computed on the device, one grouped GEMM per projection (each group one row), then the rows put back
-    in choice order and combined as gathered_ffn combines them. One row per group is the gathered per-token
-    product's arithmetic (tests/unit/moe/test_experts.py checks it bit for bit), without copying the weights."""
-    K = expert_ids_TK.shape[-1]
-    sorted_ids, order_K, offs_e = sort_by_expert(expert_ids_TK.reshape(K), w1.shape[0])
-    x_KD = x_TD.reshape(1, -1).expand(K, -1).contiguous()  # every choice's row is the token itself
-    y_KD = sorted_ffn(x_KD, sorted_ids, offs_e, w1, w2, w3, b1, b2, b3, kind).index_select(0, torch.argsort(order_K))
-    return combine_choices(y_KD.view(*expert_ids_TK.shape, -1), weights_TK)
-
-
-def sort_by_expert(ids_R: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(sorted ids, the order that sorts them, each expert's end offset in int32): rows grouped by expert for a
-    grouped GEMM, computed on the device."""
-    sorted_ids, order_R = torch.sort(ids_R, stable=True)
-    experts = torch.arange(num_experts, device=ids_R.device) if torch.compiler.is_compiling() else \
-        _expert_range(num_experts, ids_R.device)  # a compiled step holds the range as a constant
-    offs_e = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
-    return sorted_ids, order_R, offs_e
-
-
-def sorted_ffn(x_RD: Tensor, sorted_ids: Tensor, offs_e: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None,
-               b1: Tensor | None = None, b2: Tensor | None = None, b3: Tensor | None = None,
-               kind: str = "gelu") -> Tensor:
-    """Each row's expert FFN for rows sorted by expert (`sort_by_expert`), the weights read in place: one grouped
-    GEMM per projection, a bias added per row after its product."""
-    def proj(a, w, b):
-        out = torch._grouped_mm(a, w.transpose(-2, -1), offs=offs_e)
-        return out if b is None else out + b.index_select(0, sorted_ids)
-
-    h_RF = proj(x_RD, w1, b1)
-    h_RF = F.gelu(h_RF) if kind == "gelu" else F.silu(h_RF) * proj(x_RD, w3, b3)
-    return proj(h_RF, w2, b2)
-
-
-def gathered_ffn(x_TD: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None,
-                 b1: Tensor | None = None, b2: Tensor | None = None, b3: Tensor | None = None,
-                 kind: str = "gelu") -> Tensor:
-    """`routed_ffn` on weights already gathered per token and choice (w1 [..., K, F, D]: token t's k-th expert's w1
-    at [t, k]; w2 [..., K, D, F]; biases [..., K, F] and [..., K, D]), wherever they were gathered from: the same
-    operators on the same shapes, so the same result bit for bit. Weights in x's dtype; the combine runs in it
-    too, as `LocalDispatcher.combine` does."""
-    def proj(a, w, b, spec):
-        out = torch.einsum(spec, a, w)
-        return out if b is None else out + b
-
-    h_TKF = proj(x_TD, w1, b1, "...d,...kfd->...kf")
-    if kind == "gelu":
-        h_TKF = F.gelu(h_TKF)
-    else:
-        h_TKF = F.silu(h_TKF) * proj(x_TD, w3, b3, "...d,...kfd->...kf")
-    y_TKD = proj(h_TKF, w2, b2, "...kf,...kdf->...kd")
-    return combine_choices(y_TKD, weights_TK)
-
-
-def combine_choices(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
-    """y_TD = sum over k of weights_TK[t, k] * y_TKD[t, k]: the one combine of every decode form, in fp32 (the
-    router's weights; y is promoted to them) and rounded once to y's dtype, written as operators that eager mode and
-    a compiled step (inductor) compute alike, so that compiled tokens are eager tokens in bf16 too."""
-    weights_TK1 = weights_TK.unsqueeze(-1)
-    if weights_TK1.dtype != torch.float32:
-        weights_TK1 = weights_TK1.float()
-    y_TD = (y_TKD * weights_TK1).sum(dim=-2)
-    return y_TD if y_TD.dtype == y_TKD.dtype else y_TD.to(y_TKD.dtype)
-
-
-def row_ffn(x_1D: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None, b1: Tensor | None = None,
-            b2: Tensor | None = None, b3: Tensor | None = None, kind: str = "gelu") -> Tensor:
-    """One token's FFN through one expert whose weights are given where they lie (a mapped file, a slot): the
-    arithmetic of gathered_ffn's per-token product (a one-row product, then the bias), with no copy."""
-    def proj(a, w, b):
-        out = F.linear(a, w)
-        return out if b is None else out + b
-
-    h_1F = proj(x_1D, w1, b1)
-    h_1F = F.gelu(h_1F) if kind == "gelu" else F.silu(h_1F) * proj(x_1D, w3, b3)
-    return proj(h_1F, w2, b2)
 
 
 @runtime_checkable

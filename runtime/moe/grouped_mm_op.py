@@ -1,7 +1,7 @@
-"""The experts' grouped GEMM as an operator torch.compile treats as one opaque call (torch.library custom ops): the
-compiler's meta kernel of torch._grouped_mm takes bf16 only, so a compiled block (train.compile) calls these, which
-run torch._grouped_mm itself in every dtype it has, forward and backward (the gradients autograd gives it, bit for
-bit).
+"""The experts' grouped GEMM: where torch._grouped_mm can run on given tensors, and the GEMM as an operator
+torch.compile treats as one opaque call (torch.library custom ops): the compiler's meta kernel of torch._grouped_mm
+takes bf16 only, so a compiled block (train.compile) calls these, which run torch._grouped_mm itself in every dtype
+it has, forward and backward (the gradients autograd gives it, bit for bit).
 
 Legend: R rows grouped by expert (offs: each expert's end row, int32), K in features, N out features, e experts.
 """
@@ -10,6 +10,25 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+
+def grouped_mm_ok(*tensors: Tensor) -> bool:
+    """torch._grouped_mm needs 16-byte aligned strides (CPU and sm90+ CUDA in torch 2.13)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    dev = tensors[0].device
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (9, 0):
+        return False
+    if dev.type not in ("cpu", "cuda"):
+        return False
+    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+
+
+def grouped_mm_in_place(*weights: Tensor | None) -> bool:
+    """torch._grouped_mm reads these weights where they lie: `grouped_mm_ok`, and each one's data 16-byte aligned
+    (an offloader's slot views may not be). None entries (an absent w3) are skipped."""
+    given = [w for w in weights if w is not None]
+    return all(w.data_ptr() % 16 == 0 for w in given) and grouped_mm_ok(*given)
 
 
 @torch.library.custom_op("moesys::grouped_mm", mutates_args=())

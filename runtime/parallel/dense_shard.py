@@ -259,14 +259,6 @@ class DenseShard:
                 if p.grad is not None:
                     p.grad.mul_(coef)
 
-    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        """Bytes this rank holds for dense states: shards, their gradients and AdamW moments, gathered buffers."""
-        tensors = [u.shard for u in self.units] + [u.full for u in self.units if u.full is not None]
-        for u in self.units:
-            for p in u.opt_params:
-                tensors += [p.grad] + list(optimizer.state.get(p, {}).values())
-        return held_bytes(tensors)
-
     def step_metrics(self) -> dict:
         out = {"dense_gather_wait_s": self.gather_wait_s, "dense_gathered_peak_bytes": self.peak_gathered_bytes}
         self.gather_wait_s = 0.0
@@ -333,17 +325,3 @@ class _Done:
 def _state(optimizer: torch.optim.Optimizer, p: nn.Parameter, key: str) -> torch.Tensor:
     state = optimizer.state.get(p, {})
     return state[key] if key in state else torch.zeros_like(p)
-
-
-def held_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None or not isinstance(t, torch.Tensor):
-            continue
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.device)
-        if storage.nbytes() and key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total

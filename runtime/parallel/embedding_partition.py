@@ -31,12 +31,6 @@ def full_table_from_shards(shards_VC: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(list(shards_VC), dim=1)
 
 
-def reshard(shards_VC: list[torch.Tensor], n: int) -> list[torch.Tensor]:
-    """The shards a different number n of ranks holds for the same table."""
-    full_VH = full_table_from_shards(shards_VC)
-    return [shard_of(full_VH, r, n) for r in range(n)]
-
-
 def gather_columns(shard_VC: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
     """Collective, not differentiable: every rank's shard of `group`, concatenated into the full [V, H] table."""
     n = group_size(group)
@@ -125,17 +119,6 @@ class PartitionedEmbedding(nn.Module):
         # AlltoAll 2: rank s gets back its tokens' columns of this shard; the reverse exchange is the backward one.
         blocks_NTC, _ = all_to_all_rows(rows_AC, counts_N, self.group, recv_counts=[t] * self.n)
         return blocks_NTC.view(self.n, t, self.cols).permute(1, 0, 2).reshape(*ids.shape, self.hidden)
-
-    def full_table(self) -> torch.Tensor:
-        """Collective: the whole [V, H] table (for checkpoints and resharding), detached."""
-        return gather_columns(self.weight, self.group)
-
-    @torch.no_grad()
-    def load_full_table_(self, full_VH: torch.Tensor) -> None:
-        """Keep this rank's columns of a full table, whatever N wrote it."""
-        if tuple(full_VH.shape) != (self.vocab, self.hidden):
-            raise ValueError(f"full embedding has shape {tuple(full_VH.shape)}, expected {(self.vocab, self.hidden)}")
-        self.weight.copy_(shard_of(full_VH, self.rank, self.n))
 
 
 class PartitionedTiedHead(nn.Module):

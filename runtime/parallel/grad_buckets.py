@@ -141,21 +141,3 @@ class GradBucketReducer:
         for h in self._handles:
             h.remove()
         self._handles = []
-
-    @property
-    def num_buckets(self) -> int:
-        return len(self.buckets)
-
-
-def allreduce_grads(params: Iterable[torch.Tensor], group: ProcessGroup = None) -> None:
-    """Reference: average every gradient with one all-reduce per parameter (missing gradients count as zero)."""
-    world = group_size(group)
-    if world == 1:
-        return
-    for p in params:
-        if not p.requires_grad:
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=group)
-        p.grad.div_(world)

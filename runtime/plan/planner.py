@@ -27,20 +27,18 @@ from runtime.plan.suggest import changed, first_passing, serving_suggestions, tr
 
 PROCESS_RUNTIME_BYTES = int(0.30 * GB)
 """Host memory a worker process takes beyond the states and activations the estimate counts, as anonymous RSS (what
-the OOM killer weighs; shared library text is file-backed and left out). On tiny-recipe workers (torch 2.13 CPU,
-gloo, heap trimmed after each step by runtime/train/rank_memory.py): 148 MiB after importing torch and joining the
-gloo group, +68 MiB building the model on the meta device (torch imports sympy), +4 MiB data and gradient buckets,
-then allocator and autograd growth that levels off: RSS after a step is 248 MiB at step 1, 271 at step 50, 303 at
-200 and 309 at 400, of which 21 MiB are the states. 0.30 GB (288 MiB) is that plateau. Not unique memory (USS),
-which counts private file pages too. The tiny recipe's 300-step peak is then 1.03-1.04x the plan's 381 MB
-(moesys plan --compare)."""
+the OOM killer weighs; shared library text is file-backed and left out): torch, the process group, the model's
+skeleton and the allocator's and autograd's growth, which levels off once the heap is trimmed after each step
+(runtime/train/rank_memory.py). The plateau a tiny-recipe CPU worker measured, less its states
+(benchmarks/host-memory_*.md). Not unique memory (USS), which counts private file pages too."""
 
 ONEDNN_BF16_BYTES = int(0.70 * GB)
 """Host memory a CPU process that computes in bf16 adds to PROCESS_RUNTIME_BYTES: oneDNN, which runs torch's bf16
 matmuls on a CPU, keeps a compiled kernel for every GEMM shape it has run (its primitive cache, 1,024 entries by
 default, and the JIT kernels' own cache), and the expert GEMMs of an MoE step take a new shape most steps, as their
-token counts change. Both fill up and level off at 0.64 GB of anonymous RSS (torch 2.13) whatever the matrices'
-sizes; fp32 and fp16 matmuls keep none (tests/unit/plan/test_onednn_bf16_memory.py). 0.70 GB leaves a margin."""
+token counts change. Both fill up and level off whatever the matrices' sizes; fp32 and fp16 matmuls keep none
+(tests/unit/plan/test_onednn_bf16_memory.py). The plateau measured, with a margin
+(benchmarks/host-memory_*.md)."""
 
 
 
@@ -59,8 +57,8 @@ def process_runtime_bytes(cfg: MoesysConfig) -> int:
 
 
 LAUNCHER_BYTES = int(0.32 * GB)
-"""Host memory of a node's launchers: the `moesys` command and torchrun (anonymous RSS 0.17 + 0.15 GB with
-torch 2.13 CPU)."""
+"""Host memory of a node's launchers: the `moesys` command and torchrun, as anonymous RSS
+(benchmarks/host-memory_*.md)."""
 
 
 @dataclass(frozen=True)

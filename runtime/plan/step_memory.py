@@ -27,7 +27,7 @@ CUDA_CONTEXT_BYTES = int(0.5e9)
 memory the plan cannot give to the states (not in CUDA's max allocated either)."""
 CUDA_HOST_BYTES = int(1.0e9)
 """Host memory (anonymous RSS) of a worker that uses CUDA, beyond a CPU worker's: the CUDA runtime and driver state,
-cuBLAS and cuDNN's host allocations. A tiny-recipe CUDA worker measured 1.28-1.33 GB against a CPU worker's 0.30."""
+cuBLAS and cuDNN's host allocations (a tiny-recipe CUDA worker's, benchmarks/train-memory_*.md)."""
 
 TRANSIENT = ("activations", "weight_casts", "optimizer_step")
 """Device entries that exist at one of the two moments only (the others are held throughout the step)."""

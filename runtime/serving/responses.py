@@ -5,7 +5,6 @@ predicts it)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from itertools import accumulate
 from typing import Any, Iterable, Optional
@@ -83,26 +82,3 @@ def sse(data: dict[str, Any] | str) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data)
     return f"data: {payload}\n\n".encode()
 
-
-class TextStream:
-    """Text of a growing list of ids, given out in pieces whose concatenation is the text of all the ids. Until the
-    last piece, a trailing U+FFFD (maybe a UTF-8 character whose bytes have not all arrived) is held back, and so is
-    everything while the text does not start with what was sent (a tokenizer that decodes a prefix differently
-    from the whole); the last piece is the text past what it has in common with what was sent, so nothing is lost,
-    though then the pieces also hold the prefix's differing end.
-    """
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
-
-    def push(self, ids: list[int], final: bool = False) -> str:
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
-        if final:
-            piece, self.sent = text[len(os.path.commonprefix([text, self.sent])):], text
-            return piece
-        text = text.rstrip("\ufffd")
-        if not text.startswith(self.sent):  # may start with it again once more ids arrive
-            return ""
-        piece, self.sent = text[len(self.sent):], text
-        return piece

@@ -88,7 +88,8 @@ class HostOptimizer:
                  timeline: Timeline, threads: int | None = None):
         """threads: intra-op threads of the two background threads (None: torch's default). With the model computing
         on the CPU, 1: a second OpenMP team beside the model's oversubscribes the cores, and from then on every
-        parallel kernel of either team pays a sleep and wake-up (measured: the host AdamW 2x slower)."""
+        parallel kernel of either team pays a sleep and wake-up, which slows the host AdamW several-fold
+        (benchmarks/host-costs_*.md)."""
         self.layouts, self.adamw, self.lr_schedule, self.timeline = layouts, adamw, lr_schedule, timeline
         start = None if threads is None else (lambda: torch.set_num_threads(threads))
         self._intake = ThreadPoolExecutor(1, thread_name_prefix="moesys-grad-intake", initializer=start)

@@ -4,8 +4,9 @@ traffic overlapped with compute needs large requests, not a serialised copy or p
 
 Where the filesystem allows it, a live file whose tensors fill one run of memory aligned to IO_BLOCK (an `io_slot`)
 moves with direct I/O (O_DIRECT): the disk reads and writes that memory itself, with no copy through the page cache
-(what DeepSpeed's NVMe offload does). Through the page cache, a write or read cost this machine's CPU 4-6 times a
-memcpy of its bytes, on the cores the optimizer and the model need; direct, a small fraction of one.
+(what DeepSpeed's NVMe offload does). Through the page cache, a write or read costs the CPU several times a memcpy of
+its bytes, on the cores the optimizer and the model need; direct, a small fraction of one
+(benchmarks/host-costs_*.md).
 
 The files are the safetensors files of runtime/files/tensorfile.py, so `verify` and any safetensors reader read them.
 A durable file carries the data's `moesys.crc32`, is replaced by rename (a reader sees the old or the new file, never

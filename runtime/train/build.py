@@ -84,11 +84,6 @@ def materialize(model: Transformer, cfg: MoesysConfig, groups: ParallelGroups, d
     return model
 
 
-def build_model(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Transformer:
-    """This rank's resident model: its dense part and its block of experts."""
-    return materialize(model_skeleton(cfg, groups), cfg, groups, device)
-
-
 def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(dense, expert) parameters, in registration order; partitioned embedding shards are in neither (their
     gradient is complete after backward and must not be all-reduced)."""

@@ -81,11 +81,10 @@ class RankMemory(PeakMemory):
 
 def trim_heap() -> bool:
     """Give the heap's free memory back to the OS (glibc malloc_trim). glibc raises its mmap threshold to the
-    largest block freed so far, after which activations come from heap arenas that keep freed memory: on the tiny
-    recipe (torch 2.13 CPU) a worker's anonymous RSS grows ~2 MB per step without bound (278 MB at step 1, 813 MB at
-    step 200). Trimmed after each step it holds 250-300 MB; a fixed 128 KiB mmap threshold holds the same floor but
-    makes every tensor allocation a fresh mapping, 10-25% slower steps. False where glibc's
-    malloc_trim is not there (other C libraries)."""
+    largest block freed so far, after which activations come from heap arenas that keep freed memory, and a worker's
+    anonymous RSS grows every step without bound; trimmed after each step it levels off. A fixed small mmap
+    threshold holds the same floor but makes every tensor allocation a fresh mapping, which slows steps
+    (benchmarks/host-memory_*.md). False where glibc's malloc_trim is not there (other C libraries)."""
     try:
         malloc_trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from runtime.moe.experts import GroupedExperts, unpooled_activations
+from runtime.moe.activations import unpooled_activations
+from runtime.moe.experts import GroupedExperts
 
 MODES = ("none", "moe", "block")
 

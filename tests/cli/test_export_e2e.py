@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from runtime.inference.load import load_model, open_checkpoint
-from runtime.inference.static_graph import StaticDenseModel
 from runtime.serving.chat import parse_chat
 from runtime.serving.protocol import Defaults
 from tests.cli.conftest import FAST_TINY, run_moesys, serving
+from tests.static_graph import StaticDenseModel
 
 IDS = [[60, 61, 62, 63, 70, 71, 72, 104, 101]]
 CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What moves the wind?"},

@@ -14,18 +14,40 @@ from pathlib import Path
 import torch
 
 from runtime.config import config_from_dict
-from runtime.parallel.dense_shard import held_bytes
 from runtime.parallel.groups import build_groups
 from runtime.train.build import build_components
 from runtime.train.loop import forward_backward, optimizer_step
 from runtime.train.worker import init_distributed
 
 
+def held_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device)
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def shard_bytes(shard, optimizer) -> int:
+    """Bytes a DenseShard holds on this rank: shards, their gradients and AdamW moments, gathered buffers."""
+    tensors = [u.shard for u in shard.units] + [u.full for u in shard.units if u.full is not None]
+    for u in shard.units:
+        for p in u.opt_params:
+            tensors += [p.grad] + list(optimizer.state.get(p, {}).values())
+    return held_bytes(tensors)
+
+
 def dense_bytes(c) -> int:
     """Dense parameters, gradients and AdamW moments held by this rank (shards when dense_shard is on)."""
     tensors = [t for p in c.dense_params for t in (p, p.grad, *c.optimizer.state.get(p, {}).values())]
     if c.dense_shard:
-        return held_bytes(tensors) + c.dense_shard.state_bytes(c.optimizer)
+        return held_bytes(tensors) + shard_bytes(c.dense_shard, c.optimizer)
     return held_bytes(tensors)
 
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from runtime.config import ModelConfig
 from runtime.model.transformer import Transformer
 from runtime.parallel.embedding_partition import (
-    PartitionedEmbedding, partition_embedding, partitioned_grad_sq, partitioned_parameters, shard_of)
+    PartitionedEmbedding, gather_columns, partition_embedding, partitioned_grad_sq, partitioned_parameters, shard_of)
 
 V, H = 37, 12  # H divisible by 2, 3 and 4
 checks: dict[str, dict] = {}
@@ -114,7 +114,7 @@ def check_training(name: str, tie: bool, group, n: int, me: int, steps: int = 3)
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
-    if not close(part.tok_embeddings.full_table(), ref.tok_embeddings.weight.detach()):
+    if not close(gather_columns(part.tok_embeddings.weight, group), ref.tok_embeddings.weight.detach()):
         problems.append("final embedding table differs")
     others = {k: v for k, v in part.state_dict().items() if k != "tok_embeddings.weight"}
     bad = [k for k, v in others.items() if not close(v, ref.state_dict()[k])]
@@ -131,7 +131,7 @@ def check_reshard(name: str, group, n: int, me: int, out_dir: str) -> None:
     with torch.no_grad():
         emb.weight.add_(me + 1.0)  # training moved each shard differently
     moved = torch.cat([shard_of(full, r, n) + (r + 1.0) for r in range(n)], dim=1)
-    gathered = emb.full_table()
+    gathered = gather_columns(emb.weight, group)
     path = os.path.join(out_dir, "embedding.safetensors")
     if me == 0:
         save_file({"model.tok_embeddings.weight": gathered}, path)
@@ -141,8 +141,7 @@ def check_reshard(name: str, group, n: int, me: int, out_dir: str) -> None:
     ok = torch.equal(gathered, moved)
     detail = f"{n} ranks -> {m}" + ("" if ok else ": gathered table differs")
     if me < m:
-        small = PartitionedEmbedding(V, H, sub)
-        small.load_full_table_(load_file(path)["model.tok_embeddings.weight"])
+        small = PartitionedEmbedding.from_full(load_file(path)["model.tok_embeddings.weight"], sub)
         ids = torch.randint(0, V, (4 + me,), generator=gen(30 + me))
         if small.weight.shape != (V, H // m) or not torch.equal(small(ids), F.embedding(ids, moved)):
             ok, detail = False, detail + f": lookup after reload differs (shard {tuple(small.weight.shape)})"

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from runtime.data.dataset import TokenDataset, build_task_datasets
-from runtime.data.text import CORPUS_DIR, DataError, read_text_bytes
+from runtime.data.text import CORPUS_DIR, DataError
 from runtime.data.tokenizer import ByteTokenizer
+from tests.references import global_batch, read_text_bytes
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def test_shipped_corpus_is_readable_english_of_useful_size(corpus):
 
 
 def test_targets_are_inputs_shifted_by_one(corpus):
-    x, y = corpus.global_batch(step=5, global_batch_size=6)
+    x, y = global_batch(corpus, step=5, global_batch_size=6)
     assert x.shape == y.shape == (6, 32) and x.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1])
     # every row is a contiguous window of the token stream
@@ -39,15 +40,15 @@ def test_deterministic_across_instances_and_seed_dependent(corpus):
     again = TokenDataset.from_path(None, seq_len=32, seed=7)
     other = TokenDataset.from_path(None, seq_len=32, seed=8)
     for step in (0, 3, 100):
-        assert torch.equal(corpus.global_batch(step, 8)[0], again.global_batch(step, 8)[0])
-    assert not torch.equal(corpus.global_batch(0, 8)[0], other.global_batch(0, 8)[0])
-    assert not torch.equal(corpus.global_batch(0, 8)[0], corpus.global_batch(1, 8)[0])
+        assert torch.equal(global_batch(corpus, step, 8)[0], global_batch(again, step, 8)[0])
+    assert not torch.equal(global_batch(corpus, 0, 8)[0], global_batch(other, 0, 8)[0])
+    assert not torch.equal(global_batch(corpus, 0, 8)[0], global_batch(corpus, 1, 8)[0])
 
 
 @pytest.mark.parametrize("world_size,mbs", [(2, 4), (3, 2), (4, 1)])
 def test_rank_shards_union_to_global_batch(corpus, world_size, mbs):
     for step in (0, 1, 17):
-        gx, gy = corpus.global_batch(step, world_size * mbs)
+        gx, gy = global_batch(corpus, step, world_size * mbs)
         parts = [corpus.rank_batch(step, r, world_size, mbs) for r in range(world_size)]
         assert torch.equal(torch.cat([p[0] for p in parts]), gx)
         assert torch.equal(torch.cat([p[1] for p in parts]), gy)
@@ -57,12 +58,12 @@ def test_epochs_cover_every_window_once_then_reshuffle():
     tokens = torch.arange(41, dtype=torch.int64)  # 10 windows of 4 (+1) tokens
     ds = TokenDataset(tokens, seq_len=4, seed=3)
     assert ds.num_windows == 10
-    first = ds.global_batch(0, 10)[0][:, 0].tolist()  # batch 0 is epoch 0
-    second = ds.global_batch(1, 10)[0][:, 0].tolist()
+    first = global_batch(ds, 0, 10)[0][:, 0].tolist()  # batch 0 is epoch 0
+    second = global_batch(ds, 1, 10)[0][:, 0].tolist()
     assert sorted(first) == sorted(second) == list(range(0, 40, 4))
     assert first != second
     # a batch that spans the epoch boundary continues with the next epoch's order
-    spanning = ds.global_batch(1, 7)[0][:, 0].tolist()  # samples 7..13
+    spanning = global_batch(ds, 1, 7)[0][:, 0].tolist()  # samples 7..13
     assert spanning == first[7:] + second[:4]
 
 
@@ -88,7 +89,7 @@ def test_user_file_and_directory(tmp_path):
     (folder / "a.txt").write_text("first document", encoding="utf-8")
     (folder / "notes.md").write_text("ignored", encoding="utf-8")
     assert read_text_bytes(folder) == "first document\n\nsecond document, naïve café".encode("utf-8")
-    x, _ = TokenDataset.from_path(folder, seq_len=8).global_batch(0, 2)
+    x, _ = global_batch(TokenDataset.from_path(folder, seq_len=8), 0, 2)
     assert x.shape == (2, 8)
 
 
@@ -114,7 +115,7 @@ def test_bad_shard_arguments(corpus):
     with pytest.raises(DataError):
         corpus.rank_batch(0, rank=2, world_size=2, micro_batch_size=1)
     with pytest.raises(DataError):
-        corpus.global_batch(-1, 4)
+        corpus.rank_batch(-1, rank=0, world_size=1, micro_batch_size=4)
 
 
 def test_task_datasets_have_own_paths_and_orders(tmp_path):
@@ -122,6 +123,6 @@ def test_task_datasets_have_own_paths_and_orders(tmp_path):
     path.write_text("Light travels faster than sound. " * 40, encoding="utf-8")
     sets = build_task_datasets({"a": None, "b": None, "c": str(path)}, seq_len=16, seed=1)
     assert sets["a"].num_tokens == sets["b"].num_tokens != sets["c"].num_tokens
-    assert not torch.equal(sets["a"].global_batch(0, 4)[0], sets["b"].global_batch(0, 4)[0])
+    assert not torch.equal(global_batch(sets["a"], 0, 4)[0], global_batch(sets["b"], 0, 4)[0])
     with pytest.raises(DataError, match="tasks.x.data="):
         build_task_datasets({"x": str(tmp_path / "missing")}, seq_len=16, seed=1)

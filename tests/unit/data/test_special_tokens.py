@@ -14,11 +14,12 @@ from tokenizers import Tokenizer as LibraryTokenizer
 
 from runtime.config import ModelConfig, MoesysConfig
 from runtime.data.pretokenize import encode_source, tokenize_to_file
-from runtime.data.text import CORPUS_DIR, read_text_bytes
+from runtime.data.text import CORPUS_DIR
 from runtime.data.token_file import open_token_file
 from runtime.data.tokenizer import (EOS, IM_END, IM_START, ByteTokenizer, JsonTokenizer, byte_tokenizer,
                                     byte_tokenizer_json, load_tokenizer, run_tokenizer)
 from runtime.data.tokenizer_train import train_bpe
+from tests.references import read_text_bytes
 
 BYTES_BEFORE_SPECIALS_SHA256 = "a392c4a454514617a0725843eb628a4b3fb1fa3f5c31b82ceea06cbbaa956ad9"
 """sha256 of the tokenizer.json every byte-level run made before the special tokens carries."""

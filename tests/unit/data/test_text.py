@@ -8,7 +8,8 @@ import re
 import pytest
 
 from runtime.data import text
-from runtime.data.text import CORPUS_DIR, DataError, read_text_bytes, segments
+from runtime.data.text import CORPUS_DIR, DataError, segments
+from tests.references import read_text_bytes
 
 
 def joined_files(folder) -> bytes:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from runtime.bench.forward_step import ForwardStep
 from runtime.config import ModelConfig
 from runtime.inference.auto import AutoOffloader, ExpertCosts
 from runtime.inference.decode import DecodeStep
@@ -95,6 +96,17 @@ def test_static_cache_is_reused_and_its_stale_slots_never_seen():
     assert step.cache is cache and cache.capacity == 64  # one bucket serves all three
     assert reused == [generate(model, [p], 8, step=DecodeStep(model)).tokens for p in prompts]
     assert again == reused[1]
+
+
+def test_the_bench_baseline_decodes_the_static_steps_tokens_through_the_forward():
+    """runtime/bench/forward_step.py: each token through the prompt's forward gives the static step's greedy tokens
+    (fp32), and reads the host every token, which the static step does not."""
+    model = _model()
+    assert generate(model, PROMPT, 8, step=ForwardStep(model)).tokens == \
+        generate(model, PROMPT, 8, step=DecodeStep(model)).tokens
+    step = ForwardStep(model)
+    counts = count_decode(lambda n: generate(model, PROMPT, n, step=step), MIXTRAL.num_layers)
+    assert counts.host_syncs_per_token > 0
 
 
 @pytest.mark.parametrize("top_k", [0, 3])

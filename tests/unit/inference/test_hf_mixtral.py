@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from runtime.config import ModelConfig
 from runtime.inference.hf_mixtral import HFCheckpointError, load_hf_mixtral, save_hf_mixtral
 from runtime.model.transformer import Transformer
+from tests.references import KVCache
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -96,7 +97,7 @@ def test_incremental_decoding_of_an_imported_model_matches_full_forward(hf_dir):
     _, model = load_hf_mixtral(hf_dir[1])
     with torch.no_grad():
         full = model(TOKENS).logits
-        cache = model.new_cache()
+        cache = KVCache(len(model.layers))
         steps = [model(TOKENS[:, :20], cache=cache).logits]
         steps += [model(TOKENS[:, t:t + 1], cache=cache, start_pos=t).logits for t in range(20, 24)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)

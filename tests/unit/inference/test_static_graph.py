@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from runtime.config import ModelConfig
-from runtime.inference.static_graph import StaticDenseModel
 from runtime.model.transformer import Transformer
+from tests.static_graph import StaticDenseModel
 
 GPT = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, ffn_hidden_size=128, num_experts=4, top_k=2,
                   vocab_size=256, max_seq_len=64)

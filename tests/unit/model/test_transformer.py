@@ -7,6 +7,7 @@ import torch
 
 from runtime.config import ModelConfig
 from runtime.model.transformer import ModelOutput, Transformer
+from tests.references import KVCache
 
 GPT = dict(hidden_size=32, num_layers=2, num_heads=4, vocab_size=64, ffn_hidden_size=48, num_experts=4, top_k=2,
            max_seq_len=32)
@@ -137,7 +138,7 @@ def test_incremental_kv_cache_decoding_equals_full_forward(name):
     tokens = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full = model(tokens).logits
-        cache = model.new_cache()
+        cache = KVCache(len(model.layers))
         pieces = [model(tokens[:, :4], cache=cache).logits]           # prefill
         pieces.append(model(tokens[:, 4:7], cache=cache, start_pos=4).logits)  # chunk after a prefix
         for t in range(7, 10):                                           # one token at a time
@@ -150,7 +151,7 @@ def test_preallocated_cache_matches_growing_cache():
     tokens = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(3))
     outs = []
     with torch.no_grad():
-        for cache in (model.new_cache(), model.new_cache(max_len=32)):
+        for cache in (KVCache(len(model.layers)), KVCache(len(model.layers), max_len=32)):
             model(tokens[:, :1], cache=cache)
             outs.append(torch.cat([model(tokens[:, t:t + 1], cache=cache, start_pos=t).logits
                                    for t in range(1, 6)], dim=1))

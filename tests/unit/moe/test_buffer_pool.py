@@ -4,7 +4,7 @@ graph fails loudly."""
 import pytest
 import torch
 
-from runtime.moe import experts
+from runtime.moe.activations import activation_pool
 from runtime.moe.buffer_pool import BufferPool
 from runtime.moe.experts import expert_ffn, reference_moe_forward
 
@@ -62,15 +62,15 @@ def test_steps_reuse_the_activation_buffer_and_match_the_plain_loop_every_step(k
         g = torch.randn(16, 16)
         y = expert_ffn(x, counts, **w, kind=kind, impl="grouped_mm")
         grads = torch.autograd.grad(y, [x, *w.values()], g)
-        assert len(experts._activations.free) >= 1
+        assert len(activation_pool.free) >= 1
         y_ref = reference_moe_forward(x, ids[:, None], torch.ones(16, 1), **w, kind=kind)
         grads_ref = torch.autograd.grad(y_ref, [x, *w.values()], g)
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
         for a, b in zip(grads, grads_ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    before = {id(b) for b in experts._activations.free}
+    before = {id(b) for b in activation_pool.free}
     expert_ffn(torch.randn(16, 16, requires_grad=True), counts, **w, kind=kind, impl="grouped_mm")
-    after = {id(b) for b in experts._activations.free}
+    after = {id(b) for b in activation_pool.free}
     assert after < before and len(after) == len(before) - 1  # the next forward took a pooled buffer
 
 
@@ -88,7 +88,7 @@ def test_backward_through_a_graph_whose_buffer_was_taken_again_raises(kind):
 
 def test_no_grad_forward_uses_no_pooled_buffer():
     w = {k: v.detach() for k, v in _weights().items()}
-    experts._activations.free.clear()
+    activation_pool.clear()
     with torch.no_grad():
         expert_ffn(torch.randn(16, 16), torch.tensor([4, 4, 4, 4]), **w, impl="grouped_mm")
-    assert experts._activations.free == []
+    assert activation_pool.free == []

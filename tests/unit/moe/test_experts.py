@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.profiler import profile
 
-from runtime.moe.experts import (combine_choices, gather_routed_ffn, grouped_routed_ffn, one_token_in_place,
-                                 routed_ffn, row_ffn)
+from runtime.moe.routed import (combine_choices, gather_routed_ffn, grouped_routed_ffn, one_token_in_place,
+                                routed_ffn, row_ffn)
 
 E = 8
 

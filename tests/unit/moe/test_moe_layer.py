@@ -71,7 +71,7 @@ def test_fine_grained_top8_of_128_matches_reference_loop(impl):
 
 
 def test_grouped_mm_path_is_used_for_aligned_shapes():
-    from runtime.moe.experts import grouped_mm_ok
+    from runtime.moe.grouped_mm_op import grouped_mm_ok
     assert grouped_mm_ok(torch.zeros(2, 16), torch.zeros(4, 32, 16))
     assert not grouped_mm_ok(torch.zeros(2, 6), torch.zeros(4, 32, 6))
 

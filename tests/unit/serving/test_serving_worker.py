@@ -13,7 +13,7 @@ from runtime.inference.offloaders import make_offloader
 from runtime.model.transformer import Transformer
 from runtime.inference.sampling import Sampling
 from runtime.serving.protocol import CompletionRequest, Defaults, RequestError, parse_completion, parse_json
-from runtime.serving.responses import TextStream
+from runtime.serving.stops import StopText
 from runtime.serving.worker import Cancelled, GenerationWorker, ServeJob, Stopped, WorkerDied
 from runtime.data.tokenizer import ByteTokenizer
 from tests.waiting import wait_until
@@ -277,14 +277,15 @@ def test_a_field_python_cannot_hold_is_a_one_line_request_error(raw, message, pa
 
 
 def test_streamed_text_pieces_hold_back_a_split_character_and_add_up_to_the_text():
+    """Without stop strings StopText only holds back what may be an incomplete UTF-8 character."""
     ids = list("a€b".encode())  # € is three bytes
-    stream = TextStream(ByteTokenizer())
+    stream = StopText(ByteTokenizer())
     pieces = [stream.push([i]) for i in ids] + [stream.push([], final=True)]
-    assert pieces == ["a", "", "", "€", "b", ""]
-    cut = TextStream(ByteTokenizer())
-    assert cut.push(ids[:2]) == "a" and cut.push([], final=True) == "\ufffd"
-    genuine = TextStream(ByteTokenizer())  # a real U+FFFD waits only for the next piece or the end
-    assert genuine.push(list("a\ufffd".encode())) == "a" and genuine.push([], final=True) == "\ufffd"
+    assert pieces == [("a", False), ("", False), ("", False), ("€", False), ("b", False), ("", False)]
+    cut = StopText(ByteTokenizer())
+    assert cut.push(ids[:2]) == ("a", False) and cut.push([], final=True) == ("\ufffd", False)
+    genuine = StopText(ByteTokenizer())  # a real U+FFFD waits only for the next piece or the end
+    assert genuine.push(list("a\ufffd".encode())) == ("a", False) and genuine.push([], final=True) == ("\ufffd", False)
 
 
 class _Cleanup:
@@ -295,9 +296,10 @@ class _Cleanup:
 
 
 def test_a_prefix_decoded_differently_waits_and_the_end_gives_the_rest():
-    stream = TextStream(_Cleanup())
-    pieces = [stream.push([ord(c)]) for c in "hi ,ok"] + [stream.push([], final=True)]
+    stream = StopText(_Cleanup())
+    pieces = [stream.push([ord(c)])[0] for c in "hi ,ok"] + [stream.push([], final=True)[0]]
     assert pieces == ["h", "i", " ", "", "", "", ",ok"]  # nothing past the differing point is lost
+    assert stream.text == "hi,ok"
 
 
 def test_the_service_opens_on_a_thread_that_ends_and_gives_back_its_result_or_error():

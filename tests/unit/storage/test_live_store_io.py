@@ -20,7 +20,7 @@ from runtime.storage.host_home import initial_slot
 from runtime.storage.live_files import read_file, write_file
 from runtime.storage.offload_install import install_offload
 from runtime.files.tensorfile import ChecksumError, verify
-from runtime.train.build import build_model
+from tests.builders import build_model
 
 CPU = torch.device("cpu")
 

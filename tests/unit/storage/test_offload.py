@@ -20,10 +20,11 @@ from runtime.storage.optim import AdamWHyper, catch_up, lr_at
 from runtime.storage.offload_checkpoint import save_offloaded
 from runtime.storage.offload_engine import OffloadedGroupedExperts
 from runtime.storage.offload_install import install_offload
-from runtime.train.build import build_model, build_optimizer
+from runtime.train.build import build_optimizer
 from runtime.train.parts import OffloadedExperts as OffloadedExpertsPart
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from runtime.data.dataset import TokenDataset
+from tests.builders import build_model
 
 CPU = torch.device("cpu")
 

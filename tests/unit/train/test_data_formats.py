@@ -24,6 +24,7 @@ from runtime.files.paths import TOKENS
 from runtime.data.pretokenize import prepare_tokens, read_tokens, tokenize_to_file
 from runtime.data.tokenizer import load_tokenizer
 from runtime.data.tokenizer_train import train_bpe
+from tests.references import global_batch
 from tests.trained_run import SMALL_MOE
 
 DOCS = [(CORPUS_DIR / name).read_text().strip() for name in ("weather.txt", "machines.txt")]
@@ -84,7 +85,7 @@ def test_a_rank_reads_only_the_windows_of_its_own_share():
     inputs, _ = data.rank_batch(step=7, rank=1, world_size=4, micro_batch_size=2)
     assert len(Reads.seen) == 2 and all(stop - start == 11 for start, stop in Reads.seen)
     assert [start for start, _ in Reads.seen] == inputs[:, 0].tolist()
-    global_inputs, _ = data.global_batch(step=7, global_batch_size=8)
+    global_inputs, _ = global_batch(data, step=7, global_batch_size=8)
     assert torch.equal(inputs, global_inputs[2:4])
 
 

@@ -15,7 +15,8 @@ from runtime.plan.params import count_parameters
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.groups import build_groups
-from runtime.train.build import build_components, build_model
+from runtime.train.build import build_components
+from tests.builders import build_model
 
 CPU = torch.device("cpu")
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TopologyConfig, TrainConfig
-from runtime.moe.experts import release_pooled_activations
+from runtime.moe.activations import activation_pool
 from runtime.parallel.groups import build_groups
 from runtime.plan.step_memory import activation_bytes
 from runtime.train.build import build_components
@@ -72,7 +72,7 @@ def measured_peak(cfg: MoesysConfig) -> int:
     """Peak bytes the allocator held during a first forward and backward (buffer pools empty, so their buffers
     count when made), from the profiler's per-operator allocations and frees in time order."""
     c = build_components(cfg, build_groups(1, 0, 1, 1), CPU)
-    release_pooled_activations()
+    activation_pool.clear()  # its free buffers count when a step takes them again
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
                            generator=torch.Generator().manual_seed(0))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

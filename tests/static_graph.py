@@ -1,6 +1,8 @@
 """The dense path captured as static graphs, one set per (batch, sequence) bucket (after the paper's "Graph
 Optimization", figure 3, where the dense part of an exported model is converted to a static graph and the sparse
-part stays dynamic). A library API that the tests use; `moesys infer` and `moesys serve` run the eager model.
+part stays dynamic). The tests capture a model, and an exported checkpoint, with it to check that the dense path
+is capturable by `torch.export` and gives the eager logits; `moesys infer` and `moesys serve` run the eager model
+and the static decode step instead (runtime/inference/decode.py), so it is not part of runtime/.
 
 For each (batch, sequence) bucket, `torch.export` captures, with the shapes fixed:
 - the embedding (token, plus learned positions for GPT-style models),
