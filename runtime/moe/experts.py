@@ -81,10 +81,12 @@ def _ffn_expert_threads(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
     """As _ffn_grouped_mm, each expert's products on one CPU thread (runtime/moe/expert_threads.py)."""
     counts = counts_e.tolist()
     bounds, threads = row_bounds(counts), torch.get_num_threads()
+    expert_R = (torch.repeat_interleave(torch.arange(len(counts), device=x_RD.device), counts_e)
+                if b1 is not None else None)
 
     def proj(a, w, b):
         out = ExpertLinear.apply(a, w, bounds, threads)
-        return out if b is None else _AddExpertBias.apply(out, b, counts)
+        return out if b is None else _AddExpertBias.apply(out, b, expert_R)
 
     h_RF = proj(x_RD, w1, b1)
     h_RF = pooled_gelu(h_RF) if kind == "gelu" else pooled_swiglu(h_RF, proj(x_RD, w3, b3))

@@ -48,7 +48,7 @@ def matches_reference(layer, x) -> dict:
     return gp
 
 
-@pytest.mark.parametrize("impl", ["auto", "bmm", "loop"])
+@pytest.mark.parametrize("impl", ["auto", "expert_threads", "bmm", "loop"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("expert_type", ["gelu", "swiglu"])
 def test_dropless_top2_matches_reference_loop(expert_type, bias, impl):
