@@ -76,6 +76,36 @@ def save_sharded(model, path: Path, tokenizer: bool = True) -> Path:
     return path
 
 
+OWN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}<<SYS>>{{ m['content'] }}<</SYS>>"
+                "{% elif m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]{% else %} {{ m['content'] }}"
+                "{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %} {% endif %}")
+"""A released model's own chat template in Mixtral's shape: no ChatML marker, the tokenizer's bos and eos as template
+variables."""
+OWN_SPECIALS = ("<s>", "</s>", "<pad>", "<|end|>")
+"""Ids 0..3 of `save_own_tokenizer`'s vocabulary: bos, eos, pad and a second stop token."""
+OWN_STOPS = [1, 3]
+"""The ids its generation_config.json ends generation at: eos and <|end|>."""
+
+
+def save_own_tokenizer(path: Path, texts: list[str], vocab_size: int = 300) -> Path:
+    """A byte-level BPE of `vocab_size` ids trained on `texts`, saved by transformers' PreTrainedTokenizerFast with
+    OWN_TEMPLATE, bos <s>, eos </s> and pad <pad> (tokenizer.json, tokenizer_config.json, chat_template.jinja), and a
+    generation_config.json ending generation at OWN_STOPS: a released model's tokenizer that is not moesys's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    transformers = transformers_module()
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(OWN_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts, trainer)
+    assert [bpe.token_to_id(t) for t in OWN_SPECIALS] == [0, 1, 2, 3]
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                         chat_template=OWN_TEMPLATE).save_pretrained(path)
+    transformers.GenerationConfig(bos_token_id=0, eos_token_id=OWN_STOPS, pad_token_id=2).save_pretrained(path)
+    return path
+
+
 def load_transformers(path: Path, **kwargs):
     """transformers' own model of a saved directory, fp32, with its eager experts and attention (the reference)."""
     transformers = transformers_module()

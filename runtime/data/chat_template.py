@@ -1,5 +1,6 @@
-"""The chat template, ChatML as Jinja, rendered as transformers renders a tokenizer's `chat_template` (the same
-sandboxed environment and options): `moesys serve`'s chat prompts, the chat data of training and transformers'
+"""Chat templates rendered as transformers renders a tokenizer's `chat_template` (the same sandboxed environment and
+options, the tokenizer's named special tokens as variables): the tokenizer's own (a released model's, which a run
+started from it keeps) or ChatML. `moesys serve`'s chat prompts, the chat data of training and transformers'
 `apply_chat_template` on an export give the same text, so the same ids; and which tokens of a conversation are the
 assistant's, the ones chat training puts its loss on.
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from runtime.data.tokenizer import IM_END, IM_START
 from runtime.errors import UserError
@@ -29,6 +30,13 @@ CHATML = ("{% for message in messages %}"
 the model answers."""
 
 Message = dict[str, Any]
+
+
+def tokenizer_template(tokenizer: Any) -> tuple[str, dict[str, str]]:
+    """The template chat is rendered with for this tokenizer (its model's own, else ChatML) and the special tokens
+    the template sees (bos_token, eos_token, ... as transformers passes them)."""
+    tokens = getattr(tokenizer, "template_tokens", None) or {}
+    return getattr(tokenizer, "chat_template", None) or CHATML, dict(tokens)
 
 
 class ChatTemplateError(UserError):
@@ -68,27 +76,30 @@ def _reason(exc: BaseException) -> str:
     return lines[0][:200] if lines else type(exc).__name__
 
 
-def render_chat(messages: Sequence[Message], add_generation_prompt: bool = False, template: str = CHATML) -> str:
+def render_chat(messages: Sequence[Message], add_generation_prompt: bool = False, template: str = CHATML,
+                tokens: Optional[Mapping[str, str]] = None) -> str:
     """The text of `messages` ({role, content} each), ending with the prompt of the assistant's answer when
-    add_generation_prompt."""
+    add_generation_prompt; `tokens`: the named special tokens the template sees (bos_token, eos_token, ...)."""
     import jinja2
 
     try:
-        return _compiled(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt)
+        return _compiled(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                          **dict(tokens or {}))
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"the chat template refused the messages: {_reason(exc)}") from None
 
 
-def assistant_text_spans(messages: Sequence[Message], template: str = CHATML) -> list[tuple[int, int]]:
+def assistant_text_spans(messages: Sequence[Message], template: str = CHATML,
+                         tokens: Optional[Mapping[str, str]] = None) -> list[tuple[int, int]]:
     """[start, end) characters of each assistant message in `render_chat(messages)`: what the model writes after
     the generation prompt of its turn."""
-    whole = render_chat(messages, template=template)
+    whole = render_chat(messages, template=template, tokens=tokens)
     spans = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        prompt = render_chat(messages[:i], add_generation_prompt=True, template=template)
-        turn = render_chat(messages[:i + 1], template=template)
+        prompt = render_chat(messages[:i], add_generation_prompt=True, template=template, tokens=tokens)
+        turn = render_chat(messages[:i + 1], template=template, tokens=tokens)
         if not (turn.startswith(prompt) and whole.startswith(turn)):
             raise ChatTemplateError(f"the chat template renders messages[{i}] (an assistant's) so that the "
                                     "conversation does not begin with its earlier turns; its tokens cannot be told "
@@ -113,12 +124,15 @@ class ChatTokens:
 
 
 def encode_chat(tokenizer: "Tokenizer", messages: Sequence[Message], add_generation_prompt: bool = False,
-                template: str = CHATML) -> ChatTokens:
-    """`render_chat` encoded as the tokenizer encodes any text (special tokens' strings as their ids), with each
-    assistant message's ids: those made from any of its characters."""
-    ids, offsets = tokenizer.encode_offsets(render_chat(messages, add_generation_prompt, template))
+                template: Optional[str] = None) -> ChatTokens:
+    """`render_chat` with the tokenizer's template (`template` given: that one) encoded as the tokenizer encodes any
+    text (special tokens' strings as their ids), with each assistant message's ids: those made from any of its
+    characters."""
+    own, tokens = tokenizer_template(tokenizer)
+    template = template or own
+    ids, offsets = tokenizer.encode_offsets(render_chat(messages, add_generation_prompt, template, tokens))
     spans = []
-    for start, end in assistant_text_spans(messages, template):
+    for start, end in assistant_text_spans(messages, template, tokens):
         inside = [t for t, (a, b) in enumerate(offsets) if a < end and b > start]
         spans.append((inside[0], inside[-1] + 1) if inside else (0, 0))
     return ChatTokens(ids, spans)

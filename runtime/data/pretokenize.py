@@ -20,7 +20,8 @@ from runtime.data.chat_records import is_chat
 from runtime.data.text import DOCUMENT_BREAK, DataError, Progress, is_token_file, segments, source_name, text_files
 from runtime.data.token_file import open_token_file, write_token_file
 from runtime.files.paths import TOKENIZER_FILE
-from runtime.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype, tokenizer_digest
+from runtime.data.tokenizer import (ByteTokenizer, Tokenizer, load_tokenizer, run_tokenizer, token_dtype,
+                                    tokenizer_digest)
 from runtime.files.paths import TOKENS
 
 BATCH_BYTES = 4 << 20
@@ -144,10 +145,12 @@ def data_sources(cfg: MoesysConfig) -> dict[str, Optional[str]]:
 
 def prepare_run_data(cfg: MoesysConfig, progress: Optional[Callable[[str, int, int], None]] = None) -> None:
     """What `moesys train` writes into the run directory before launch: its tokenizer (tokenizer.json, read by the
-    workers, checkpoints and exports) and its text sources as token files (TOKENS/)."""
-    tokenizer = load_tokenizer(cfg.train.tokenizer, vocab_size=cfg.model.vocab_size)
+    workers, checkpoints and exports) and its text sources as token files (TOKENS/), documents joined by the run
+    tokenizer's eos (the model's own where the run directory records train.init_from's generation facts)."""
     run_dir = Path(cfg.train.run_dir)
-    atomic_write_text(run_dir / TOKENIZER_FILE, tokenizer.to_str())
+    atomic_write_text(run_dir / TOKENIZER_FILE, load_tokenizer(cfg.train.tokenizer, vocab_size=cfg.model.vocab_size)
+                      .to_str())
+    tokenizer = run_tokenizer(cfg)  # the copy just written, with the run's generation facts: as the workers read it
     text = {key: path for key, path in data_sources(cfg).items() if not is_chat(path, cfg.train.data_format)}
     prepare_tokens(run_dir / TOKENS, text, tokenizer, cfg.train.data_text_key, progress,
                    cfg.train.data_errors)

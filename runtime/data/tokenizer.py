@@ -7,6 +7,10 @@ and ChatML's turn markers (runtime/data/chat_template.py). The byte tokenizer gi
 model has rows for them; with 256 rows (runs made before the special tokens) it is the bytes alone, its documents
 joined by a blank line and its generations ended by length only. Text given to `encode` may hold the special
 tokens' strings, which become their ids (as transformers' tokenizers read them); training text never does.
+
+The tokenizer of a run started from a released model (train.init_from) carries that model's generation facts
+(runtime/data/generation_facts.py): its eos joins documents, pads and ends generation together with the ids its
+generation config names, and its chat template renders chat; `run_tokenizer` and `checkpoint_tokenizer` attach them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 from runtime.config import BYTE_VOCAB, MoesysConfig
+from runtime.data.generation_facts import GenerationFacts, checkpoint_facts, ending_ids, recorded_facts
 from runtime.errors import UserError
 from runtime.files.paths import CHECKPOINTS, TOKENIZER_FILE
 
@@ -68,33 +73,74 @@ def byte_tokenizer_json(specials: bool = True) -> str:
 
 
 class SpecialTokens:
-    """The special tokens a tokenizer has (`special_ids`: string -> id) and what they mean to moesys."""
+    """The special tokens a tokenizer has (`special_ids`: string -> id) and what they mean: moesys's own
+    (SPECIAL_TOKENS), or those the model it came with names (`facts`: a released model's eos, its stop ids and chat
+    template, runtime/data/generation_facts.py)."""
 
     special_ids: dict[str, int]
+    vocab_size: int
+    facts: Optional[GenerationFacts] = None
+    """The generation facts of the model this tokenizer belongs to; None: moesys's own tokens and ChatML."""
 
-    @property
-    def eos_id(self) -> Optional[int]:
-        """The id that joins documents, ends a generation and pads; None for a tokenizer without EOS."""
-        return self.special_ids.get(EOS)
+    def token_id(self, token: str) -> Optional[int]:
+        """The id of a special token's string; None when the tokenizer has no such token."""
+        return self.special_ids.get(token)
 
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        """The ids a generation ends at (STOP_TOKENS this tokenizer has)."""
-        return tuple(self.special_ids[t] for t in STOP_TOKENS if t in self.special_ids)
+    def _named(self) -> Optional[dict[str, str]]:
+        """The model's named special tokens this tokenizer has; None: moesys's own."""
+        named = self.facts.special_tokens if self.facts is not None else None
+        if named is None:
+            return None
+        return {name: token for name, token in named.items() if self.token_id(token) is not None}
 
     @property
     def eos_token(self) -> Optional[str]:
-        """EOS's string when the tokenizer has it (as a Hugging Face tokenizer names it: what /tokenizer_info
-        reports); None without it."""
+        """The token that joins documents, ends a generation and (moesys's own) pads: the model's eos, else EOS when
+        the tokenizer has it; None without one (what /tokenizer_info reports as a Hugging Face tokenizer names it)."""
+        named = self._named()
+        if named is not None:
+            return named.get("eos_token")
         return EOS if EOS in self.special_ids else None
 
     @property
-    def pad_token(self) -> Optional[str]:
-        """The pad is eos (as the export's tokenizer_config.json names it)."""
-        return self.eos_token
+    def eos_id(self) -> Optional[int]:
+        """eos_token's id; None for a tokenizer without eos."""
+        token = self.eos_token
+        return self.token_id(token) if token is not None else None
 
-    bos_token: Optional[str] = None
-    """These tokenizers have no bos."""
+    @property
+    def pad_token(self) -> Optional[str]:
+        """The model's pad; moesys's own pad is eos (as the export's tokenizer_config.json names it)."""
+        named = self._named()
+        return named.get("pad_token") if named is not None else self.eos_token
+
+    @property
+    def bos_token(self) -> Optional[str]:
+        """The model's bos; moesys's tokenizers have none."""
+        named = self._named()
+        return named.get("bos_token") if named is not None else None
+
+    @property
+    def template_tokens(self) -> dict[str, str]:
+        """The named special tokens a chat template sees (transformers' `special_tokens_map` of the export)."""
+        named = self._named()
+        if named is not None:
+            return named
+        return {name: token for name, token in (("eos_token", self.eos_token), ("pad_token", self.pad_token)) if token}
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids a generation ends at: the model's generation config's and its eos, else the STOP_TOKENS this
+        tokenizer has."""
+        stated = self.facts.eos_token_ids if self.facts is not None else None
+        if stated is None:
+            stated = [self.special_ids[t] for t in STOP_TOKENS if t in self.special_ids]
+        return ending_ids([i for i in stated if i < self.vocab_size], self.eos_id)
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        """The model's own chat template; None: ChatML."""
+        return self.facts.chat_template if self.facts is not None else None
 
 
 class ByteTokenizer(SpecialTokens):
@@ -173,6 +219,9 @@ class JsonTokenizer(SpecialTokens):
         self.special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS if t in added}
         self._plain = None
 
+    def token_id(self, token: str) -> Optional[int]:
+        return self.tokenizer.token_to_id(token)
+
     @classmethod
     def from_str(cls, text: str, name: str) -> "JsonTokenizer":
         from tokenizers import Tokenizer
@@ -244,18 +293,22 @@ def load_tokenizer(spec: str | Path = BYTES, key: str = "train.tokenizer",
 def run_tokenizer(cfg: MoesysConfig) -> Tokenizer:
     """The tokenizer a run trains with: bytes (`byte_tokenizer` of model.vocab_size), or the copy of
     train.tokenizer `moesys train` wrote into the run directory (the file the user named may change or go while the
-    run lives), else that file."""
+    run lives), else that file; with the generation facts the run directory records."""
     if cfg.train.tokenizer == BYTES:
-        return byte_tokenizer(cfg.model.vocab_size)
-    saved = Path(cfg.train.run_dir) / TOKENIZER_FILE if cfg.train.run_dir else None
-    if saved is not None and saved.is_file():
-        return load_tokenizer(saved, "train.tokenizer")
-    return load_tokenizer(cfg.train.tokenizer)
+        tokenizer = byte_tokenizer(cfg.model.vocab_size)
+    else:
+        saved = Path(cfg.train.run_dir) / TOKENIZER_FILE if cfg.train.run_dir else None
+        tokenizer = load_tokenizer(saved if saved is not None and saved.is_file() else cfg.train.tokenizer,
+                                   "train.tokenizer")
+    tokenizer.facts = recorded_facts(cfg.train.run_dir) if cfg.train.run_dir else None
+    return tokenizer
 
 
 def tokenizer_digest(tokenizer: Tokenizer) -> str:
-    """A digest of the tokenizer's JSON: equal digests give equal ids."""
-    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+    """A digest of the tokenizer's JSON and of the eos its model names: equal digests give equal ids (eos joins
+    documents)."""
+    text = tokenizer.to_str() if tokenizer.facts is None else f"{tokenizer.to_str()}\0eos={tokenizer.eos_id}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -275,7 +328,8 @@ def checkpoint_tokenizer_file(path: Path, step_dir: Path) -> Path | None:
 
 def checkpoint_tokenizer(path: Path, step_dir: Path, cfg: MoesysConfig) -> Tokenizer | None:
     """The tokenizer of a moesys checkpoint or export (its tokenizer.json; without one, train.tokenizer as its config
-    names it), or None when there is none its model can take (prompts must then be token ids)."""
+    names it) with the checkpoint's generation facts, or None when there is none its model can take (prompts must
+    then be token ids)."""
     found = checkpoint_tokenizer_file(path, step_dir)
     if found is not None:
         tokenizer = load_tokenizer(found, "tokenizer")
@@ -286,17 +340,23 @@ def checkpoint_tokenizer(path: Path, step_dir: Path, cfg: MoesysConfig) -> Token
             tokenizer = load_tokenizer(cfg.train.tokenizer)
         except TokenizerError:
             return None
-    return tokenizer if tokenizer.vocab_size <= cfg.model.vocab_size else None
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        return None
+    tokenizer.facts = checkpoint_facts(path, step_dir)
+    return tokenizer
 
 
 def hf_tokenizer_config(max_length: int, tokenizer: Optional[Tokenizer] = None) -> dict:
     """tokenizer_config.json beside tokenizer.json in a Hugging Face export: transformers' AutoTokenizer then loads
-    the file as it is (the generic fast tokenizer, no token added), so its ids are moesys's. It names eos, also the
-    pad (None for a tokenizer without one; bos stays unset: these models use none), and the chat template `moesys
-    serve` renders with."""
+    the file as it is (the generic fast tokenizer, no token added), so its ids are moesys's. It names the tokenizer's
+    special tokens (moesys's own: eos, also the pad, no bos; a released model's: its own) and the chat template
+    `moesys serve` renders with (the model's own, else ChatML)."""
     from runtime.data.chat_template import CHATML
 
-    eos = tokenizer.eos_token if tokenizer is not None else None
+    named = {"bos_token": None, "eos_token": None, "pad_token": None}
+    if tokenizer is not None:
+        named.update({**tokenizer.template_tokens, "bos_token": tokenizer.bos_token,
+                      "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token})
+    template = tokenizer.chat_template if tokenizer is not None else None
     return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-            "clean_up_tokenization_spaces": False, "bos_token": None, "eos_token": eos, "pad_token": eos,
-            "chat_template": CHATML}
+            "clean_up_tokenization_spaces": False, **named, "chat_template": template or CHATML}

@@ -1,16 +1,18 @@
 """Every path name of a run directory and of the checkpoints in it: the one place each is spelled.
 
 RUN_DIR/                config.yaml, metrics.jsonl, summary.json, plan.json, tokenizer.json, distill.json,
-                        fatal_error.txt, .lock, job.sbatch (SLURM)
+                        chat_template.jinja, generation_tokens.json (train.init_from's), fatal_error.txt, .lock,
+                        job.sbatch (SLURM)
   logs/                 torchrun's logs (logs/node<N>/ for each node of a multinode job), slurm-<job>.out
   tokens/               text sources tokenized once for every rank
   memory/rank<R>.json   each rank's last measured memory
   tensorboard/          event files (train.tensorboard)
   expert_store/ep<r>-of-<n>-edp<k>/   one rank's SSD expert store (storage.ssd_path when set): OWNER, live/
   checkpoints/          latest, step_<N>/, .tmp-step_<N>/ (being written), superseded-<time>/
-    step_<N>/           meta.json, tokenizer.json, dense.safetensors, experts-ep<p>.safetensors (or one
-                        experts-ep<p>-L<l>.safetensors per offloaded layer), dense-sharded.safetensors,
-                        heads-<task>.safetensors, tasks.json, rng-rank<r>.safetensors
+    step_<N>/           meta.json, tokenizer.json (and the run's chat_template.jinja, generation_tokens.json),
+                        dense.safetensors, experts-ep<p>.safetensors (or one experts-ep<p>-L<l>.safetensors per
+                        offloaded layer), dense-sharded.safetensors, heads-<task>.safetensors, tasks.json,
+                        rng-rank<r>.safetensors
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ LOGS = "logs"
 CHECKPOINTS = "checkpoints"
 TOKENS = "tokens"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-"""The chat template a run renders its chat data with, copied from train.init_from's model (none: ChatML)."""
+"""The chat template of the model train.init_from started a run from, kept by the run, its checkpoints and moesys
+exports (none: ChatML); also a Hugging Face model's own file of it."""
+GENERATION_TOKENS_FILE = "generation_tokens.json"
+"""Beside CHAT_TEMPLATE_FILE: that model's named special tokens (eos, bos, pad, ...) and the ids its generation ends
+at (runtime/data/generation_facts.py)."""
 MEMORY_DIR = "memory"
 TENSORBOARD = "tensorboard"
 EXPERT_STORE = "expert_store"

@@ -14,11 +14,13 @@ parent, e.g. a serving user).
 - hf format: the model's own family (model.family: its model_type, config keys and tensor names; moesys's own
   SwiGLU/RoPE models as Mixtral), so transformers loads it with AutoModelForCausalLM; a model its family cannot
   express is refused before anything is written.
-A training checkpoint's export carries its tokenizer.json; in hf format also a tokenizer_config.json naming eos (also
-the pad) and the chat template, and a generation_config.json, so AutoTokenizer loads it and transformers' `generate`
-stops where `moesys infer` does (a tokenizer without eos, as runs made before the special tokens, is exported saying
-so: eos_token_id null, not the family's default). A Hugging Face directory's export carries the source's tokenizer
-files, chat template, generation config and special token ids as they are.
+A training checkpoint's export carries its tokenizer.json and generation facts (runtime/data/generation_facts.py: the
+chat template, special tokens and stop ids of the model a fine-tuned run started from, else ChatML and moesys's
+own); in hf format as a tokenizer_config.json naming the special tokens (moesys's own: eos, also the pad) and the chat
+template, and a generation_config.json, so AutoTokenizer renders chat as `moesys serve` does and transformers'
+`generate` stops where `moesys infer` does (a tokenizer without eos, as runs made before the special tokens, is
+exported saying so: eos_token_id null, not the family's default). A Hugging Face directory's export carries the
+source's tokenizer files, chat template, generation config and special token ids as they are.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from runtime.plan.disk import check_free
 from runtime.moe.layer import is_expert_param
 from runtime.files.tensorfile import write_tensors
 from runtime.files.paths import GENERATION_CONFIG, HF_TOKENIZER_CONFIG, META, TOKENIZER_FILE
+from runtime.data.generation_facts import write_facts
 from runtime.data.tokenizer import Tokenizer, checkpoint_tokenizer, hf_tokenizer_config
 from runtime.model.precision import PRECISION_DTYPES
 
@@ -110,13 +113,19 @@ def _entries(cfg: MoesysConfig, fmt: str) -> list[Entry]:
 
 
 def hf_token_ids(tokenizer: Optional[Tokenizer]) -> tuple[dict, dict]:
-    """(config.json's token ids, generation_config.json) of an export carrying `tokenizer`: eos (also the pad),
-    generation ending at each of its stop tokens, no bos; null where the tokenizer has none (transformers would
-    otherwise take Mixtral's defaults, ids 1 and 2)."""
-    eos = tokenizer.eos_id if tokenizer is not None else None
-    stops = list(tokenizer.stop_ids) if tokenizer is not None else []
-    ids = {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": eos}
-    return ids, {**ids, "eos_token_id": stops or None}
+    """(config.json's token ids, generation_config.json) of an export carrying `tokenizer`: its bos, eos and pad
+    (moesys's own: eos, also the pad, no bos; a released model's: its own), generation ending at each of its stop
+    ids; null where the tokenizer has none (transformers would otherwise take Mixtral's defaults, ids 1 and 2)."""
+    if tokenizer is None:
+        ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+        return ids, ids
+
+    def token_id(token: Optional[str]) -> Optional[int]:
+        return tokenizer.token_id(token) if token is not None else None
+
+    ids = {"bos_token_id": token_id(tokenizer.bos_token), "eos_token_id": tokenizer.eos_id,
+           "pad_token_id": token_id(tokenizer.pad_token)}
+    return ids, {**ids, "eos_token_id": list(tokenizer.stop_ids) or None}
 
 
 def _shards(entries: list[Entry], nbytes: dict[str, int], max_bytes: int) -> list[list[Entry]]:
@@ -205,8 +214,9 @@ def _export(source: Source, out: str | Path, fmt: str, to_dtype: Optional[torch.
 def _write_tokenizer(directory: Path, source: Source, fmt: str) -> tuple[Optional[str], Optional[str], dict]:
     """The tokenizer the export carries: (its file name, None without one; its eos token; config.json's special
     token ids, {} where the source's own are kept). A Hugging Face source's tokenizer files are copied as they are; a
-    training checkpoint's tokenizer.json is written, in hf format with a tokenizer_config.json for AutoTokenizer and
-    a generation_config.json of its stop tokens."""
+    training checkpoint's tokenizer.json is written with the generation facts its tokenizer carries: in moesys format
+    as the checkpoint records them, in hf format as a tokenizer_config.json for AutoTokenizer (its special tokens and
+    chat template) and a generation_config.json of its stop ids."""
     if source.hf is not None:
         files = source.hf.tokenizer_files()
         for file in files:
@@ -217,6 +227,8 @@ def _write_tokenizer(directory: Path, source: Source, fmt: str) -> tuple[Optiona
     if tokenizer is not None:
         atomic_write_text(directory / TOKENIZER_FILE, tokenizer.to_str())  # the tokenizer the model was trained with
     token_ids, generation = hf_token_ids(tokenizer)
+    if fmt == "moesys" and tokenizer is not None:
+        write_facts(directory, tokenizer.facts)  # its chat template and stop tokens, as the checkpoint keeps them
     if fmt == "hf":
         atomic_write_json(directory / GENERATION_CONFIG, generation)
         if tokenizer is not None:

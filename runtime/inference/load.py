@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Iterable, Optional, Protocol
 
 import torch
 import yaml
@@ -27,10 +27,11 @@ from runtime.inference.mapped import MappedFileError, TensorFiles, copy_to, read
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
 from runtime.moe.layer import is_expert_param
-from runtime.files.paths import CHECKPOINTS, CONFIG, GENERATION_CONFIG, META
+from runtime.files.paths import CHECKPOINTS, CONFIG, META
 from runtime.files.checkpoint_format import MODEL, check_complete, latest_checkpoint, missing_tensor, tensor_key
 from runtime.host.page_cache import evict
 from runtime.files.tensorfile import verify
+from runtime.data.generation_facts import ending_ids, stated_eos_ids
 from runtime.data.tokenizer import checkpoint_tokenizer
 from runtime.inference.errors import InferError
 
@@ -56,8 +57,9 @@ class LoadedModel:
     experts: ExpertSource
     """Where the experts lie; the model's experts stay on the meta device until placed (see open_checkpoint)."""
     stop_ids: tuple[int, ...] = ()
-    """The ids a generation ends at (after giving them out): the tokenizer's eos and end of turn, or a Hugging Face
-    directory's eos_token_id; none for a model without eos, which generates to its length."""
+    """The ids a generation ends at (after giving them out): those the model's generation config names and its eos
+    (a run started from a released model: that model's), else moesys's eos and end of turn; none for a model without
+    eos, which generates to its length."""
 
 
 def checkpoint_kind(path: Path) -> str:
@@ -199,12 +201,9 @@ def open_moesys(path: Path, dtype: Optional[torch.dtype] = None, device: torch.d
     model.load_state_dict({k: copy_to(v, device, dtype) for k, v in state.items()}, strict=False, assign=True)
     if any(b.is_meta for b in model.buffers()):
         raise InferError(f"{step}: a model buffer has no value in the checkpoint")
-    tokenizer = checkpoint_tokenizer(path, step, cfg)
+    tokenizer = checkpoint_tokenizer(path, step, cfg)  # with the checkpoint's generation facts: its stop ids
     source = ExpertSource(layers, cfg.model.expert_type, dtype, files)
-    if (step / GENERATION_CONFIG).is_file():  # a released model's export: the stop ids its family gives
-        stops = _hf_stop_ids(step, cfg.model.vocab_size)
-    else:
-        stops = tokenizer.stop_ids if tokenizer is not None else ()
+    stops = _in_vocab(tokenizer.stop_ids if tokenizer is not None else (), cfg.model.vocab_size)
     return LoadedModel(config_to_dict(cfg), model.eval(), "moesys", tokenizer, path, source, stops)
 
 
@@ -257,18 +256,14 @@ def _hf_tokenizer(path: Path) -> Optional[Tokenizer]:
         return None
 
 
-def _hf_stop_ids(path: Path, vocab_size: int) -> tuple[int, ...]:
-    """eos_token_id (an id or a list) of generation_config.json, else of config.json; () where neither names one."""
-    for name in (GENERATION_CONFIG, "config.json"):
-        try:
-            data = json.loads((path / name).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and "eos_token_id" in data:
-            eos = data["eos_token_id"]
-            ids = eos if isinstance(eos, list) else [eos]
-            return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size)
-    return ()
+def _in_vocab(ids: Iterable[int], vocab_size: int) -> tuple[int, ...]:
+    return tuple(i for i in ids if 0 <= i < vocab_size)
+
+
+def _hf_stop_ids(path: Path, tokenizer: Optional[Tokenizer]) -> tuple[int, ...]:
+    """The ids a Hugging Face directory's generation ends at: its generation config's eos_token_id (else
+    config.json's) and its tokenizer's eos (runtime/data/generation_facts.ending_ids)."""
+    return ending_ids(stated_eos_ids(path) or (), getattr(getattr(tokenizer, "tok", None), "eos_token_id", None))
 
 
 def open_hf(path: Path, dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu") -> LoadedModel:
@@ -278,8 +273,9 @@ def open_hf(path: Path, dtype: Optional[torch.dtype] = None, device: torch.devic
         raise
     except Exception as exc:  # torn safetensors files and the like
         raise InferError(f"checkpoint={path}: cannot read ({_first_line(exc)})") from None
-    return LoadedModel(config_to_dict(served_config(model_cfg)), model, "hf", _hf_tokenizer(path), path, source,
-                       _hf_stop_ids(path, model_cfg.vocab_size))
+    tokenizer = _hf_tokenizer(path)
+    return LoadedModel(config_to_dict(served_config(model_cfg)), model, "hf", tokenizer, path, source,
+                       _in_vocab(_hf_stop_ids(path, tokenizer), model_cfg.vocab_size))
 
 
 def served_config(model_cfg: ModelConfig) -> MoesysConfig:

@@ -21,6 +21,7 @@ from runtime.launch.follow import launch_and_follow
 from runtime.plan.checks import check_disk, check_plan
 from runtime.plan.placement import record as record_placement
 from runtime.plan.planner import Plan, keep_layers_hint, plan_placement
+from runtime.train.init_from import record_source_facts
 from runtime.train.preflight import check_before_launch
 from runtime.train.run_setup import prepare_run_dir
 
@@ -115,8 +116,8 @@ class Job:
 
     def prepare(self, plan: Plan, prepare: Callable[[Path], None] | None = None) -> Path:
         """The run directory, ready for the workers (called under the run's lock): config.yaml, the checkpoint
-        train.resume_from names made the newest, the tokenizer, the text sources tokenized and the chat sources
-        rendered and encoded once for every rank,
+        train.resume_from names made the newest, train.init_from's generation facts on a fresh start, the tokenizer,
+        the text sources tokenized and the chat sources rendered and encoded once for every rank,
         `prepare(run_dir)`, the last launch's verdicts cleared, and plan.json from `plan`."""
         cfg = self.cfg
         run_dir = prepare_run_dir(cfg)
@@ -124,6 +125,7 @@ class Job:
         moved = apply_resume_from(cfg) if cfg.launcher.node_rank == 0 else None
         if moved:
             self.watcher.say(moved)
+        record_source_facts(cfg)  # the source's chat template and stop tokens, before anything encodes with them
         prepare_run_data(cfg, self.watcher.tokenizing)
         for note in prepare_chat_data(cfg, run_tokenizer(cfg)):  # chat sources rendered and encoded once, likewise
             self.watcher.note(note)

@@ -1,14 +1,14 @@
 """OpenAI chat completions as `moesys serve` speaks them: messages rendered to one prompt by the chat template the
-tokenizer carries (a Hugging Face tokenizer's `chat_template`), or else by moesys's ChatML template
-(runtime/data/chat_template.py, the one its exports carry and its chat training renders); the chat response and
-stream chunk bodies."""
+tokenizer carries (a Hugging Face tokenizer's `chat_template`, or the one a run started from a released model keeps),
+or else by moesys's ChatML template (runtime/data/chat_template.py); the template its chat training rendered with and
+its exports carry; the chat response and stream chunk bodies."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Optional
 
-from runtime.data.chat_template import CHATML, ChatTemplateError, render_chat
+from runtime.data.chat_template import ChatTemplateError, render_chat, tokenizer_template
 from runtime.serving.protocol import (MAX_LOGPROBS, NOT_SERVED, SAMPLING, CompletionRequest, Defaults, RequestError,
                                       _int, _shown, check_fields, encode_text, refuse_not_served, request_fields)
 from runtime.serving.responses import token_text, usage
@@ -17,28 +17,24 @@ CHAT_FIELDS = ("model", "messages", "max_completion_tokens", "logprobs", "top_lo
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
-def own_template(tokenizer: Any) -> Optional[str]:
-    """The chat template a (Hugging Face) tokenizer ships and renders itself; None for moesys's tokenizers."""
-    template = getattr(tokenizer, "chat_template", None)
-    return template if template and hasattr(tokenizer, "apply_chat_template") else None
-
-
 def served_template(tokenizer: Any) -> str:
-    """The template `chat_prompt` renders with for this tokenizer: its own, or ChatML."""
-    return own_template(tokenizer) or CHATML
+    """The template `chat_prompt` renders with for this tokenizer: its model's own, or ChatML."""
+    return tokenizer_template(tokenizer)[0]
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    """The prompt text of `messages` with the generation prompt: the tokenizer's chat template, or ChatML."""
-    if own_template(tokenizer):
+    """The prompt text of `messages` with the generation prompt: the tokenizer's chat template (a Hugging Face
+    tokenizer renders its own; moesys's render theirs, the model's own or ChatML, as transformers would)."""
+    if hasattr(tokenizer, "apply_chat_template") and getattr(tokenizer, "chat_template", None):
         try:
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # a template that refuses these messages (e.g. roles out of order)
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise RequestError(f"the model's chat template refused the messages: {reason[:200]}",
                                "messages") from None
+    template, tokens = tokenizer_template(tokenizer)
     try:
-        return render_chat(messages, add_generation_prompt=True)
+        return render_chat(messages, add_generation_prompt=True, template=template, tokens=tokens)
     except ChatTemplateError as exc:
         raise RequestError(str(exc), "messages") from None
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.config import MoesysConfig
+from runtime.data.generation_facts import write_facts
 from runtime.data.tokenizer import run_tokenizer
 from runtime.errors import UserError
 from runtime.files.checkpoint_format import (MODEL, CheckpointError, CheckpointReader, checkpoint_meta,
@@ -61,8 +62,10 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     _barrier(groups)
     files = ModelState(model, optimizer, groups, parts).save(tmp, step)  # collective with a partitioned table
     files.append(save_tensors(tmp / rng_file(groups.rank), _rng_state()))
-    if groups.rank == 0:  # the checkpoint carries its tokenizer: its exports and inference read it from here
-        atomic_write_text(tmp / TOKENIZER_FILE, run_tokenizer(cfg).to_str())
+    if groups.rank == 0:  # the checkpoint carries its tokenizer and generation facts: exports and inference read them
+        tokenizer = run_tokenizer(cfg)
+        atomic_write_text(tmp / TOKENIZER_FILE, tokenizer.to_str())
+        write_facts(tmp, tokenizer.facts)
     for part in parts:  # may be collective: every rank, every part, in order
         files += part.save(tmp, step)
     _barrier(groups)

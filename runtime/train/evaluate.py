@@ -25,6 +25,7 @@ from runtime.data.dataset import TokenDataset, open_dataset
 from runtime.data.text import DataError, is_token_file
 from runtime.data.token_file import open_token_file
 from runtime.data.pretokenize import read_tokens
+from runtime.data.generation_facts import hf_facts
 from runtime.files.paths import TOKENIZER_FILE
 from runtime.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
 
@@ -124,11 +125,15 @@ EVAL_KEYS = ("seq_len", "eval_windows", "data_text_key", "data_errors", "micro_b
 
 def _tokenizer(loaded) -> Optional[Tokenizer]:
     """The checkpoint's tokenizer as training reads text: a moesys checkpoint's own; a Hugging Face directory's
-    tokenizer.json (as moesys's hf export writes it), read with the tokenizers library."""
+    tokenizer.json (as moesys's hf export writes it), read with the tokenizers library, with the eos its files name."""
     if loaded.kind == "moesys":
         return loaded.tokenizer
     found = Path(loaded.path) / TOKENIZER_FILE
-    return load_tokenizer(found, "tokenizer") if found.is_file() else None
+    if not found.is_file():
+        return None
+    tokenizer = load_tokenizer(found, "tokenizer")
+    tokenizer.facts = hf_facts(loaded.path)
+    return tokenizer
 
 
 def evaluate_checkpoint(checkpoint: str | Path, data: str, overrides: Optional[dict[str, Any]] = None) -> dict:

@@ -3,6 +3,7 @@ safetensors, sharded or not) or from a moesys run, step directory or export. The
 config; the weights stream from its files into what each rank holds (its dense part, its block of experts, its
 offloaded experts' home), one tensor or one expert at a time, so no rank holds the whole model. Weights only: the
 optimizer starts with zero moments (torchtitan's initial load). A run directory holding a checkpoint resumes from it.
+A run that starts from the source keeps its generation facts (chat template, eos, stop ids) in the run directory.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from runtime.config import ConfigError, ModelConfig, MoesysConfig
+from runtime.data.generation_facts import (GenerationFacts, checkpoint_facts, hf_facts, recorded_facts,
+                                           write_facts)
 from runtime.errors import UserError
 from runtime.files.checkpoint_format import MODEL, CheckpointError, missing_tensor, tensor_key
 from runtime.files.paths import CONFIG, META, TOKENIZER_FILE
@@ -39,6 +42,8 @@ class InitialModel:
     model: ModelConfig
     tokenizer: Optional[Path]
     """Its tokenizer.json, None when it has none (the run trains with train.tokenizer)."""
+    facts: Optional[GenerationFacts] = None
+    """Its chat template, named special tokens and stop ids; None: it states none."""
 
 
 def _kind(path: Path) -> str:
@@ -71,12 +76,14 @@ def describe(source: str | Path) -> InitialModel:
                 raise UserError(f"{path} has a tokenizer ({others[0]}) but no {TOKENIZER_FILE}, which moesys reads; "
                                 f"write one (AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) or set "
                                 "train.tokenizer")
+            facts = hf_facts(path)
         else:
             step, cfg = moesys_config(path)
             model, tokenizer = cfg.model, checkpoint_tokenizer_file(path, step)
+            facts = checkpoint_facts(path, step)
     except UserError as exc:
         raise UserError(f"{KEY}={source}: {exc}") from None
-    return InitialModel(path, kind, model, tokenizer)
+    return InitialModel(path, kind, model, tokenizer, facts)
 
 
 def apply_init_from(cfg: MoesysConfig, explicit: Iterable[str]) -> Optional[InitialModel]:
@@ -105,6 +112,29 @@ def apply_init_from(cfg: MoesysConfig, explicit: Iterable[str]) -> Optional[Init
     if source.tokenizer is not None and "train.tokenizer" not in explicit:
         cfg.train.tokenizer = str(source.tokenizer)
     return source
+
+
+def record_source_facts(cfg: MoesysConfig) -> Optional[GenerationFacts]:
+    """What `moesys train` records in the run directory when the run starts afresh (no checkpoint to resume): the
+    generation facts of train.init_from's model, the chat template only where the run trains with another tokenizer
+    than the source's (its ids and tokens would be another vocabulary's); none without train.init_from. A resumed run
+    keeps what it recorded. Returns what the run now keeps."""
+    from runtime.data.tokenizer import BYTES
+
+    run_dir = Path(cfg.train.run_dir)
+    if chosen_checkpoint(cfg) is not None:
+        return recorded_facts(run_dir)
+    facts = None
+    if cfg.train.init_from:
+        source = describe(cfg.train.init_from)
+        facts = source.facts
+        ours = cfg.train.tokenizer
+        same = source.tokenizer is not None and ours != BYTES and \
+            Path(ours).expanduser().resolve() == source.tokenizer.resolve()
+        if facts is not None and not same:
+            facts = GenerationFacts(facts.chat_template) if facts.chat_template is not None else None
+    write_facts(run_dir, facts)
+    return facts
 
 
 class InitialWeights:

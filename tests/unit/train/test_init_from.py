@@ -1,6 +1,6 @@
 """train.init_from: the model section comes from the source's config (a Hugging Face directory's config.json alone, or
 a moesys run's), explicit model.* overrides that contradict the weights are refused and the others apply, the
-tokenizer travels with it; each rank's part (its block of experts, resident or in its cpu or ssd home) is filled from
+tokenizer and its generation facts travel with it; each rank's part (its block of experts, resident or in its cpu or ssd home) is filled from
 the files with exactly the source's weights."""
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from runtime.hf.checkpoint import load_hf_model
 from runtime.moe.layer import is_expert_param
 from runtime.parallel.groups import build_groups
 from runtime.train.build import build_components
-from runtime.train.init_from import InitialWeights, apply_init_from
+from runtime.data.generation_facts import GenerationFacts, hf_facts, recorded_facts
+from runtime.data.tokenizer import run_tokenizer
+from runtime.train.init_from import InitialWeights, apply_init_from, record_source_facts
 from tests.hf_families import save_sharded, tiny_model
 
 pytest.importorskip("transformers", reason="transformers is not installed")
@@ -80,6 +82,21 @@ def test_recipe_finetune_needs_init_from_and_sets_a_fine_tune_schedule(source):
     tr = resolve_config(["recipe=finetune", f"train.init_from={source}", "train.seq_len=64"]).train
     assert (tr.lr_schedule, tr.min_lr, tr.weight_decay) == ("linear", 0.0, 0.0) and tr.lr <= 1e-4
     assert tr.checkpoint_every > 0 and 0 < tr.warmup_steps < tr.max_steps
+
+
+def test_a_fresh_start_records_the_sources_generation_facts_for_its_tokenizer(source, tmp_path):
+    """The source's template, tokens and stop ids when the run trains with the source's tokenizer; the template alone
+    with another tokenizer (the ids would be another vocabulary's); nothing without train.init_from."""
+    run = tmp_path / "run"
+    run.mkdir()
+    args = ["recipe=tiny", "train.seq_len=32", f"train.run_dir={run}"]
+    cfg = resolve_config([*args, f"train.init_from={source}"])
+    kept = record_source_facts(cfg)
+    assert kept == hf_facts(source) == recorded_facts(run) and kept.chat_template is not None
+    assert run_tokenizer(cfg).facts == kept and run_tokenizer(cfg).chat_template == kept.chat_template
+    other = resolve_config([*args, f"train.init_from={source}", "train.tokenizer=bytes"])
+    assert record_source_facts(other) == GenerationFacts(kept.chat_template) == recorded_facts(run)
+    assert record_source_facts(resolve_config(args)) is None and recorded_facts(run) is None
 
 
 def ep_groups(ep: int, rank: int):
