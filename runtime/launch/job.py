@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.config import MoesysConfig
-from runtime.data.chat_source import prepare_chat_data
 from runtime.data.pretokenize import prepare_run_data
 from runtime.data.tokenizer import run_tokenizer
 from runtime.files.paths import default_run_dir
@@ -21,7 +20,6 @@ from runtime.launch.follow import launch_and_follow
 from runtime.plan.checks import check_disk, check_plan
 from runtime.plan.placement import record as record_placement
 from runtime.plan.planner import Plan, keep_layers_hint, plan_placement
-from runtime.train.init_from import record_source_facts
 from runtime.train.preflight import check_before_launch
 from runtime.train.run_setup import prepare_run_dir
 
@@ -125,6 +123,9 @@ class Job:
         moved = apply_resume_from(cfg) if cfg.launcher.node_rank == 0 else None
         if moved:
             self.watcher.say(moved)
+        from runtime.data.chat_source import prepare_chat_data  # these two import torch: the CLI starts without it
+        from runtime.train.init_from import record_source_facts
+
         record_source_facts(cfg)  # the source's chat template and stop tokens, before anything encodes with them
         prepare_run_data(cfg, self.watcher.tokenizing)
         for note in prepare_chat_data(cfg, run_tokenizer(cfg)):  # chat sources rendered and encoded once, likewise

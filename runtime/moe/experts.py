@@ -130,7 +130,7 @@ def resolve_impl(impl: str, x_RD: Tensor, w1: Tensor) -> str:
     multi-threaded CPU), else grouped_mm where its strides allow, else bmm; the others are themselves."""
     if impl != "auto":
         return impl
-    if expert_threads(x_RD, w1.shape[0], w1.shape[2], w1.shape[1]):
+    if not torch.compiler.is_compiling() and expert_threads(x_RD, w1.shape[0], w1.shape[2], w1.shape[1]):
         return "expert_threads"
     return "grouped_mm" if grouped_mm_ok(x_RD, w1) else "bmm"
 

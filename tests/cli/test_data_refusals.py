@@ -60,7 +60,7 @@ def test_data_errors_replace_reads_bad_bytes_as_the_replacement_character(tmp_pa
 def test_a_vocabulary_past_the_bound_is_refused_naming_it(tmp_path):
     line = refused("tokenizer", "train", f"data={CORPUS_DIR / 'weather.txt'}", "vocab_size=1000000000",
                    f"out={tmp_path / 'tok.json'}")
-    assert "vocab_size=1000000000 must be between 256" in line and "1,048,576" in line
+    assert "vocab_size=1000000000 must be between 259" in line and "1,048,576" in line
     assert not list(tmp_path.iterdir())
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from runtime.inference.load import load_model, open_checkpoint
+from runtime.inference.sampling import Sampling
 from runtime.serving.chat import parse_chat
 from runtime.serving.protocol import Defaults
 from tests.cli.conftest import FAST_TINY, run_moesys, serving
@@ -67,10 +68,10 @@ def test_the_quickstarts_model_exports_to_hf_and_transformers_gives_infers_and_s
     prompt = tok.apply_chat_template(CHAT, add_generation_prompt=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     body = {"messages": CHAT, "max_tokens": 12, "temperature": 0}
-    served = parse_chat(body, Defaults(12, 0.0, 0, 0), open_checkpoint(run_dir).tokenizer, 320, 256)
+    served = parse_chat(body, Defaults(12, Sampling(), 0), open_checkpoint(run_dir).tokenizer, 320, 256)
     generation_prompt = tok.encode("<|im_start|>assistant\n")
     assert generation_prompt == [257, *b"assistant\n"]
-    assert served.prompt_ids == prompt and prompt[-len(generation_prompt):] == generation_prompt
+    assert served.prompts == [prompt] and prompt[-len(generation_prompt):] == generation_prompt
     with torch.no_grad():
         answer = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
     answer = answer[:-1] if answer[-1] in (256, 258) else answer

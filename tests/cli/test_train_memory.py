@@ -24,7 +24,8 @@ def test_too_many_cpu_workers_exit_2_before_any_launch(tmp_path):
 ISSUE_RUN = ["recipe=tiny", "topology=local", "topology.nproc_per_node=2", "topology.expert_parallel=2",
              "model.hidden_size=1024", "model.ffn_hidden_size=512", "model.num_layers=6", "model.num_heads=8",
              "model.num_experts=240", "model.top_k=1", "model.max_seq_len=64", "train.seq_len=32",
-             "storage.offload=ssd", "storage.alpha=0.125", "train.lr=0.0004"]
+             "storage.offload=ssd", "storage.alpha=0.125", "train.lr=0.0004",
+             "train.checkpoint_every=0"]  # memory is judged here: no checkpoints for the disk to hold but the last
 
 
 def test_under_a_memory_cap_the_plan_sizes_a_cache_its_own_launch_check_accepts(tmp_path):

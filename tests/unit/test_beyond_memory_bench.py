@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from moesys_cli.resolve import resolve_config
-from runtime.bench.beyond_memory import FFN, HEADS, HIDDEN, LAYERS, PLANNED_SHARE, TOKENS_PER_RANK, _experts_for, \
-    bench_config
+from runtime.bench.beyond_memory import FFN, GPT_LAYOUT, HEADS, HIDDEN, LAYERS, PLANNED_SHARE, TOKENS_PER_RANK, \
+    _experts_for, bench_config
 from runtime.config import config_to_dict
 from runtime.plan.params import count_parameters
 from runtime.plan.planner import plan_placement
@@ -37,6 +37,7 @@ def test_the_capped_run_is_configured_as_moesys_train_resolves_the_same_settings
                  f"model.num_experts={experts}", "model.top_k=1", "model.max_seq_len=64",
                  f"train.seq_len={TOKENS_PER_RANK}", "train.micro_batch_size=1", "train.max_steps=3",
                  "train.warmup_steps=100", "train.checkpoint_every=0", "train.final_checkpoint=false",
-                 "train.max_restarts=0", "storage.offload=ssd", f"storage.alpha={alpha}", "train.run_dir=/tmp/unused"]
+                 "train.max_restarts=0", "storage.offload=ssd", f"storage.alpha={alpha}", "train.run_dir=/tmp/unused",
+                 *(f"model.{key}={str(value).lower()}" for key, value in GPT_LAYOUT.items())]
     built = bench_config(resolve_config([]), experts, alpha, Path("/tmp/unused"), 3, memory_gb, Path("data.txt"))
     assert config_to_dict(built) == config_to_dict(resolve_config(overrides))

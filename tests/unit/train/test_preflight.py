@@ -23,7 +23,7 @@ NO_CHECKPOINTS = ["train.checkpoint_every=0", "train.final_checkpoint=false"]
 
 
 @pytest.mark.parametrize("extra,target,written", [
-    ([], "checkpoints", "(3 checkpoints of 59412.95 GB at once, 2 kept and the next being written)"),
+    ([], "checkpoints", "(3 checkpoints of 59412.97 GB at once, 2 kept and the next being written)"),
     (["storage.offload=ssd", *NO_CHECKPOINTS], "expert_store", "(expert store "),
 ])
 def test_files_the_disk_cannot_hold_are_refused_in_one_line(tmp_path, extra, target, written):
