@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
-from runtime.data.tokenizer import byte_tokenizer_json
+from runtime.data.tokenizer import EOS
 from runtime.inference.generate import generate
 from runtime.inference.load import load_model
 from runtime.parallel.groups import build_groups
@@ -27,7 +27,6 @@ from tests.cli.conftest import run_moesys, serving
 pytestmark = [pytest.mark.extended, pytest.mark.slow]
 lm_eval = pytest.importorskip("lm_eval")
 
-EOS = "<|endoftext|>"
 CONTEXT = 128
 MIXTRAL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=260, ffn_hidden_size=64,
                       num_experts=4, top_k=2, expert_type="swiglu", norm="rmsnorm", bias=False, position="rope",
@@ -45,31 +44,18 @@ GEN = [{"question": q, "answer": a} for q, a in [("The cat sat on the", " mat"),
                                                  ("Once upon a time", " there"), ("1, 2, 3,", " 4")]]
 
 
-def _tokenizer_with_eos(path: Path) -> Path:
-    """The byte tokenizer with one special token, EOS, at id 256: what lm-eval's hf backend needs (it stops
-    generations at eos). The `tokens` branch gives moesys's own tokenizers this token; until then the test adds it."""
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_str(byte_tokenizer_json())
-    tok.add_special_tokens([AddedToken(EOS, special=True)])
-    path.write_text(tok.to_str())
-    return path
-
-
 def _checkpoint(root: Path) -> tuple[Path, Path]:
     """A Mixtral-style moesys run of one training step in this process (a near-random model, whose greedy answers
     differ from prompt to prompt), and its hf export by the real CLI."""
     cfg = MoesysConfig(model=MIXTRAL, train=TrainConfig(
-        max_steps=1, micro_batch_size=2, seq_len=64, warmup_steps=1, run_dir=str(root / "run"),
-        tokenizer=str(_tokenizer_with_eos(root / "tokenizer.json"))))
+        max_steps=1, micro_batch_size=2, seq_len=64, warmup_steps=1, run_dir=str(root / "run")))
     cfg.topology.nproc_per_node = 1
     run = prepare_run_dir(cfg)
     train(cfg, run, build_groups(1, 0, 1, 1), torch.device("cpu"))
     export = root / "hf"
     done = run_moesys("export", f"checkpoint={run}", f"out={export}", "export.format=hf", "export.dtype=fp32")
     assert done.returncode == 0, done.stderr
-    config_file = export / "tokenizer_config.json"  # the eos line the `tokens` branch's export writes
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "eos_token": EOS}))
+    assert json.loads((export / "tokenizer_config.json").read_text())["eos_token"] == EOS  # lm-eval's hf stops there
     return run, export
 
 
@@ -124,8 +110,7 @@ def test_lm_eval_scores_moesys_serve_as_its_hf_backend_scores_the_export(tmp_pat
             proc, url):
         api = _evaluate("local-completions", {
             "base_url": f"{url}/v1/completions", "model": run.name, "max_length": CONTEXT, "batch_size": 4,
-            # perplexity windows start with eos; /tokenizer_info names none until moesys tokenizers have one
-            "max_retries": 1, "custom_prefix_token_id": 256},
+            "max_retries": 1},  # perplexity windows start with the eos /tokenizer_info names
             tasks, folder)
         chat = _evaluate("local-chat-completions", {"base_url": f"{url}/v1/chat/completions", "model": run.name,
                                                     "max_retries": 1}, ["moesys_gen"], folder,
