@@ -31,6 +31,30 @@ FAMILIES = {
 }
 TOKENS = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(0))
 """A batch with no pad id in it (transformers' embedding never trains its padding row)."""
+CHATS = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather?"},
+     {"role": "assistant", "content": "Sunny and warm."}],
+    [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi, how are you?"},
+     {"role": "user", "content": "I am fine."}, {"role": "assistant", "content": "Good to hear."}],
+    [{"role": "system", "content": "You count."}, {"role": "user", "content": "After three?"},
+     {"role": "assistant", "content": "Four."}],
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, like the sky."}],
+    [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Cats or dogs?"},
+     {"role": "assistant", "content": "Cats."}, {"role": "user", "content": "Why?"},
+     {"role": "assistant", "content": "Quiet."}],
+    [{"role": "user", "content": "Is water wet?"}, {"role": "assistant", "content": "Yes, it is."}],
+]
+"""Conversations of system, user and assistant turns in ASCII (no byte below 3: no pad id among their tokens)."""
+
+
+def write_chats(path: Path) -> Path:
+    """CHATS as an OpenAI-messages .jsonl, a line each."""
+    path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHATS))
+    return path
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().float() - b.detach().float()).abs().max().item()
 
 
 def transformers_module():

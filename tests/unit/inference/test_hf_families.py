@@ -19,7 +19,7 @@ from runtime.hf.files import HFCheckpointError
 from runtime.inference.export import export_checkpoint
 from runtime.model.transformer import Transformer
 from runtime.moe.losses import expert_load, pooled_load_balancing_loss
-from tests.hf_families import FAMILIES, TOKENS, load_transformers, save_sharded, tiny_model
+from tests.hf_families import FAMILIES, TOKENS, load_transformers, max_diff, save_sharded, tiny_model
 
 pytest.importorskip("transformers", reason="transformers is not installed")
 PARAMETRIZE = pytest.mark.parametrize("family", list(FAMILIES))
@@ -40,10 +40,6 @@ def saved(request, tmp_path_factory):
     family = request.param
     path = save_sharded(tiny_model(family), tmp_path_factory.mktemp(family) / "model")
     return family, path
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.detach().float() - b.detach().float()).abs().max().item()
 
 
 def test_import_gives_transformers_logits_and_greedy_tokens(saved):
