@@ -39,6 +39,7 @@ def test_a_size_or_compile_value_the_benchmark_cannot_take_is_refused(args, mess
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr
 
 
+@pytest.mark.extended
 def test_the_serve_bench_under_a_short_load_fails_no_request_batched_or_not(tmp_path):
     """`moesys bench serve`'s own code at a short load: the real `moesys serve` one request at a time and with
     continuous batching on its bf16 checkpoint, every answer checked against `moesys infer` (a wrong token

@@ -29,6 +29,7 @@ def steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.extended
 def test_a_users_tokenizer_and_token_file_train_evaluate_and_export(tmp_path):
     tok = tmp_path / "tok.json"
     trained = ok("tokenizer", "train", f"data={CORPUS_DIR}", "vocab_size=400", f"out={tok}", "--json")

@@ -107,6 +107,7 @@ def test_moesys_export_holds_the_runs_model_without_optimizer_state(run, tmp_pat
     assert len(again.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.extended
 def test_hf_export_loads_in_transformers_with_the_same_logits_and_tokens(run, tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     out = tmp_path / "hf"

@@ -128,6 +128,7 @@ def test_a_chat_fine_tune_renders_serves_and_exports_with_the_source_template_an
     assert chat_prompt(again.tokenizer, QUESTION) == prompt and again.stop_ids == tuple(OWN_STOPS)
 
 
+@pytest.mark.extended
 def test_a_text_fine_tune_keeps_the_template_and_stops_too(source, auto, tmp_path):
     data = tmp_path / "text.txt"
     data.write_text("Sunny and warm. Hello there, how are you? I am fine.\n" * 40)

@@ -50,6 +50,7 @@ def test_the_copy_goes_to_the_users_cache_and_is_reused(tmp_path, runs):
     assert json.loads(again.stdout)["tokens"] == json.loads(first.stdout)["tokens"]
 
 
+@pytest.mark.extended
 def test_the_bound_evicts_the_least_recently_used_copy_but_not_a_running_servers(tmp_path, runs):
     env = dict(os.environ)
     root = tmp_path / "cache"

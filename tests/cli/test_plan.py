@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.cli.conftest import run_moesys
 
 
@@ -143,6 +145,7 @@ def test_the_papers_fp16_recipe_offloads_when_the_model_outgrows_the_gpu():
     assert cfg.train.precision == "fp16" and plan_placement(cfg).feasible
 
 
+@pytest.mark.extended
 def test_the_plan_says_how_many_moe_layers_the_gpu_could_keep(tmp_path):
     """Offloaded training on a GPU with memory to spare: the plan names the most layers storage.resident_layers
     could keep there (their update then leaves the CPU optimizer); the plan with that many still fits, with one

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.cli.conftest import FAST_TINY, losses, run_moesys
 
 ONE_PROC = ["topology.nproc_per_node=1", "topology.expert_parallel=1", "train.max_steps=2"]
@@ -41,6 +43,7 @@ def test_a_users_metrics_and_checkpoints_are_not_taken_over(tmp_path):
     assert refused.returncode == 2 and "holds a model or a config (config.yaml)" in refused.stderr
 
 
+@pytest.mark.extended
 def test_an_unrelated_directory_trains_and_its_run_resumes(tmp_path):
     notes = tmp_path / "notes"
     notes.mkdir()

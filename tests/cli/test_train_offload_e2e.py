@@ -44,7 +44,7 @@ def idle_steps(run_dir: Path) -> int:
 
 
 @pytest.mark.parametrize("mode,resident_layers", [pytest.param("ssd", 0, marks=pytest.mark.extended), ("cpu", 0),
-                                                   ("cpu", 1)])
+                                                   pytest.param("cpu", 1, marks=pytest.mark.extended)])
 def test_offloaded_training_matches_resident(workdir, resident, mode, resident_layers):
     """The default cache (the plan's size for ssd; every local expert for cpu, where a smaller cache is moot); with
     storage.resident_layers=1 the first of the 4 MoE layers keeps its experts on the device."""

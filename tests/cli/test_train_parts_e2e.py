@@ -43,6 +43,7 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("parts-e2e")
 
 
+@pytest.mark.extended
 def test_shared_experts_are_dense_under_offloading_and_export_to_qwen2_moe(workdir):
     resident = train(workdir, "qwen2-none", "qwen2_moe")
     offloaded = train(workdir, "qwen2-cpu", "qwen2_moe", "storage.offload=cpu")
@@ -51,7 +52,7 @@ def test_shared_experts_are_dense_under_offloading_and_export_to_qwen2_moe(workd
     check_export(workdir, resident, "qwen2_moe")
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "ernie4_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("ernie4_5_moe", marks=pytest.mark.extended)])
 def test_qk_norms_and_the_score_bias_train_and_export(workdir, family):
     run_dir = train(workdir, family, family)
     assert losses(run_dir)[-1] < losses(run_dir)[0]

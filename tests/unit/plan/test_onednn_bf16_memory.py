@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from runtime.config import MoesysConfig, TopologyConfig, TrainConfig
 from runtime.plan.planner import ONEDNN_BF16_BYTES, PROCESS_RUNTIME_BYTES, plan_placement, process_runtime_bytes
 
@@ -29,6 +31,7 @@ def _growth(dtype: str) -> int:
     return int(done.stdout.split()[-1])
 
 
+@pytest.mark.extended
 def test_bf16_matmuls_of_many_shapes_keep_memory_within_the_plans_term_and_fp32_ones_keep_none():
     bf16 = _growth("torch.bfloat16")
     assert ONEDNN_BF16_BYTES / 3 < bf16 <= ONEDNN_BF16_BYTES

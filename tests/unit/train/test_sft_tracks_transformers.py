@@ -19,6 +19,7 @@ from runtime.data.chat_data import IGNORE
 from runtime.data.chat_source import open_chat_dataset, prepare_chat_data
 from runtime.data.tokenizer import run_tokenizer
 from runtime.files.run_dir import read_metrics
+from runtime.inference.export import export_checkpoint
 from runtime.inference.load import load_model
 from runtime.parallel.groups import build_groups
 from runtime.storage.optim import ADAMW_BETAS, ADAMW_EPS
@@ -105,8 +106,11 @@ def test_the_fine_tune_exports_to_its_family_with_moesys_logits(fine_tune, tmp_p
     logits on a batch equal those of moesys's model of the run's checkpoint (fp32, 1e-5), which the training moved
     away from the source's."""
     out = tmp_path / "hf"
-    done = run_moesys("export", f"checkpoint={fine_tune.run_dir}", f"out={out}", "export.format=hf")
-    assert done.returncode == 0, done.stderr[-2000:]
+    if fine_tune.family == "qwen3_moe":  # the command a user types, once; the library call it wraps for the rest
+        done = run_moesys("export", f"checkpoint={fine_tune.run_dir}", f"out={out}", "export.format=hf")
+        assert done.returncode == 0, done.stderr[-2000:]
+    else:
+        export_checkpoint(fine_tune.run_dir, out, "hf")
     exported = load_transformers(out)
     assert exported.config.model_type == fine_tune.family
     with torch.no_grad():
