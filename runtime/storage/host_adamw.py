@@ -19,7 +19,7 @@ from torch import Tensor
 
 from runtime.moe.buffer_pool import BufferPool
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, block_of, runs_where, slot_runs, step_counts
-from runtime.storage.optim import AdamWHyper, catch_up, fused_adamw, fused_adamw_counted, square_sum
+from runtime.storage.optim import AdamWHyper, catch_up, fused_adamw_counted, square_sum
 from runtime.host.timeline import Timeline
 
 
