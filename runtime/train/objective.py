@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.data.chat_data import IGNORE, ChatDataset
+from runtime.data.chat_data import IGNORE, ChatBatch, ChatDataset
 from runtime.parallel.groups import ParallelGroups
 from runtime.data.dataset import TokenDataset
 
@@ -86,17 +86,19 @@ class ChatLanguageModel(LanguageModel):
     and micro-batches) is that mean too."""
 
     data: ChatDataset
+    _rows: tuple[int, ChatBatch, float] | None = None
+    """The step whose rows are held, its rows and the tokens counted on every rank (read once a step)."""
 
     def forward_backward(self, model: nn.Module, step: int, device: torch.device, autocast,
                          scaler=None, micro: int = 0) -> tuple[torch.Tensor, object]:
         g, n = self.groups, self.micro_batches
-        if self._batch is None or self._batch[0] != step:  # the step's rows and its counted tokens, once a step
+        if self._rows is None or self._rows[0] != step:  # the step's rows and its counted tokens, once a step
             batch = self.data.rank_batch(step, g.rank, g.world_size, self.micro_batch_size * n)
             counted = torch.tensor([float(batch.target_count)])
             if g.world_size > 1:
                 dist.all_reduce(counted)
-            self._batch = (step, batch, max(float(counted), 1.0))
-        _, batch, counted = self._batch
+            self._rows = (step, batch, max(float(counted), 1.0))
+        _, batch, counted = self._rows
         rows = batch.rows(slice(micro * self.micro_batch_size, (micro + 1) * self.micro_batch_size)).to(device)
         with autocast:
             out = model(rows.inputs, positions=rows.positions, segments=rows.segments)
