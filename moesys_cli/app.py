@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from importlib.metadata import PackageNotFoundError, version
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -87,7 +87,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    show_version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+    show_version: Annotated[bool | None, typer.Option("--version", callback=_version, is_eager=True,
                                                          help="Print the version and exit.")] = None,
 ) -> None:
     """moesys: plan, train, infer, rebalance and benchmark MoE models (SE-MoE / MoESys on PyTorch); moesys config

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Callable, List, Optional
+from collections.abc import Callable
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -115,7 +116,7 @@ def _overrides_help() -> str:
     return "Overrides, by benchmark. " + "; ".join(parts) + "."
 
 
-BenchOverrides = Annotated[Optional[List[str]], typer.Argument(help=_overrides_help(), show_default=False)]
+BenchOverrides = Annotated[list[str] | None, typer.Argument(help=_overrides_help(), show_default=False)]
 
 
 def _check_overrides(name: str, overrides: list[str]) -> None:
@@ -130,7 +131,7 @@ def _check_overrides(name: str, overrides: list[str]) -> None:
                               f"drop {key}")
 
 
-Size = Annotated[Optional[str], typer.Option(
+Size = Annotated[str | None, typer.Option(
     "--size", help="infer only: the model's shape, small (1.6 GB, the default; runs on a laptop CPU) or large "
                    "(a 16-layer Mixtral, 11.9 GB, for a GPU).", show_default=False)]
 
@@ -147,7 +148,7 @@ def _steps(name: str, overrides: list[str], cfg: MoesysConfig) -> dict[str, int]
     return {"steps": cfg.train.max_steps}
 
 
-def _check_size(name: str, size: Optional[str]) -> None:
+def _check_size(name: str, size: str | None) -> None:
     if size is None:
         return
     if name not in SIZES:

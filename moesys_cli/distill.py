@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Annotated, List, Optional
+from typing import Annotated
 
 import typer
 import yaml
@@ -19,11 +19,17 @@ from runtime.config import MoesysConfig
 from runtime.errors import UserError
 from runtime.files.run_dir import last_step_metrics
 from runtime.launch.job import Job
-from runtime.train.student_config import (Teacher, check_student, default_student_dir, find_teacher, recorded_teacher,
-                                          student_recipe)
+from runtime.train.student_config import (
+    Teacher,
+    check_student,
+    default_student_dir,
+    find_teacher,
+    recorded_teacher,
+    student_recipe,
+)
 
 DistillArgs = Annotated[
-    Optional[List[str]],
+    list[str] | None,
     typer.Argument(help="checkpoint=RUN_DIR (the teacher), student.num_experts=K and key=value overrides of the "
                         "teacher's config, e.g. train.max_steps=200 distill.temperature=2 distill.kd_weight=0.5",
                    show_default=False),
@@ -88,8 +94,8 @@ def distill(args: DistillArgs = None, json_out: Json = False) -> None:
     job.check()
     say(f"distill: teacher {cfg.distill.teacher} ({teacher.num_experts} experts per MoE layer) -> student "
         f"{run_dir} ({experts})")
-    from runtime.train.distill import compare_on_heldout  # torch: loaded only once the input is known good
     from runtime.files.paths import SELECTION
+    from runtime.train.distill import compare_on_heldout  # torch: loaded only once the input is known good
     from runtime.train.student_init import start_student
 
     def prepare(directory: Path) -> None:

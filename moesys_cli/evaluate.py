@@ -3,7 +3,7 @@ on the data given, in the checkpoint's own tokenizer."""
 
 from __future__ import annotations
 
-from typing import Annotated, List, Optional
+from typing import Annotated
 
 import typer
 
@@ -13,7 +13,7 @@ from runtime.config import config_from_dict
 from runtime.errors import UserError
 
 EvalArgs = Annotated[
-    Optional[List[str]],
+    list[str] | None,
     typer.Argument(help="checkpoint=RUN_DIR (a step directory or an export), data=PATH (text, a directory of *.txt, "
                         ".jsonl, a .bin/.npy token file), and train.seq_len, train.eval_windows (0: all), "
                         "train.data_text_key, train.data_errors=strict|replace, train.micro_batch_size",

@@ -3,7 +3,7 @@ model's own Hugging Face family)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, List, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -12,7 +12,7 @@ from moesys_cli.render import console, human_bytes, interrupted_writes_nothing, 
 from runtime.config import config_from_dict
 
 ExportArgs = Annotated[
-    Optional[List[str]],
+    list[str] | None,
     typer.Argument(help="checkpoint=RUN_DIR (a step directory, or a Hugging Face model directory), out=DIR and "
                         "export.* overrides, e.g. export.format=hf export.dtype=bf16", show_default=False),
 ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, List, Optional
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -18,14 +18,14 @@ from moesys_cli.render import console, human_bytes, literal, print_json
 from runtime.errors import UserError, os_reason
 
 InferArgs = Annotated[
-    Optional[List[str]],
+    list[str] | None,
     typer.Argument(help='checkpoint=DIR, prompt="text" (repeat for a batch), prompt_ids=[1,2,3] and infer.* '
                         "overrides, e.g. infer.max_new_tokens=16 infer.ring_slots=2", show_default=False),
 ]
-Offload = Annotated[Optional[str], typer.Option(
+Offload = Annotated[str | None, typer.Option(
     "--offload", help="auto (default: per-layer placement within infer.ring_slots layers), ring, ondemand or none "
                       "(overrides infer.offload).", show_default=False)]
-Report = Annotated[Optional[Path], typer.Option(
+Report = Annotated[Path | None, typer.Option(
     "--report", metavar="FILE.html", help="Also write the result as one HTML page (moesys report): per-layer "
                                           "policy, bytes per token, a token's copy/compute timeline.")]
 USAGE = "moesys infer takes checkpoint=DIR, prompt=TEXT, prompt_ids=[..] and infer.KEY=VALUE"

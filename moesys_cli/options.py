@@ -1,7 +1,7 @@
 """Options shared by several verbs, declared once."""
 
 import difflib
-from typing import Annotated, Any, List, Optional
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -11,7 +11,7 @@ from runtime.config.keys import keys_meant
 from runtime.errors import UserError
 
 Overrides = Annotated[
-    Optional[List[str]],
+    list[str] | None,
     typer.Argument(help="recipe=NAME and Hydra key=value overrides, e.g. recipe=gpt-moe-13b model.num_experts=16",
                    show_default=False),
 ]
@@ -31,7 +31,7 @@ def epilog(recipes: bool = True) -> str:
 
 
 def split_args(args: list[str], usage: str, plain: tuple[str, ...], sections: tuple[str, ...],
-               aliases: Optional[dict[str, str]] = None) -> tuple[dict[str, list[str]], dict[str, dict[str, Any]]]:
+               aliases: dict[str, str] | None = None) -> tuple[dict[str, list[str]], dict[str, dict[str, Any]]]:
     """A verb's key=value arguments: the values of each `plain` key as given, in order (`aliases` renames a key
     first: infer.prompt is prompt), and SECTION.KEY=VALUE of each of `sections` as overrides[SECTION][KEY], the
     value a YAML scalar ('' is None; what is not YAML stays text). Anything else is a one-line UserError."""

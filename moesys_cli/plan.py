@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -13,17 +13,17 @@ from moesys_cli.render import console, human_bytes, human_count, literal, print_
 from moesys_cli.resolve import lr_warning, resolve_config
 from runtime.errors import UserError
 from runtime.launch.command import launch_ram_problem
-from runtime.plan.modes import OffloadMode
+from runtime.plan.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
 from runtime.plan.machine_profile import machine_rates, rates_to_dict
+from runtime.plan.modes import OffloadMode
 from runtime.plan.planner import keep_layers_hint, plan_placement, plan_to_dict
 from runtime.plan.prediction import predict_modes
 from runtime.plan.schedule import choose_schedule, scheduled
-from runtime.plan.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
 
 Measure = Annotated[bool, typer.Option(
     "--measure", help="First measure this machine's rates (copies, host AdamW, disk, GEMM, the model's resident MFU) "
                       "and keep them in its profile for later plans here (runtime/plan/machine_profile.py).")]
-Compare = Annotated[Optional[Path], typer.Option(
+Compare = Annotated[Path | None, typer.Option(
     "--compare", metavar="RUN_DIR", help="Set the run's recorded plan beside the peak memory each of its ranks "
                                          "measured, per tier, with the ratio (the run's own config is used).")]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, List, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -11,18 +11,18 @@ from rich.table import Table
 from moesys_cli.options import Json
 from moesys_cli.render import console, literal, print_json
 from moesys_cli.resolve import recipe_text, resolve_config
+from runtime.errors import UserError
 from runtime.plan.rebalance import rebalance as compute_rebalance
 from runtime.plan.rebalance import rebalance_to_dict, write_rebalanced_recipe
-from runtime.errors import UserError
 
 TaskOverrides = Annotated[
-    Optional[List[str]],
+    list[str] | None,
     typer.Argument(help="recipe=NAME of a recipe with tasks (e.g. recipe=ufo-multitask) and Hydra key=value "
                         "overrides, e.g. topology.nodes=2 tasks.task1.batch_size=256", show_default=False),
 ]
-FromRun = Annotated[Optional[Path], typer.Option("--from-run", help="Use each task's measured samples/s from a "
+FromRun = Annotated[Path | None, typer.Option("--from-run", help="Use each task's measured samples/s from a "
                                                  "finished run's metrics.jsonl.", show_default=False)]
-Write = Annotated[Optional[Path], typer.Option("--write", help="Write a recipe file with this allocation "
+Write = Annotated[Path | None, typer.Option("--write", help="Write a recipe file with this allocation "
                                                "(train with: moesys train recipe=FILE).", show_default=False)]
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.text import Text
 from typer import Exit
 
@@ -80,7 +79,7 @@ class ByteProgress:
             self.tasks[key] = self.bars.add_task(f"tokenizing {escape(key)}", total=total)
         self.bars.update(self.tasks[key], completed=done)
 
-    def __enter__(self) -> "ByteProgress":
+    def __enter__(self) -> ByteProgress:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, List, Optional
+from typing import Annotated
 
 import typer
 
@@ -12,14 +12,14 @@ from moesys_cli.render import console, literal, print_json
 from runtime.errors import UserError
 
 ReportArgs = Annotated[
-    Optional[List[str]],
+    list[str] | None,
     typer.Argument(help="RUN_DIR (a train.run_dir) or FILE.json (moesys infer --json), and optionally out=FILE.html "
                         "(default: RUN_DIR/report.html, or FILE.html beside FILE.json)", show_default=False),
 ]
 USAGE = "moesys report takes RUN_DIR or FILE.json, and optionally out=FILE.html"
 
 
-def parse_report_args(args: list[str]) -> tuple[str, Optional[str]]:
+def parse_report_args(args: list[str]) -> tuple[str, str | None]:
     """(source, out or None)."""
     sources, out = [], None
     for arg in args:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Annotated, Any, List, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -15,14 +15,14 @@ from moesys_cli.render import console, literal
 from runtime.config import config_from_dict
 
 ServeArgs = Annotated[
-    Optional[List[str]],
+    list[str] | None,
     typer.Argument(help="checkpoint=DIR, then infer.* overrides (a request's defaults and the expert placement, "
                         "e.g. infer.max_new_tokens=64 infer.ring_slots=2) and serve.* overrides (e.g. "
                         "serve.max_batch_size=8)", show_default=False),
 ]
-Host = Annotated[Optional[str], typer.Option("--host", help="Address to listen on (overrides serve.host).",
+Host = Annotated[str | None, typer.Option("--host", help="Address to listen on (overrides serve.host).",
                                              show_default=False)]
-Port = Annotated[Optional[int], typer.Option("--port", help="TCP port (overrides serve.port); 0 picks a free one.",
+Port = Annotated[int | None, typer.Option("--port", help="TCP port (overrides serve.port); 0 picks a free one.",
                                              show_default=False)]
 USAGE = "moesys serve takes checkpoint=DIR, infer.KEY=VALUE and serve.KEY=VALUE"
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, List, Optional
+from typing import Annotated
 
 import typer
 
@@ -11,7 +11,7 @@ from moesys_cli.options import Json, required, split_args, train_keys
 from moesys_cli.render import ByteProgress, console, interrupted_writes_nothing, literal, print_json
 
 TokenizeArgs = Annotated[
-    Optional[List[str]],
+    list[str] | None,
     typer.Argument(help="data=PATH (a text file, a directory of *.txt, a .jsonl), out=FILE.bin (or .npy), "
                         "train.tokenizer=bytes|PATH (the run's), train.data_text_key=KEY and "
                         "train.data_errors=strict|replace", show_default=False),

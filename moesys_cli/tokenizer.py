@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, List, Optional
+from typing import Annotated
 
 import typer
 
@@ -17,7 +17,7 @@ app = typer.Typer(name="tokenizer", no_args_is_help=True, add_completion=False, 
                   help="Tokenizers: moesys tokenizer train data=... vocab_size=N out=FILE.")
 
 TrainArgs = Annotated[
-    Optional[List[str]],
+    list[str] | None,
     typer.Argument(help="data=PATH (a text file, a directory of *.txt, a .jsonl), vocab_size=N (from "
                         f"{BYTE_VOCAB} to {MAX_VOCAB:,}), out=FILE, train.data_text_key=KEY for a .jsonl whose text "
                         "is not under 'text', and train.data_errors=strict|replace", show_default=False),

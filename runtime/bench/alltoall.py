@@ -21,8 +21,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from runtime.bench.netns import Cluster, ClusterError, ClusterUnavailable, Host, RailCluster, SimulatedCluster
 from runtime.config import MoesysConfig

@@ -28,12 +28,12 @@ from pathlib import Path
 
 import psutil
 
-from runtime.host import memcap
 from runtime.bench.disk import measure_disk
 from runtime.config import ModelConfig, MoesysConfig, validate
 from runtime.errors import UserError
 from runtime.files.paths import EXPERT_STORE
 from runtime.files.run_dir import read_metrics
+from runtime.host import memcap
 from runtime.launch.job import run_job
 from runtime.plan.params import count_parameters
 

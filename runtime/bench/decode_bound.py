@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import mmap
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
 
 import torch
 
@@ -37,7 +37,7 @@ def _best_s(fn, device: torch.device, repeats: int = 5) -> float:
 
 
 @contextmanager
-def cpu_threads(threads: Optional[int]) -> Iterator[None]:
+def cpu_threads(threads: int | None) -> Iterator[None]:
     """torch's intra-op threads set to `threads` (unchanged when None) for the block."""
     before = torch.get_num_threads()
     if threads:
@@ -48,7 +48,7 @@ def cpu_threads(threads: Optional[int]) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def read_bandwidth(device: torch.device, nbytes: int = 256 << 20, threads: Optional[int] = None) -> float:
+def read_bandwidth(device: torch.device, nbytes: int = 256 << 20, threads: int | None = None) -> float:
     """Bytes/s a reduction reads from `device`'s memory (best of a few; more than any cache holds), on the CPU with
     `threads` threads from memory allocated as weights are (huge pages where offered)."""
     x = empty_weight((nbytes // 4,), torch.float32, device).fill_(1.0)
@@ -56,7 +56,7 @@ def read_bandwidth(device: torch.device, nbytes: int = 256 << 20, threads: Optio
         return nbytes / _best_s(x.sum, device)
 
 
-def mapped_read_bandwidth(path: Path, threads: Optional[int] = None) -> float:
+def mapped_read_bandwidth(path: Path, threads: int | None = None) -> float:
     """Bytes/s a reduction on the CPU reads from `path` memory-mapped (its pages in the page cache after the first
     pass): the memory an `--offload auto` layer streamed on a CPU computes on."""
     with open(path, "rb") as f:

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from runtime.files.run_dir import load_config
 from runtime.host.io import atomic_write_json
+from runtime.host.topology import set_cpu_threads
 from runtime.model.transformer import Transformer
 from runtime.parallel.embedding_partition import partition_embedding, partitioned_parameters
 from runtime.parallel.grad_buckets import GradBucketReducer
-from runtime.host.topology import set_cpu_threads
 
 SPEC = "embedding_bench.json"
 """The run directory's file of warm-up and timed steps: {"warmup": N, "steps": N}."""

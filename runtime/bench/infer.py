@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from runtime.bench.infer_workers import NEW_TOKENS, PROMPT, REPEATS, _hf_worker, _moesys_worker  # noqa: F401
 from runtime.host import memcap
@@ -54,7 +54,7 @@ the process's runtime (the plan's PROCESS_RUNTIME_BYTES) and one layer's experts
 
 
 def _subprocess(call: str, args: dict, isolate: bool = True, timeout: float = 900,
-                cap: Optional[memcap.MemoryCap] = None) -> dict:
+                cap: memcap.MemoryCap | None = None) -> dict:
     """Run `call(**args)` of this module in a fresh Python process (in this one when not isolate), inside `cap`
     when given; its result, or {"error": ...} when it fails or runs past `timeout` seconds."""
     if not isolate:
@@ -87,14 +87,14 @@ def _auto_worker(checkpoint: str, slots: int, new_tokens: int) -> dict:
     return {k: result[k] for k in CAPPED_FIELDS}
 
 
-def _last_partial(stdout: Optional[str | bytes]) -> dict:
+def _last_partial(stdout: str | bytes | None) -> dict:
     """{"partial": what a worker had measured} from its last PARTIAL line, {} without one."""
     text = stdout.decode(errors="replace") if isinstance(stdout, bytes) else (stdout or "")
     lines = [line for line in text.splitlines() if line.startswith("PARTIAL ")]
     return {"partial": json.loads(lines[-1][len("PARTIAL "):])} if lines else {}
 
 
-def _infer_cli(checkpoint: Path, slots: int, new_tokens: int, cap: Optional[memcap.MemoryCap] = None,
+def _infer_cli(checkpoint: Path, slots: int, new_tokens: int, cap: memcap.MemoryCap | None = None,
                timeout: float = 900) -> dict:
     """`moesys infer --offload auto` (_auto_worker) in a fresh process of this interpreter, in the cap when given:
     no `moesys` command needs to be on PATH (a virtual environment not activated); its result, or {"error": ...}."""
@@ -102,7 +102,7 @@ def _infer_cli(checkpoint: Path, slots: int, new_tokens: int, cap: Optional[memc
                        timeout=timeout, cap=cap)
 
 
-def drop_page_cache(directory: Path) -> Optional[str]:
+def drop_page_cache(directory: Path) -> str | None:
     """Evict `directory`'s files from the page cache (no root needed); None when done, else why not."""
     if not evict_dir(directory):
         return f"cannot evict the files of {directory} from the page cache"
@@ -116,7 +116,7 @@ def _matching_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _ratio(a: dict, b: dict) -> Optional[float]:
+def _ratio(a: dict, b: dict) -> float | None:
     if "decode_tokens_per_s" not in a or "decode_tokens_per_s" not in b:
         return None
     return a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
@@ -138,7 +138,7 @@ def _best_transformers(systems: dict[str, dict]) -> dict:
     return max(rows, key=lambda r: r["decode_tokens_per_s"]) if rows else {}
 
 
-def _sweep_threads(threads: Optional[list[int]]) -> list[int]:
+def _sweep_threads(threads: list[int] | None) -> list[int]:
     """The thread counts systems decode with: 1 and every usable CPU on a CPU (the largest is the main count the
     rows of `systems` run at); only the main one on a GPU, where the CPU's threads do not bound resident decode."""
     import torch
@@ -150,15 +150,15 @@ def _sweep_threads(threads: Optional[list[int]]) -> list[int]:
     return [usable_cpus()] if torch.cuda.is_available() else sorted({1, usable_cpus()})
 
 
-def _largest_file(directory: Path) -> Optional[Path]:
+def _largest_file(directory: Path) -> Path | None:
     files = sorted(directory.glob("*.safetensors"), key=lambda f: f.stat().st_size)
     return files[-1] if files else None
 
 
-def run_infer_bench(ring_slots: int, shape: Optional[dict] = None, new_tokens: int = NEW_TOKENS,
-                    repeats: int = REPEATS, capped: bool = True, workdir: Optional[Path] = None,
-                    isolate: bool = True, size: str = "small", compile: Optional[bool] = None,
-                    threads: Optional[list[int]] = None) -> dict:
+def run_infer_bench(ring_slots: int, shape: dict | None = None, new_tokens: int = NEW_TOKENS,
+                    repeats: int = REPEATS, capped: bool = True, workdir: Path | None = None,
+                    isolate: bool = True, size: str = "small", compile: bool | None = None,
+                    threads: list[int] | None = None) -> dict:
     """Every system on one checkpoint with an expert budget of `ring_slots` layers (`moesys bench infer` passes
     infer.ring_slots and infer.compile, and --size picks the shape from SIZES; `shape` overrides its keys); the
     ratios against their targets, each system's bandwidth bound and the capped cold/warm runs. Every system runs with

@@ -11,12 +11,11 @@ copies over PCIe, and accelerate's CPU offload copies every offloaded layer's ex
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from runtime.bench.decode_bound import (decode_bound, host_to_device_bandwidth, mapped_read_bandwidth,
-                                        read_bandwidth)
+from runtime.bench.decode_bound import decode_bound, host_to_device_bandwidth, mapped_read_bandwidth, read_bandwidth
 
 READS_LIKE = {"transformers": "moesys_none", "transformers_static": "moesys_none",
               "moesys_none_forward": "moesys_none", "accelerate_disk": "moesys_auto"}
@@ -24,7 +23,7 @@ READS_LIKE = {"transformers": "moesys_none", "transformers_static": "moesys_none
 none reads (the same weights), accelerate what auto reads (the same budget, routed experts only)."""
 
 
-def measure_bandwidths(threads: list[int], mapped_file: Optional[Path] = None) -> dict[str, Any]:
+def measure_bandwidths(threads: list[int], mapped_file: Path | None = None) -> dict[str, Any]:
     """Read bandwidths at each thread count (the largest is the main one, whose figures are the top-level fields):
     the device tier's (on a CPU: memory placed as weights are, on huge pages), the host's, the checkpoint's mapped
     pages' (the memory auto's streamed layers compute on without a GPU), and pinned copies' to the GPU."""
@@ -42,7 +41,7 @@ def measure_bandwidths(threads: list[int], mapped_file: Optional[Path] = None) -
             "threads": main, "by_threads": by_threads}
 
 
-def streamed_path(system: str, bandwidth: dict[str, Any], at: dict[str, float]) -> tuple[Optional[str], float]:
+def streamed_path(system: str, bandwidth: dict[str, Any], at: dict[str, float]) -> tuple[str | None, float]:
     """(path, bytes/s) of the bytes `system` streams from the host tier, `at` its thread count's bandwidths; (None,
     0) for a system that streams nothing."""
     pcie = bandwidth["host_to_device_bytes_per_s"]

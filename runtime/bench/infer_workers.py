@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 PROMPT = list(range(100, 116))
 NEW_TOKENS = 32
@@ -28,7 +29,7 @@ def _partial(result: dict) -> None:
         print("PARTIAL " + json.dumps(result), flush=True)
 
 
-def _decode_rate(generate, new_tokens: int, repeats: int, measured: Optional[dict] = None,
+def _decode_rate(generate, new_tokens: int, repeats: int, measured: dict | None = None,
                  report: Callable[[dict], None] = _partial) -> tuple[list[int], float]:
     """(tokens, decode tokens/s): generate(n) makes n greedy tokens; decode = (t(n) - t(1)) over n - 1 tokens. The
     warm-up's time and each rate are added to `measured` and reported (as PARTIAL lines) as they come."""
@@ -50,7 +51,7 @@ def _decode_rate(generate, new_tokens: int, repeats: int, measured: Optional[dic
     return tokens, statistics.median(rates)
 
 
-def _threads(threads: Optional[int]) -> int:
+def _threads(threads: int | None) -> int:
     """Set this process's intra-op threads (all usable CPUs when None, as `moesys infer` runs); the count."""
     import torch
 
@@ -59,8 +60,8 @@ def _threads(threads: Optional[int]) -> int:
     return set_cpu_threads(1) if threads is None else (torch.set_num_threads(threads) or threads)
 
 
-def _hf_worker(checkpoint: str, slots: int, offload_dir: Optional[str], new_tokens: int, repeats: int,
-               threads: Optional[int] = None, static: bool = False) -> dict:
+def _hf_worker(checkpoint: str, slots: int, offload_dir: str | None, new_tokens: int, repeats: int,
+               threads: int | None = None, static: bool = False) -> dict:
     """transformers (+ accelerate's offload when offload_dir is given), in this process. With a GPU, the model is
     on it and accelerate keeps the dense weights and layers 0..K-1's experts there, the other experts in host
     memory (its CPU offload); without one, everything is in memory and the other experts go to disk.
@@ -134,8 +135,8 @@ def _hf_worker(checkpoint: str, slots: int, offload_dir: Optional[str], new_toke
 
 
 def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repeats: int,
-                   compile: Optional[bool] = None, forward_step: bool = False, against_forward: bool = False,
-                   threads: Optional[int] = None, counts: bool = True) -> dict:
+                   compile: bool | None = None, forward_step: bool = False, against_forward: bool = False,
+                   threads: int | None = None, counts: bool = True) -> dict:
     """moesys in this process: the checkpoint opened and placed once (on the GPU when there is one), one decode
     step (compiled or not, as infer.compile says; the model's forward per token with forward_step, the static
     step's baseline) reused by timed generations, then its counts under the profiler (unless not counts) and the

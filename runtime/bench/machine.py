@@ -15,11 +15,11 @@ import torch
 from runtime.bench.disk import measure_disk
 from runtime.bench.mfu import peak_flops
 from runtime.config import MoesysConfig
+from runtime.host.topology import set_cpu_threads
 from runtime.model.precision import PRECISION_DTYPES
-from runtime.storage.optim import AdamWHyper, fused_adamw
 from runtime.plan.machine_profile import cache_root, machine_rates, model_key, usable_cores, write_profile
 from runtime.plan.step_time import GB, Rates, training_flops_per_token
-from runtime.host.topology import set_cpu_threads
+from runtime.storage.optim import AdamWHyper, fused_adamw
 
 ADAMW_PARAMS = 1 << 24
 """Parameters the AdamW probe steps (64 MB a tensor: past every cache, as a real step's are)."""

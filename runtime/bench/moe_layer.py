@@ -6,7 +6,7 @@ the layer at Qwen3-MoE's shape against transformers' own block (runtime/bench/qw
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

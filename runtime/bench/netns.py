@@ -18,8 +18,8 @@ import re
 import shutil
 import signal
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 PREFIX = "moesys-netns-"
 INTERFACE = "eth0"

@@ -33,14 +33,14 @@ import torch
 from runtime.bench.disk import DiskBandwidth, measure_disk
 from runtime.bench.machine import measured_rates
 from runtime.bench.offload_fine_grained import VARIANTS, run_fine_grained
-from runtime.storage.optim import AdamWHyper, fused_adamw
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
-from runtime.plan.params import count_parameters
-from runtime.plan.step_time import Rates, StepWork, step_bound
+from runtime.data.dataset import TokenDataset
 from runtime.host.topology import usable_cpus
 from runtime.parallel.groups import build_groups
+from runtime.plan.params import count_parameters
+from runtime.plan.step_time import Rates, StepWork, step_bound
+from runtime.storage.optim import AdamWHyper, fused_adamw
 from runtime.train.build import build_components
-from runtime.data.dataset import TokenDataset
 from runtime.train.loop import forward_backward, optimizer_step
 
 CPU = torch.device("cpu")

@@ -7,7 +7,7 @@ call per expert and tensor) that stay hidden at 8 experts would show at 16x as m
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from runtime.config import MoesysConfig
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
+from runtime.bench.jobs import job_root
 from runtime.bench.machine import measured_rates
 from runtime.bench.mfu import peak_flops, spec_peak_flops, training_flops_per_token
 from runtime.config import MoesysConfig
-from runtime.bench.jobs import job_root
 from runtime.errors import UserError
-from runtime.launch.job import run_job
 from runtime.files.run_dir import read_metrics
+from runtime.launch.job import run_job
 from runtime.model.precision import PRECISION_DTYPES
 from runtime.plan.params import count_parameters
 from runtime.plan.planner import plan_placement

@@ -8,7 +8,7 @@ are on the same work.
 from __future__ import annotations
 
 import gc
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 import statistics
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 
@@ -86,9 +86,9 @@ def _measure(runs: dict[str, dict], prompts: list[list[int]], new_tokens: int, r
     }
 
 
-def run_ring_bench(cfg: Optional[ModelConfig] = None, ring_slots: int = 2, batches: Sequence[int] = BATCHES,
-                   prompt_len: int = 8, new_tokens: int = 32, repeats: int = 9, threads: Optional[int] = 1,
-                   seed: int = 0, device: Optional[str] = None) -> dict:
+def run_ring_bench(cfg: ModelConfig | None = None, ring_slots: int = 2, batches: Sequence[int] = BATCHES,
+                   prompt_len: int = 8, new_tokens: int = 32, repeats: int = 9, threads: int | None = 1,
+                   seed: int = 0, device: str | None = None) -> dict:
     """Decode tokens/s and paired ratios per mode at each batch size; the first batch's figures are top level.
 
     threads: torch intra-op threads for the whole process (None keeps the setting). On a CPU the copy thread is

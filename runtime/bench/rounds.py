@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def alternate(runs: dict[str, Callable[[], object]], reset: Callable[[], None], sync: Callable[[], None],

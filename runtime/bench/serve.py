@@ -27,8 +27,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 from urllib.parse import urlsplit
 
 SHAPE = {"hidden": 256, "ffn": 1024, "layers": 4, "experts": 8, "vocab": 4096, "heads": 4}
@@ -77,16 +78,16 @@ def _expected(checkpoint: Path, bodies: list[dict]) -> list[list[int]]:
     return out
 
 
-def _checker(bodies: list[dict], expected: list[list[int]]) -> Callable[[int, list[int]], Optional[str]]:
+def _checker(bodies: list[dict], expected: list[list[int]]) -> Callable[[int, list[int]], str | None]:
     """check(body index, tokens): None when the answer is exactly `moesys infer`'s tokens, else why not (batched or
     not: a row of the decode batch is computed as a lone step)."""
-    def check(which: int, tokens: list[int]) -> Optional[str]:
+    def check(which: int, tokens: list[int]) -> str | None:
         return None if tokens == expected[which] else f"request {which}: tokens differ from moesys infer"
 
     return check
 
 
-def _ask(conn: http.client.HTTPConnection, body: dict) -> tuple[list[int], Optional[float]]:
+def _ask(conn: http.client.HTTPConnection, body: dict) -> tuple[list[int], float | None]:
     """One request's new token ids (streamed or not) and, streamed, the seconds to its first event; raises on
     anything but a 200."""
     start = time.perf_counter()
@@ -148,11 +149,11 @@ def _start(checkpoint: Path, offload: str, batch: int, log: Path) -> tuple[subpr
     return proc, url.hostname, url.port
 
 
-def _load(host: str, port: int, bodies: list[dict], check: Callable[[int, list[int]], Optional[str]],
+def _load(host: str, port: int, bodies: list[dict], check: Callable[[int, list[int]], str | None],
           clients: int, duration_s: float) -> dict[str, Any]:
     """`clients` threads, each asking in turn until the time is up; then each answer is checked (on this thread:
     the reference model is not shared between threads). Latency per request, failures with a reason."""
-    answers: list[tuple[int, list[int], float, Optional[float]]] = []
+    answers: list[tuple[int, list[int], float, float | None]] = []
     failures: list[str] = []
     lock = threading.Lock()
     stop_at = time.perf_counter() + duration_s
@@ -198,11 +199,11 @@ def _load(host: str, port: int, bodies: list[dict], check: Callable[[int, list[i
     return {**_summary(good, elapsed), "failed": len(failures), "failures": failures[:5]}
 
 
-def _percentile(sorted_ms: list[float], q: float) -> Optional[float]:
+def _percentile(sorted_ms: list[float], q: float) -> float | None:
     return sorted_ms[min(len(sorted_ms) - 1, int(q * len(sorted_ms)))] if sorted_ms else None
 
 
-def _summary(answers: list[tuple[int, list[int], float, Optional[float]]], elapsed: float) -> dict[str, Any]:
+def _summary(answers: list[tuple[int, list[int], float, float | None]], elapsed: float) -> dict[str, Any]:
     """Requests and tokens per second, latency and (streamed requests) time-to-first-token percentiles."""
     ms = sorted(1e3 * a[2] for a in answers)
     ttft = sorted(1e3 * a[3] for a in answers if a[3] is not None)
@@ -244,7 +245,7 @@ def _setting(checkpoint: Path, offload: str, batch: int, bodies: list[dict], exp
     exact = _batch_invariant(batch)
     differing: list[int] = []
     if not exact:  # tokens that part from the lone run's at a rounding near-tie are counted, not failures
-        def check(which: int, tokens: list[int], _exact=check) -> Optional[str]:
+        def check(which: int, tokens: list[int], _exact=check) -> str | None:
             if _exact(which, tokens) is not None:
                 differing.append(which)
             return None if len(tokens) == len(expected[which]) else f"request {which}: {len(tokens)} tokens"
@@ -273,11 +274,12 @@ def _setting(checkpoint: Path, offload: str, batch: int, bodies: list[dict], exp
     return result
 
 
-def run_serve_bench(clients: int = CLIENTS, duration_s: float = DURATION_S, settings: Optional[dict] = None,
-                    workdir: Optional[Path] = None, dtype: str = DTYPE) -> dict[str, Any]:
+def run_serve_bench(clients: int = CLIENTS, duration_s: float = DURATION_S, settings: dict | None = None,
+                    workdir: Path | None = None, dtype: str = DTYPE) -> dict[str, Any]:
     """Each setting under the same load; raises when any valid request failed or the server did not exit 0."""
-    from runtime.inference.random_checkpoint import write_random_mixtral
     import torch
+
+    from runtime.inference.random_checkpoint import write_random_mixtral
 
     root = Path(tempfile.mkdtemp(prefix="moesys-bench-serve-", dir=workdir))
     try:

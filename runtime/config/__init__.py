@@ -8,9 +8,22 @@ The CLI composes these with Hydra; torchrun workers rebuild them from the run di
 from runtime.config.checks import BOUND_TESTS, ConfigError, ConfigSection, Problems, choices
 from runtime.config.plain import config_from_dict, config_to_dict
 from runtime.config.rules import BYTE_VOCAB, CROSS_SECTION_RULES, packages_installed, resolve_auto, validate
-from runtime.config.schema import (DistillConfig, ExportConfig, InferConfig, LauncherConfig, ModelConfig, MoesysConfig,
-                                   ParallelConfig, ServeConfig, StorageConfig, StudentConfig, TaskConfig,
-                                   TopologyConfig, TrainConfig, resume_step)
+from runtime.config.schema import (
+                                   DistillConfig,
+                                   ExportConfig,
+                                   InferConfig,
+                                   LauncherConfig,
+                                   ModelConfig,
+                                   MoesysConfig,
+                                   ParallelConfig,
+                                   ServeConfig,
+                                   StorageConfig,
+                                   StudentConfig,
+                                   TaskConfig,
+                                   TopologyConfig,
+                                   TrainConfig,
+                                   resume_step,
+)
 
 __all__ = [
     "BOUND_TESTS", "BYTE_VOCAB", "CROSS_SECTION_RULES", "ConfigError", "ConfigSection", "DistillConfig", "ExportConfig",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Annotated, Any, Callable, ClassVar, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
 
 from runtime.errors import UserError
 

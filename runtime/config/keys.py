@@ -14,7 +14,7 @@ import textwrap
 import types
 import typing
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from runtime.config import MoesysConfig, choices
@@ -32,7 +32,7 @@ class ConfigKey:
     """The field's docstring, on one line."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def attribute_docs(cls: type) -> dict[str, str]:
     """{field: docstring} from the string literal under each annotated field of a class; {} without source."""
     try:

@@ -5,7 +5,7 @@ before."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, List, Literal, Optional
+from typing import Annotated, Literal
 
 from runtime.config.checks import ConfigSection, Problems
 
@@ -23,16 +23,16 @@ class ModelConfig(ConfigSection):
     """Transformer blocks."""
     num_heads: int = 4
     """Attention (query) heads."""
-    num_kv_heads: Optional[int] = None
+    num_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None means num_heads."""
-    head_dim: Optional[int] = None
+    head_dim: int | None = None
     """Width of one attention head; None means hidden_size / num_heads."""
     vocab_size: int = 256
     """Vocabulary V: at least train.tokenizer's (bytes: 259 with eos and the chat markers, 256 without them); more
     leaves ids no text maps to."""
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: int | None = None
     """Expert FFN width F (and the dense blocks' unless dense_ffn_hidden_size is set); None means 4 x hidden_size."""
-    dense_ffn_hidden_size: Optional[int] = None
+    dense_ffn_hidden_size: int | None = None
     """FFN width of the dense (non-MoE) blocks; None means ffn_hidden_size."""
     num_experts: int = 8
     """Experts per MoE layer E."""
@@ -42,7 +42,7 @@ class ModelConfig(ConfigSection):
     """FFN kind: gelu (GPT) or swiglu (Mixtral)."""
     moe_layer_freq: int = 1
     """Every k-th block is an MoE block (1 = all)."""
-    moe_layers: Optional[List[int]] = None
+    moe_layers: list[int] | None = None
     """The 0-based indices of the MoE blocks, the others dense; None means every moe_layer_freq-th block."""
     shared_expert_hidden_size: int = 0
     """FFN width of the shared expert every token of an MoE block passes through beside its routed experts (N shared
@@ -60,7 +60,7 @@ class ModelConfig(ConfigSection):
     heads' values at once, OLMoE)."""
     bias: bool = True
     """Biases in linear layers and LayerNorm."""
-    attention_bias: Optional[Annotated[str, Literal["none", "qkv", "all"]]] = None
+    attention_bias: Annotated[str, Literal["none", "qkv", "all"]] | None = None
     """Biases of the attention projections: none, qkv (query, key and value; Qwen2-MoE) or all; None follows
     model.bias."""
     position: Annotated[str, Literal["learned", "rope"]] = "learned"
@@ -98,7 +98,7 @@ class ModelConfig(ConfigSection):
     embedding_partition: bool = False
     """Split the [V, H] embedding column-wise over data-parallel ranks (the paper's "Embedding Partition in Data
     Parallelism")."""
-    family: Optional[Annotated[str, Literal[FAMILIES]]] = None
+    family: Annotated[str, Literal[FAMILIES]] | None = None
     """The released family this model was read from and export.format=hf writes it as (mixtral, qwen2_moe, qwen3_moe,
     olmoe, ernie4_5_moe); None: moesys's own, written as mixtral where its parts allow."""
 

@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import types
 import typing
-from typing import Any, Dict, List
+from typing import Any
 
 from runtime.config.checks import ConfigError
 from runtime.config.rules import resolve_auto, validate
@@ -30,9 +30,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping (got {value!r})")
         return _build(tp, value, key)
-    if origin in (dict, Dict):
+    if origin in (dict, dict):
         return {k: _convert(v, args[1], f"{key}.{k}") for k, v in (value or {}).items()}
-    if origin in (list, List):
+    if origin in (list, list):
         return [_convert(v, args[0], key) for v in value]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from runtime.config.checks import ConfigError, Problems
 from runtime.config.schema import MoesysConfig

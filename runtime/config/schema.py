@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Annotated, Dict, List, Literal, Optional
+from typing import Annotated, Literal
 
 from runtime.config.checks import ConfigSection, Problems
-from runtime.config.model import ModelConfig
 from runtime.config.machine import MachineRates
+from runtime.config.model import ModelConfig
 
 AUTO_LAYERS = None
 """storage.resident_layers=auto as the schema stores it (0 is a value of its own: no layer kept)."""
@@ -86,7 +86,7 @@ class StorageConfig(ConfigSection):
     allows, so the disk moves the states without a CPU copy. false: through the page cache, which costs the CPU
     several times a memcpy per byte but keeps recently written experts in free RAM (faster only where it holds the
     store)."""
-    resident_layers: Optional[int] = 0
+    resident_layers: int | None = 0
     """storage.offload=cpu|ssd: the first N MoE layers keep their expert states on the device, trained by the resident
     optimizer as with offload=none; the rest are offloaded (ZeRO-Offload++'s Twin-Flow, by layer). Spends spare GPU
     memory so that the CPU optimizer steps fewer experts; `moesys plan` counts both parts. `auto` (stored as null): as
@@ -161,9 +161,9 @@ class TrainConfig(ConfigSection):
     benchmark whose checkpoint would not fit on the disk beside its expert store."""
     max_restarts: int = 3
     """Times torchrun restarts failed workers."""
-    run_dir: Optional[str] = None
+    run_dir: str | None = None
     """Run directory; None makes one under ./outputs/."""
-    data: Optional[str] = None
+    data: str | None = None
     """Training data: a text file, a directory of *.txt files, a .jsonl file (one JSON object a line, its text under
     train.data_text_key), or a token file (.bin: raw uint16 ids, uint32 for a vocabulary over 65,536; .npy of uint16
     or uint32) read through a memory map; None uses the corpus shipped with moesys."""
@@ -185,7 +185,7 @@ class TrainConfig(ConfigSection):
     tokenizer: str = "bytes"
     """bytes (UTF-8 bytes as ids 0..255) or the path of a Hugging Face tokenizer.json (moesys tokenizer train writes
     one); the run, its checkpoints and its exports carry a copy."""
-    eval_data: Optional[str] = None
+    eval_data: str | None = None
     """Held-out data in any train.data format; its loss and perplexity go to metrics.jsonl (eval_loss,
     eval_perplexity, eval_tokens) every train.eval_every steps. None: no evaluation."""
     eval_every: int = 0
@@ -212,12 +212,12 @@ class TrainConfig(ConfigSection):
     tensorboard: bool = False
     """Also write TensorBoard event files (RUN_DIR/tensorboard/, rank 0) with the metrics.jsonl values: scalars per
     step, each MoE layer's expert load as a histogram. Needs the extra: pip install 'moesys[tensorboard]'."""
-    init_from: Optional[str] = None
+    init_from: str | None = None
     """The weights a new run starts from: a Hugging Face model directory (config.json + safetensors, sharded or not)
     or a moesys run, step directory or export. Its model section replaces the recipe's (an explicit model.* override
     that contradicts it is refused) and its tokenizer.json, when it has one, is train.tokenizer's. Weights only: the
     optimizer starts from zero moments. A run directory that holds a checkpoint resumes from it instead (said once)."""
-    freeze: List[str] = field(default_factory=list)
+    freeze: list[str] = field(default_factory=list)
     """Parameter sets not trained: router, attention, norms, embeddings (input and output), experts, shared_experts.
     Frozen parameters get no gradient and no optimizer state; frozen offloaded experts move no gradients."""
     lr_schedule: Annotated[str, Literal["cosine", "linear", "constant"]] = "cosine"
@@ -246,9 +246,9 @@ class InferConfig(ConfigSection):
 
     max_new_tokens: int = 32
     """Tokens generated per prompt."""
-    prompt: Optional[str] = None
+    prompt: str | None = None
     """Prompt text."""
-    prompt_ids: Optional[List[int]] = None
+    prompt_ids: list[int] | None = None
     """Prompt as token ids, for checkpoints without a tokenizer."""
     temperature: float = 0.0
     """0 is greedy."""
@@ -260,7 +260,7 @@ class InferConfig(ConfigSection):
     """-2..2, subtracted from the logit of every token already generated (OpenAI's presence_penalty)."""
     frequency_penalty: float = 0.0
     """-2..2, subtracted from a token's logit once per time it has been generated (OpenAI's frequency_penalty)."""
-    logit_bias: Dict[str, float] = field(default_factory=dict)
+    logit_bias: dict[str, float] = field(default_factory=dict)
     """{token id: bias}, each bias -100..100 added to that token's logit before sampling (OpenAI's logit_bias)."""
     seed: int = 0
     """Sampling seed."""
@@ -275,9 +275,9 @@ class InferConfig(ConfigSection):
     input) while the previous layer computes. Off by default: its wrong guesses evict pages still needed, so it
     gained nothing from a cold page cache and slowed decode under a memory cap
     (benchmarks/infer-prefetch_*.md)."""
-    compile: Optional[bool] = None
+    compile: bool | None = None
     """Wrap the decode step in torch.compile (CUDA graphs on a GPU); null: where it pays, on CUDA, not on the CPU."""
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = None
     """Where ring and ondemand keep each checkpoint's copy of its experts (reused while the checkpoint is unchanged);
     null: $XDG_CACHE_HOME/moesys/experts, else ~/.cache/moesys/experts."""
     cache_gb: float = 100.0
@@ -304,7 +304,7 @@ class ExportConfig(ConfigSection):
     format: Annotated[str, Literal["moesys", "hf"]] = "moesys"
     """moesys (a checkpoint `moesys infer` and `moesys serve` read, without optimizer state) or hf (the model's own
     Hugging Face family, model.family; moesys's own SwiGLU/RoPE models as Mixtral)."""
-    dtype: Optional[Annotated[str, Literal["fp32", "bf16", "fp16"]]] = None
+    dtype: Annotated[str, Literal["fp32", "bf16", "fp16"]] | None = None
     """fp32, bf16 or fp16; null keeps the checkpoint's."""
     max_shard_gb: float = 5.0
     """Largest safetensors file written; larger models are split into shards with an index."""
@@ -330,10 +330,10 @@ class DistillConfig(ConfigSection):
     """Softmax temperature of the soft targets."""
     kd_weight: float = 0.5
     """Weight of the distillation loss; the language-model loss gets 1 - kd_weight."""
-    teacher: Optional[str] = None
+    teacher: str | None = None
     """The teacher's checkpoint (a step directory) a student run learns from; `moesys distill` sets it from
     checkpoint=. null: the run is not a distillation."""
-    heldout_data: Optional[str] = None
+    heldout_data: str | None = None
     """Held-out text (a file or a directory of *.txt) for the teacher's expert usage and both held-out losses;
     null holds out the last distill.heldout_fraction of train.data, which the student then does not train on."""
     heldout_fraction: float = 0.05
@@ -383,11 +383,11 @@ class LauncherConfig(ConfigSection):
     """c10d rendezvous host:port (multinode)."""
     rdzv_id: str = "moesys"
     """Rendezvous job id (multinode)."""
-    local_addr: Optional[str] = None
+    local_addr: str | None = None
     """This node's address on the network the nodes share (multinode); null: its hostname. torchrun publishes it
     to the other nodes and gloo/NCCL bind to its interface: set it where the hostname resolves to a loopback
     address or to another network."""
-    partition: Optional[str] = None
+    partition: str | None = None
     """SLURM partition."""
     time: str = "24:00:00"
     """SLURM time limit."""
@@ -402,7 +402,7 @@ class TaskConfig(ConfigSection):
 
     batch_size: int = 1
     """Samples per step."""
-    data: Optional[str] = None
+    data: str | None = None
     """The task's text data; None uses the shipped corpus."""
     cost_per_sample: float = 1.0
     """Relative compute cost of one sample."""
@@ -427,8 +427,8 @@ class MoesysConfig:
     student: StudentConfig = field(default_factory=StudentConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
-    tasks: Dict[str, TaskConfig] = field(default_factory=dict)
-    recipe: Optional[str] = None
+    tasks: dict[str, TaskConfig] = field(default_factory=dict)
+    recipe: str | None = None
     """Name of the recipe this config came from."""
     purpose: Annotated[str, Literal["train", "serve"]] = "train"
     """What `moesys plan` judges: train (Eq. 1 and the per-rank training estimate) or serve (ring-memory

@@ -13,9 +13,9 @@ Legend: B rows, S positions.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -47,15 +47,16 @@ class ChatSamples:
         return len(self.offsets) - 1
 
     def save(self, path: Path) -> None:
-        from runtime.host.io import atomic_write_bytes
         import io
+
+        from runtime.host.io import atomic_write_bytes
 
         buffer = io.BytesIO()
         np.savez(buffer, ids=self.ids, mask=self.mask, offsets=self.offsets, lines=self.lines, cut=np.array(self.cut))
         atomic_write_bytes(path, buffer.getvalue())
 
     @classmethod
-    def load(cls, path: Path) -> "ChatSamples":
+    def load(cls, path: Path) -> ChatSamples:
         with np.load(path) as f:
             return cls(f["ids"], f["mask"], f["offsets"], f["lines"], int(f["cut"]))
 
@@ -112,14 +113,14 @@ class ChatBatch:
 
     inputs: torch.Tensor
     targets: torch.Tensor
-    positions: Optional[torch.Tensor] = None
-    segments: Optional[torch.Tensor] = None
+    positions: torch.Tensor | None = None
+    segments: torch.Tensor | None = None
 
-    def to(self, device: torch.device) -> "ChatBatch":
+    def to(self, device: torch.device) -> ChatBatch:
         move = (lambda t: None if t is None else t.to(device))
         return ChatBatch(move(self.inputs), move(self.targets), move(self.positions), move(self.segments))
 
-    def rows(self, rows: slice) -> "ChatBatch":
+    def rows(self, rows: slice) -> ChatBatch:
         """The rows `rows` of this batch (a micro-batch of a rank's step)."""
         take = (lambda t: None if t is None else t[rows])
         return ChatBatch(take(self.inputs), take(self.targets), take(self.positions), take(self.segments))
@@ -133,7 +134,7 @@ class ChatDataset:
     """A chat source as rows of train.seq_len positions, drawn by the run's EpochOrder."""
 
     def __init__(self, samples: ChatSamples, seq_len: int, seed: int = 0, pack: bool = True, pad_id: int = 0,
-                 name: str = "data", vocab_size: Optional[int] = None):
+                 name: str = "data", vocab_size: int | None = None):
         if samples.count == 0:
             raise DataError(f"{name} holds no samples")
         if vocab_size is not None and samples.ids.size and int(samples.ids.max()) >= vocab_size:

@@ -6,9 +6,10 @@ neither is refused in one line naming its file and line and what is wrong with i
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 from runtime.data.text import JSONL_SUFFIXES, DataError
 
@@ -24,7 +25,7 @@ class ChatRecord:
     messages: list[Message]
 
 
-def first_record(path: Optional[str | Path]) -> Optional[dict]:
+def first_record(path: str | Path | None) -> dict | None:
     """The first record of a .jsonl file as a dict, None for any other source or one that does not parse."""
     if path is None or Path(path).suffix.lower() not in JSONL_SUFFIXES or not Path(path).is_file():
         return None
@@ -39,7 +40,7 @@ def first_record(path: Optional[str | Path]) -> Optional[dict]:
     return None
 
 
-def is_chat(path: Optional[str | Path], data_format: str) -> bool:
+def is_chat(path: str | Path | None, data_format: str) -> bool:
     """Whether a source is chat data: train.data_format=chat, or auto and a .jsonl whose first record has messages
     or a prompt and a completion."""
     if data_format != "auto":

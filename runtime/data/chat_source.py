@@ -6,7 +6,6 @@ train.data or train.eval_data that a worker trains or evaluates on."""
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
 
 from runtime.config import MoesysConfig
 from runtime.data.chat_data import ChatDataset, ChatSamples, Render, encode_samples, samples_cache
@@ -34,7 +33,7 @@ def _digest(cfg: MoesysConfig, tokenizer: Tokenizer) -> str:
 
 
 def run_samples(cfg: MoesysConfig, tokenizer: Tokenizer, key: str, path: str,
-                render: Optional[Render] = None) -> ChatSamples:
+                render: Render | None = None) -> ChatSamples:
     """A chat source's samples: the run's cache when `moesys train` wrote it, else encoded here."""
     cache_dir = run_cache_dir(cfg)
     cached = samples_cache(cache_dir, key, path, _digest(cfg, tokenizer)) if cache_dir else None
@@ -43,8 +42,8 @@ def run_samples(cfg: MoesysConfig, tokenizer: Tokenizer, key: str, path: str,
     return encode_samples(path, render or chat_renderer(tokenizer), cfg.train.seq_len, cfg.train.long_samples, key)
 
 
-def open_chat_dataset(cfg: MoesysConfig, tokenizer: Tokenizer, key: str, path: str, seed: Optional[int] = None,
-                      render: Optional[Render] = None) -> ChatDataset:
+def open_chat_dataset(cfg: MoesysConfig, tokenizer: Tokenizer, key: str, path: str, seed: int | None = None,
+                      render: Render | None = None) -> ChatDataset:
     """The rows of one of the run's chat sources, padded with the tokenizer's eos (0 without one)."""
     tr = cfg.train
     pad = getattr(tokenizer, "eos_id", None)

@@ -12,9 +12,10 @@ each earlier part does; one that rewrites earlier turns is refused.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 from runtime.data.tokenizer import IM_END, IM_START
 from runtime.errors import UserError
@@ -77,7 +78,7 @@ def _reason(exc: BaseException) -> str:
 
 
 def render_chat(messages: Sequence[Message], add_generation_prompt: bool = False, template: str = CHATML,
-                tokens: Optional[Mapping[str, str]] = None) -> str:
+                tokens: Mapping[str, str] | None = None) -> str:
     """The text of `messages` ({role, content} each), ending with the prompt of the assistant's answer when
     add_generation_prompt; `tokens`: the named special tokens the template sees (bos_token, eos_token, ...)."""
     import jinja2
@@ -90,7 +91,7 @@ def render_chat(messages: Sequence[Message], add_generation_prompt: bool = False
 
 
 def assistant_text_spans(messages: Sequence[Message], template: str = CHATML,
-                         tokens: Optional[Mapping[str, str]] = None) -> list[tuple[int, int]]:
+                         tokens: Mapping[str, str] | None = None) -> list[tuple[int, int]]:
     """[start, end) characters of each assistant message in `render_chat(messages)`: what the model writes after
     the generation prompt of its turn."""
     whole = render_chat(messages, template=template, tokens=tokens)
@@ -123,8 +124,8 @@ class ChatTokens:
         return mask
 
 
-def encode_chat(tokenizer: "Tokenizer", messages: Sequence[Message], add_generation_prompt: bool = False,
-                template: Optional[str] = None) -> ChatTokens:
+def encode_chat(tokenizer: Tokenizer, messages: Sequence[Message], add_generation_prompt: bool = False,
+                template: str | None = None) -> ChatTokens:
     """`render_chat` with the tokenizer's template (`template` given: that one) encoded as the tokenizer encodes any
     text (special tokens' strings as their ids), with each assistant message's ids: those made from any of its
     characters."""

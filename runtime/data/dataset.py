@@ -9,15 +9,15 @@ resumed run reads the very tokens the uninterrupted one would have. A rank reads
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping, Optional
 
 import numpy as np
 import torch
 
 from runtime.config import MoesysConfig
-from runtime.data.text import DataError, check_token_count, source_name
 from runtime.data.pretokenize import read_tokens, run_cache_dir
+from runtime.data.text import DataError, check_token_count, source_name
 from runtime.data.tokenizer import Tokenizer, byte_tokenizer
 
 
@@ -65,7 +65,7 @@ class TokenDataset:
     """
 
     def __init__(self, tokens: np.ndarray | torch.Tensor, seq_len: int, seed: int = 0, name: str = "data",
-                 vocab_size: Optional[int] = None):
+                 vocab_size: int | None = None):
         if seq_len <= 0:
             raise DataError(f"{name}: seq_len must be positive (got {seq_len})")
         if isinstance(tokens, torch.Tensor):
@@ -81,10 +81,10 @@ class TokenDataset:
         self.order = EpochOrder(self.num_windows, seed)
 
     @classmethod
-    def from_path(cls, path: Optional[str | Path], seq_len: int, seed: int = 0,
-                  tokenizer: Optional[Tokenizer] = None, key: str = "train.data", text_key: str = "text",
-                  cache_dir: Optional[Path] = None, vocab_size: Optional[int] = None,
-                  errors: str = "strict") -> "TokenDataset":
+    def from_path(cls, path: str | Path | None, seq_len: int, seed: int = 0,
+                  tokenizer: Tokenizer | None = None, key: str = "train.data", text_key: str = "text",
+                  cache_dir: Path | None = None, vocab_size: int | None = None,
+                  errors: str = "strict") -> TokenDataset:
         """A text file, a directory of *.txt files, a .jsonl file, a token file (.bin, .npy) or (path None) the
         shipped corpus; text is read from the run's token cache when `cache_dir` holds it. The tokenizer defaults to
         the byte tokenizer of `vocab_size` rows."""
@@ -120,8 +120,8 @@ class TokenDataset:
         return seqs[:, :-1], seqs[:, 1:]
 
 
-def open_dataset(cfg: MoesysConfig, tokenizer: Tokenizer, key: str = "train.data", path: Optional[str] = None,
-                 seed: Optional[int] = None) -> TokenDataset:
+def open_dataset(cfg: MoesysConfig, tokenizer: Tokenizer, key: str = "train.data", path: str | None = None,
+                 seed: int | None = None) -> TokenDataset:
     """The dataset of one of the run's sources (`key`, at `path`), with the run's window, text key and cache."""
     tr = cfg.train
     return TokenDataset.from_path(path, tr.seq_len, tr.seed if seed is None else seed, tokenizer, key,
@@ -133,9 +133,9 @@ def task_seed(seed: int, task: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(task.encode("utf-8"))) % (2**63)
 
 
-def build_task_datasets(task_data: Mapping[str, Optional[str]], seq_len: int, seed: int,
-                        cfg: Optional[MoesysConfig] = None,
-                        tokenizer: Optional[Tokenizer] = None) -> dict[str, TokenDataset]:
+def build_task_datasets(task_data: Mapping[str, str | None], seq_len: int, seed: int,
+                        cfg: MoesysConfig | None = None,
+                        tokenizer: Tokenizer | None = None) -> dict[str, TokenDataset]:
     """One dataset per task, each from its own path (None: the shipped corpus), each with its own order."""
     if cfg is None:
         return {name: TokenDataset.from_path(path, seq_len, task_seed(seed, name), key=f"tasks.{name}.data")

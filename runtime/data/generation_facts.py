@@ -12,12 +12,18 @@ inference, serving and export read them there. A model moesys initialised has no
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
-from runtime.files.paths import (CHAT_TEMPLATE_FILE, CHECKPOINTS, GENERATION_CONFIG, GENERATION_TOKENS_FILE,
-                                 HF_TOKENIZER_CONFIG)
+from runtime.files.paths import (
+    CHAT_TEMPLATE_FILE,
+    CHECKPOINTS,
+    GENERATION_CONFIG,
+    GENERATION_TOKENS_FILE,
+    HF_TOKENIZER_CONFIG,
+)
 from runtime.host.io import atomic_write_json, atomic_write_text
 
 NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -30,11 +36,11 @@ SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 class GenerationFacts:
     """What a model states about its chat and its tokens; a field left None defers to moesys's own."""
 
-    chat_template: Optional[str] = None
+    chat_template: str | None = None
     """None: ChatML."""
-    special_tokens: Optional[dict[str, str]] = None
+    special_tokens: dict[str, str] | None = None
     """NAMED_TOKENS the model sets, by name (a name it leaves unset is absent); None: moesys's own special tokens."""
-    eos_token_ids: Optional[tuple[int, ...]] = None
+    eos_token_ids: tuple[int, ...] | None = None
     """The ids its generation config ends generation at (an id or a list there); None: moesys's stop tokens."""
 
     def to_json(self) -> dict[str, Any]:
@@ -43,14 +49,14 @@ class GenerationFacts:
         return {"special_tokens": self.special_tokens, "eos_token_id": ids}
 
 
-def ending_ids(eos_token_ids: Iterable[int], eos_id: Optional[int]) -> tuple[int, ...]:
+def ending_ids(eos_token_ids: Iterable[int], eos_id: int | None) -> tuple[int, ...]:
     """The ids a generation ends at: those the generation config names, and the eos token's when it is not among them
     (as vLLM stops)."""
     ids = list(dict.fromkeys(eos_token_ids))
     return tuple(ids + [eos_id] if eos_id is not None and eos_id not in ids else ids)
 
 
-def _json(path: Path) -> Optional[dict]:
+def _json(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -58,7 +64,7 @@ def _json(path: Path) -> Optional[dict]:
     return data if isinstance(data, dict) else None
 
 
-def _ids(value: Any) -> Optional[tuple[int, ...]]:
+def _ids(value: Any) -> tuple[int, ...] | None:
     """An eos_token_id as a generation config gives it (an id, a list of ids, or null) as a tuple; None when unset."""
     if value is None:
         return None
@@ -66,13 +72,13 @@ def _ids(value: Any) -> Optional[tuple[int, ...]]:
     return tuple(i for i in values if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
 
 
-def _token(value: Any) -> Optional[str]:
+def _token(value: Any) -> str | None:
     """A named token as tokenizer files write it: its string, or an added token's content."""
     value = value.get("content") if isinstance(value, dict) else value
     return value if isinstance(value, str) else None
 
 
-def stated_eos_ids(directory: str | Path) -> Optional[tuple[int, ...]]:
+def stated_eos_ids(directory: str | Path) -> tuple[int, ...] | None:
     """eos_token_id of a Hugging Face directory's generation_config.json, else of its config.json; None where
     neither names one."""
     for name in (GENERATION_CONFIG, "config.json"):
@@ -82,7 +88,7 @@ def stated_eos_ids(directory: str | Path) -> Optional[tuple[int, ...]]:
     return None
 
 
-def _named_tokens(directory: Path) -> Optional[dict[str, str]]:
+def _named_tokens(directory: Path) -> dict[str, str] | None:
     """NAMED_TOKENS as transformers reads them: tokenizer_config.json's, where an older one without
     added_tokens_decoder has special_tokens_map.json's over its own; None without either file."""
     config, legacy = _json(directory / HF_TOKENIZER_CONFIG), _json(directory / SPECIAL_TOKENS_MAP)
@@ -95,7 +101,7 @@ def _named_tokens(directory: Path) -> Optional[dict[str, str]]:
     return {name: token for name, token in named.items() if token is not None}
 
 
-def _hf_template(directory: Path) -> Optional[str]:
+def _hf_template(directory: Path) -> str | None:
     """The directory's chat_template.jinja, else tokenizer_config.json's chat_template (the one named default of a
     list); None without one."""
     if (directory / CHAT_TEMPLATE_FILE).is_file():
@@ -106,7 +112,7 @@ def _hf_template(directory: Path) -> Optional[str]:
     return template if isinstance(template, str) else None
 
 
-def hf_facts(directory: str | Path) -> Optional[GenerationFacts]:
+def hf_facts(directory: str | Path) -> GenerationFacts | None:
     """What a Hugging Face model directory states (also a moesys export of one, which carries its files); None when
     it has no tokenizer_config.json, special_tokens_map.json, generation_config.json or chat template."""
     directory = Path(directory)
@@ -114,7 +120,7 @@ def hf_facts(directory: str | Path) -> Optional[GenerationFacts]:
     return None if facts == GenerationFacts() else facts
 
 
-def recorded_facts(directory: str | Path) -> Optional[GenerationFacts]:
+def recorded_facts(directory: str | Path) -> GenerationFacts | None:
     """What a run directory, checkpoint or moesys export records (GENERATION_TOKENS_FILE and CHAT_TEMPLATE_FILE); a
     template alone is a template with moesys's tokens; None without either."""
     directory = Path(directory)
@@ -129,7 +135,7 @@ def recorded_facts(directory: str | Path) -> Optional[GenerationFacts]:
     return GenerationFacts(template, named, _ids(data.get("eos_token_id")))
 
 
-def directory_facts(directory: str | Path) -> Optional[GenerationFacts]:
+def directory_facts(directory: str | Path) -> GenerationFacts | None:
     """The facts one directory holds: what it records, else what its Hugging Face files state."""
     directory = Path(directory)
     if (directory / GENERATION_TOKENS_FILE).is_file():
@@ -137,7 +143,7 @@ def directory_facts(directory: str | Path) -> Optional[GenerationFacts]:
     return hf_facts(directory) or recorded_facts(directory)
 
 
-def checkpoint_facts(path: str | Path, step_dir: str | Path) -> Optional[GenerationFacts]:
+def checkpoint_facts(path: str | Path, step_dir: str | Path) -> GenerationFacts | None:
     """The facts of a checkpoint or export, found where its tokenizer.json is: its step directory (or the export),
     else the directory given, else the run directory above a step directory; None: ChatML and moesys's tokens."""
     step_dir = Path(step_dir)
@@ -151,7 +157,7 @@ def checkpoint_facts(path: str | Path, step_dir: str | Path) -> Optional[Generat
     return None
 
 
-def write_facts(directory: str | Path, facts: Optional[GenerationFacts]) -> None:
+def write_facts(directory: str | Path, facts: GenerationFacts | None) -> None:
     """Record `facts` in `directory`, each file written atomically; None removes what was recorded."""
     directory = Path(directory)
     if facts is None:

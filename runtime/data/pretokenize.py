@@ -8,21 +8,26 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable, Iterator, Mapping
 from itertools import chain
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Optional
 
 import numpy as np
 
 from runtime.config import MoesysConfig
-from runtime.host.io import atomic_write_text, remove_stale_temps
 from runtime.data.chat_records import is_chat
 from runtime.data.text import DOCUMENT_BREAK, DataError, Progress, is_token_file, segments, source_name, text_files
 from runtime.data.token_file import open_token_file, write_token_file
-from runtime.files.paths import TOKENIZER_FILE
-from runtime.data.tokenizer import (ByteTokenizer, Tokenizer, load_tokenizer, run_tokenizer, token_dtype,
-                                    tokenizer_digest)
-from runtime.files.paths import TOKENS
+from runtime.data.tokenizer import (
+    ByteTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    run_tokenizer,
+    token_dtype,
+    tokenizer_digest,
+)
+from runtime.files.paths import TOKENIZER_FILE, TOKENS
+from runtime.host.io import atomic_write_text, remove_stale_temps
 
 BATCH_BYTES = 4 << 20
 """Text handed to the tokenizer at once (its threads encode the segments of a batch in parallel)."""
@@ -35,7 +40,7 @@ def _encode_text(tokenizer: Tokenizer, pieces: list[bytes]) -> np.ndarray:
                        count=sum(len(i) for i in ids))
 
 
-def _encode(tokenizer: Tokenizer, batch: list[Optional[bytes]]) -> np.ndarray:
+def _encode(tokenizer: Tokenizer, batch: list[bytes | None]) -> np.ndarray:
     """The ids of a batch of segments, each DOCUMENT_BREAK as the eos id (only a tokenizer with eos reads breaks)."""
     parts, run = [], []
     for segment in batch:
@@ -48,8 +53,8 @@ def _encode(tokenizer: Tokenizer, batch: list[Optional[bytes]]) -> np.ndarray:
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def encode_source(path: Optional[str | Path], tokenizer: Tokenizer, key: str = "train.data", text_key: str = "text",
-                  progress: Optional[Progress] = None, errors: str = "strict") -> Iterator[np.ndarray]:
+def encode_source(path: str | Path | None, tokenizer: Tokenizer, key: str = "train.data", text_key: str = "text",
+                  progress: Progress | None = None, errors: str = "strict") -> Iterator[np.ndarray]:
     """The ids of a text source in order, one array per batch of segments (`errors`: train.data_errors); documents
     are joined by eos, or by a blank line for a tokenizer without eos."""
     batch, size = [], 0
@@ -63,8 +68,8 @@ def encode_source(path: Optional[str | Path], tokenizer: Tokenizer, key: str = "
         yield _encode(tokenizer, batch)
 
 
-def tokenize_to_file(path: Optional[str | Path], out: str | Path, tokenizer: Tokenizer, key: str = "data",
-                     text_key: str = "text", progress: Optional[Progress] = None, errors: str = "strict") -> dict:
+def tokenize_to_file(path: str | Path | None, out: str | Path, tokenizer: Tokenizer, key: str = "data",
+                     text_key: str = "text", progress: Progress | None = None, errors: str = "strict") -> dict:
     """Write a text source's ids as a token file; the `moesys tokenize --json` summary, its fields in this order:
     data (the source given), out (the token file, absolute), tokens (ids written), dtype (uint16 or uint32),
     tokenizer (its name), text_bytes (bytes of the text files read), seconds."""
@@ -80,7 +85,7 @@ def tokenize_to_file(path: Optional[str | Path], out: str | Path, tokenizer: Tok
             "text_bytes": sum(f.stat().st_size for f in files), "seconds": round(time.perf_counter() - began, 3)}
 
 
-def cache_file(cache_dir: Path, key: str, path: Optional[str | Path], tokenizer: Tokenizer, text_key: str,
+def cache_file(cache_dir: Path, key: str, path: str | Path | None, tokenizer: Tokenizer, text_key: str,
                errors: str = "strict") -> Path:
     """Where a text source's ids are cached: named after the key and a digest of the tokenizer, the text key, how
     bad bytes were read and each file's path, size and modification time (a changed file is tokenized again)."""
@@ -92,8 +97,8 @@ def cache_file(cache_dir: Path, key: str, path: Optional[str | Path], tokenizer:
     return Path(cache_dir) / f"{key}-{digest.hexdigest()[:16]}.bin"
 
 
-def prepare_tokens(cache_dir: Path, sources: Mapping[str, Optional[str]], tokenizer: Tokenizer, text_key: str,
-                   progress: Optional[Callable[[str, int, int], None]] = None,
+def prepare_tokens(cache_dir: Path, sources: Mapping[str, str | None], tokenizer: Tokenizer, text_key: str,
+                   progress: Callable[[str, int, int], None] | None = None,
                    errors: str = "strict") -> dict[str, Path]:
     """Tokenize each text source of `sources` ({key: path}) into the cache once; earlier caches of a key go.
     progress(key, bytes done, bytes in all). Returns {key: cache file}."""
@@ -113,8 +118,8 @@ def prepare_tokens(cache_dir: Path, sources: Mapping[str, Optional[str]], tokeni
     return made
 
 
-def read_tokens(path: Optional[str | Path], tokenizer: Tokenizer, key: str = "train.data", text_key: str = "text",
-                cache_dir: Optional[Path] = None, errors: str = "strict") -> np.ndarray:
+def read_tokens(path: str | Path | None, tokenizer: Tokenizer, key: str = "train.data", text_key: str = "text",
+                cache_dir: Path | None = None, errors: str = "strict") -> np.ndarray:
     """A source's ids: a token file or the run's cache of a text source as a memory map, else the text encoded
     here (a process that trains without `moesys train`, as tests do)."""
     if is_token_file(path):
@@ -126,12 +131,12 @@ def read_tokens(path: Optional[str | Path], tokenizer: Tokenizer, key: str = "tr
     return np.concatenate(list(encode_source(path, tokenizer, key, text_key, errors=errors)))
 
 
-def run_cache_dir(cfg: MoesysConfig) -> Optional[Path]:
+def run_cache_dir(cfg: MoesysConfig) -> Path | None:
     """RUN_DIR/tokens, where `moesys train` tokenized the run's text sources before launch."""
     return Path(cfg.train.run_dir) / TOKENS if cfg.train.run_dir else None
 
 
-def data_sources(cfg: MoesysConfig) -> dict[str, Optional[str]]:
+def data_sources(cfg: MoesysConfig) -> dict[str, str | None]:
     """Every source a run reads, by the key that names it: train.data (or each task's data), train.eval_data,
     distill.heldout_data."""
     sources = {f"tasks.{name}.data": task.data for name, task in cfg.tasks.items()} if cfg.tasks else \
@@ -143,7 +148,7 @@ def data_sources(cfg: MoesysConfig) -> dict[str, Optional[str]]:
     return sources
 
 
-def prepare_run_data(cfg: MoesysConfig, progress: Optional[Callable[[str, int, int], None]] = None) -> None:
+def prepare_run_data(cfg: MoesysConfig, progress: Callable[[str, int, int], None] | None = None) -> None:
     """What `moesys train` writes into the run directory before launch: its tokenizer (tokenizer.json, read by the
     workers, checkpoints and exports) and its text sources as token files (TOKENS/), documents joined by the run
     tokenizer's eos (the model's own where the run directory records train.init_from's generation facts)."""

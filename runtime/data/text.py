@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
 
 from runtime.errors import UserError
 
@@ -45,16 +45,16 @@ class DataError(UserError):
     """Training data that cannot be used; the message names the key and the path."""
 
 
-def source_name(path: Optional[str | Path], key: str) -> str:
+def source_name(path: str | Path | None, key: str) -> str:
     return "shipped corpus" if path is None else f"{key}={path}"
 
 
-def is_token_file(path: Optional[str | Path]) -> bool:
+def is_token_file(path: str | Path | None) -> bool:
     """Whether `path` names a pre-tokenized file (.bin, .npy) rather than text."""
     return path is not None and Path(path).suffix.lower() in TOKEN_SUFFIXES
 
 
-def text_files(path: Optional[str | Path], key: str = "train.data") -> list[Path]:
+def text_files(path: str | Path | None, key: str = "train.data") -> list[Path]:
     """The files a text source reads, in order: the file itself, a directory's *.txt files sorted by name, or
     (None) the corpus shipped with moesys."""
     source = CORPUS_DIR if path is None else Path(path).expanduser()
@@ -187,9 +187,9 @@ def _jsonl_records(path: Path, key: str, text_key: str, errors: str = "strict") 
             yield text.encode("utf-8")
 
 
-def segments(path: Optional[str | Path], key: str = "train.data", text_key: str = "text",
-             progress: Optional[Progress] = None, errors: str = "strict",
-             breaks: bool = False) -> Iterator[Optional[bytes]]:
+def segments(path: str | Path | None, key: str = "train.data", text_key: str = "text",
+             progress: Progress | None = None, errors: str = "strict",
+             breaks: bool = False) -> Iterator[bytes | None]:
     """The text of a source as segments (see the module docstring), documents joined by DOC_SEPARATOR, or by
     DOCUMENT_BREAK when `breaks`; `progress` is told the bytes read. Bytes that are not UTF-8 text refuse the source,
     or read as U+FFFD with errors="replace" (train.data_errors)."""

@@ -8,14 +8,14 @@ memory map, so a corpus larger than memory trains and each rank's reads touch on
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
-from runtime.host.io import atomic_file
 from runtime.data.text import TOKEN_SUFFIXES, DataError
 from runtime.data.tokenizer import token_dtype
+from runtime.host.io import atomic_file
 
 DTYPES = ("uint16", "uint32")
 NPY_HEADER = 128

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
 
 from runtime.config import BYTE_VOCAB, MoesysConfig
 from runtime.data.generation_facts import GenerationFacts, checkpoint_facts, ending_ids, recorded_facts
@@ -79,14 +79,14 @@ class SpecialTokens:
 
     special_ids: dict[str, int]
     vocab_size: int
-    facts: Optional[GenerationFacts] = None
+    facts: GenerationFacts | None = None
     """The generation facts of the model this tokenizer belongs to; None: moesys's own tokens and ChatML."""
 
-    def token_id(self, token: str) -> Optional[int]:
+    def token_id(self, token: str) -> int | None:
         """The id of a special token's string; None when the tokenizer has no such token."""
         return self.special_ids.get(token)
 
-    def _named(self) -> Optional[dict[str, str]]:
+    def _named(self) -> dict[str, str] | None:
         """The model's named special tokens this tokenizer has; None: moesys's own."""
         named = self.facts.special_tokens if self.facts is not None else None
         if named is None:
@@ -94,7 +94,7 @@ class SpecialTokens:
         return {name: token for name, token in named.items() if self.token_id(token) is not None}
 
     @property
-    def eos_token(self) -> Optional[str]:
+    def eos_token(self) -> str | None:
         """The token that joins documents, ends a generation and (moesys's own) pads: the model's eos, else EOS when
         the tokenizer has it; None without one (what /tokenizer_info reports as a Hugging Face tokenizer names it)."""
         named = self._named()
@@ -103,19 +103,19 @@ class SpecialTokens:
         return EOS if EOS in self.special_ids else None
 
     @property
-    def eos_id(self) -> Optional[int]:
+    def eos_id(self) -> int | None:
         """eos_token's id; None for a tokenizer without eos."""
         token = self.eos_token
         return self.token_id(token) if token is not None else None
 
     @property
-    def pad_token(self) -> Optional[str]:
+    def pad_token(self) -> str | None:
         """The model's pad; moesys's own pad is eos (as the export's tokenizer_config.json names it)."""
         named = self._named()
         return named.get("pad_token") if named is not None else self.eos_token
 
     @property
-    def bos_token(self) -> Optional[str]:
+    def bos_token(self) -> str | None:
         """The model's bos; moesys's tokenizers have none."""
         named = self._named()
         return named.get("bos_token") if named is not None else None
@@ -138,7 +138,7 @@ class SpecialTokens:
         return ending_ids([i for i in stated if i < self.vocab_size], self.eos_id)
 
     @property
-    def chat_template(self) -> Optional[str]:
+    def chat_template(self) -> str | None:
         """The model's own chat template; None: ChatML."""
         return self.facts.chat_template if self.facts is not None else None
 
@@ -219,11 +219,11 @@ class JsonTokenizer(SpecialTokens):
         self.special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS if t in added}
         self._plain = None
 
-    def token_id(self, token: str) -> Optional[int]:
+    def token_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
     @classmethod
-    def from_str(cls, text: str, name: str) -> "JsonTokenizer":
+    def from_str(cls, text: str, name: str) -> JsonTokenizer:
         from tokenizers import Tokenizer
 
         return cls(Tokenizer.from_str(text), name)
@@ -261,14 +261,14 @@ class JsonTokenizer(SpecialTokens):
 Tokenizer = ByteTokenizer | JsonTokenizer
 
 
-def byte_tokenizer(vocab_size: Optional[int] = None) -> ByteTokenizer:
+def byte_tokenizer(vocab_size: int | None = None) -> ByteTokenizer:
     """The byte tokenizer of a model with `vocab_size` rows: with the special tokens when it has rows for them (or
     no size is given), else the bytes alone (a model of 256 rows, as runs made before the special tokens were)."""
     return ByteTokenizer(specials=vocab_size is None or vocab_size >= SPECIAL_VOCAB)
 
 
 def load_tokenizer(spec: str | Path = BYTES, key: str = "train.tokenizer",
-                   vocab_size: Optional[int] = None) -> Tokenizer:
+                   vocab_size: int | None = None) -> Tokenizer:
     """`bytes` (for a model of `vocab_size` rows: `byte_tokenizer`), or the tokenizer.json at the path `spec`; a
     TokenizerError of one line naming `key` otherwise."""
     if str(spec) == BYTES:
@@ -346,7 +346,7 @@ def checkpoint_tokenizer(path: Path, step_dir: Path, cfg: MoesysConfig) -> Token
     return tokenizer
 
 
-def hf_tokenizer_config(max_length: int, tokenizer: Optional[Tokenizer] = None) -> dict:
+def hf_tokenizer_config(max_length: int, tokenizer: Tokenizer | None = None) -> dict:
     """tokenizer_config.json beside tokenizer.json in a Hugging Face export: transformers' AutoTokenizer then loads
     the file as it is (the generic fast tokenizer, no token added), so its ids are moesys's. It names the tokenizer's
     special tokens (moesys's own: eos, also the pad, no bos; a released model's: its own) and the chat template

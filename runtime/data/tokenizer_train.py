@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
 
-from runtime.errors import UserError
-from runtime.host.io import atomic_write_text, remove_stale_temps
 from runtime.data.text import Progress, is_token_file, segments, source_name, text_files
 from runtime.data.tokenizer import EOS, SPECIAL_TOKENS, SPECIAL_VOCAB, JsonTokenizer
+from runtime.errors import UserError
+from runtime.host.io import atomic_write_text, remove_stale_temps
 
 MAX_VOCAB = 1 << 20
 """The largest vocabulary `moesys tokenizer train` learns (1,048,576). The tokenizers library sizes its trainer's
@@ -24,8 +23,8 @@ Released models use at most 262,144 tokens (Gemma's), and an embedding row per t
 more than a million impractical, so 2^20 leaves room without letting a typo take the machine's memory."""
 
 
-def train_bpe(path: Optional[str | Path], vocab_size: int, out: str | Path, key: str = "data",
-              text_key: str = "text", progress: Optional[Progress] = None, errors: str = "strict") -> dict:
+def train_bpe(path: str | Path | None, vocab_size: int, out: str | Path, key: str = "data",
+              text_key: str = "text", progress: Progress | None = None, errors: str = "strict") -> dict:
     """Train a byte-level BPE of at most `vocab_size` tokens on a text source and write it to `out` (atomically);
     the `moesys tokenizer train --json` summary. A corpus with fewer distinct merges gives a smaller vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -8,8 +8,9 @@ tasks scale down (up to max_tasks_per_gpu whole tasks packed on one shared GPU).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+
 from runtime.errors import UserError
 
 # A task's workload: (batch_size in samples per step, relative cost of one sample).
@@ -30,7 +31,7 @@ class Allocation:
     """Samples of each task per step on each of its GPUs (aligned with assignment)."""
     load_per_gpu: list[float]
     """Load (samples x cost) of every GPU, idle ones 0."""
-    baseline: Optional["Allocation"] = field(default=None, compare=False)
+    baseline: Allocation | None = field(default=None, compare=False)
     """The naive allocation to compare against (None on a baseline itself)."""
 
     @property
@@ -100,7 +101,7 @@ def _group_load(tasks: list[Workload]) -> float:
 
 
 def _build(names: list[str], tasks: Mapping[str, Workload], parts: list[tuple[tuple[int, ...], int]],
-           num_gpus: int, baseline: Optional[Allocation]) -> Allocation:
+           num_gpus: int, baseline: Allocation | None) -> Allocation:
     """Lay out parts (task indices, GPUs) on consecutive GPU indices in the order of each part's first task."""
     assignment: dict[str, list[int]] = {n: [] for n in names}
     batch_per_gpu: dict[str, list[int]] = {n: [] for n in names}
@@ -142,7 +143,7 @@ def _min_gpus_for(bound: float, names: list[str], tasks: Mapping[str, Workload],
     """
     n = len(names)
     full = (1 << n) - 1
-    ded: list[Optional[int]] = []
+    ded: list[int | None] = []
     for name in names:
         batch, cost = tasks[name]
         k = next((k for k in range(1, min(batch, num_gpus) + 1) if _dedicated_load(batch, cost, k) <= bound), None)

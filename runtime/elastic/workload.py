@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from runtime.elastic.allocation import AllocationError, Workload
 from runtime.files.paths import METRICS

@@ -15,8 +15,16 @@ from typing import TYPE_CHECKING
 
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
-from runtime.files.paths import (CHECKPOINTS, LATEST, META, PARTIAL, RNG_PREFIX, STEP_PREFIX, experts_file,
-                                  experts_file_stem)
+from runtime.files.paths import (
+    CHECKPOINTS,
+    LATEST,
+    META,
+    PARTIAL,
+    RNG_PREFIX,
+    STEP_PREFIX,
+    experts_file,
+    experts_file_stem,
+)
 from runtime.host.io import atomic_write_json, atomic_write_text, fsync_dir
 
 if TYPE_CHECKING:

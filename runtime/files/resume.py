@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from runtime.files.paths import CHECKPOINTS, LATEST, META, STEP_PREFIX, SUPERSEDED, step_of
-from runtime.files.checkpoint_format import latest_checkpoint
 from runtime.config import MoesysConfig, resume_step
 from runtime.errors import UserError
+from runtime.files.checkpoint_format import latest_checkpoint
+from runtime.files.paths import CHECKPOINTS, LATEST, META, STEP_PREFIX, SUPERSEDED, step_of
 from runtime.host.io import atomic_write_text, fsync_dir
 
 

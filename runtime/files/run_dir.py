@@ -9,15 +9,25 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import yaml
 
 from runtime.config import ConfigError, MoesysConfig, config_from_dict
 from runtime.errors import UserError
-from runtime.files.paths import (CONFIG, FATAL, LOCK, LOGS, MEMORY_DIR, METRICS, MODEL_FILES, RUN_MARKS,
-                                 RUN_WRITES, SUMMARY)
+from runtime.files.paths import (
+    CONFIG,
+    FATAL,
+    LOCK,
+    LOGS,
+    MEMORY_DIR,
+    METRICS,
+    MODEL_FILES,
+    RUN_MARKS,
+    RUN_WRITES,
+    SUMMARY,
+)
 from runtime.host.io import atomic_write_text
 
 

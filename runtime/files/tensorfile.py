@@ -14,8 +14,9 @@ import math
 import os
 import struct
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import BinaryIO
 
 import torch
 from safetensors import safe_open

@@ -10,8 +10,9 @@ tensor's converted copy; no step holds more than one tensor of the model.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import Union
 
 import torch
 from torch import Tensor, nn
@@ -133,7 +134,7 @@ class HFCheckpoint:
         time; parameters still on the meta device (those an offloader keeps elsewhere) are left alone."""
         copy_weights(model, lambda name, expert, shape: self.get(tensor_key(MODEL, name, expert)))
 
-    def expert_source(self, model: Transformer, dtype: Optional[torch.dtype] = None) -> ExpertSource:
+    def expert_source(self, model: Transformer, dtype: torch.dtype | None = None) -> ExpertSource:
         """Each MoE layer's experts of `model` (built from self.config) as per-expert tensors where they lie."""
         layers = []
         for name, module in model.named_modules():
@@ -152,7 +153,7 @@ class HFCheckpoint:
         self.files.close()
 
 
-def open_hf_model(path: PathLike, dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu"
+def open_hf_model(path: PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
                   ) -> tuple[ModelConfig, Transformer, ExpertSource]:
     """A model directory as (config, eval-mode model whose dense weights are on `device` and whose experts are still
     on the meta device, where the experts lie in the files). dtype None keeps the stored one."""
@@ -169,8 +170,8 @@ def open_hf_model(path: PathLike, dtype: Optional[torch.dtype] = None, device: U
     return cfg, model.eval(), checkpoint.expert_source(model, dtype)
 
 
-def load_hf_model(path: PathLike, dtype: Optional[torch.dtype] = None,
-                  device: Union[str, torch.device] = "cpu") -> tuple[ModelConfig, Transformer]:
+def load_hf_model(path: PathLike, dtype: torch.dtype | None = None,
+                  device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:
     """A model directory read into a moesys Transformer with every expert on `device` (eval mode)."""
     cfg, model, source = open_hf_model(path, dtype, device)
     for m, layer in enumerate(model.moe_layers()):

@@ -4,8 +4,8 @@ and its tensor layout. Import (checkpoint.py) and export (save.py, runtime/infer
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

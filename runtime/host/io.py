@@ -13,9 +13,11 @@ import re
 import shutil
 import socket
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
+
 
 def umask() -> int:
     """This process's umask, read without changing it (os.umask can only set it, racing other threads)."""

@@ -6,8 +6,8 @@ once does not leave it cached. Pages another process keeps mapped and locked sta
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 
 def evict(path: str | Path, ranges: Iterable[tuple[int, int]] | None = None) -> bool:

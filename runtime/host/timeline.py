@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -50,14 +51,14 @@ class Timeline:
     (resolved to seconds from the timeline's start when read); `take()` hands over what was recorded since the last
     take, `seconds()` and `around_last()` read without taking."""
 
-    def __init__(self, device: Optional[torch.device] = None) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         """device: a CUDA device times marks with its events; None or another device, with the host clock."""
         self.cuda = device is not None and device.type == "cuda"
         self._marked: list[tuple[str, bool, Any, Any, str, float | None]] = []
         self._lock = threading.Lock()
         self._base = self.mark()
 
-    def mark(self, stream: Optional[torch.cuda.Stream] = None) -> Any:
+    def mark(self, stream: torch.cuda.Stream | None = None) -> Any:
         """Now: the host clock, or on a CUDA timeline an event recorded on `stream` (else the current one)."""
         if not self.cuda:
             return time.perf_counter()

@@ -21,7 +21,7 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +86,7 @@ def measure_costs(weights: ExpertWeights, kind: str, device: torch.device, dtype
 class StreamedExperts(nn.Module):
     """Stands in for a streamed layer's GroupedExperts: its offloader computes the routed experts."""
 
-    def __init__(self, offloader: "AutoOffloader", index: int):
+    def __init__(self, offloader: AutoOffloader, index: int):
         super().__init__()
         self.offloader, self.index = offloader, index
 
@@ -105,7 +105,7 @@ class AutoOffloader(Offloader):
     mode = "auto"
 
     def __init__(self, model: Transformer, device: torch.device, source: ExpertSource, num_slots: int,
-                 streamed_policy: Optional[str] = None, costs: Optional[ExpertCosts] = None,
+                 streamed_policy: str | None = None, costs: ExpertCosts | None = None,
                  predict_ahead: bool = False):
         """streamed_policy and costs default to this machine's (inplace without a GPU; hybrid with measured costs
         on CUDA); tests set them to run the hybrid path on the CPU."""

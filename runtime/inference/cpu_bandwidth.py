@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 import mmap
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch import Tensor

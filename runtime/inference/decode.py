@@ -5,7 +5,7 @@ the step whole (`infer.compile`; CUDA graphs on a GPU). Prefill stays the model'
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -45,7 +45,7 @@ class DecodeStep:
     compiled tokens are eager tokens in bf16 too."""
 
     def __init__(self, model: Transformer, compile: bool = False, backend: str | Callable = "inductor",
-                 dynamic: Optional[bool] = False):
+                 dynamic: bool | None = False):
         """backend: torch.compile's (tests check graph breaks around stand-ins with aot_eager: seconds to compile);
         dynamic: its dynamic-shape setting (a lone step's shapes are static)."""
         self.model = model
@@ -54,7 +54,7 @@ class DecodeStep:
         self.fullgraph = all(isinstance(layer.experts, GroupedExperts) for layer in model.moe_layers())
         for layer in model.moe_layers():  # routers compute in fp32: an exact fp32 gate is not cast every token
             layer.router.gate.float()
-        self.cache: Optional[StaticKVCache] = None
+        self.cache: StaticKVCache | None = None
         fn: Callable[[Tensor, Tensor, StaticKVCache], Tensor] = model.decode
         if compile:
             options = compile_options(self.device) if backend == "inductor" else None
@@ -105,7 +105,7 @@ class BatchDecodeStep(DecodeStep):
     def __init__(self, model: Transformer, max_rows: int, compile: bool = False, backend: str | Callable = "inductor"):
         super().__init__(model, compile, backend, dynamic=None)
         self.buckets = sorted({min(max_rows, 1 << i) for i in range(max(1, max_rows).bit_length() + 1)})
-        self._static: Optional[StaticKVCache] = None
+        self._static: StaticKVCache | None = None
 
     def bucket(self, rows: int) -> int:
         """The batch size a step over `rows` rows runs at."""

@@ -8,8 +8,6 @@ one layer at a time, and `auto` computes cold experts straight from these views.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -25,15 +23,15 @@ ExpertWeights = dict[str, Tensor]
 class ExpertSource:
     """Per MoE layer, per weight name, one tensor per expert (layers in model order)."""
 
-    def __init__(self, layers: list[dict[str, list[Tensor]]], expert_type: str, dtype: Optional[torch.dtype] = None,
-                 files: Optional[TensorFiles] = None):
+    def __init__(self, layers: list[dict[str, list[Tensor]]], expert_type: str, dtype: torch.dtype | None = None,
+                 files: TensorFiles | None = None):
         self.layers, self.expert_type, self.files = layers, expert_type, files
         self.dtype = dtype
         """The dtype experts are placed and computed in; None keeps the stored one."""
         self.num_experts = len(next(iter(layers[0].values()))) if layers else 0
 
     @classmethod
-    def from_model(cls, model: Transformer) -> "ExpertSource":
+    def from_model(cls, model: Transformer) -> ExpertSource:
         """The experts a model holds (views of its parameters): the source when a model was built in memory."""
         layers, kind = [], "gelu"
         for layer in model.moe_layers():
@@ -82,7 +80,7 @@ class ExpertSource:
         if self.files is not None:
             self.files.close()
 
-    def stacked(self, layer: int, dtype: Optional[torch.dtype] = None) -> dict[str, Tensor]:
+    def stacked(self, layer: int, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """The layer's experts as stacked CPU tensors (one copy of one layer: what ring/ondemand's store holds)."""
         out = {}
         for k, views in self.layers[layer].items():

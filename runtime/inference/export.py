@@ -29,32 +29,39 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Union
 
 import torch
 import yaml
 
-from runtime.files.checkpoint_format import FILES, MODEL, STATE_KEYS, missing_tensor, tensor_key
 from runtime.config import MoesysConfig, config_to_dict
+from runtime.data.generation_facts import write_facts
+from runtime.data.tokenizer import Tokenizer, checkpoint_tokenizer, hf_tokenizer_config
 from runtime.errors import UserError
+from runtime.files.checkpoint_format import FILES, MODEL, STATE_KEYS, missing_tensor, tensor_key
+from runtime.files.paths import GENERATION_CONFIG, HF_TOKENIZER_CONFIG, META, TOKENIZER_FILE
+from runtime.files.tensorfile import write_tensors
 from runtime.hf.checkpoint import HFCheckpoint
 from runtime.hf.files import INDEX
 from runtime.hf.names import TensorName, to_hf
 from runtime.hf.save import hf_config, hf_entries
+from runtime.host.io import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    fsync_dir,
+    new_dir_mode,
+    remove_stale_temps,
+    temp_prefix,
+)
 from runtime.inference.load import checkpoint_kind, read_moesys, served_config
 from runtime.inference.mapped import TensorFiles
-from runtime.host.io import (atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_dir, new_dir_mode,
-                        remove_stale_temps, temp_prefix)
-from runtime.model.transformer import Transformer
-from runtime.plan.disk import check_free
-from runtime.moe.layer import is_expert_param
-from runtime.files.tensorfile import write_tensors
-from runtime.files.paths import GENERATION_CONFIG, HF_TOKENIZER_CONFIG, META, TOKENIZER_FILE
-from runtime.data.generation_facts import write_facts
-from runtime.data.tokenizer import Tokenizer, checkpoint_tokenizer, hf_tokenizer_config
 from runtime.model.precision import PRECISION_DTYPES
+from runtime.model.transformer import Transformer
+from runtime.moe.layer import is_expert_param
+from runtime.plan.disk import check_free
 
 FORMATS = ("moesys", "hf")
 
@@ -69,7 +76,7 @@ class Entry:
 
     name: str
     key: str
-    hf: Optional[TensorName] = None
+    hf: TensorName | None = None
 
 
 @dataclass
@@ -77,10 +84,10 @@ class Source:
     """What an export reads: the model's config and its tensors by checkpoint key (`model.NAME[.G]`)."""
 
     config: MoesysConfig
-    tensors: Union[TensorFiles, HFCheckpoint]
+    tensors: TensorFiles | HFCheckpoint
     path: Path
     """The step directory, or the Hugging Face directory."""
-    hf: Optional[HFCheckpoint] = None
+    hf: HFCheckpoint | None = None
     """The Hugging Face directory's checkpoint, when the source is one."""
 
     def close(self) -> None:
@@ -112,7 +119,7 @@ def _entries(cfg: MoesysConfig, fmt: str) -> list[Entry]:
     return out
 
 
-def hf_token_ids(tokenizer: Optional[Tokenizer]) -> tuple[dict, dict]:
+def hf_token_ids(tokenizer: Tokenizer | None) -> tuple[dict, dict]:
     """(config.json's token ids, generation_config.json) of an export carrying `tokenizer`: its bos, eos and pad
     (moesys's own: eos, also the pad, no bos; a released model's: its own), generation ending at each of its stop
     ids; null where the tokenizer has none (transformers would otherwise take Mixtral's defaults, ids 1 and 2)."""
@@ -120,7 +127,7 @@ def hf_token_ids(tokenizer: Optional[Tokenizer]) -> tuple[dict, dict]:
         ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
         return ids, ids
 
-    def token_id(token: Optional[str]) -> Optional[int]:
+    def token_id(token: str | None) -> int | None:
         return tokenizer.token_id(token) if token is not None else None
 
     ids = {"bos_token_id": token_id(tokenizer.bos_token), "eos_token_id": tokenizer.eos_id,
@@ -141,7 +148,7 @@ def _shards(entries: list[Entry], nbytes: dict[str, int], max_bytes: int) -> lis
     return shards
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "moesys", dtype: Optional[str] = None,
+def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "moesys", dtype: str | None = None,
                       max_shard_gb: float = 5.0) -> dict:
     """Write the checkpoint's (or Hugging Face directory's) model as one model in `out` (which must not exist or be
     empty); a summary dict."""
@@ -154,7 +161,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "moesy
         source.close()
 
 
-def _export(source: Source, out: str | Path, fmt: str, to_dtype: Optional[torch.dtype], max_shard_gb: float) -> dict:
+def _export(source: Source, out: str | Path, fmt: str, to_dtype: torch.dtype | None, max_shard_gb: float) -> dict:
     cfg, files = source.config, source.tensors
     if fmt == "hf":
         try:
@@ -211,7 +218,7 @@ def _export(source: Source, out: str | Path, fmt: str, to_dtype: Optional[torch.
             "optimizer_state": source.hf is None and any(key.startswith(f"{STATE_KEYS[0]}.") for key in files.where)}
 
 
-def _write_tokenizer(directory: Path, source: Source, fmt: str) -> tuple[Optional[str], Optional[str], dict]:
+def _write_tokenizer(directory: Path, source: Source, fmt: str) -> tuple[str | None, str | None, dict]:
     """The tokenizer the export carries: (its file name, None without one; its eos token; config.json's special
     token ids, {} where the source's own are kept). A Hugging Face source's tokenizer files are copied as they are; a
     training checkpoint's tokenizer.json is written with the generation facts its tokenizer carries: in moesys format
@@ -237,7 +244,7 @@ def _write_tokenizer(directory: Path, source: Source, fmt: str) -> tuple[Optiona
     return (TOKENIZER_FILE if tokenizer is not None else None), (tokenizer.eos_token if tokenizer else None), token_ids
 
 
-def _named_eos(tokenizer_config: Path) -> Optional[str]:
+def _named_eos(tokenizer_config: Path) -> str | None:
     """The eos token a Hugging Face tokenizer_config.json names (a string, or an added token's content)."""
     try:
         eos = json.loads(tokenizer_config.read_text()).get("eos_token")
@@ -252,7 +259,7 @@ def _unwritable(out: Path, exc: OSError) -> ExportError:
                        "choose another out=")
 
 
-def _write_shards(directory: Path, shards: list[list[Entry]], files, to_dtype: Optional[torch.dtype]) -> list[str]:
+def _write_shards(directory: Path, shards: list[list[Entry]], files, to_dtype: torch.dtype | None) -> list[str]:
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     metadata = {"format": "pt"}  # transformers refuses safetensors files without it
@@ -272,7 +279,7 @@ def _write_shards(directory: Path, shards: list[list[Entry]], files, to_dtype: O
     return names
 
 
-def _step(step_dir: Path) -> Optional[int]:
+def _step(step_dir: Path) -> int | None:
     try:
         return json.loads((step_dir / META).read_text()).get("step")
     except (OSError, ValueError):

@@ -7,13 +7,15 @@ successors, generate).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from runtime.host.memory_probe import PeakMemory, disk_read_bytes
 from runtime.inference.decode import DecodeStep, compile_default
 from runtime.inference.errors import InferError
 from runtime.inference.load import resolve_infer_config
@@ -22,7 +24,6 @@ from runtime.inference.offloaders import open_for_inference
 from runtime.inference.sampling import Sampler, Sampling
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
-from runtime.host.memory_probe import PeakMemory, disk_read_bytes
 
 
 @dataclass
@@ -84,9 +85,9 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, offloader: Optional[Offloader] = None,
-             keep_logits: bool = False, on_token: Optional[Callable[[list[int], Tensor], None]] = None,
-             step: Optional[DecodeStep] = None, sampling: Optional[Sampling] = None,
+             top_k: int = 0, seed: int = 0, offloader: Offloader | None = None,
+             keep_logits: bool = False, on_token: Callable[[list[int], Tensor], None] | None = None,
+             step: DecodeStep | None = None, sampling: Sampling | None = None,
              stop_ids: Sequence[int] = ()) -> Generation:
     """Prompts of equal length run as one batch (no padding: a row never sees another row's tokens, though its
     logits may differ from a lone run's by float rounding, which can flip a greedy near-tie); each batch is one
@@ -165,7 +166,7 @@ def infer_sampling(inf: Any) -> Sampling:
                        inf.logit_bias)
 
 
-def _prompt_ids(loaded, cfg, prompts: Optional[list[str]], prompt_ids: Optional[list[list[int]]]) -> list[list[int]]:
+def _prompt_ids(loaded, cfg, prompts: list[str] | None, prompt_ids: list[list[int]] | None) -> list[list[int]]:
     texts = list(prompts or []) or ([cfg.infer.prompt] if cfg.infer.prompt is not None else [])
     ids = [list(p) for p in (prompt_ids or [])] or ([list(cfg.infer.prompt_ids)] if cfg.infer.prompt_ids else [])
     if texts and loaded.tokenizer is None:
@@ -173,10 +174,10 @@ def _prompt_ids(loaded, cfg, prompts: Optional[list[str]], prompt_ids: Optional[
     return [loaded.tokenizer.encode(t) for t in texts] + ids
 
 
-def run_inference(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any]] = None,
-                  prompts: Optional[list[str]] = None, prompt_ids: Optional[list[list[int]]] = None,
-                  offload: Optional[str] = None, device: Optional[str | torch.device] = None,
-                  cache_dir: Optional[Path] = None) -> dict[str, Any]:
+def run_inference(checkpoint: str | Path, infer_overrides: dict[str, Any] | None = None,
+                  prompts: list[str] | None = None, prompt_ids: list[list[int]] | None = None,
+                  offload: str | None = None, device: str | torch.device | None = None,
+                  cache_dir: Path | None = None) -> dict[str, Any]:
     """Open a checkpoint (streamed: experts are read where they lie), apply infer.* overrides (offload overrides
     infer.offload), place the experts, generate; a JSON-ready dict of tokens, speed, memory and bytes moved."""
     with PeakMemory() as host_peak:

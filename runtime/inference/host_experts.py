@@ -4,8 +4,6 @@ its row counts and its rows to the host together. Without a GPU the host is the 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -25,7 +23,7 @@ class HostExperts:
             for m in layers:
                 for j in range(source.num_experts):
                     self.pinned[(m, j)] = {k: v.pin_memory() for k, v in source.expert(m, j).items()}
-        self.stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device) if self.cuda else None
+        self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device) if self.cuda else None
 
     def expert(self, m: int, j: int) -> ExpertWeights:
         """Expert j of streamed layer m in host memory, as stored (pinned on CUDA, the mapped file's pages else)."""

@@ -12,28 +12,29 @@ the moments' pages are then dropped from the page cache, so checking leaves no m
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 import yaml
 
 from runtime.config import ConfigError, ModelConfig, MoesysConfig, config_from_dict, config_to_dict
+from runtime.data.generation_facts import ending_ids, stated_eos_ids
+from runtime.data.tokenizer import checkpoint_tokenizer
 from runtime.errors import UserError
-from runtime.inference.expert_source import ExpertSource
+from runtime.files.checkpoint_format import MODEL, check_complete, latest_checkpoint, missing_tensor, tensor_key
+from runtime.files.paths import CHECKPOINTS, CONFIG, META
+from runtime.files.tensorfile import verify
 from runtime.hf.checkpoint import open_hf_model
+from runtime.host.page_cache import evict
+from runtime.inference.errors import InferError
+from runtime.inference.expert_source import ExpertSource
 from runtime.inference.mapped import MappedFileError, TensorFiles, copy_to, read_header
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
 from runtime.moe.layer import is_expert_param
-from runtime.files.paths import CHECKPOINTS, CONFIG, META
-from runtime.files.checkpoint_format import MODEL, check_complete, latest_checkpoint, missing_tensor, tensor_key
-from runtime.host.page_cache import evict
-from runtime.files.tensorfile import verify
-from runtime.data.generation_facts import ending_ids, stated_eos_ids
-from runtime.data.tokenizer import checkpoint_tokenizer
-from runtime.inference.errors import InferError
 
 
 class Tokenizer(Protocol):
@@ -51,7 +52,7 @@ class LoadedModel:
     model: Transformer
     kind: str
     """moesys or hf."""
-    tokenizer: Optional[Tokenizer]
+    tokenizer: Tokenizer | None
     """None when prompts must be token ids."""
     path: Path
     experts: ExpertSource
@@ -173,7 +174,7 @@ def read_moesys(path: Path) -> MoesysCheckpoint:
     return MoesysCheckpoint(step, cfg, TensorFiles(weight_files))
 
 
-def open_moesys(path: Path, dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu") -> LoadedModel:
+def open_moesys(path: Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> LoadedModel:
     checkpoint = read_moesys(path)
     step, cfg, files = checkpoint.step_dir, checkpoint.config, checkpoint.files
     with torch.device("meta"):
@@ -189,7 +190,7 @@ def open_moesys(path: Path, dtype: Optional[torch.dtype] = None, device: torch.d
     layers = []
     for prefix in _expert_prefixes(model):
         weights = {}
-        for wname, param in getattr(model.get_submodule(prefix), "weights")().items():
+        for wname, param in model.get_submodule(prefix).weights().items():
             if param is None:
                 continue
             keys = [tensor_key(MODEL, f"{prefix}.{wname}", g) for g in range(param.shape[0])]
@@ -234,7 +235,7 @@ class _HFTokenizer:
         return self.tok.decode(ids)
 
     @property
-    def chat_template(self) -> Optional[str]:
+    def chat_template(self) -> str | None:
         """tokenizer_config.json's chat template (None without one): `moesys serve` renders chat with it."""
         return getattr(self.tok, "chat_template", None)
 
@@ -242,7 +243,7 @@ class _HFTokenizer:
         return self.tok.apply_chat_template(messages, **kwargs)
 
 
-def _hf_tokenizer(path: Path) -> Optional[Tokenizer]:
+def _hf_tokenizer(path: Path) -> Tokenizer | None:
     """transformers' tokenizer when the directory has tokenizer files and transformers imports; else None."""
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
@@ -260,13 +261,13 @@ def _in_vocab(ids: Iterable[int], vocab_size: int) -> tuple[int, ...]:
     return tuple(i for i in ids if 0 <= i < vocab_size)
 
 
-def _hf_stop_ids(path: Path, tokenizer: Optional[Tokenizer]) -> tuple[int, ...]:
+def _hf_stop_ids(path: Path, tokenizer: Tokenizer | None) -> tuple[int, ...]:
     """The ids a Hugging Face directory's generation ends at: its generation config's eos_token_id (else
     config.json's) and its tokenizer's eos (runtime/data/generation_facts.ending_ids)."""
     return ending_ids(stated_eos_ids(path) or (), getattr(getattr(tokenizer, "tok", None), "eos_token_id", None))
 
 
-def open_hf(path: Path, dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu") -> LoadedModel:
+def open_hf(path: Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> LoadedModel:
     try:
         model_cfg, model, source = open_hf_model(path, dtype=dtype, device=device)
     except UserError:
@@ -286,7 +287,7 @@ def served_config(model_cfg: ModelConfig) -> MoesysConfig:
     return cfg
 
 
-def open_checkpoint(checkpoint: str | Path, dtype: Optional[torch.dtype] = None,
+def open_checkpoint(checkpoint: str | Path, dtype: torch.dtype | None = None,
                     device: torch.device | str = "cpu") -> LoadedModel:
     """Open a moesys run directory or a Hugging Face directory for inference without reading its experts:
     dense weights are copied to `device`, experts stay where they lie in the files (`LoadedModel.experts`) and on
@@ -296,7 +297,7 @@ def open_checkpoint(checkpoint: str | Path, dtype: Optional[torch.dtype] = None,
     return open_moesys(path, dtype, device) if kind == "moesys" else open_hf(path, dtype, device)
 
 
-def load_model(checkpoint: str | Path, dtype: Optional[torch.dtype] = None) -> LoadedModel:
+def load_model(checkpoint: str | Path, dtype: torch.dtype | None = None) -> LoadedModel:
     """Read a checkpoint into a CPU model with every expert resident (a copy of the whole model in memory)."""
     loaded = open_checkpoint(checkpoint, dtype)
     for m, layer in enumerate(loaded.model.moe_layers()):

@@ -10,16 +10,16 @@ import ctypes
 import math
 import mmap
 import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
 
-from runtime.files import tensorfile
-from runtime.inference.cpu_bandwidth import empty_weight
 from runtime.errors import UserError
+from runtime.files import tensorfile
 from runtime.files.tensorfile import DTYPES, unreadable_reason
+from runtime.inference.cpu_bandwidth import empty_weight
 
 
 class MappedFileError(UserError):
@@ -36,7 +36,7 @@ def read_header(path: Path) -> tuple[dict, int]:
         raise MappedFileError(f"{path}: not a readable safetensors file ({unreadable_reason(exc)})") from None
 
 
-def _entry_error(name: str, entry, data_size: int) -> Optional[str]:
+def _entry_error(name: str, entry, data_size: int) -> str | None:
     """Why a header entry does not describe a tensor inside a data section of `data_size` bytes (None: it does)."""
     if not isinstance(entry, dict):
         return "is not an object"
@@ -58,7 +58,7 @@ def _entry_error(name: str, entry, data_size: int) -> Optional[str]:
     return None
 
 
-def _mincore() -> Optional[Callable[..., int]]:
+def _mincore() -> Callable[..., int] | None:
     try:
         call = ctypes.CDLL(None, use_errno=True).mincore
     except (OSError, AttributeError):  # no mincore on this OS
@@ -99,7 +99,7 @@ class MappedFile:
                 why = _entry_error(name, entry, size - self.data_start)
                 if why is not None:
                     raise MappedFileError(f"{self.path}: tensor {name} {why}")
-            self._map: Optional[mmap.mmap] = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._map: mmap.mmap | None = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
                                               if size else None)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else None
 

@@ -7,25 +7,25 @@ runtime/inference/ring.py; the words are docs/glossary.md's.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from runtime.inference.cpu_bandwidth import empty_weight
-from runtime.inference.expert_source import ExpertSource
-from runtime.inference.errors import InferError
-from runtime.inference.store_cache import StoreHold
-from runtime.files.tensorfile import DTYPES
-from runtime.inference.mapped import MappedFileError, read_header
+from runtime.files.tensorfile import DTYPES, save_tensors
 from runtime.host.timeline import Timeline, overlap_s
+from runtime.inference.cpu_bandwidth import empty_weight
+from runtime.inference.errors import InferError
+from runtime.inference.expert_source import ExpertSource
+from runtime.inference.mapped import MappedFileError, read_header
+from runtime.inference.store_cache import StoreHold
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import expert_ffn
 from runtime.moe.routed import routed_ffn
-from runtime.files.tensorfile import save_tensors
 
 MODES = ("auto", "ring", "ondemand", "none")
 TOKEN_SPANS = ("copy", "compute", "wait")
@@ -114,7 +114,7 @@ def _matches(path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], 
 class LayerSlotExperts(nn.Module):
     """Stands in for a layer's GroupedExperts: computes on the weights its offloader puts in a device layer slot."""
 
-    def __init__(self, offloader: "Offloader", index: int, expert_type: str):
+    def __init__(self, offloader: Offloader, index: int, expert_type: str):
         super().__init__()
         self.offloader, self.index, self.expert_type = offloader, index, expert_type
 
@@ -138,8 +138,8 @@ class Offloader:
 
     mode = "none"
 
-    def __init__(self, model: Transformer, device: torch.device, source: Optional[ExpertSource] = None,
-                 hold: Optional[StoreHold] = None):
+    def __init__(self, model: Transformer, device: torch.device, source: ExpertSource | None = None,
+                 hold: StoreHold | None = None):
         """source: where the experts were placed from (close() lets go of its mapped files); hold: the layer store
         this offloader uses (runtime/inference/store_cache.py), let go of by close()."""
         self.model, self.device = model, device
@@ -151,7 +151,7 @@ class Offloader:
         self.source, self.hold = source, hold
         self.placement = ["resident"] * self.num_layers
         """Where each MoE layer's experts are computed from (--json's `placement`)."""
-        self.budget_slots: Optional[int] = None
+        self.budget_slots: int | None = None
         """The device budget in layers the mode was given (infer.ring_slots), where it takes one."""
         self._hooks = [model.register_forward_pre_hook(self._begin), model.register_forward_hook(self._end)]
 
@@ -224,7 +224,7 @@ class LayerSlotOffloader(Offloader):
     each, allocated once)."""
 
     def __init__(self, model: Transformer, device: torch.device, store: LayerStore, num_slots: int,
-                 source: Optional[ExpertSource] = None, hold: Optional[StoreHold] = None):
+                 source: ExpertSource | None = None, hold: StoreHold | None = None):
         super().__init__(model, device, source, hold)
         self.placement = [self.mode] * self.num_layers
         if store.num_layers != self.num_layers:
@@ -232,7 +232,7 @@ class LayerSlotOffloader(Offloader):
         self.store, self.num_slots = store, num_slots
         self.slots = [empty_weight((store.layer_bytes,), torch.uint8, device) for _ in range(num_slots)]
         self.slot_views = [store.views(s) for s in self.slots]
-        self.slot_layer: list[Optional[int]] = [None] * num_slots
+        self.slot_layer: list[int | None] = [None] * num_slots
         for m, layer in enumerate(model.moe_layers()):  # the resident experts go; the store holds them now
             layer.experts = LayerSlotExperts(self, m, layer.experts.expert_type)
 
@@ -244,7 +244,7 @@ class LayerSlotOffloader(Offloader):
     def expert_host_bytes(self) -> int:
         return self.store.host_bytes
 
-    def copy_now(self, slot: int, layer: int, stream: Optional[torch.cuda.Stream] = None) -> None:
+    def copy_now(self, slot: int, layer: int, stream: torch.cuda.Stream | None = None) -> None:
         """Copy layer's experts into slot, timed (on `stream` when given, else the current one)."""
         start = self.timeline.mark(stream)
         self.slots[slot].copy_(self.store.regions[layer], non_blocking=stream is not None)
@@ -260,7 +260,7 @@ class OnDemandOffloader(LayerSlotOffloader):
     mode = "ondemand"
 
     def __init__(self, model: Transformer, device: torch.device, store: LayerStore,
-                 source: Optional[ExpertSource] = None, hold: Optional[StoreHold] = None):
+                 source: ExpertSource | None = None, hold: StoreHold | None = None):
         super().__init__(model, device, store, 1, source, hold)
 
     def acquire(self, layer: int) -> dict[str, Tensor]:

@@ -8,22 +8,22 @@ expert by expert (runtime/inference/auto.py); K at or above the number of MoE la
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
+from runtime.host.topology import set_cpu_threads
 from runtime.inference.auto import AutoOffloader
 from runtime.inference.errors import InferError
-from runtime.inference.store_cache import (CACHE_GB, ScratchStore, StoreHold, checkout, default_cache_root,
-                                           store_bytes)
 from runtime.inference.expert_source import ExpertSource
 from runtime.inference.load import LoadedModel, open_checkpoint
-from runtime.inference.offload import MODES, LayerStore, OnDemandOffloader, Offloader
+from runtime.inference.offload import MODES, LayerStore, Offloader, OnDemandOffloader
 from runtime.inference.ring import RingOffloader, check_ring_slots
+from runtime.inference.store_cache import CACHE_GB, ScratchStore, StoreHold, checkout, default_cache_root, store_bytes
 from runtime.model.transformer import Transformer
-from runtime.host.topology import set_cpu_threads
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,10 @@ class PlaceOptions:
     caller's, else the checkpoint's copy in the bounded cache: cache_root, cache_gb), prefetching."""
 
     ring_slots: int = 2
-    cache_dir: Optional[Path] = None
+    cache_dir: Path | None = None
     fingerprint: str = ""
     prefetch: bool = False
-    cache_root: Optional[Path] = None
+    cache_root: Path | None = None
     cache_gb: float = CACHE_GB
 
 
@@ -58,7 +58,7 @@ def _auto(model: Transformer, device: torch.device, source: ExpertSource, option
 
 
 def _store(source: ExpertSource, options: PlaceOptions, moe_layers: int,
-           device: torch.device) -> tuple[LayerStore, Optional[StoreHold]]:
+           device: torch.device) -> tuple[LayerStore, StoreHold | None]:
     """The experts exported one layer at a time into the on-disk store, and what the offloader lets go of when it
     closes: the checkpoint's copy in the cache (held against eviction meanwhile), a private directory when nothing
     keys a reusable one (removed), or nothing for a directory the caller gave."""
@@ -103,9 +103,9 @@ assert tuple(OFFLOADERS) == MODES
 
 
 def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slots: int = 2,
-                   cache_dir: Optional[Path] = None, fingerprint: str = "",
-                   source: Optional[ExpertSource] = None, prefetch: bool = False,
-                   cache_root: Optional[Path] = None, cache_gb: float = CACHE_GB) -> Offloader:
+                   cache_dir: Path | None = None, fingerprint: str = "",
+                   source: ExpertSource | None = None, prefetch: bool = False,
+                   cache_root: Path | None = None, cache_gb: float = CACHE_GB) -> Offloader:
     """Place `model`'s experts on `device` under offload mode auto, ring, ondemand or none, and move the rest.
 
     `source` says where the experts lie (a checkpoint opened by `open_checkpoint`, whose model's experts are still
@@ -137,7 +137,7 @@ class Opened:
     cfg: Any
     device: torch.device
 
-    def place(self, cache_dir: Optional[Path] = None) -> Offloader:
+    def place(self, cache_dir: Path | None = None) -> Offloader:
         """Place the experts as cfg.infer says (after the caller has checked its inputs: ring and ondemand export
         a store)."""
         inf = self.cfg.infer
@@ -147,8 +147,8 @@ class Opened:
 
 
 def open_for_inference(checkpoint: str | Path, resolve: Callable[[dict[str, Any], dict[str, Any]], Any],
-                       infer_overrides: Optional[dict[str, Any]] = None, offload: Optional[str] = None,
-                       device: Optional[str | torch.device] = None) -> Opened:
+                       infer_overrides: dict[str, Any] | None = None, offload: str | None = None,
+                       device: str | torch.device | None = None) -> Opened:
     """Open a checkpoint streamed (experts read where they lie) and resolve its config with
     `resolve(config_data, infer overrides)`, `offload` overriding infer.offload: how `moesys infer` and
     `moesys serve` both start. The process's CPUs all go to this one model."""

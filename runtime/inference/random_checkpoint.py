@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
+from runtime.files.tensorfile import save_tensors
 from runtime.hf.files import INDEX
 from runtime.host.io import atomic_write_json
 from runtime.host.topology import usable_cpus
-from runtime.files.tensorfile import save_tensors
 
 
 def write_random_mixtral(path: Path, hidden: int, ffn: int, layers: int, experts: int, vocab: int, heads: int = 8,

@@ -9,15 +9,15 @@ asynchronously (a CUDA copy stream with events, or a background copy thread on C
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from runtime.inference.errors import InferError
 from runtime.inference.expert_source import ExpertSource
+from runtime.inference.offload import LayerSlotOffloader, LayerStore
 from runtime.inference.store_cache import StoreHold
-from runtime.inference.offload import LayerStore, LayerSlotOffloader
 from runtime.model.transformer import Transformer
 
 
@@ -27,14 +27,14 @@ class RingOffloader(LayerSlotOffloader):
     mode = "ring"
 
     def __init__(self, model: Transformer, device: torch.device, store: LayerStore, num_slots: int,
-                 source: Optional[ExpertSource] = None, hold: Optional[StoreHold] = None):
+                 source: ExpertSource | None = None, hold: StoreHold | None = None):
         check_ring_slots(num_slots, len(model.moe_layers()))
         super().__init__(model, device, store, num_slots, source, hold)
         self.budget_slots = num_slots
         self.use = 0
         self.ready: list[Any] = [None] * num_slots  # Future (CPU) or torch.cuda.Event: the slot's copy is done
         if device.type == "cuda":
-            self.stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device)
+            self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
             self.pool = None
         else:
             self.stream = None

@@ -14,7 +14,7 @@ Legend: B rows, D model dim, L cache slots, K top-k, E experts.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,17 +31,17 @@ from runtime.moe.routed import combine_choices, sort_by_expert, sorted_ffn
 from runtime.moe.shared import SharedExperts
 
 
-def row_linear(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def row_linear(x_B1D: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear of each row alone, [B, 1, D] -> [B, 1, N]: the very numbers a lone step's call gives, in the
     cheapest form that gives them for this shape, dtype and device (`_form`)."""
     return _form(x_B1D.shape[0], weight, bias)(x_B1D, weight, bias)
 
 
-def _one_product(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+def _one_product(x_B1D: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(x_B1D, weight, bias)
 
 
-def _batched_rows(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+def _batched_rows(x_B1D: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     B = x_B1D.shape[0]
     weight_BDN = weight.t().expand(B, *weight.t().shape)
     if bias is None:
@@ -49,7 +49,7 @@ def _batched_rows(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tens
     return torch.baddbmm(bias.expand(B, 1, bias.shape[-1]), x_B1D, weight_BDN)
 
 
-def _one_by_one(x_B1D: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+def _one_by_one(x_B1D: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.cat([F.linear(x_B1D[b:b + 1], weight, bias) for b in range(x_B1D.shape[0])])
 
 
@@ -65,7 +65,7 @@ times; one call per row is the lone step itself."""
 _FORM: dict[tuple, Callable] = {}
 
 
-def _form(rows: int, weight: Tensor, bias: Optional[Tensor]) -> Callable:
+def _form(rows: int, weight: Tensor, bias: Tensor | None) -> Callable:
     """The first of FORMS whose rows equal F.linear's one row at a time, bit for bit, for this shape, dtype and
     device: tried once on random rows (which kernel runs, and so the summation order, depends on the shape, not on
     the values)."""
@@ -77,7 +77,7 @@ def _form(rows: int, weight: Tensor, bias: Optional[Tensor]) -> Callable:
     return _FORM[key]
 
 
-def _expert_linear(x_R1D: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def _expert_linear(x_R1D: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """One expert's product of R one-row matrices: each row as `gathered_ffn`'s per-token product computes it (a
     one-row product, then the bias; tests/unit/inference/test_rows.py checks it bit for bit)."""
     y = row_linear(x_R1D, weight)
@@ -85,7 +85,7 @@ def _expert_linear(x_R1D: Tensor, weight: Tensor, bias: Optional[Tensor] = None)
 
 
 def _attention(att: Attention, x_B1D: Tensor, cache: StaticKVCache, pos_B: Tensor, rows_B: Tensor,
-               rope: Optional[tuple[Tensor, Tensor]], mask_BL: Tensor, spans: list[int]) -> Tensor:
+               rope: tuple[Tensor, Tensor] | None, mask_BL: Tensor, spans: list[int]) -> Tensor:
     """Attention.decode with a position per row, against rows 0..B-1 of the cache. Row b attends over its first
     spans[b] slots, the size of its lone run's cache: rows of one span in one call where that gives lone calls'
     bits (probed per shape: the CPU kernel's fp32 arithmetic depends on the batch and the mask's shape, its
@@ -246,7 +246,7 @@ def _block(block: Block, x: Tensor, cache: StaticKVCache, pos_B: Tensor, rows_B:
 
 @torch.no_grad()
 def decode_rows(model: Transformer, tokens_B: Tensor, pos_B: Tensor, cache: StaticKVCache,
-                spans: Optional[list[int]] = None) -> Tensor:
+                spans: list[int] | None = None) -> Tensor:
     """Next-token logits [B, V] for token tokens_B[b] at position pos_B[b] of cache row b (rows 0..B-1; each row's
     earlier positions already in its cache row). spans[b]: the slots row b attends over, the capacity of the cache
     its lone run would use (default: the whole cache)."""
@@ -255,7 +255,7 @@ def decode_rows(model: Transformer, tokens_B: Tensor, pos_B: Tensor, cache: Stat
 
 
 def _decode_rows(model: Transformer, tokens_B: Tensor, pos_B: Tensor, cache: StaticKVCache,
-                 spans: Optional[list[int]]) -> Tensor:
+                 spans: list[int] | None) -> Tensor:
     B = tokens_B.shape[0]
     rows_B = torch.arange(B, device=tokens_B.device)
     spans = [cache.capacity] * B if spans is None else spans

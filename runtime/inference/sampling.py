@@ -7,8 +7,8 @@ Legend: B rows, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -40,7 +40,7 @@ class Sampling:
 
     @classmethod
     def of(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, presence_penalty: float = 0.0,
-           frequency_penalty: float = 0.0, logit_bias: Optional[Mapping[int | str, float]] = None) -> "Sampling":
+           frequency_penalty: float = 0.0, logit_bias: Mapping[int | str, float] | None = None) -> Sampling:
         """Settings whose logit_bias is a mapping of token ids (ints, or their decimal strings as JSON keys)."""
         bias = tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items()))
         return cls(float(temperature), int(top_k), float(top_p), float(presence_penalty), float(frequency_penalty),
@@ -55,7 +55,7 @@ class Sampling:
         return self.temperature <= 0
 
 
-def sample_next(logits_BV: Tensor, temperature: float, top_k: int, generator: Optional[torch.Generator],
+def sample_next(logits_BV: Tensor, temperature: float, top_k: int, generator: torch.Generator | None,
                 top_p: float = 1.0) -> Tensor:
     """Next ids [B], on the device: argmax when temperature is 0, else a draw from softmax(logits / temperature)
     over the top k, then over the nucleus of top_p. The draw is torch.multinomial's own for one sample (argmax of
@@ -90,7 +90,7 @@ class Sampler:
     def __init__(self, sampling: Sampling, vocab_size: int, device: torch.device, seed: int = 0):
         self.sampling = sampling
         self.generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(seed)
-        self.bias_V: Optional[Tensor] = None
+        self.bias_V: Tensor | None = None
         if sampling.logit_bias:
             ids, biases = zip(*sampling.logit_bias)
             if not all(0 <= t < vocab_size for t in ids):
@@ -99,7 +99,7 @@ class Sampler:
             self.bias_V = torch.zeros(vocab_size, device=device).index_put_(
                 (torch.tensor(ids, device=device),), torch.tensor(biases, device=device))
         self.vocab_size, self.device = vocab_size, device
-        self.counts_BV: Optional[Tensor] = None
+        self.counts_BV: Tensor | None = None
 
     def begin(self, rows: int) -> None:
         """A new batch of `rows` sequences, none of whose tokens has been generated yet."""

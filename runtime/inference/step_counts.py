@@ -5,8 +5,8 @@ of device values on the host) and operators per layer (the launches a GPU would 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile, record_function

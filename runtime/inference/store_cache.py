@@ -18,8 +18,9 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Iterable, Optional, Protocol
+from typing import IO, Protocol
 
 from runtime.config import InferConfig
 from runtime.errors import UserError
@@ -60,7 +61,7 @@ def _size(directory: Path) -> int:
         return 0
 
 
-def _locked(path: Path, how: int) -> Optional[IO]:
+def _locked(path: Path, how: int) -> IO | None:
     """The lock file at `path` (created if absent) locked with `how` (flock flags), or None when another process
     holds it the other way (LOCK_NB). Retried when an evicter unlinked the file between our open and our lock."""
     while True:

@@ -22,11 +22,11 @@ import psutil
 
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
+from runtime.files.paths import LOGS, SLURM_LOG, SLURM_SCRIPT, node_logs
+from runtime.host.io import atomic_write_text
+from runtime.host.topology import host_memory_bytes
 from runtime.plan.budget import GB
 from runtime.plan.planner import LAUNCHER_BYTES, Plan, plan_placement
-from runtime.host.topology import host_memory_bytes
-from runtime.host.io import atomic_write_text
-from runtime.files.paths import LOGS, SLURM_LOG, SLURM_SCRIPT, node_logs
 
 WORKER_MODULE = "runtime.train.worker"
 SAFE_RUN = ('import runpy, sys; sys.path[:1] == [""] and sys.path.pop(0); '

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from runtime.config import MoesysConfig
 from runtime.errors import JobError
+from runtime.host.topology import memory_cgroup, oom_kill_count
 from runtime.plan.budget import GB
 from runtime.plan.planner import plan_placement
 from runtime.plan.suggest import changed
-from runtime.host.topology import memory_cgroup, oom_kill_count
 
 if TYPE_CHECKING:
     import torch

@@ -3,8 +3,6 @@ that prefill fills and a decode step writes by a position held on the device (gp
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,7 +55,7 @@ class StaticKVCache(nn.Module):
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, rope_theta: Optional[float] = None):
+                 dtype: torch.dtype, device: torch.device, rope_theta: float | None = None):
         """rope_theta: also keep `decode_rope`'s table of every slot (RoPE models), so a step looks its position up."""
         super().__init__()
         shape = (batch, kv_heads, capacity, head_dim)
@@ -146,10 +144,10 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-        cache: Optional[StaticKVCache] = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: StaticKVCache | None = None,
         start_pos: int = 0,
-        mask: Optional[torch.Tensor] = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [B, S, D] at positions start_pos..start_pos+S-1 -> [B, S, D]; attends to cached positions too. `mask`
         [B, 1, S, S] bool (True: attend), without a cache: replaces the causal mask (packed samples')."""
@@ -178,7 +176,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
 
-    def decode(self, x_B1D: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]], cache: StaticKVCache,
+    def decode(self, x_B1D: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: StaticKVCache,
                pos_1: torch.Tensor, mask_1L: torch.Tensor) -> torch.Tensor:
         """One new position per row: x [B, 1, D] at position pos_1 (a device tensor) -> [B, 1, D], against the
         static cache's whole buffers. rope is (cos, signed sin) from `decode_rope`. A KV head's query heads are its

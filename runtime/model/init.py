@@ -9,8 +9,9 @@ order of creation. GPT-2 style values: normal(0, 0.02) weights, zero biases, uni
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn

@@ -5,7 +5,7 @@ and the parts released families add, each chosen by the config (q/k norms, share
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from runtime.model.init import draw_seed, init_parameters
 from runtime.model.norms import build_norm
 from runtime.moe.layer import MoELayer
 from runtime.moe.losses import model_aux_loss
+
 
 @dataclass
 class ModelOutput:
@@ -40,8 +41,8 @@ class Block(nn.Module):
         self.ffn_norm = build_norm(cfg)
         self.ffn = MoELayer(cfg) if self.is_moe else DenseFFN(cfg)
 
-    def forward(self, x, rope=None, cache: Optional[StaticKVCache] = None, start_pos: int = 0, moe_stats: bool = True,
-                mask: Optional[torch.Tensor] = None):
+    def forward(self, x, rope=None, cache: StaticKVCache | None = None, start_pos: int = 0, moe_stats: bool = True,
+                mask: torch.Tensor | None = None):
         """x [B, S, D] -> (y [B, S, D], MoEStats or None); mask: the attention's (Attention.forward)."""
         h = x + self.attention(self.attention_norm(x), rope, cache, start_pos, mask)
         if self.is_moe:
@@ -95,9 +96,9 @@ class Transformer(nn.Module):
         generator; without a seed, one is drawn from torch's global RNG."""
         init_parameters(self, draw_seed() if seed is None else seed)
 
-    def forward(self, tokens: torch.Tensor, cache: Optional[StaticKVCache] = None, start_pos: int = 0,
-                moe_stats: bool = True, positions: Optional[torch.Tensor] = None,
-                segments: Optional[torch.Tensor] = None) -> ModelOutput:
+    def forward(self, tokens: torch.Tensor, cache: StaticKVCache | None = None, start_pos: int = 0,
+                moe_stats: bool = True, positions: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> ModelOutput:
         """tokens [B, S] at positions start_pos..start_pos+S-1 (start_pos > 0 needs the cache of the prefix).
         moe_stats=False leaves the MoE layers' losses and metrics out (aux_loss 0, moe_stats empty).
         Rows of packed samples (training, no cache): positions [B, S] restart in each sample and segments [B, S]

@@ -6,8 +6,8 @@ Legend: T tokens, D model dim, E experts, e local experts, K top-k, R routed row
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 from torch import Tensor, nn

@@ -7,11 +7,11 @@ Legend: T tokens, E experts, K top-k.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
-
-from dataclasses import dataclass
-from typing import Sequence
 
 from runtime.config import ModelConfig
 from runtime.moe.router import Routing, expert_counts

@@ -7,7 +7,8 @@ must call, also with zero rows to send or receive: the collectives run even when
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -128,7 +129,7 @@ def make_all_to_all(kind: str, groups: ParallelGroups) -> AllToAll:
     raise ValueError(f"parallel.alltoall={kind!r} is not one of flat, hierarchical")
 
 
-def _hierarchy(groups: ParallelGroups) -> "tuple[int, int] | None":
+def _hierarchy(groups: ParallelGroups) -> tuple[int, int] | None:
     """(nodes, ranks per node) the expert-parallel group spans; None when it lives on one node."""
     nodes = len(groups.ep_inter_node_ranks)
     if nodes == 1:

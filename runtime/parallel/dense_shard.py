@@ -10,16 +10,16 @@ while the full fp32 dense weights exist once, transiently, between forward and b
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.storage.optim import square_sum
 from runtime.parallel.groups import ProcessGroup, group_rank, group_size
+from runtime.storage.optim import square_sum
 
 # torch >= 2.13 names the fused collectives *_single; older releases only have *_into_tensor.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -82,11 +82,11 @@ class _Unit:
         self.shard = flat[rank * s:(rank + 1) * s].clone()
         self.ranges = self.layout.shard_ranges(rank)
         self.opt_params = [nn.Parameter(self.shard[a:b]) for a, b, _ in self.ranges]  # views: steps edit the shard
-        self.full: Optional[torch.Tensor] = None
+        self.full: torch.Tensor | None = None
         self.gather_work = None
         self.materialized = False
-        self.grad_flat: Optional[torch.Tensor] = None
-        self.grad_shard: Optional[torch.Tensor] = None
+        self.grad_flat: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
         self.reduce_work = None
         self.ready: set[int] = set()
         self.release()
@@ -287,7 +287,7 @@ class DenseShard:
         return out
 
     def load_full_state(self, state: dict[str, dict[str, torch.Tensor]],
-                        optimizer: Optional[torch.optim.Optimizer]) -> None:
+                        optimizer: torch.optim.Optimizer | None) -> None:
         """Fill this rank's shards (and AdamW states) from full tensors keyed like full_state(), whatever world
         size wrote them."""
         for u in self.units:

@@ -7,16 +7,15 @@ Legend: T tokens of this rank, A tokens of all ranks together, V vocabulary, H h
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.storage.optim import square_sum
 from runtime.parallel.alltoall import all_to_all_rows, exchange_counts
 from runtime.parallel.groups import ProcessGroup, group_rank, group_size
 from runtime.plan.embedding_bytes import check_divisible
+from runtime.storage.optim import square_sum
 
 
 def shard_of(full_VH: torch.Tensor, rank: int, n: int) -> torch.Tensor:

@@ -8,8 +8,8 @@ collectives in the same order.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ class _Bucket:
             total += p.numel()
         self.buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
         self.ready: set[int] = set()
-        self.work: Optional[dist.Work] = None
+        self.work: dist.Work | None = None
         self.launched = False
 
     def view(self, k: int) -> torch.Tensor:

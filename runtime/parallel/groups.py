@@ -8,7 +8,7 @@ rank % ep, the data-parallel group is every rank; nodes hold nproc_per_node cons
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -148,7 +148,7 @@ def build_groups(world_size: int, rank: int, expert_parallel: int, nproc_per_nod
                 if tuple(ranks) not in handles:
                     handles[tuple(ranks)] = dist.new_group(ranks)
 
-    def group(ranks: list[int]) -> Optional[ProcessGroup]:
+    def group(ranks: list[int]) -> ProcessGroup | None:
         return handles.get(tuple(ranks))
 
     return ParallelGroups(

@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from runtime.config import MoesysConfig
+from runtime.errors import UserError
 from runtime.files.paths import CHECKPOINTS, STEP_PREFIX, expert_store_root, step_of
 from runtime.plan.budget import GB
 from runtime.plan.disk import bytes_under, check_free, checkpoints_on_disk, kept_checkpoints
 from runtime.plan.modes import OffloadMode
 from runtime.plan.planner import Plan, plan_placement
-from runtime.errors import UserError
 
 
 def check_disk(cfg: MoesysConfig, plan: Plan | None = None) -> None:

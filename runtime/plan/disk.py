@@ -17,9 +17,9 @@ from pathlib import Path
 
 from runtime.config import ModelConfig, MoesysConfig
 from runtime.errors import UserError
-from runtime.plan.params import ParamCounts
 from runtime.plan.budget import GB
 from runtime.plan.modes import OffloadMode
+from runtime.plan.params import ParamCounts
 
 CHECKPOINT_BYTES = 12
 """A parameter in a checkpoint: fp32 weight, exp_avg and exp_avg_sq."""

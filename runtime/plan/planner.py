@@ -14,15 +14,21 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import MoesysConfig
-from runtime.plan.params import ParamCounts, count_parameters
+from runtime.plan.budget import DENSE_STATE_BYTES, GB, STORED_SPARSE_BYTES, Eq1Budget, eq1_budget
+from runtime.plan.disk import DiskPlan, disk_plan, disk_problem, fewer_checkpoints, kept_checkpoints, store_file_bytes
 from runtime.plan.embedding_bytes import embedding_bytes_per_rank
 from runtime.plan.modes import MODES, OffloadMode, TierName, requested_modes
-from runtime.plan.budget import (DENSE_STATE_BYTES, GB,
-                                    STORED_SPARSE_BYTES, Eq1Budget, eq1_budget)
-from runtime.plan.disk import (DiskPlan, disk_plan, disk_problem, fewer_checkpoints, kept_checkpoints,
-                               store_file_bytes)
-from runtime.plan.step_memory import (CUDA_CONTEXT_BYTES, CUDA_HOST_BYTES, CUDA_WORKSPACE_BYTES, activation_bytes,
-                                         compute_bytes, optimizer_step_bytes, step_peak, weight_cast_params)
+from runtime.plan.params import ParamCounts, count_parameters
+from runtime.plan.step_memory import (
+    CUDA_CONTEXT_BYTES,
+    CUDA_HOST_BYTES,
+    CUDA_WORKSPACE_BYTES,
+    activation_bytes,
+    compute_bytes,
+    optimizer_step_bytes,
+    step_peak,
+    weight_cast_params,
+)
 from runtime.plan.suggest import changed, first_passing, serving_suggestions, training_suggestions
 
 PROCESS_RUNTIME_BYTES = int(0.30 * GB)
@@ -133,9 +139,9 @@ def process_host_bytes(cfg: MoesysConfig, est: RankEstimate) -> int:
 def teacher_parameters(checkpoint: str) -> int:
     """Parameters of a distillation's teacher, counted from the model config its checkpoint recorded (meta.json);
     0 when that cannot be read (moesys distill refuses such a teacher before anything is planned)."""
-    from runtime.files.checkpoint_format import read_meta
     from runtime.config import config_from_dict
     from runtime.errors import UserError
+    from runtime.files.checkpoint_format import read_meta
 
     try:
         return count_parameters(config_from_dict(read_meta(Path(checkpoint))["config"]).model).total

@@ -9,8 +9,15 @@ from dataclasses import dataclass
 from runtime.config import MoesysConfig
 from runtime.plan.modes import MODES, OffloadMode
 from runtime.plan.planner import RankEstimate, fit_training
-from runtime.plan.step_time import (Rates, StepBound, StepWork, compute_seconds, offloaded_step_work, step_bound,
-                                    tokens_per_rank)
+from runtime.plan.step_time import (
+    Rates,
+    StepBound,
+    StepWork,
+    compute_seconds,
+    offloaded_step_work,
+    step_bound,
+    tokens_per_rank,
+)
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,7 @@ class Prediction:
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.step_s if self.step_s > 0 else 0.0
 
-    def to_dict(self, resident: "Prediction | None" = None) -> dict:
+    def to_dict(self, resident: Prediction | None = None) -> dict:
         out = {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "bound_term": self.bound.bound_term,
                "terms_s": dict(self.bound.terms_s), "fits": self.fits}
         if resident is not None and self.step_s > 0:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -67,7 +66,7 @@ def task_gpu_counts(cfg: MoesysConfig, world: int, plan: Plan | None = None) -> 
     return allocate(workload_from_config(cfg.tasks), world, tasks_per_gpu(cfg, plan)).gpus
 
 
-def rebalance(cfg: MoesysConfig, from_run: Optional[str] = None) -> Rebalance:
+def rebalance(cfg: MoesysConfig, from_run: str | None = None) -> Rebalance:
     if not cfg.tasks:
         raise AllocationError("the config has no tasks; use a multi-task recipe such as recipe=ufo-multitask")
     batch_sizes = {name: t.batch_size for name, t in cfg.tasks.items()}

@@ -8,8 +8,8 @@ ring slots), so a binary search over the valid values costs O(log n) estimates h
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Optional, Sequence
 
 from runtime.config import ConfigError, MoesysConfig, validate
 from runtime.plan.budget import GB, Eq1Budget
@@ -22,7 +22,7 @@ Problems = Callable[[MoesysConfig, OffloadMode], list]
 """Every reason a config does not fit with an offload mode (empty: it fits)."""
 
 
-def first_passing(values: Sequence[int], ok: Callable[[int], bool]) -> Optional[int]:
+def first_passing(values: Sequence[int], ok: Callable[[int], bool]) -> int | None:
     """The first of `values` for which `ok` holds, when ok is monotone over them (False ... False True ... True)."""
     if not values or not ok(values[-1]):
         return None
@@ -81,7 +81,7 @@ def training_suggestions(cfg: MoesysConfig, budget: Eq1Budget, mode: OffloadMode
 
     order = tuple(m for m in dict.fromkeys((mode, *modes)) if usable(changed(cfg, "storage", offload=m.value)))
 
-    def fitting(trial: MoesysConfig) -> Optional[OffloadMode]:
+    def fitting(trial: MoesysConfig) -> OffloadMode | None:
         return next((m for m in order if not problems(trial, m)), None)
 
     out = [f"storage.offload={m} fits" for m in order if m != mode and not problems(cfg, m)][:1]
@@ -117,14 +117,14 @@ def _wider_expert_parallel(cfg: MoesysConfig) -> list[int]:
 
 
 def _more_nodes(cfg: MoesysConfig, mode: OffloadMode, order: Sequence[OffloadMode], problems: Problems,
-                usable: Callable[[MoesysConfig], bool]) -> Optional[str]:
+                usable: Callable[[MoesysConfig], bool]) -> str | None:
     """The fewest nodes that fit, with expert_parallel kept or widened to split the experts over more ranks.
 
     For a fixed expert_parallel, nodes add Eq. 1 capacity and shrink a sharded dense share and nothing per rank
     grows, so fitting is monotone in the node count: bisect it. The expert_parallel kept divides every count tried,
     so `auto` resolves there to a multiple of it, which holds fewer experts per rank and fits too. The offload mode
     in use is kept when it can be."""
-    best: Optional[tuple[int, int, MoesysConfig]] = None
+    best: tuple[int, int, MoesysConfig] | None = None
     for ep in [cfg.topology.expert_parallel, *_wider_expert_parallel(cfg)]:
         base = changed(cfg, "topology", expert_parallel=ep)
         for tried in (tuple(m for m in order if m == mode), tuple(order)):
@@ -144,8 +144,8 @@ def _more_nodes(cfg: MoesysConfig, mode: OffloadMode, order: Sequence[OffloadMod
     return f"topology.nodes={nodes}{widen} with storage.offload={found} fits"
 
 
-def _smaller_run(cfg: MoesysConfig, fitting: Callable[[MoesysConfig], Optional[OffloadMode]],
-                 usable: Callable[[MoesysConfig], bool]) -> Optional[str]:
+def _smaller_run(cfg: MoesysConfig, fitting: Callable[[MoesysConfig], OffloadMode | None],
+                 usable: Callable[[MoesysConfig], bool]) -> str | None:
     """The largest micro-batch below the current one that fits; else micro-batch 1 and the longest sequence that
     fits. Activations grow with both, so the search is monotone; values already at 1 are never suggested."""
     tr = cfg.train

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Hashable
 
 Key = Hashable
 

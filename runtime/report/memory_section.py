@@ -4,10 +4,10 @@ per-rank, per-tier comparison `moesys plan --compare` prints (runtime/plan/compa
 from __future__ import annotations
 
 from runtime.errors import UserError
+from runtime.plan.compare import MEASURED_KEY, TOLERANCE, compare_run
 from runtime.report.charts import Line, VMark, grouped_bars, human_bytes, line_chart
 from runtime.report.page import Page
 from runtime.report.run_data import RunData
-from runtime.plan.compare import MEASURED_KEY, TOLERANCE, compare_run
 
 TIER_NAMES = {"ram": "RAM (anonymous RSS)", "host": "host (anonymous RSS)", "device": "device (CUDA max allocated)",
               "ssd": "SSD (expert store)"}

@@ -6,8 +6,8 @@ browser refuse anything else, so the page opens the same offline. Every text is 
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from runtime.report.charts import Image
 

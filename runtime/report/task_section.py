@@ -3,10 +3,10 @@ the allocation of ranks to tasks in force over each stretch of steps (a rebalanc
 
 from __future__ import annotations
 
+from runtime.files.run_dir import task_samples_per_s
 from runtime.report.charts import Line, VMark, line_chart
 from runtime.report.page import Page
 from runtime.report.run_data import RunData
-from runtime.files.run_dir import task_samples_per_s
 
 
 def allocations(rank_lines: list[dict]) -> list[tuple[int, int, dict[str, list[tuple[int, int]]]]]:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -38,14 +38,14 @@ POLL_S = 1.0
 """How often a request waiting for its answer checks that the generation worker is still running."""
 
 
-def _refused(trace: "_Trace", status: int, message: str, kind: str = "invalid_request_error",
-             param: Optional[str] = None) -> Response:
+def _refused(trace: _Trace, status: int, message: str, kind: str = "invalid_request_error",
+             param: str | None = None) -> Response:
     """OpenAI's error object with this status; the request's log line names the reason."""
     trace.end(status, message)
     return JSONResponse(error_body(message, kind, param), status_code=status)
 
 
-def _refused_by(trace: "_Trace", exc: RequestError) -> Response:
+def _refused_by(trace: _Trace, exc: RequestError) -> Response:
     return _refused(trace, exc.status, str(exc), exc.kind, exc.param)
 
 
@@ -68,11 +68,11 @@ class _Trace:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.began = time.monotonic()
         self.prompt_tokens = self.completion_tokens = 0
-        self.job: Optional[ServeJob] = None
-        self.user: Optional[str] = None
+        self.job: ServeJob | None = None
+        self.user: str | None = None
         self.done = False
 
-    def end(self, status: int, reason: Optional[str] = None) -> None:
+    def end(self, status: int, reason: str | None = None) -> None:
         if self.done:
             return
         self.done = True
@@ -234,7 +234,7 @@ class _Waiting:
     def left_s(self) -> float:
         return self.timeout_s - (time.monotonic() - self.since)
 
-    def failure(self) -> Optional[RequestError]:
+    def failure(self) -> RequestError | None:
         """Why to stop waiting now, or None (then wait another POLL_S)."""
         if self.ended:
             return WorkerDied(self.service.worker.error or "its thread has ended without answering")
@@ -255,7 +255,7 @@ async def _answer_or_leave(service: Service, answer: asyncio.Future, gone: async
             answer.set_exception(failure)
 
 
-def _settle(answer: asyncio.Future, choices: Optional[list[Choice]], error: Optional[BaseException]) -> None:
+def _settle(answer: asyncio.Future, choices: list[Choice] | None, error: BaseException | None) -> None:
     if answer.done():  # the request was cancelled meanwhile
         return
     if error is not None:
@@ -264,8 +264,8 @@ def _settle(answer: asyncio.Future, choices: Optional[list[Choice]], error: Opti
         answer.set_result(choices)
 
 
-def _completion_chunks(trace: _Trace, service: Service, index: int, out: Optional[TokenOut], piece: Optional[str],
-                       finish: Optional[str]) -> dict[str, Any]:
+def _completion_chunks(trace: _Trace, service: Service, index: int, out: TokenOut | None, piece: str | None,
+                       finish: str | None) -> dict[str, Any]:
     """A completions chunk: choice `index`'s new token and text, or (out None) its end."""
     tok = service.tokenizer
     text = piece if tok is not None else None
@@ -275,8 +275,8 @@ def _completion_chunks(trace: _Trace, service: Service, index: int, out: Optiona
     return chunk_body(trace.id, service.name, [out.token], text, index=index, logprobs=lp)
 
 
-def _chat_chunks(trace: _Trace, service: Service, index: int, out: Optional[TokenOut], piece: Optional[str],
-                 finish: Optional[str]) -> dict[str, Any]:
+def _chat_chunks(trace: _Trace, service: Service, index: int, out: TokenOut | None, piece: str | None,
+                 finish: str | None) -> dict[str, Any]:
     if out is None:
         return chat_chunk(trace.id, service.name, index, {"content": piece} if piece else {}, finish)
     lp = chat_logprobs([out], service.tokenizer) if out.logprob is not None else None

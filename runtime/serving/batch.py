@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -33,7 +32,7 @@ class TokenOut:
     """One token, with its log-probability and the `top` most likely alternatives (when asked)."""
 
     token: int
-    logprob: Optional[float] = None
+    logprob: float | None = None
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
@@ -45,7 +44,7 @@ class Sequence:
     max_tokens: int
     sampling: Sampling = Sampling()
     seed: int = 0
-    logprobs: Optional[int] = None
+    logprobs: int | None = None
     """None: no log-probabilities; N >= 0: the chosen token's and the N most likely alternatives'."""
     scored: bool = False
     """Each token's log-probability even without `logprobs` (best_of ranks sequences by their sum)."""
@@ -54,7 +53,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     prompt_outs: list[TokenOut] = field(default_factory=list)
     """With echo: prompt tokens 1.. as TokenOuts (nothing predicts token 0)."""
-    sampler: Optional[Sampler] = None
+    sampler: Sampler | None = None
 
     @property
     def position(self) -> int:
@@ -74,15 +73,15 @@ class Sequence:
 class ContinuousBatch:
     """Up to `max_rows` sequences decoding together; rows 0..len(rows)-1 of the cache are in use."""
 
-    def __init__(self, model: Transformer, max_rows: int, offloader: Optional[Offloader] = None,
-                 step: Optional[BatchDecodeStep] = None):
+    def __init__(self, model: Transformer, max_rows: int, offloader: Offloader | None = None,
+                 step: BatchDecodeStep | None = None):
         """step: decode the rows with this (compiled) step, its bucket's CUDA graphs on CUDA, rather than with
         `decode_rows`, whose rows are lone steps' bit for bit."""
         self.model, self.max_rows, self.offloader, self.decode_step = model, max_rows, offloader, step
         self.device = model.tok_embeddings.weight.device
         self.rows: list[Sequence] = []
         self.steps = 0
-        self._cache: Optional[StaticKVCache] = None
+        self._cache: StaticKVCache | None = None
 
     @property
     def free(self) -> int:
@@ -94,7 +93,7 @@ class ContinuousBatch:
         return self._cache
 
     @torch.no_grad()
-    def join(self, seq: Sequence) -> Optional[TokenOut]:
+    def join(self, seq: Sequence) -> TokenOut | None:
         """Prefill `seq` alone (a cache of the size its lone run uses), score its prompt when it echoes, and take
         the next row and return its first token; None for a sequence that generates nothing (it takes no row)."""
         if not self.free and seq.max_tokens:

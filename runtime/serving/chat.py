@@ -6,11 +6,23 @@ its exports carry; the chat response and stream chunk bodies."""
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 from runtime.data.chat_template import ChatTemplateError, render_chat, tokenizer_template
-from runtime.serving.protocol import (MAX_LOGPROBS, NOT_SERVED, SAMPLING, CompletionRequest, Defaults, RequestError,
-                                      _int, _shown, check_fields, encode_text, refuse_not_served, request_fields)
+from runtime.serving.protocol import (
+    MAX_LOGPROBS,
+    NOT_SERVED,
+    SAMPLING,
+    CompletionRequest,
+    Defaults,
+    RequestError,
+    _int,
+    _shown,
+    check_fields,
+    encode_text,
+    refuse_not_served,
+    request_fields,
+)
 from runtime.serving.responses import token_text, usage
 
 CHAT_FIELDS = ("model", "messages", "max_completion_tokens", "logprobs", "top_logprobs") + SAMPLING + NOT_SERVED
@@ -82,7 +94,7 @@ def parse_chat(body: dict[str, Any], defaults: Defaults, tokenizer: Any, vocab_s
     return request_fields(body, [ids], defaults, tokenizer, vocab_size, context, top if wanted else None)
 
 
-def chat_logprobs(outs: list[Any], tokenizer: Any) -> Optional[dict[str, Any]]:
+def chat_logprobs(outs: list[Any], tokenizer: Any) -> dict[str, Any] | None:
     """OpenAI's chat `logprobs` object for these TokenOuts (None when not asked)."""
     if not outs:
         return None
@@ -103,8 +115,8 @@ def chat_body(request_id: str, model: str, choices: list[Any], request: Completi
             "choices": out, "usage": usage(request.prompt_tokens, sum(len(c.tokens) for c in choices))}
 
 
-def chat_chunk(request_id: str, model: str, index: int, delta: dict[str, Any], finish_reason: Optional[str] = None,
-               logprobs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def chat_chunk(request_id: str, model: str, index: int, delta: dict[str, Any], finish_reason: str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": [choice]}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -38,8 +38,8 @@ class ServeMetrics:
         Gauge("moesys_running_sequences", "Sequences in the decode batch", registry=r).set_function(running)
 
     def record(self, request_id: str, route: str, status: int, prompt_tokens: int, completion_tokens: int,
-               ttft_s: Optional[float], total_s: float, error: Optional[str] = None,
-               user: Optional[str] = None) -> None:
+               ttft_s: float | None, total_s: float, error: str | None = None,
+               user: str | None = None) -> None:
         self.requests.labels(route, str(status)).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.completion_tokens.inc(completion_tokens)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from runtime.inference.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, Sampling
 
@@ -29,7 +29,7 @@ MAX_LOGPROBS = 20
 class RequestError(ValueError):
     """A request the server refuses: HTTP status, a one-line message and the offending field (OpenAI's `param`)."""
 
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
                  kind: str = "invalid_request_error"):
         super().__init__(message)
         self.param, self.status, self.kind = param, status, kind
@@ -58,7 +58,7 @@ class CompletionRequest:
     n: int = 1
     """Choices per prompt; choice i of a prompt samples with seed + i."""
     stop: tuple[str, ...] = ()
-    logprobs: Optional[int] = None
+    logprobs: int | None = None
     """None: no log-probabilities; N: the chosen token's and the N most likely alternatives' per token."""
     best_of: int = 0
     """Candidates per prompt (0: n) of which the n of highest cumulative log-probability are answered."""
@@ -66,7 +66,7 @@ class CompletionRequest:
     """Answer each prompt's tokens (and their log-probabilities) before the generated ones."""
     include_usage: bool = False
     """stream_options.include_usage: a last stream chunk with the usage."""
-    user: Optional[str] = None
+    user: str | None = None
 
     @property
     def candidates(self) -> int:
@@ -203,7 +203,7 @@ def _check_prompts(prompts: list[list[int]], vocab_size: int, context: int, scor
 
 
 def request_fields(body: dict[str, Any], prompts: list[list[int]], defaults: Defaults, tokenizer: Any,
-                   vocab_size: int, context: int, logprobs: Optional[int], echo: bool = False) -> CompletionRequest:
+                   vocab_size: int, context: int, logprobs: int | None, echo: bool = False) -> CompletionRequest:
     """The prompts checked against the vocabulary and context, and the fields both routes share."""
     room = context - max((len(p) for p in prompts), default=0)
     max_tokens = body.get("max_tokens", max(0, min(defaults.max_tokens, room)) if echo else
@@ -278,7 +278,7 @@ def _include_usage(body: dict[str, Any], stream: bool) -> bool:
     return _bool(options, "include_usage")
 
 
-def _user(body: dict[str, Any]) -> Optional[str]:
+def _user(body: dict[str, Any]) -> str | None:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise RequestError(f"user must be a string (got {_shown(user)})", "user")

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from itertools import accumulate
-from typing import Any, Iterable, Optional
+from typing import Any
 
-Entry = tuple[int, Optional[float], Optional[list[tuple[int, float]]]]
+Entry = tuple[int, float | None, list[tuple[int, float]] | None]
 """One token of a `logprobs` object: (token id, its log-probability, the most likely alternatives)."""
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None) -> dict[str, Any]:
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
@@ -62,9 +63,9 @@ def completion_body(request_id: str, model: str, choices: list[Any], request: An
             "choices": out, "usage": usage(request.prompt_tokens, sum(len(c.tokens) for c in choices))}
 
 
-def chunk_body(request_id: str, model: str, tokens: list[int], text: Optional[str],
-               finish_reason: Optional[str] = None, index: int = 0,
-               logprobs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def chunk_body(request_id: str, model: str, tokens: list[int], text: str | None,
+               finish_reason: str | None = None, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One server-sent event's completion chunk: the new tokens of choice `index` since its last chunk."""
     choice = {"index": index, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,

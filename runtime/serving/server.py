@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import uvicorn
 
@@ -60,7 +60,7 @@ def _server(service: Service) -> DrainingServer:
     return DrainingServer(config)
 
 
-def serve(service: Service, on_listen: Optional[Callable[[str], None]] = None) -> None:
+def serve(service: Service, on_listen: Callable[[str], None] | None = None) -> None:
     """Serve on serve.host:serve.port until SIGTERM/SIGINT, then drain and close the service."""
     try:
         sock = listen_socket(service.config.serve.host, service.config.serve.port)

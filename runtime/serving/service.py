@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -16,8 +17,8 @@ from runtime.config import MoesysConfig
 from runtime.inference.decode import compile_default
 from runtime.inference.generate import infer_sampling
 from runtime.inference.load import LoadedModel, resolve_infer_config
-from runtime.inference.offloaders import Opened, open_for_inference
 from runtime.inference.offload import Offloader
+from runtime.inference.offloaders import Opened, open_for_inference
 from runtime.serving.metrics import ServeMetrics
 from runtime.serving.protocol import Defaults
 from runtime.serving.worker import GenerationWorker
@@ -44,7 +45,7 @@ class Service:
     offloader: Offloader
     worker: GenerationWorker
     device: torch.device
-    metrics: Optional[ServeMetrics] = None
+    metrics: ServeMetrics | None = None
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -99,9 +100,9 @@ def on_passing_thread(fn: Callable[[], T]) -> T:
     return box["result"]
 
 
-def open_service(checkpoint: str | Path, infer_overrides: Optional[dict[str, Any]] = None,
-                 serve_overrides: Optional[dict[str, Any]] = None, offload: Optional[str] = None,
-                 device: Optional[str | torch.device] = None, cache_dir: Optional[Path] = None) -> Service:
+def open_service(checkpoint: str | Path, infer_overrides: dict[str, Any] | None = None,
+                 serve_overrides: dict[str, Any] | None = None, offload: str | None = None,
+                 device: str | torch.device | None = None, cache_dir: Path | None = None) -> Service:
     """Open and place a checkpoint as `run_inference` does (offload overrides infer.offload), and start its worker.
     Requests default to the checkpoint's infer.max_new_tokens, sampling settings and seed. The opening runs on a
     thread of its own (`on_passing_thread`): from then on the worker's thread is the only one that computes."""

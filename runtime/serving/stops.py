@@ -5,7 +5,8 @@ held back, so a streamed piece never shows part of a stop string."""
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 class StopText:

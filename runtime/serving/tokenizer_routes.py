@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.serving.chat import _messages, chat_prompt, served_template
-from runtime.serving.protocol import _bool, _is_int, _shown, check_fields, encode_text, RequestError
+from runtime.serving.protocol import RequestError, _bool, _is_int, _shown, check_fields, encode_text
 from runtime.serving.responses import token_text
 
 TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs")

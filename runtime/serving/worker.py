@@ -10,8 +10,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 from runtime.inference.decode import BatchDecodeStep
 from runtime.inference.offload import Offloader
@@ -49,7 +50,7 @@ class Choice:
 
     index: int
     tokens: list[int] = field(default_factory=list)
-    text: Optional[str] = None
+    text: str | None = None
     finish_reason: str = "length"
     logprobs: list[TokenOut] = field(default_factory=list)
     prompt: int = 0
@@ -64,9 +65,9 @@ class ServeJob:
     """One request inside the worker. Callbacks run on the worker thread and must not block."""
 
     request: CompletionRequest
-    finish: Callable[[Optional[list[Choice]], Optional[BaseException]], None]
+    finish: Callable[[list[Choice] | None, BaseException | None], None]
     """Called once: (the choices in index order, None), or (None, the error)."""
-    on_token: Optional[Callable[[int, TokenOut, str], None]] = None
+    on_token: Callable[[int, TokenOut, str], None] | None = None
     """Streaming: (choice index, the new token, its new piece of text) as each token is made."""
     tokenizer: Any = None
     stop_ids: tuple[int, ...] = ()
@@ -76,7 +77,7 @@ class ServeJob:
     """Set by the server when the client has gone; the worker drops the job's sequences."""
     finished: bool = False
     """Set once `finish` has been called, so that it is never called twice."""
-    first_token_at: Optional[float] = None
+    first_token_at: float | None = None
     """time.monotonic() of the job's first token."""
     choices: list[Choice] = field(default_factory=list)
     running: int = 0
@@ -85,9 +86,9 @@ class ServeJob:
 
 @dataclass(eq=False)
 class _Seq(Sequence):
-    job: Optional[ServeJob] = None
-    choice: Optional[Choice] = None
-    text: Optional[StopText] = None
+    job: ServeJob | None = None
+    choice: Choice | None = None
+    text: StopText | None = None
 
 
 def _sequences(job: ServeJob) -> list[_Seq]:
@@ -135,10 +136,10 @@ class GenerationWorker:
         step = BatchDecodeStep(model, self.max_batch_size, compile=True) if compile else None
         self.batch = ContinuousBatch(model, self.max_batch_size, offloader, step)
         self.completed = self.failed = self.cancelled = 0
-        self.error: Optional[str] = None
+        self.error: str | None = None
         """Why the thread died (None while it runs, and after a stop)."""
         self.stuck_after_s = stuck_after_s
-        self._step_started: Optional[float] = None
+        self._step_started: float | None = None
         self._joining = 0
         self._pending: deque[_Seq] = deque()
         self._jobs: set[ServeJob] = set()
@@ -316,7 +317,7 @@ class GenerationWorker:
         if job.running == 0:
             self._end(job, best_choices(job), None)
 
-    def _end(self, job: ServeJob, choices: Optional[list[Choice]], error: Optional[BaseException]) -> None:
+    def _end(self, job: ServeJob, choices: list[Choice] | None, error: BaseException | None) -> None:
         """Finish a job once; its sequences still in the batch leave it."""
         if job.finished:
             return

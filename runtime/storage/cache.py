@@ -25,8 +25,9 @@ Keys are (MoE layer, global expert). Reading of the pseudo-code that this module
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Callable, Generic, Hashable, TypeVar
+from typing import Generic, TypeVar
 
 Key = TypeVar("Key", bound=Hashable)
 State = TypeVar("State")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -35,7 +35,7 @@ class SlotLayout:
     """P: the slot's elements, padding included."""
 
     @classmethod
-    def of(cls, shapes: dict[str, tuple[int, ...]]) -> "SlotLayout":
+    def of(cls, shapes: dict[str, tuple[int, ...]]) -> SlotLayout:
         offsets, at = [], 0
         for shape in shapes.values():
             offsets.append(at)

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from runtime.errors import UserError
+from runtime.files.paths import LIVE, OWNER, live_expert_file
 from runtime.host.io import atomic_write_text
 from runtime.storage.expert_slots import ExpertSlot
 from runtime.storage.live_files import direct_io_supported, read_file, write_file
-from runtime.files.paths import LIVE, OWNER, live_expert_file
 
 ExpertKey = tuple[int, int]
 """(MoE layer index, global expert index)."""

@@ -10,17 +10,17 @@ update).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor
 
+from runtime.host.timeline import Timeline
 from runtime.moe.buffer_pool import BufferPool
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, block_of, runs_where, slot_runs, step_counts
 from runtime.storage.optim import AdamWHyper, catch_up, fused_adamw_counted, square_sum
-from runtime.host.timeline import Timeline
 
 
 @dataclass(eq=False)

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.host.io import fsync_dir
 from runtime.files.tensorfile import DTYPES, ChecksumError, encode, encode_header, raw_bytes, read_header
+from runtime.host.io import fsync_dir
 from runtime.storage.expert_slots import IO_BLOCK
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024

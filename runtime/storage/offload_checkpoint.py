@@ -4,9 +4,9 @@ home from a checkpoint written with offload or without, by any expert-parallel s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from itertools import chain
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -14,10 +14,10 @@ from torch import Tensor
 from runtime.files.checkpoint_format import MODEL, STATE_KEYS, CheckpointReader, tensor_key
 from runtime.files.paths import experts_file
 from runtime.files.tensorfile import spec_of, write_tensors
-from runtime.storage.optim import catch_up
 from runtime.storage.expert_slots import ExpertSlot
 from runtime.storage.host_home import fill_slot
 from runtime.storage.offload_engine import LayerSpec, OffloadEngine
+from runtime.storage.optim import catch_up
 from runtime.storage.ssd_home import SSDHome
 
 

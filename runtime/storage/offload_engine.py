@@ -15,23 +15,23 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
+from runtime.host.timeline import Timeline, by_kind, host_cost
 from runtime.moe.experts import expert_ffn, output_dtype
-from runtime.storage.optim import AdamWHyper, catch_up
 from runtime.plan.budget import STORED_SPARSE_BYTES
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, needs_separate_stage, step_counts
 from runtime.storage.expert_store import ExpertKey
 from runtime.storage.grad_sum import LayerGradSum
 from runtime.storage.host_adamw import HostOptimizer, LayerGrads, squares
 from runtime.storage.host_home import ExpertHome
+from runtime.storage.optim import AdamWHyper, catch_up
 from runtime.storage.replica_grads import average_over_replicas
-from runtime.host.timeline import Timeline, by_kind, host_cost
 from runtime.storage.tiers import Tiers
 from runtime.storage.transfers import DeviceCopy, TransferEngine
 
@@ -79,7 +79,7 @@ class LayerSpec:
 class OffloadedGroupedExperts(nn.Module):
     """Stands in for MoELayer.experts: forward(x_RD, tokens_per_expert_e) -> y_RD, weights moved per call."""
 
-    def __init__(self, engine: "OffloadEngine", spec: LayerSpec):
+    def __init__(self, engine: OffloadEngine, spec: LayerSpec):
         super().__init__()
         self.engine, self.spec = engine, spec
         self.num_experts = spec.num_local
@@ -97,7 +97,7 @@ class OffloadEngine:
 
     def __init__(self, specs: list[LayerSpec], device: torch.device, lr_schedule: Callable[[int], float],
                  adamw: AdamWHyper, tiers: Tiers, groups, compute_dtype: torch.dtype, delayed_update: bool,
-                 window: int, make_home: Callable[["OffloadEngine"], ExpertHome], trainable: bool = True):
+                 window: int, make_home: Callable[[OffloadEngine], ExpertHome], trainable: bool = True):
         """trainable=False: the experts are frozen (train.freeze=[experts]): their slots hold no moments, no gradient
         comes home, nothing is stepped or written back; a layer's copy is kept until the backward has passed
         through it (the input's gradient needs the weights)."""

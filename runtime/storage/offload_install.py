@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -13,12 +13,12 @@ from torch import nn
 from runtime.model.init import drawn_in_parallel, init_expert
 from runtime.moe.experts import GroupedExperts
 from runtime.moe.layer import EXPERT_PARAM_NAMES
-from runtime.storage.optim import AdamWHyper
 from runtime.plan.modes import OffloadMode
 from runtime.storage.expert_slots import SlotLayout
 from runtime.storage.expert_store import ExpertStore
 from runtime.storage.host_home import ExpertHome, HostHome, initial_slot
 from runtime.storage.offload_engine import InitialExpert, LayerSpec, OffloadedGroupedExperts, OffloadEngine
+from runtime.storage.optim import AdamWHyper
 from runtime.storage.ssd_home import SSDHome
 from runtime.storage.tiers import Tiers
 
@@ -106,8 +106,8 @@ def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, pla
 
     With offload=ssd each rank keeps its own store under STORE/ep{r}-of-{n}-edp{k} (STORE: storage.ssd_path, or
     the run directory's expert_store/), owned by this run; with offload=cpu the states stay in host memory."""
-    from runtime.storage.optim import lr_at
     from runtime.files.paths import expert_store_dir, expert_store_root
+    from runtime.storage.optim import lr_at
 
     st = cfg.storage
     if not placement.offload.offloaded:

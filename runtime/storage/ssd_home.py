@@ -6,15 +6,15 @@ thread so that no write stalls the forward pass."""
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
+from runtime.host.timeline import Timeline
 from runtime.prefetch.sparse import SparsePrefetcher
 from runtime.storage.cache import LFUCache
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, io_slot, slot_bytes
 from runtime.storage.expert_store import ExpertKey, ExpertStore
-from runtime.host.timeline import Timeline
 from runtime.storage.tiers import Tiers
 from runtime.storage.write_behind import WriteBehind
 

@@ -58,7 +58,7 @@ class Tiers:
     ssd: Tier
 
     @classmethod
-    def with_budgets(cls, device: int = 0, host: int = 0, ssd: int = 0) -> "Tiers":
+    def with_budgets(cls, device: int = 0, host: int = 0, ssd: int = 0) -> Tiers:
         return cls(Tier("device", device), Tier("host", host), Tier("ssd", ssd))
 
     def __iter__(self):

@@ -13,15 +13,15 @@ Legend: a active experts of a layer, P elements of an expert's slot.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor
 
+from runtime.host.timeline import Timeline
 from runtime.moe.buffer_pool import BufferPool
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, block_of, contiguous_runs
-from runtime.host.timeline import Timeline
 from runtime.storage.tiers import Tiers
 
 

@@ -10,8 +10,8 @@ reading its file, so it never sees a version older than the last one handed in.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Hashable, Iterable
 
 
 class WriteBehind:

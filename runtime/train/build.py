@@ -15,31 +15,30 @@ import torch
 from torch import nn
 
 from runtime.config import MoesysConfig
+from runtime.data.chat_records import is_chat
+from runtime.data.chat_source import open_chat_dataset
+from runtime.data.dataset import open_dataset
+from runtime.data.tokenizer import run_tokenizer
 from runtime.model.init import init_parameters
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
-from runtime.storage.optim import ADAMW_BETAS, ADAMW_EPS
 from runtime.parallel.alltoall import make_all_to_all
 from runtime.parallel.dense_shard import DenseShard
 from runtime.parallel.embedding_partition import partition_embedding, partitioned_parameters
 from runtime.parallel.expert_parallel import shard_experts
 from runtime.parallel.groups import ParallelGroups
+from runtime.plan.placement import Placement, decide
 from runtime.storage.offload_engine import OffloadEngine
 from runtime.storage.offload_install import offload_from_config
-from runtime.data.chat_records import is_chat
-from runtime.data.chat_source import open_chat_dataset
-from runtime.data.dataset import open_dataset
-from runtime.plan.placement import Placement, decide
+from runtime.storage.optim import ADAMW_BETAS, ADAMW_EPS
 from runtime.train.compiled import compile_blocks
 from runtime.train.distill import Distillation
 from runtime.train.freeze import freeze
 from runtime.train.init_from import InitialWeights
 from runtime.train.objective import ChatLanguageModel, LanguageModel, Objective
+from runtime.train.parts import OffloadedExperts, Part, PartitionedEmbeddingPart, Replicated, ShardedDense, TaskHeads
 from runtime.train.recompute import apply_recompute
-from runtime.train.parts import (OffloadedExperts, Part, PartitionedEmbeddingPart, Replicated, ShardedDense,
-                                 TaskHeads)
 from runtime.train.tasks import MultiTask, add_heads_to_optimizer, build_multitask
-from runtime.data.tokenizer import run_tokenizer
 
 MB = 2**20
 

@@ -15,8 +15,8 @@ write and read their own files: the model state first (runtime/train/model_state
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,18 @@ from runtime.config import MoesysConfig
 from runtime.data.generation_facts import write_facts
 from runtime.data.tokenizer import run_tokenizer
 from runtime.errors import UserError
-from runtime.files.checkpoint_format import (MODEL, CheckpointError, CheckpointReader, checkpoint_meta,
-                                             commit_checkpoint, latest_checkpoint, read_meta, remove_old_checkpoints,
-                                             tensor_key, tensor_files)
+from runtime.files.checkpoint_format import (
+    MODEL,
+    CheckpointError,
+    CheckpointReader,
+    checkpoint_meta,
+    commit_checkpoint,
+    latest_checkpoint,
+    read_meta,
+    remove_old_checkpoints,
+    tensor_files,
+    tensor_key,
+)
 from runtime.files.paths import CHECKPOINTS, PARTIAL, TOKENIZER_FILE, rng_file, step_name
 from runtime.files.resume import skip_hint
 from runtime.files.tensorfile import open_tensors, read_shapes, save_tensors, verify

@@ -17,13 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.config import MoesysConfig
-from runtime.parallel.groups import ParallelGroups
 from runtime.data.dataset import TokenDataset
-from runtime.train.objective import LanguageModel
-from runtime.data.text import check_token_count, source_name
 from runtime.data.pretokenize import read_tokens, run_cache_dir
+from runtime.data.text import check_token_count, source_name
 from runtime.data.tokenizer import run_tokenizer
-
+from runtime.parallel.groups import ParallelGroups
+from runtime.train.objective import LanguageModel
 
 # ---- held-out text ----
 
@@ -126,7 +125,7 @@ class Distillation(LanguageModel):
         self.last_kd = torch.zeros(())
 
     @classmethod
-    def from_config(cls, cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> "Distillation":
+    def from_config(cls, cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) -> Distillation:
         tr = cfg.train
         data = TokenDataset(split_heldout(cfg).train, tr.seq_len, tr.seed, "student's training text",
                             cfg.model.vocab_size)

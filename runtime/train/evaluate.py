@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -17,17 +18,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.config import MoesysConfig, config_from_dict
-from runtime.parallel.groups import ParallelGroups, build_groups
 from runtime.data.chat_data import IGNORE, ChatDataset
 from runtime.data.chat_records import is_chat
 from runtime.data.chat_source import open_chat_dataset
 from runtime.data.dataset import TokenDataset, open_dataset
+from runtime.data.generation_facts import hf_facts
+from runtime.data.pretokenize import read_tokens
 from runtime.data.text import DataError, is_token_file
 from runtime.data.token_file import open_token_file
-from runtime.data.pretokenize import read_tokens
-from runtime.data.generation_facts import hf_facts
-from runtime.files.paths import TOKENIZER_FILE
 from runtime.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
+from runtime.files.paths import TOKENIZER_FILE
+from runtime.parallel.groups import ParallelGroups, build_groups
 
 Evaluate = Callable[[int, nn.Module, ContextManager], dict]
 """evaluate(step, model, autocast): the step line's eval_* fields at an evaluation step, {} at any other."""
@@ -123,7 +124,7 @@ EVAL_KEYS = ("seq_len", "eval_windows", "data_text_key", "data_errors", "micro_b
 """train.* keys `moesys eval` takes; the checkpoint's own values are the defaults."""
 
 
-def _tokenizer(loaded) -> Optional[Tokenizer]:
+def _tokenizer(loaded) -> Tokenizer | None:
     """The checkpoint's tokenizer as training reads text: a moesys checkpoint's own; a Hugging Face directory's
     tokenizer.json (as moesys's hf export writes it), read with the tokenizers library, with the eos its files name."""
     if loaded.kind == "moesys":
@@ -136,7 +137,7 @@ def _tokenizer(loaded) -> Optional[Tokenizer]:
     return tokenizer
 
 
-def evaluate_checkpoint(checkpoint: str | Path, data: str, overrides: Optional[dict[str, Any]] = None) -> dict:
+def evaluate_checkpoint(checkpoint: str | Path, data: str, overrides: dict[str, Any] | None = None) -> dict:
     """`moesys eval`: the loss, perplexity and tokens of a run's newest checkpoint, a step directory or an export
     (moesys or Hugging Face layout, every expert in memory) on `data`, in the checkpoint's tokenizer."""
     from runtime.inference.load import load_model  # the inference reader: checksums, any layout, its tokenizer

@@ -9,16 +9,15 @@ A run that starts from the source keeps its generation facts (chat template, eos
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
 
 import torch
 from torch import Tensor, nn
 
 from runtime.config import ConfigError, ModelConfig, MoesysConfig
-from runtime.data.generation_facts import (GenerationFacts, checkpoint_facts, hf_facts, recorded_facts,
-                                           write_facts)
+from runtime.data.generation_facts import GenerationFacts, checkpoint_facts, hf_facts, recorded_facts, write_facts
 from runtime.errors import UserError
 from runtime.files.checkpoint_format import MODEL, CheckpointError, missing_tensor, tensor_key
 from runtime.files.paths import CONFIG, META, TOKENIZER_FILE
@@ -40,9 +39,9 @@ class InitialModel:
     kind: str
     """hf (a Hugging Face directory) or moesys (a run, step directory or export)."""
     model: ModelConfig
-    tokenizer: Optional[Path]
+    tokenizer: Path | None
     """Its tokenizer.json, None when it has none (the run trains with train.tokenizer)."""
-    facts: Optional[GenerationFacts] = None
+    facts: GenerationFacts | None = None
     """Its chat template, named special tokens and stop ids; None: it states none."""
 
 
@@ -86,7 +85,7 @@ def describe(source: str | Path) -> InitialModel:
     return InitialModel(path, kind, model, tokenizer, facts)
 
 
-def apply_init_from(cfg: MoesysConfig, explicit: Iterable[str]) -> Optional[InitialModel]:
+def apply_init_from(cfg: MoesysConfig, explicit: Iterable[str]) -> InitialModel | None:
     """Give `cfg` the model section (and tokenizer) of train.init_from, or of the checkpoint the run resumes from
     when its run directory holds one. `explicit`: the dotted keys the user set on the command line; the recipe's
     and the defaults' model.* give way, an explicit one the weights do not fix applies, one they fix must agree
@@ -114,7 +113,7 @@ def apply_init_from(cfg: MoesysConfig, explicit: Iterable[str]) -> Optional[Init
     return source
 
 
-def record_source_facts(cfg: MoesysConfig) -> Optional[GenerationFacts]:
+def record_source_facts(cfg: MoesysConfig) -> GenerationFacts | None:
     """What `moesys train` records in the run directory when the run starts afresh (no checkpoint to resume): the
     generation facts of train.init_from's model, the chat template only where the run trains with another tokenizer
     than the source's (its ids and tokens would be another vocabulary's); none without train.init_from. A resumed run
@@ -151,7 +150,7 @@ class InitialWeights:
         else:
             self.files = read_moesys(self.path).files
 
-    def tensor(self, name: str, expert: Optional[int], shape: tuple[int, ...]) -> Tensor:
+    def tensor(self, name: str, expert: int | None, shape: tuple[int, ...]) -> Tensor:
         """Parameter `name` (global expert `expert`'s row of it), checked to have `shape`."""
         key = tensor_key(MODEL, name, expert)
         if key not in self.files:

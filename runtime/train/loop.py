@@ -18,23 +18,22 @@ from torch.profiler import record_function
 
 from runtime.config import MoesysConfig
 from runtime.errors import JobError
-from runtime.storage.optim import lr_at
+from runtime.model.precision import PRECISION_DTYPES
 from runtime.parallel.groups import ParallelGroups
 from runtime.parallel.timeouts import is_timeout, timeout_error
 from runtime.plan.placement import read as read_placement
-from runtime.train.evaluate import evaluation
+from runtime.storage.optim import lr_at
 from runtime.train.build import Components, build_components
 from runtime.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from runtime.train.evaluate import evaluation
 from runtime.train.init_from import InitialWeights
-from runtime.train.metrics import MetricsWriter, memory_bytes, start_marks, step_stats
-from runtime.train.meter import StepMeter
-from runtime.train.micro_batches import run_micro_batches
-from runtime.train.rank_memory import RankMemory
-from runtime.train.parts import global_grad_norm
 from runtime.train.loss_scale import DynamicLossScale
+from runtime.train.meter import StepMeter
+from runtime.train.metrics import MetricsWriter, memory_bytes, start_marks, step_stats
+from runtime.train.micro_batches import run_micro_batches
+from runtime.train.parts import global_grad_norm
+from runtime.train.rank_memory import RankMemory
 from runtime.train.tensorboard import open_tensorboard
-from runtime.model.precision import PRECISION_DTYPES
-
 
 
 class StopRequest:

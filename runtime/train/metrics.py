@@ -10,10 +10,10 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from runtime.host.io import atomic_write_text
-from runtime.parallel.groups import ParallelGroups
 from runtime.files.paths import METRICS
 from runtime.files.run_dir import read_metrics
+from runtime.host.io import atomic_write_text
+from runtime.parallel.groups import ParallelGroups
 
 
 def memory_bytes(device: torch.device) -> int:

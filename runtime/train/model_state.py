@@ -10,8 +10,8 @@ tensor beyond the model and its optimizer state, not a second copy of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from torch import nn

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.data.chat_data import IGNORE, ChatBatch, ChatDataset
-from runtime.parallel.groups import ParallelGroups
 from runtime.data.dataset import TokenDataset
+from runtime.parallel.groups import ParallelGroups
 
 
 class Objective(Protocol):

@@ -19,16 +19,15 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.files.checkpoint_format import STATE_KEYS, CheckpointError, CheckpointReader, tensor_key
+from runtime.files.paths import DENSE_SHARDED
+from runtime.files.tensorfile import save_tensors
 from runtime.parallel.dense_shard import DenseShard
-from runtime.parallel.embedding_partition import (gather_columns, partitioned_grad_sq, partitioned_parameters,
-                                                  shard_of)
-from runtime.storage.optim import square_sum
+from runtime.parallel.embedding_partition import gather_columns, partitioned_grad_sq, partitioned_parameters, shard_of
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups, group_size
 from runtime.storage.offload_checkpoint import load_offloaded, save_offloaded
 from runtime.storage.offload_engine import OffloadEngine
-from runtime.files.paths import DENSE_SHARDED
-from runtime.files.tensorfile import save_tensors
+from runtime.storage.optim import square_sum
 
 GradSq = tuple[torch.Tensor, object]
 """(a local sum of squared gradients, the process group whose ranks hold disjoint shares of it; None: global)."""

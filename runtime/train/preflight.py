@@ -11,11 +11,17 @@ from pathlib import Path
 
 from runtime.config import MoesysConfig
 from runtime.data.chat_records import is_chat, read_chat
+from runtime.data.pretokenize import data_sources, encode_source
 from runtime.data.text import check_token_count, is_token_file, source_name
 from runtime.data.token_file import check_ids, open_token_file
-from runtime.data.pretokenize import data_sources, encode_source
-from runtime.data.tokenizer import (BYTES, Tokenizer, byte_tokenizer, checkpoint_tokenizer_file, load_tokenizer,
-                                    tokenizer_digest)
+from runtime.data.tokenizer import (
+    BYTES,
+    Tokenizer,
+    byte_tokenizer,
+    checkpoint_tokenizer_file,
+    load_tokenizer,
+    tokenizer_digest,
+)
 from runtime.errors import UserError
 from runtime.files.paths import expert_store_root
 from runtime.files.resume import chosen_checkpoint

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from runtime.files.paths import MEMORY_DIR, rank_memory_file
 from runtime.host.io import atomic_write_json
 from runtime.host.memory_probe import PeakMemory, cuda_peak_bytes
-from runtime.files.paths import MEMORY_DIR, rank_memory_file
 
 if TYPE_CHECKING:
     import torch

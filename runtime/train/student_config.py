@@ -8,11 +8,11 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.files.paths import CHECKPOINTS, META
-from runtime.files.checkpoint_format import latest_checkpoint, read_meta
 from runtime.config import MoesysConfig
-from runtime.errors import UserError
 from runtime.data.tokenizer import BYTES, checkpoint_tokenizer_file
+from runtime.errors import UserError
+from runtime.files.checkpoint_format import latest_checkpoint, read_meta
+from runtime.files.paths import CHECKPOINTS, META
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.files.checkpoint_format import (CheckpointReader, MODEL, STATE_KEYS, checkpoint_meta, commit_checkpoint,
-                                             latest_checkpoint, tensor_key)
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
+from runtime.files.checkpoint_format import (
+    MODEL,
+    STATE_KEYS,
+    CheckpointReader,
+    checkpoint_meta,
+    commit_checkpoint,
+    latest_checkpoint,
+    tensor_key,
+)
+from runtime.files.paths import CHECKPOINTS, DENSE, SELECTION, experts_file, rng_file, step_name
+from runtime.files.tensorfile import save_tensors, write_tensors
 from runtime.host.io import atomic_write_json
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import MoELayer, is_expert_param
-from runtime.files.paths import CHECKPOINTS, DENSE, SELECTION, experts_file, rng_file, step_name
-from runtime.files.tensorfile import save_tensors, write_tensors
 from runtime.train.distill import heldout_windows, load_frozen, split_heldout
 
 

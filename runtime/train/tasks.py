@@ -10,27 +10,28 @@ tasks sums their weighted losses. Head gradients are averaged over the task's k 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.files.checkpoint_format import STATE_KEYS, CheckpointError, CheckpointReader
 from runtime.config import MoesysConfig
+from runtime.data.dataset import TokenDataset, build_task_datasets, task_seed
+from runtime.data.tokenizer import run_tokenizer
 from runtime.elastic.allocation import AllocationError, Workload
 from runtime.elastic.workload import workload_from_config
+from runtime.files.checkpoint_format import STATE_KEYS, CheckpointError, CheckpointReader
+from runtime.files.paths import TASKS, heads_file
+from runtime.files.tensorfile import save_tensors
 from runtime.host.io import atomic_write_json
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
 from runtime.plan.rebalance import task_gpu_counts
-from runtime.files.paths import TASKS, heads_file
-from runtime.files.tensorfile import save_tensors
-from runtime.data.dataset import TokenDataset, build_task_datasets, task_seed
-from runtime.data.tokenizer import run_tokenizer
+
 HEAD_INIT_STD = 0.02
 
 

@@ -7,14 +7,14 @@ when the key is on (the tensorboard package is an optional extra, checked by con
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from runtime.config import MoesysConfig
-from runtime.train.rank_memory import PER_RANK_KEYS
 from runtime.files.paths import TENSORBOARD
 from runtime.files.run_dir import task_samples_per_s
-
+from runtime.train.rank_memory import PER_RANK_KEYS
 
 NOT_SCALARS = {"step", "max_steps", "resumed_from", "restart"}
 """Step-line fields that are no measurement: the step axis itself and the marks of a worker start."""

@@ -13,19 +13,18 @@ AGENT_PID = os.getppid()  # read before the imports below (seconds), so an agent
 import torch  # noqa: E402
 import torch.distributed as dist
 
-from runtime.files.checkpoint_format import remove_partial_checkpoints
 from runtime.errors import JobError, UserError, os_reason, unwritable
-from runtime.launch.oom import OUT_OF_MEMORY_EXIT, OutOfMemory, cuda_oom_message
-from runtime.host.io import atomic_write_json
-from runtime.parallel.groups import build_groups
-from runtime.launch.process import die_with_parent
+from runtime.files.checkpoint_format import remove_partial_checkpoints
 from runtime.files.paths import PLAN, SUMMARY
 from runtime.files.run_dir import load_config, read_fatal, record_fatal
+from runtime.host.io import atomic_write_json
 from runtime.host.topology import set_cpu_threads
+from runtime.launch.oom import OUT_OF_MEMORY_EXIT, OutOfMemory, cuda_oom_message
+from runtime.launch.process import die_with_parent
+from runtime.parallel.groups import build_groups
 from runtime.plan.compare import recorded_plan
 from runtime.plan.placement import read as read_placement
 from runtime.train.loop import train
-
 
 # CPU tensors (metrics, object gathers, offloaded experts' states) go through gloo even on a GPU job.
 BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}
