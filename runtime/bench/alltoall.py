@@ -103,7 +103,7 @@ def _last_words(log: Path) -> str:
 
 
 def _summary(seconds: dict[str, list[float]]) -> dict:
-    ratios = [f / h for f, h in zip(seconds["flat"], seconds["hierarchical"])]
+    ratios = [f / h for f, h in zip(seconds["flat"], seconds["hierarchical"], strict=True)]
     ratio = statistics.median(ratios)
     return {"flat_ms": statistics.median(seconds["flat"]) * 1e3,
             "hierarchical_ms": statistics.median(seconds["hierarchical"]) * 1e3,

@@ -1,6 +1,7 @@
 """`moesys plan --measure`: this machine's rates, measured here and kept in its profile
-(runtime/plan/machine_profile.py) for later plans: pinned copies each way (with a GPU), torch's fused AdamW per CPU core, the disk each way, the dense
-GEMM rate, and the resident MFU of the planned model's training step on one process."""
+(runtime/plan/machine_profile.py) for later plans: pinned copies each way (with a GPU), torch's fused AdamW per CPU
+core, the disk each way, the dense GEMM rate, and the resident MFU of the planned model's training step on one
+process."""
 
 from __future__ import annotations
 

@@ -217,7 +217,7 @@ def _host_side(trainer: _Trainer, metrics: list[dict], floors: list[float], over
     """The host work of a priced step per active expert parameter beside the floor measured right after it: the
     step whose ratio to its own floor is the median (the two measured back to back, on a machine whose memory
     bandwidth drifts from one second to the next); the hidden share of the timed (overlapped) steps."""
-    ratios = [m["offload/host_cost_s"] / f if f > 0 else 0.0 for m, f in zip(metrics, floors)]
+    ratios = [m["offload/host_cost_s"] / f if f > 0 else 0.0 for m, f in zip(metrics, floors, strict=True)]
     middle = sorted(range(len(metrics)), key=ratios.__getitem__)[len(metrics) // 2]
     step, floor = metrics[middle], floors[middle]
     of = lambda key, m=step: m[f"offload/{key}"]  # noqa: E731
@@ -263,8 +263,10 @@ def _bounds(cfg: MoesysConfig, runs: dict[str, list[dict]], rate: dict[str, floa
     out = {}
     for mode, rs in runs.items():
         metrics = [m for r in rs for m in r["metrics"]]
-        mean = lambda key: (sum(m.get(f"offload/{key}", 0) for m in metrics) / len(metrics)  # noqa: E731
-                            if metrics else 0.0)
+
+        def mean(key: str, metrics: list[dict] = metrics) -> float:
+            return sum(m.get(f"offload/{key}", 0) for m in metrics) / len(metrics) if metrics else 0.0
+
         work = StepWork(compute_s=1 / rate["none"], optimizer_params=mean("experts_active") * per_expert,
                         host_cores=rates.cores, disk_read_bytes=mean("ssd_read_bytes"),
                         disk_write_bytes=mean("ssd_write_bytes"))
@@ -302,7 +304,8 @@ def _compare(cfg: MoesysConfig, pool: ProcessPoolExecutor, tmp: Path, data: str,
     for h in host.values():  # the disk's time for the store's bytes, per active parameter: what ssd's waits approach
         disk_s = (h["store_read_bytes_per_step"] / disk.read_bytes_per_s
                   + h["store_write_bytes_per_step"] / disk.write_bytes_per_s)
-        h["disk_floor_ns_per_param"] = disk_s / h["active_params_per_step"] * 1e9 if h["active_params_per_step"] else 0.0
+        active = h["active_params_per_step"]
+        h["disk_floor_ns_per_param"] = disk_s / active * 1e9 if active else 0.0
     fetch_all = {} if "fetch_all" not in runs else {
         "fetch_all_steps_per_s": rate["fetch_all"], "ssd_vs_fetch_all": rate["ssd"] / rate["fetch_all"],
         **_traffic("fetch_all", runs["fetch_all"], disk)}

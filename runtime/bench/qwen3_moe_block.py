@@ -69,6 +69,7 @@ def _diffs(a: Tensor, b: Tensor) -> dict[str, float]:
 def _compare_dtype(cfg: ModelConfig, dtype: torch.dtype, tokens: int, dev: torch.device, seed: int, repeats: int,
                    warmup: int, sync: Callable[[], None]) -> dict:
     """One dtype: the three contenders built, checked against each other, then timed in alternated rounds."""
+    gc.collect()  # the previous dtype's modules, if a cycle holds them, go before these are built
     torch.manual_seed(seed)
     layer = MoELayer(cfg).to(dev)
     blocks = transformers_blocks(layer, dtype)
@@ -113,8 +114,6 @@ def _compare_dtype(cfg: ModelConfig, dtype: torch.dtype, tokens: int, dev: torch
     timed = paired_ratios(alternate(runs, reset, sync, repeats, warmup), tokens)
     out = {"forward_abs_diff": forward, "input_grad_abs_diff": input_grad, "output_max_abs": scale,
            **({"outputs_agree": agree} if dtype == torch.float32 else {}), **timed}
-    del layer, blocks, modules, runs
-    gc.collect()
     return out
 
 

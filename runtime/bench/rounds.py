@@ -31,7 +31,7 @@ def paired_ratios(times: dict[str, list[float]], tokens: int, first: str = "moe"
     out: dict = {f"{name}_tokens_per_s": tokens / statistics.median(ts) for name, ts in times.items()}
     for name, ts in times.items():
         if name != first:
-            rounds = [theirs / mine for mine, theirs in zip(times[first], ts)]
+            rounds = [theirs / mine for mine, theirs in zip(times[first], ts, strict=True)]
             out[f"{first}_vs_{name}"] = statistics.median(rounds)
             out[f"{first}_vs_{name}_rounds"] = rounds
     out["median_s"] = {name: statistics.median(ts) for name, ts in times.items()}

@@ -7,11 +7,11 @@ The requests mix prompt lengths, max_tokens, greedy and sampled settings. Every 
 `run_inference` (what `moesys infer` runs) for the same prompt and seed: a request that is not a 200 with exactly
 those tokens counts as failed, and any failure fails the benchmark; on a GPU a batched server decodes with a
 compiled batch step whose bf16 products over several rows are not batch-invariant, so there its answers that part
-from the lone run's are counted (`differing_from_lone_run`, greedy ones apart) instead of failed. Per setting: requests/s, completion tokens/s,
-p50/p99 latency and time to first token (streamed requests), for one request at a time with --offload none, auto
-and ring (the last two with RING_SLOTS of the model's layers on the device), and continuous batching with
---offload none and serve.max_batch_size=CLIENTS; `batched_vs_one_at_a_time_requests_per_s` compares the last with
-the first, measured side by side in the same run.
+from the lone run's are counted (`differing_from_lone_run`, greedy ones apart) instead of failed. Per setting:
+requests/s, completion tokens/s, p50/p99 latency and time to first token (streamed requests), for one request at a
+time with --offload none, auto and ring (the last two with RING_SLOTS of the model's layers on the device), and
+continuous batching with --offload none and serve.max_batch_size=CLIENTS; `batched_vs_one_at_a_time_requests_per_s`
+compares the last with the first, measured side by side in the same run.
 """
 
 from __future__ import annotations
@@ -299,8 +299,8 @@ def run_serve_bench(clients: int = CLIENTS, duration_s: float = DURATION_S, sett
     for r in results.values():
         del r["failures"]
     out: dict[str, Any] = {"shape": SHAPE, "dtype": dtype, "checkpoint_bytes": size, "ring_slots": RING_SLOTS,
-                           "clients": clients, "duration_s": duration_s, "prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS,
-                           "settings": results}
+                           "clients": clients, "duration_s": duration_s, "prompt_tokens": PROMPT_TOKENS,
+                           "max_tokens": MAX_TOKENS, "settings": results}
     base = results.get("none", {}).get("requests_per_s")
     for name, r in results.items():
         if name != "none" and base:

@@ -75,7 +75,8 @@ def run_train_bench(base: MoesysConfig, steps: int = 8, rounds: int = 3, workdir
             for name in order:
                 cfg = _variant(base, root, f"{name}-{r}", *VARIANTS[name], steps)
                 speeds[name].append(_tokens_per_s(cfg))
-    per_round = {ratio: [a / b for a, b in zip(speeds[num], speeds[den])] for ratio, (num, den) in RATIOS.items()}
+    per_round = {ratio: [a / b for a, b in zip(speeds[num], speeds[den], strict=True)]
+                 for ratio, (num, den) in RATIOS.items()}
     speed = {name: statistics.median(values) for name, values in speeds.items()}
     peak = peak_flops(torch.device("cpu"), torch.float32)  # the variants run on this machine's CPU cores
     flops = training_flops_per_token(base.model, base.train.seq_len)

@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import itertools
 import textwrap
 import types
 import typing
@@ -41,7 +42,7 @@ def attribute_docs(cls: type) -> dict[str, str]:
         return {}
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
     docs = {}
-    for node, after in zip(body, body[1:]):
+    for node, after in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
                 and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
             docs[node.target.id] = " ".join(after.value.value.split())

@@ -116,14 +116,15 @@ class ChatBatch:
     positions: torch.Tensor | None = None
     segments: torch.Tensor | None = None
 
+    def _fields(self) -> tuple[torch.Tensor | None, ...]:
+        return self.inputs, self.targets, self.positions, self.segments
+
     def to(self, device: torch.device) -> ChatBatch:
-        move = (lambda t: None if t is None else t.to(device))
-        return ChatBatch(move(self.inputs), move(self.targets), move(self.positions), move(self.segments))
+        return ChatBatch(*(None if t is None else t.to(device) for t in self._fields()))
 
     def rows(self, rows: slice) -> ChatBatch:
         """The rows `rows` of this batch (a micro-batch of a rank's step)."""
-        take = (lambda t: None if t is None else t[rows])
-        return ChatBatch(take(self.inputs), take(self.targets), take(self.positions), take(self.segments))
+        return ChatBatch(*(None if t is None else t[rows] for t in self._fields()))
 
     @property
     def target_count(self) -> int:
@@ -166,7 +167,7 @@ class ChatDataset:
     def batch(self, rows: list[int]) -> ChatBatch:
         """Rows `rows` (by index in file order) as one batch."""
         parts = [self._row(self.rows[r]) for r in rows]
-        inputs, targets, positions, segments = (torch.from_numpy(np.stack(t)) for t in zip(*parts))
+        inputs, targets, positions, segments = (torch.from_numpy(np.stack(t)) for t in zip(*parts, strict=True))
         if not self.pack:  # one sample a row, padding after it: causal attention is exact for the sample
             return ChatBatch(inputs, targets)
         return ChatBatch(inputs, targets, positions, segments)

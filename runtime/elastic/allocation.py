@@ -113,7 +113,7 @@ def _build(names: list[str], tasks: Mapping[str, Workload], parts: list[tuple[tu
             shares = _split(batch, k)
             assignment[names[i]] = list(range(nxt, nxt + k))
             batch_per_gpu[names[i]] = shares
-            for g, s in zip(range(nxt, nxt + k), shares):
+            for g, s in zip(range(nxt, nxt + k), shares, strict=True):
                 load[g] += s * cost
         nxt += k
     return Allocation(assignment, batch_per_gpu, load, baseline)

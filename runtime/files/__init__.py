@@ -1,1 +1,2 @@
-"""Run directories and checkpoints on disk: every path name, the safetensors format, checkpoint layout, resume points."""
+"""Run directories and checkpoints on disk: every path name, the safetensors format, checkpoint layout, resume
+points."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Union
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +27,7 @@ from runtime.model.init import copy_weights
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import is_expert_param
 
-PathLike = Union[str, Path]
+PathLike = str | Path
 
 
 def read_hf_config(path: PathLike) -> tuple[ModelConfig, Family, dict]:
@@ -163,7 +162,7 @@ def open_hf_model(path: PathLike, dtype: torch.dtype | None = None, device: str 
         model = Transformer(cfg)
     state = {name: copy_to(checkpoint.get(tensor_key(MODEL, name)), device, dtype)
              for name, _ in model.named_parameters() if not is_expert_param(name)}
-    model.load_state_dict(state, strict=False, assign=True)
+    model.load_state_dict(state, strict=True, assign=True)
     leftover = [n for n, b in model.named_buffers() if b.is_meta]
     if leftover:
         raise HFCheckpointError(f"moesys buffer {leftover[0]} has no value in the checkpoint")

@@ -101,7 +101,7 @@ def tensor_names(cfg: ModelConfig, layout: TensorLayout) -> list[TensorName]:
     with torch.device("meta"):
         params = list(Transformer(cfg).named_parameters())
     rules, out = _rules(layout), []
-    expert_names = dict(zip(("w1", "w2", "w3"), layout.experts))
+    expert_names = dict(zip(("w1", "w2", "w3"), layout.experts, strict=True))
     for name, p in params:
         if is_expert_param(name):
             continue

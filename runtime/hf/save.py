@@ -9,7 +9,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Union
 
 import torch
 from safetensors.torch import save_file
@@ -21,7 +20,7 @@ from runtime.hf.names import TensorName, tensor_names, to_hf
 from runtime.host.io import fsync_dir, fsync_file
 from runtime.model.transformer import Transformer
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 def hf_entries(cfg: ModelConfig) -> list[TensorName]:

@@ -192,7 +192,7 @@ def _export(source: Source, out: str | Path, fmt: str, to_dtype: torch.dtype | N
         os.chmod(tmp, new_dir_mode())  # mkdtemp's 0700 would lock everyone else out of the renamed model
         names = _write_shards(tmp, shards, files, to_dtype)
         if len(shards) > 1:
-            weight_map = {e.name: name for name, shard in zip(names, shards) for e in shard}
+            weight_map = {e.name: name for name, shard in zip(names, shards, strict=True) for e in shard}
             atomic_write_json(tmp / INDEX, {"metadata": {"total_size": sum(nbytes.values())},
                                             "weight_map": weight_map})
         tokenizer, eos_token, token_ids = _write_tokenizer(tmp, source, fmt)
@@ -269,7 +269,7 @@ def _write_shards(directory: Path, shards: list[list[Entry]], files, to_dtype: t
         t = t if e.hf is None else to_hf(e.hf, t)
         return t.to(to_dtype) if to_dtype is not None else t
 
-    for name, shard in zip(names, shards):
+    for name, shard in zip(names, shards, strict=True):
         specs = {}
         for e in shard:
             dtype, shape = files.spec(e.key)

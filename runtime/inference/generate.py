@@ -156,7 +156,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         for row, i in enumerate(members):
             out.tokens[i] = until_stop(ids_BN[row].tolist(), stop_ids)
     if keep_logits:
-        out.logits = [torch.stack(rows[:len(tokens)]) for rows, tokens in zip(logits_of, out.tokens)]
+        out.logits = [torch.stack(rows[:len(tokens)]) for rows, tokens in zip(logits_of, out.tokens, strict=True)]
     return out
 
 

@@ -14,6 +14,7 @@ Legend: B rows, D model dim, L cache slots, K top-k, E experts.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -173,6 +174,10 @@ def _all_grouped(x_BD: Tensor, ids_R: Tensor, K: int, w: dict, kind: str) -> Ten
     return torch.empty_like(y_sorted).index_copy_(0, order_R, y_sorted)
 
 
+def _row(t: Tensor | None, e: int) -> Tensor | None:
+    return None if t is None else t[e]
+
+
 def _expert_by_expert(x_BD: Tensor, ids_R: Tensor, K: int, w: dict, kind: str) -> Tensor:
     """y_RD for the R = B*K (row, choice) pairs, expert by expert, each expert's rows in `row_linear`'s form."""
     by_expert: dict[int, list[int]] = {}
@@ -182,10 +187,9 @@ def _expert_by_expert(x_BD: Tensor, ids_R: Tensor, K: int, w: dict, kind: str) -
     for e, pairs in by_expert.items():
         idx = torch.tensor(pairs, device=x_BD.device)
         x_r = x_BD.index_select(0, idx // K)[:, None]
-        pick = lambda name: None if w[name] is None else w[name][e]  # noqa: E731
-        h = _expert_linear(x_r, w["w1"][e], pick("b1"))
-        h = F.gelu(h) if kind == "gelu" else F.silu(h) * _expert_linear(x_r, w["w3"][e], pick("b3"))
-        y_RD.index_copy_(0, idx, _expert_linear(h, w["w2"][e], pick("b2"))[:, 0])
+        h = _expert_linear(x_r, w["w1"][e], _row(w["b1"], e))
+        h = F.gelu(h) if kind == "gelu" else F.silu(h) * _expert_linear(x_r, w["w3"][e], _row(w["b3"], e))
+        y_RD.index_copy_(0, idx, _expert_linear(h, w["w2"][e], _row(w["b2"], e))[:, 0])
     return y_RD
 
 
@@ -209,7 +213,7 @@ def _grouped_is_row_wise(rows: int, w1: Tensor, w2: Tensor) -> bool:
             got = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
             bounds = [0] + offs.tolist()
             ok = all(torch.equal(got[a:b], F.linear(x[a:b], w1[e])) for e, (a, b) in
-                     enumerate(zip(bounds, bounds[1:])) if b > a)
+                     enumerate(itertools.pairwise(bounds)) if b > a)
         _GROUPED[key] = ok
     return _GROUPED[key]
 

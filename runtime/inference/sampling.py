@@ -92,7 +92,7 @@ class Sampler:
         self.generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(seed)
         self.bias_V: Tensor | None = None
         if sampling.logit_bias:
-            ids, biases = zip(*sampling.logit_bias)
+            ids, biases = zip(*sampling.logit_bias, strict=True)
             if not all(0 <= t < vocab_size for t in ids):
                 bad = next(t for t in ids if not 0 <= t < vocab_size)
                 raise InferError(f"logit_bias token id {bad} is outside the vocabulary 0..{vocab_size - 1}")

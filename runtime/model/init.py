@@ -8,6 +8,7 @@ order of creation. GPT-2 style values: normal(0, 0.02) weights, zero biases, uni
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -103,6 +104,10 @@ def materialized_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Module, 
                 yield (f"{prefix}.{pname}" if prefix else pname), module, param, first
 
 
+def _fill_row(table: Tensor, kind: str, seed: int, name: str, first: int, j: int) -> None:
+    fill_(table[j], kind, seed, name, first + j)
+
+
 def init_parameters(model: nn.Module, seed: int) -> None:
     """Initialize every parameter of `model` that is not on the meta device; each row of stacked experts is drawn as
     `init_expert` draws its global expert."""
@@ -110,8 +115,8 @@ def init_parameters(model: nn.Module, seed: int) -> None:
         if first is not None:
             kind = expert_kind(qualified)
             row_bytes = param[0].numel() * 4  # fp32 values drawn on the CPU (a temporary unless they land there)
-            for _ in drawn_in_parallel(lambda j: fill_(param.data[j], kind, seed, qualified, first + j),
-                                       range(param.shape[0]), row_bytes):
+            draw = functools.partial(_fill_row, param.data, kind, seed, qualified, first)
+            for _ in drawn_in_parallel(draw, range(param.shape[0]), row_bytes):
                 pass
         else:
             fill_(param.data, _module_kind(module, qualified.rsplit(".", 1)[-1]), seed, qualified)

@@ -246,7 +246,6 @@ def reference_moe_forward(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tenso
         tok, slot = torch.nonzero((expert_ids_TK == e) & keep_TK, as_tuple=True)
         if tok.numel() == 0:
             continue
-        pick = lambda t: None if t is None else t[e]  # noqa: E731
-        y_ND = ffn_one(x_TD[tok], w1[e], w2[e], pick(w3), pick(b1), pick(b2), pick(b3), kind)
+        y_ND = ffn_one(x_TD[tok], w1[e], w2[e], *(None if t is None else t[e] for t in (w3, b1, b2, b3)), kind)
         y_TD = y_TD.index_add(0, tok, y_ND * weights_TK[tok, slot].to(y_ND.dtype).unsqueeze(1))
     return y_TD

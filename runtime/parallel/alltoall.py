@@ -8,14 +8,13 @@ must call, also with zero rows to send or receive: the collectives run even when
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Union
 
 import torch
 import torch.distributed as dist
 
 from runtime.parallel.groups import ParallelGroups, ProcessGroup, group_size
 
-Counts = Union[Sequence[int], torch.Tensor]
+Counts = Sequence[int] | torch.Tensor
 AllToAll = Callable[..., "tuple[torch.Tensor, list[int]]"]
 """(x_RD, send_counts, recv_counts=None) -> (rows received, recv_counts): recv_counts when the caller knows them
 (then no count exchange and no host read)."""

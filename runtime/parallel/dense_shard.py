@@ -74,7 +74,7 @@ class _Unit:
         self.layout, _ = flat_layout([p.numel() for p in self.params], [p.dim() >= 2 for p in self.params], world)
         p0 = self.params[0]
         flat = torch.zeros(self.layout.padded, dtype=torch.float32, device=p0.device)
-        for p, off in zip(self.params, self.layout.offsets):
+        for p, off in zip(self.params, self.layout.offsets, strict=True):
             if p.dtype != torch.float32:
                 raise ValueError(f"storage.dense_shard needs fp32 master weights; {name} holds {p.dtype}")
             flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
@@ -98,7 +98,7 @@ class _Unit:
         self.full, self.gather_work, self.materialized = None, None, False
 
     def materialize(self) -> None:
-        for p, off, shape in zip(self.params, self.layout.offsets, self.shapes):
+        for p, off, shape in zip(self.params, self.layout.offsets, self.shapes, strict=True):
             p.data = self.full[off:off + shape.numel()].view(shape)
         self.materialized = True
 
@@ -145,14 +145,14 @@ class DenseShard:
     # ---- parameters the optimizer steps
     @property
     def decay_params(self) -> list[nn.Parameter]:
-        return [p for u in self.units for p, (_, _, d) in zip(u.opt_params, u.ranges) if d]
+        return [p for u in self.units for p, (_, _, d) in zip(u.opt_params, u.ranges, strict=True) if d]
 
     @property
     def no_decay_params(self) -> list[nn.Parameter]:
-        return [p for u in self.units for p, (_, _, d) in zip(u.opt_params, u.ranges) if not d]
+        return [p for u in self.units for p, (_, _, d) in zip(u.opt_params, u.ranges, strict=True) if not d]
 
     def param_shapes(self) -> dict[str, torch.Size]:
-        return {n: s for u in self.units for n, s in zip(u.names, u.shapes)}
+        return {n: s for u in self.units for n, s in zip(u.names, u.shapes, strict=True)}
 
     # ---- forward: fused gather, prefetched
     def _launch_gather(self, u: _Unit) -> None:
@@ -238,7 +238,7 @@ class DenseShard:
             u.reduce_work.wait()
             if self.world > 1:
                 u.grad_shard.div_(self.world)  # sum then divide, as GradBucketReducer does
-            for p, (a, b, _) in zip(u.opt_params, u.ranges):
+            for p, (a, b, _) in zip(u.opt_params, u.ranges, strict=True):
                 p.grad = u.grad_shard[a:b]
             u.grad_flat, u.reduce_work, u.ready = None, None, set()
         self._next_reduce = 0
@@ -279,7 +279,7 @@ class DenseShard:
                 full = full.view(self.world, 3, -1).transpose(0, 1).reshape(3, -1)
             step = optimizer.state.get(u.opt_params[0], {}).get("step", torch.tensor(0.0))
             step = torch.as_tensor(step, dtype=torch.float32).reshape(1)
-            for name, shape, off in zip(u.names, u.shapes, u.layout.offsets):
+            for name, shape, off in zip(u.names, u.shapes, u.layout.offsets, strict=True):
                 n = shape.numel()
                 kinds = {k: full[i, off:off + n].view(shape).clone()  # own storage: safetensors refuses aliases
                          for i, k in enumerate(("model", "exp_avg", "exp_avg_sq"))}
@@ -293,7 +293,7 @@ class DenseShard:
         for u in self.units:
             self._release(u)
             flats = {k: torch.zeros(u.layout.padded, dtype=torch.float32) for k in ("model", "exp_avg", "exp_avg_sq")}
-            for name, off, shape in zip(u.names, u.layout.offsets, u.shapes):
+            for name, off, shape in zip(u.names, u.layout.offsets, u.shapes, strict=True):
                 for k, flat in flats.items():
                     flat[off:off + shape.numel()] = state[name][k].reshape(-1).float()
             lo = self.rank * u.layout.shard
@@ -302,7 +302,7 @@ class DenseShard:
             step = float(state[u.names[0]]["step"])
             if optimizer is None:
                 continue
-            for p, (a, b, _) in zip(u.opt_params, u.ranges):
+            for p, (a, b, _) in zip(u.opt_params, u.ranges, strict=True):
                 optimizer.state.pop(p, None)
                 if step > 0:
                     optimizer.state[p] = {"step": torch.tensor(step, device=p.device),

@@ -28,6 +28,7 @@ def collective_of(exc: BaseException) -> str:
 
 
 def timeout_error(exc: BaseException, step: int, timeout_s: float) -> CollectiveTimeout:
-    return CollectiveTimeout(f"step {step}: {collective_of(exc)} waited more than train.collective_timeout_s={timeout_s:g} s "
-                    "for a peer rank, which is stuck or died (its log is under RUN_DIR/logs; raise the timeout "
-                    "for slow steps)")
+    return CollectiveTimeout(f"step {step}: {collective_of(exc)} waited more than "
+                             f"train.collective_timeout_s={timeout_s:g} s "
+                             "for a peer rank, which is stuck or died (its log is under RUN_DIR/logs; raise the "
+                             "timeout for slow steps)")

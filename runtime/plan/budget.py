@@ -100,6 +100,7 @@ def eq1_budget(cfg: MoesysConfig, params: ParamCounts) -> Eq1Budget:
         params=params, alpha=a, layers=params.moe_layers - kept, nodes=n,
         gpu=TierRequirement(int(DENSE_STATE_BYTES * (d + s_kept) + ACTIVE_SPARSE_BYTES * a * s / layers),
                             int(device_memory_per_node(cfg) * n), f"{resident} + 4aS/L <= M_GPU*N"),
-        cpu=TierRequirement(int(CACHED_SPARSE_BYTES * a * s), int(cfg.topology.cpu_memory_gb * GB * n), "16aS <= M_CPU*N"),
+        cpu=TierRequirement(int(CACHED_SPARSE_BYTES * a * s), int(cfg.topology.cpu_memory_gb * GB * n),
+                            "16aS <= M_CPU*N"),
         ssd=TierRequirement(int(STORED_SPARSE_BYTES * s), int(cfg.topology.ssd_gb * GB * n), "12S <= M_SSD*N"),
     )

@@ -129,7 +129,8 @@ def _more_nodes(cfg: MoesysConfig, mode: OffloadMode, order: Sequence[OffloadMod
         base = changed(cfg, "topology", expert_parallel=ep)
         for tried in (tuple(m for m in order if m == mode), tuple(order)):
             nodes = first_passing(node_counts(base) if tried else [],
-                                  lambda n: any(not problems(changed(base, "topology", nodes=n), m) for m in tried))
+                                  lambda n, base=base, tried=tried: any(
+                                      not problems(changed(base, "topology", nodes=n), m) for m in tried))
             if nodes is not None:
                 if best is None or nodes < best[0]:
                     best = (nodes, ep, changed(base, "topology", nodes=nodes))

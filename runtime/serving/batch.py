@@ -116,7 +116,7 @@ class ContinuousBatch:
         if not seq.max_tokens:
             return None
         cache, row = self._batch_cache(), len(self.rows)
-        for mine, its in zip(cache.keys + cache.values, alone.keys + alone.values):
+        for mine, its in zip(cache.keys + cache.values, alone.keys + alone.values, strict=True):
             mine[row, :, :length] = its[0, :, :length]
         self.rows.append(seq)
         return self._take(seq, logits_1V)
@@ -164,6 +164,7 @@ def _scored(logits_SV: Tensor, tokens: list[int], top: int) -> list[TokenOut]:
     ids_S1 = torch.tensor(tokens, dtype=torch.long, device=logp_SV.device)[:, None]
     chosen = logp_SV.gather(1, ids_S1)[:, 0].tolist()
     if not top:
-        return [TokenOut(t, lp) for t, lp in zip(tokens, chosen)]
+        return [TokenOut(t, lp) for t, lp in zip(tokens, chosen, strict=True)]
     values, ids = logp_SV.topk(top, dim=-1)
-    return [TokenOut(t, lp, list(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]
+    return [TokenOut(t, lp, list(zip(i, v, strict=True)))
+            for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist(), strict=True)]

@@ -38,7 +38,8 @@ def logprobs_object(entries: Iterable[Entry], tokenizer: Any) -> dict[str, Any]:
 def choice_entries(choice: Any, prompt_ids: list[int]) -> list[Entry]:
     """A choice's echoed prompt tokens (none unless echoed) then its generated ones."""
     prompt = [(prompt_ids[0], None, None)] if prompt_ids else []
-    prompt += [(token, out.logprob, out.top) for token, out in zip(prompt_ids[1:], choice.prompt_logprobs)]
+    echoed = zip(prompt_ids[1:], choice.prompt_logprobs, strict=False)  # no prompt logprobs unless echoed
+    prompt += [(token, out.logprob, out.top) for token, out in echoed]
     return prompt + [(out.token, out.logprob, out.top) for out in choice.logprobs]
 
 

@@ -275,7 +275,7 @@ class GenerationWorker:
                 self._end(seq.job, None, exc)
             self.batch.clear()
             return
-        for seq, out in zip(live, outs):
+        for seq, out in zip(live, outs, strict=True):
             self._emit(seq, out)
 
     def _emit(self, seq: _Seq, out: TokenOut) -> None:

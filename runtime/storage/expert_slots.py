@@ -51,7 +51,7 @@ class SlotLayout:
         """name -> view of `flat` ([P] -> [*shape], [a, P] -> [a, *shape]); differentiable views of a leaf."""
         lead = flat.shape[:-1]
         return {name: flat[..., o:o + math.prod(shape)].view(*lead, *shape)
-                for name, shape, o in zip(self.names, self.shapes, self.offsets)}
+                for name, shape, o in zip(self.names, self.shapes, self.offsets, strict=True)}
 
     def pack(self, tensors: dict[str, Tensor], out: Tensor) -> Tensor:
         """Write one expert's tensors (by name) into the slot-shaped `out` [P]; padding is zeroed."""

@@ -10,8 +10,9 @@ place once it exists; a reader of a key waits for its queued writes) and read wi
 The store is working memory, not a checkpoint: a checkpoint copies every expert's states into its own directory
 (see OffloadEngine.save) and a resume rebuilds `live/` from it. So live files are not fsynced (the kernel writes
 them back while training goes on) nor checksummed; `durable=True` checksums each file, replaces it by rename and
-fsyncs it and the directory, for a store that must survive a crash of the machine. A store belongs to one run: `root/OWNER` names
-the run directory that created it, and another run is refused instead of silently sharing (and overwriting) it.
+fsyncs it and the directory, for a store that must survive a crash of the machine. A store belongs to one run:
+`root/OWNER` names the run directory that created it, and another run is refused instead of silently sharing (and
+overwriting) it.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ class HostOptimizer:
     def _update_layer(self, lg: LayerGrads, step: int, lr: float, grad_scale: Tensor | None,
                       write_stages: bool = False) -> None:
         with self.timeline.span("catch_up", False):
-            for slot, done in zip(lg.slots, step_counts(lg.slots)):
+            for slot, done in zip(lg.slots, step_counts(lg.slots), strict=True):
                 if done < step:
                     self.caught_up += catch_up(slot, step, self.lr_schedule, self.adamw)
         widening = any(g.dtype != torch.float32 for g in lg.grads.values())
@@ -242,7 +242,8 @@ class HostOptimizer:
             groups = [([self._run_states(lg, start, stop)], lg.slots[start].step) for start, stop in runs]
         else:
             torch._foreach_add_([slot.step for slot in lg.slots], 1)
-            groups = [(self._tensor_states(lg, slot, row), slot.step) for slot, row in zip(lg.slots, lg.rows)]
+            groups = [(self._tensor_states(lg, slot, row), slot.step)
+                      for slot, row in zip(lg.slots, lg.rows, strict=True)]
         if self._widened is None:
             self._widened = torch.empty(WIDEN_CHUNK)
         for pieces, step in groups:

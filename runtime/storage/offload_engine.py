@@ -215,7 +215,7 @@ class OffloadEngine:
     def _acquire(self, keys: list[ExpertKey]) -> list[ExpertSlot]:
         """The slots of a training forward: those an earlier micro-batch of this step acquired, the rest from home."""
         fresh = [key for key in keys if key not in self._held]
-        self._held.update(zip(fresh, self.home.acquire(fresh)))
+        self._held.update(zip(fresh, self.home.acquire(fresh), strict=True))
         return [self._held[key] for key in keys]
 
     def _catch_up(self, keys: list[ExpertKey], slots: list[ExpertSlot]) -> None:
@@ -225,7 +225,7 @@ class OffloadEngine:
             return
         target = self.steps_done - 1 if self.delayed and self.steps_done else self.steps_done
         with self.timeline.span("catch_up", True), torch.no_grad():
-            for key, slot, done in zip(keys, slots, step_counts(slots)):
+            for key, slot, done in zip(keys, slots, step_counts(slots), strict=True):
                 if key in self._in_flight or done >= target:
                     continue
                 self._caught_up += catch_up(slot, target, self.lr_schedule, self.adamw)
@@ -244,7 +244,7 @@ class OffloadEngine:
             return
         slots = self.home.peek(keys)
         if slots is not None and all(int(s.step) >= self.steps_done - int(self.delayed) or k in self._in_flight
-                                     for k, s in zip(keys, slots)):
+                                     for k, s in zip(keys, slots, strict=True)):
             self.transfers.prefetch(nxt, keys, slots, computing=layer)
 
     # ---- backward ----

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,10 +46,15 @@ def spare_slots(specs: list[LayerSpec], cache_experts: int, prefetch_depth: int,
     return max(ahead, local - (0 if fetch_all else cache_experts))
 
 
+def _draw_local(make: InitialExpert, spec: LayerSpec, shapes: dict, j: int) -> dict:
+    """Local expert j of `spec`'s layer, drawn by `make` under its global index."""
+    return make(spec.param_prefix, shapes, spec.key(j)[1])
+
+
 def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.device, *, seed: int,
                     lr_schedule: Callable[[int], float], cache_experts: int = 0, hit_threshold: float = 1,
                     decay_beta: float = 0.5, decay_every: int = 10, prefetch_depth: int = 1,
-                    adamw: AdamWHyper = AdamWHyper(), tiers: Tiers | None = None, groups=None,
+                    adamw: AdamWHyper | None = None, tiers: Tiers | None = None, groups=None,
                     fetch_all: bool = False, write_initial: bool = True, compute_dtype: torch.dtype = torch.float32,
                     delayed_update: bool = False, window: int | None = None,
                     resident_layers: int = 0, initial: InitialExpert | None = None,
@@ -79,14 +85,14 @@ def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.d
             home.fetch_everything()
         return home
 
-    engine = OffloadEngine(specs, device, lr_schedule, adamw, tiers, groups, compute_dtype, delayed_update,
-                           window if window is not None else 1 + prefetch_depth, make_home, trainable)
+    engine = OffloadEngine(specs, device, lr_schedule, adamw or AdamWHyper(), tiers, groups, compute_dtype,
+                           delayed_update, window if window is not None else 1 + prefetch_depth, make_home, trainable)
     for layer, spec in pairs:
         if write_initial:
-            shapes = dict(zip(spec.names, spec.layout.shapes))
+            shapes = dict(zip(spec.names, spec.layout.shapes, strict=True))
             make = initial or (lambda prefix, shapes, g: init_expert(seed, prefix, shapes, g))
-            drawn = drawn_in_parallel(lambda j: make(spec.param_prefix, shapes, spec.key(j)[1]),
-                                      range(spec.num_local), 4 * spec.layout.numel)
+            drawn = drawn_in_parallel(functools.partial(_draw_local, make, spec, shapes), range(spec.num_local),
+                                      4 * spec.layout.numel)
             for j, params in enumerate(drawn):
                 key = spec.key(j)
                 engine.home.restore(key, initial_slot(engine.home.restore_target(key), spec.layout, params))

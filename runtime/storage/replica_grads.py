@@ -23,14 +23,14 @@ def average_over_replicas(pending: list[LayerGrads], all_keys: list, order: list
     mine = {key: (lg, i) for lg in pending for i, key in enumerate(lg.keys)}
     mask = torch.tensor([k in mine for k in all_keys], dtype=torch.float32)
     dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
-    union = [k for k, m in zip(all_keys, mask.tolist()) if m > 0]
+    union = [k for k, m in zip(all_keys, mask.tolist(), strict=True) if m > 0]
     merged: list[tuple[LayerGrads, Tensor]] = []
     for layer in order:
         keys = [k for k in union if k[0] == layer]
         if not keys:
             continue
         missing = [k for k in keys if k not in mine]
-        extra = dict(zip(missing, acquire(missing)))
+        extra = dict(zip(missing, acquire(missing), strict=True))
         layout = layouts[layer]
         flat = torch.zeros(len(keys), layout.numel)  # the layer's fp32 gradients, reduced in place
         grads = layout.views(flat)

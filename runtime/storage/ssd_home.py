@@ -151,7 +151,7 @@ class SSDHome:
         meanwhile) go home to SSD together."""
         with self.cache.lock:
             home = []
-            for key, slot in zip(keys, slots):
+            for key, slot in zip(keys, slots, strict=True):
                 if self.cache.entries.get(key) is slot:
                     self.cache.mark_dirty(key)
                 else:
@@ -161,7 +161,7 @@ class SSDHome:
 
     def release_unused(self, keys: list[ExpertKey], slots: list[ExpertSlot]) -> None:
         with self.cache.lock:
-            for key, slot in zip(keys, slots):
+            for key, slot in zip(keys, slots, strict=True):
                 if self.cache.entries.get(key) is not slot:
                     self._drop_host(slot)
 

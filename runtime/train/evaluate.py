@@ -10,7 +10,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from runtime.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
 from runtime.files.paths import TOKENIZER_FILE
 from runtime.parallel.groups import ParallelGroups, build_groups
 
-Evaluate = Callable[[int, nn.Module, ContextManager], dict]
+Evaluate = Callable[[int, nn.Module, contextlib.AbstractContextManager], dict]
 """evaluate(step, model, autocast): the step line's eval_* fields at an evaluation step, {} at any other."""
 
 
@@ -41,7 +41,7 @@ def window_count(data: TokenDataset, limit: int) -> int:
 
 @torch.no_grad()
 def heldout_sums(model: nn.Module, data: TokenDataset, count: int, groups: ParallelGroups, micro_batch_size: int,
-                 device: torch.device, autocast: ContextManager | None = None) -> tuple[float, int]:
+                 device: torch.device, autocast: contextlib.AbstractContextManager | None = None) -> tuple[float, int]:
     """(summed next-token loss, target tokens) over windows 0 .. count - 1, all ranks together (collective). Rank r
     takes rows r * mbs .. of each group of world x mbs windows; every rank runs the same number of forwards on
     batches of the same shape (rows past `count` are padding, weighted 0), as expert parallelism's AlltoAlls need."""
@@ -68,7 +68,8 @@ def heldout_sums(model: nn.Module, data: TokenDataset, count: int, groups: Paral
 
 @torch.no_grad()
 def chat_heldout_sums(model: nn.Module, data: ChatDataset, count: int, groups: ParallelGroups, micro_batch_size: int,
-                      device: torch.device, autocast: ContextManager | None = None) -> tuple[float, int]:
+                      device: torch.device,
+                      autocast: contextlib.AbstractContextManager | None = None) -> tuple[float, int]:
     """heldout_sums over chat rows 0 .. count - 1 (file order): the summed loss of the assistant's tokens and their
     count, all ranks together (collective); rows past `count` are padding whose targets count nothing."""
     world, mbs = groups.world_size, micro_batch_size
@@ -111,7 +112,7 @@ def evaluation(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) 
         data = open_dataset(cfg, run_tokenizer(cfg), "train.eval_data", tr.eval_data)
         count, sums = window_count(data, tr.eval_windows), heldout_sums
 
-    def evaluate(step: int, model: nn.Module, autocast: ContextManager) -> dict:
+    def evaluate(step: int, model: nn.Module, autocast: contextlib.AbstractContextManager) -> dict:
         if step != tr.max_steps and not (tr.eval_every and step % tr.eval_every == 0):
             return {}
         result = summary(*sums(model, data, count, groups, tr.micro_batch_size, device, autocast))

@@ -67,8 +67,8 @@ def _divergence(bad: tuple[int, float, float, float], step: int) -> JobError:
     which = ("loss on another rank" if not at else "language-model loss" if not math.isfinite(lm)
              else "router loss" if not math.isfinite(aux) else "loss on another rank")
     return JobError(f"non-finite {which} at step {at or step} (lm loss {lm:.4g}, router loss {aux:.4g}); stopped "
-                    "before the optimizer step, the newest checkpoint is the last good one (lower train.lr or check the "
-                    "data)")
+                    "before the optimizer step, the newest checkpoint is the last good one (lower train.lr or check "
+                    "the data)")
 
 
 def _autocast(device: torch.device, precision: str):

@@ -23,7 +23,7 @@ def _sum_stats(total: list[MoEStats] | None, stats: list[MoEStats]) -> list[MoES
     return [MoEStats(_add(t and t.aux_loss, s.aux_loss),
                      {n: _add(t and t.losses[n], v) for n, v in s.losses.items()},
                      {n: _add(t and t.metrics[n], v) for n, v in s.metrics.items()})
-            for t, s in zip(total, stats)]
+            for t, s in zip(total, stats, strict=True)]
 
 
 def _scaled(stats: list[MoEStats], factor: float) -> list[MoEStats]:

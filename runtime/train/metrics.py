@@ -58,7 +58,7 @@ def step_stats(lm_loss: torch.Tensor, out, groups: ParallelGroups, memory: int,
     loads = out_stats.get("expert_load", [])
     out_stats["expert_load_max_over_mean"] = (
         sum(max(layer) / (sum(layer) / len(layer)) for layer in loads) / len(loads) if loads else 1.0)
-    out_stats.update({name: [int(m) for m in row] for name, row in zip(ranked, mem.tolist())})
+    out_stats.update({name: [int(m) for m in row] for name, row in zip(ranked, mem.tolist(), strict=True)})
     return out_stats
 
 

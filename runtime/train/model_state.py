@@ -10,6 +10,7 @@ tensor beyond the model and its optimizer state, not a second copy of them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -72,6 +73,10 @@ Entry = tuple[str, TensorSpec, Callable[[], torch.Tensor]]
 """A tensor to write: its key, dtype and shape for the header, and how to produce it when its turn comes."""
 
 
+def _full_table(make: Callable[[], torch.Tensor], groups: ParallelGroups) -> torch.Tensor:
+    return PartitionedEmbeddingPart.full(make(), groups)
+
+
 def _kinds(param: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor | None]:
     """model/optimizer tensors of one parameter by kind; None for a moment AdamW has not created yet (saved as
     zeros)."""
@@ -97,7 +102,7 @@ def _dense_entries(model: nn.Module, optimizer, groups: ParallelGroups, held: se
             shape, dtype = tuple(param.shape), (t if t is not None else param).dtype
             if pname in shards:  # the full [V, H] table and moments, loadable into any dp size
                 shape = PartitionedEmbeddingPart.full_shape(shape, groups)
-                make = (lambda make=make: PartitionedEmbeddingPart.full(make(), groups))
+                make = functools.partial(_full_table, make, groups)
             out.append((tensor_key(kind, pname), (dtype, shape), make))
         out.append((tensor_key("step", pname), (torch.float32, (1,)), lambda p=param: _step(p, optimizer)))
     return out

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import ContextManager
 
 import torch
 import torch.distributed as dist
@@ -36,7 +35,7 @@ GradSq = tuple[torch.Tensor, object]
 class Part:
     """Does nothing by default; a part overrides the steps it takes part in."""
 
-    def accumulating(self) -> ContextManager:
+    def accumulating(self) -> contextlib.AbstractContextManager:
         """The context of a micro-batch before the last of an optimizer step (train.grad_accum_steps): its gradients
         add up where they are made, nothing is reduced or sent anywhere until the last micro-batch's backward."""
         return contextlib.nullcontext()
@@ -102,7 +101,7 @@ class Replicated(Part):
         self.dense_reducer = GradBucketReducer(dense, groups.dp_group, bucket_bytes)
         self.expert_reducer = GradBucketReducer(experts, groups.edp_group, bucket_bytes)
 
-    def accumulating(self) -> ContextManager:
+    def accumulating(self) -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
         stack.enter_context(self.dense_reducer.no_sync())
         stack.enter_context(self.expert_reducer.no_sync())
@@ -203,7 +202,7 @@ class OffloadedExperts(Part):
     def __init__(self, engine: OffloadEngine, groups: ParallelGroups):
         self.engine, self.groups = engine, groups
 
-    def accumulating(self) -> ContextManager:
+    def accumulating(self) -> contextlib.AbstractContextManager:
         return self.engine.accumulate()
 
     def after_backward(self) -> None:

@@ -64,14 +64,14 @@ class RankMemory(PeakMemory):
         self.sample()
         trim_heap()
         self.ssd_bytes = int(ssd_bytes)
-        return dict(zip(PER_RANK_KEYS, (self.peak, cuda_peak_bytes(self.device), self.ssd_bytes)))
+        return dict(zip(PER_RANK_KEYS, (self.peak, cuda_peak_bytes(self.device), self.ssd_bytes), strict=True))
 
     def write(self) -> None:
         with self._lock:
             peak = self.peak
             record = {"rank": self.rank, "local_rank": int(os.environ.get("LOCAL_RANK", self.rank)),
                       "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-                      **dict(zip(PER_RANK_KEYS, (peak, cuda_peak_bytes(self.device), self.ssd_bytes)))}
+                      **dict(zip(PER_RANK_KEYS, (peak, cuda_peak_bytes(self.device), self.ssd_bytes), strict=True))}
             try:
                 atomic_write_json(self.path, record)
             except OSError:

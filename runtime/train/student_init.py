@@ -7,6 +7,7 @@ Legend: E teacher experts, K student experts, D model dim.
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def start_student(cfg: MoesysConfig, run_dir: Path) -> dict | None:
         "teacher": cfg.distill.teacher, "teacher_experts": int(usage[0].numel()), "student_experts": k,
         "heldout": {"source": text.source, "windows": int(windows.shape[0]), "tokens": int(windows[:, 1:].numel())},
         "layers": [{"layer": name, "usage": u.tolist(), "kept": most_used(u, k)}
-                   for name, u in zip(moe_layer_names(teacher), usage)],
+                   for name, u in zip(moe_layer_names(teacher), usage, strict=True)],
     }
     del teacher
     atomic_write_json(run_dir / SELECTION, record)  # before the checkpoint: a checkpoint always has its record
@@ -115,12 +116,16 @@ def write_student_checkpoint(teacher_step: Path, kept: list[list[int]], cfg: Moe
             found = _shape(reader, source)
             if rows is None:
                 _check_shape(found, tuple(param.shape), pname)
-                take = (lambda s=source, d=param.dtype: reader.get(s).to(d))
             else:  # a router: the kept experts' rows
                 _check_shape(found[1:], tuple(param.shape[1:]), pname)
-                take = (lambda s=source, r=rows, d=param.dtype: reader.get(s)[r].to(d))
-            _add_param(dense, pname, None, param, take)
+            _add_param(dense, pname, None, param, functools.partial(_read, reader, source, param.dtype, rows))
     return _write_checkpoint(Path(run_dir), cfg, dense, experts)
+
+
+def _read(reader: CheckpointReader, key: str, dtype: torch.dtype, rows: list[int] | None) -> torch.Tensor:
+    """Tensor `key` of the teacher's checkpoint (its rows `rows` when given) in `dtype`."""
+    t = reader.get(key)
+    return (t if rows is None else t[rows]).to(dtype)
 
 
 def _shape(reader: CheckpointReader, key: str) -> tuple[int, ...]:

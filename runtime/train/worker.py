@@ -10,7 +10,7 @@ from pathlib import Path
 
 AGENT_PID = os.getppid()  # read before the imports below (seconds), so an agent that dies meanwhile is noticed
 
-import torch  # noqa: E402
+import torch
 import torch.distributed as dist
 
 from runtime.errors import JobError, UserError, os_reason, unwritable
