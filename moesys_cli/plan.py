@@ -21,8 +21,9 @@ from runtime.plan.prediction import predict_modes
 from runtime.plan.schedule import choose_schedule, scheduled
 
 Measure = Annotated[bool, typer.Option(
-    "--measure", help="First measure this machine's rates (copies, host AdamW, disk, GEMM, the model's resident MFU) "
-                      "and keep them in its profile for later plans here (runtime/plan/machine_profile.py).")]
+    "--measure", help="First measure this machine's rates (copies, host AdamW, disk, GEMM, and the model's resident "
+                      "MFU from a short real job in the planned layout) and keep them in its profile for later plans "
+                      "here (runtime/plan/machine_profile.py).")]
 Compare = Annotated[Path | None, typer.Option(
     "--compare", metavar="RUN_DIR", help="Set the run's recorded plan beside the peak memory each of its ranks "
                                          "measured, per tier, with the ratio (the run's own config is used).")]

@@ -36,7 +36,9 @@ placement.resident_layers_fit)."""
 DEFAULT_VARIANTS = ("none", "cpu", "cpu_delayed", "ssd")
 
 
-def _variant(base: MoesysConfig, root: Path, name: str, steps: int) -> MoesysConfig:
+def variant_config(base: MoesysConfig, root: Path, name: str, steps: int) -> MoesysConfig:
+    """`base` as the job of variant `name`: its storage, `steps` steps, no checkpoints or restarts, run in
+    root/name."""
     cfg = copy.deepcopy(base)
     cfg.storage.offload, cfg.storage.delayed_update, kept = VARIANTS[name]
     cfg.storage.ssd_path = ""
@@ -52,7 +54,7 @@ def _variant(base: MoesysConfig, root: Path, name: str, steps: int) -> MoesysCon
     return cfg
 
 
-def _run(cfg: MoesysConfig, warmup: int, timeout_s: float) -> dict:
+def timed_job(cfg: MoesysConfig, warmup: int, timeout_s: float) -> dict:
     """One job: tokens/s (median of the steps after `warmup`) and the medians of its offload metrics; or the one
     line of why it was refused or failed."""
     try:
@@ -115,7 +117,7 @@ def run_offload_train_bench(base: MoesysConfig, steps: int = 10, warmup: int = 3
     with job_root("moesys-bench-offload-train-", workdir) as tmp:
         for i, name in enumerate(variants):
             budget = max(60.0, (deadline - time.monotonic()) / (len(variants) - i))
-            results[name] = _run(_variant(base, Path(tmp), name, steps), warmup, budget)
+            results[name] = timed_job(variant_config(base, Path(tmp), name, steps), warmup, budget)
     spec = spec_peak_flops(device, dtype)
     for r in results.values():
         if r.get("tokens_per_s"):
@@ -125,7 +127,7 @@ def run_offload_train_bench(base: MoesysConfig, steps: int = 10, warmup: int = 3
     rates = measured_rates(base, device, "ssd" in variants)
     for name, r in results.items():
         if r.get("step_time_s"):
-            r.update(variant_bound(_variant(base, Path("."), name, steps), r, results.get("none"), rates)
+            r.update(variant_bound(variant_config(base, Path("."), name, steps), r, results.get("none"), rates)
                      .to_dict(r["step_time_s"]))
     none = results.get("none", {}).get("tokens_per_s")
     ratios = {f"{name}_vs_none": r["tokens_per_s"] / none for name, r in results.items()

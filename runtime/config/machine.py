@@ -30,8 +30,9 @@ class MachineRates:
     """Dense GEMM TFLOP/s of one device at train.precision (a GPU; without GPUs, a node's CPU cores together); 0:
     this machine's profile, else 400 with GPUs, 0.1 without."""
     resident_mfu: float = 0.0
-    """Share of gemm_tflops the resident training step reaches (its MFU against that rate); 0: what `moesys plan
-    --measure` measured for this model shape on this machine, else 0.4 with GPUs, 0.3 without."""
+    """Share of gemm_tflops the resident training step reaches as its job runs it, collectives included (its MFU
+    against that rate); 0: what `moesys plan --measure` measured for this model shape and node layout on this
+    machine, else 0.4 with GPUs, 0.3 without."""
 
     RATE_BOUNDS = ((">= 0", "pcie_h2d_gbps pcie_d2h_gbps adamw_gparams_per_core cpu_cores_per_node disk_read_gbps "
                             "disk_write_gbps gemm_tflops"), ("between 0 and 1", "resident_mfu"))

@@ -3,7 +3,8 @@ plan uses: a `topology.*` key where set, else the profile where the job runs on 
 
 The cache is one small JSON file per machine identity (host name, CPU model, usable cores, GPU models) under
 $MOESYS_CACHE_DIR, else $XDG_CACHE_HOME/moesys, else ~/.cache/moesys: machines/<identity digest>.json. A profile
-holds the machine's rates and the resident MFU of at most MAX_MODELS model shapes (the newest measured).
+holds the machine's rates and the resident MFU of at most MAX_MODELS jobs (model shape and node layout; the newest
+measured).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from runtime.host.io import atomic_write_json
 from runtime.plan.step_time import GB, Rates
 
 MAX_MODELS = 8
-"""Model shapes whose resident MFU a profile keeps (older ones are dropped)."""
+"""Jobs (model shape and node layout, model_key) whose resident MFU a profile keeps (older ones are dropped)."""
 
 DEFAULT_RATES = {"pcie_h2d_gbps": 25.0, "pcie_d2h_gbps": 25.0, "adamw_gparams_per_core": 0.25,
                  "cpu_cores_per_node": 16, "disk_read_gbps": 2.0, "disk_write_gbps": 1.0}
@@ -104,9 +105,13 @@ def write_profile(rates: dict, model_key: str | None = None, resident_mfu: float
 
 
 def model_key(cfg: MoesysConfig) -> str:
-    """The shape a resident MFU was measured on: the model, the precision and the sequence length."""
-    tr = cfg.train
-    shape = {**dataclasses.asdict(cfg.model), "precision": tr.precision, "seq_len": tr.seq_len}
+    """The job a resident MFU was measured on: the model, the precision, the sequence length, whether its blocks are
+    compiled and the layout of a node (its ranks, GPUs and expert parallelism: the collectives and the cores' share
+    the step pays for)."""
+    tr, t = cfg.train, cfg.topology
+    shape = {**dataclasses.asdict(cfg.model), "precision": tr.precision, "seq_len": tr.seq_len, "compile": tr.compile,
+             "ranks_per_node": t.processes_per_node, "gpus_per_node": t.gpus_per_node,
+             "expert_parallel": t.expert_parallel}
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

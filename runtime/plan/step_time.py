@@ -131,13 +131,27 @@ def tokens_per_rank(cfg: MoesysConfig, micro_batch_size: int | None = None, accu
     return (micro_batch_size or tr.micro_batch_size) * (accum or max(1, tr.grad_accum_steps)) * tr.seq_len
 
 
-def compute_seconds(cfg: MoesysConfig, rates: Rates, tokens: int) -> float:
-    """The resident step's compute for `tokens` on one rank: its FLOPs (recompute included) over the rank's share of
-    the GEMM rate at the resident MFU (without GPUs a node's ranks share its cores)."""
+def rank_gemm_flops(cfg: MoesysConfig, gemm_flops: float, gpus: bool) -> float:
+    """One rank's share of the GEMM rate: its GPU's, or without GPUs the node's cores divided among its ranks."""
+    return gemm_flops if gpus else gemm_flops / max(1, cfg.topology.processes_per_node)
+
+
+def step_flops(cfg: MoesysConfig, tokens: int) -> float:
+    """FLOPs of one rank's step over `tokens`, train.recompute's second forward included."""
     m, tr = cfg.model, cfg.train
-    flops = (training_flops_per_token(m, tr.seq_len) + recompute_flops_per_token(m, tr.seq_len, tr.recompute)) * tokens
-    share = rates.gemm_flops if rates.gpus else rates.gemm_flops / max(1, cfg.topology.processes_per_node)
-    return flops / (share * rates.resident_mfu)
+    return (training_flops_per_token(m, tr.seq_len) + recompute_flops_per_token(m, tr.seq_len, tr.recompute)) * tokens
+
+
+def compute_seconds(cfg: MoesysConfig, rates: Rates, tokens: int) -> float:
+    """The resident step's time for `tokens` on one rank: its FLOPs over the rank's share of the GEMM rate at the
+    resident MFU (which, measured by `moesys plan --measure`, holds the job's collectives and shared cores)."""
+    return step_flops(cfg, tokens) / (rank_gemm_flops(cfg, rates.gemm_flops, rates.gpus) * rates.resident_mfu)
+
+
+def resident_mfu_of(cfg: MoesysConfig, gemm_flops: float, gpus: bool, step_s: float) -> float:
+    """The resident MFU for which compute_seconds gives `step_s`, the measured step of `cfg`'s job (compute_seconds'
+    inverse: a plan of the measured config predicts the measured step)."""
+    return step_flops(cfg, tokens_per_rank(cfg)) / step_s / rank_gemm_flops(cfg, gemm_flops, gpus)
 
 
 def offloaded_step_work(cfg: MoesysConfig, rates: Rates, offloaded_experts: int, cache_experts: int | None,

@@ -63,3 +63,14 @@ def test_measure_keeps_this_machines_rates_for_the_next_plan(tmp_path, monkeypat
     assert "resident_mfu profile" in later["rates"]["from"] and "gemm_tflops profile" in later["rates"]["from"]
     declared = json.loads(run_moesys("plan", "recipe=tiny", "launcher=slurm", "--json", cwd=tmp_path).stdout)
     assert "gemm_tflops default" in declared["rates"]["from"]  # a SLURM job runs elsewhere: the keys
+
+
+def test_a_probe_job_that_fails_stops_measure_in_one_line_and_keeps_no_profile(tmp_path, monkeypatch):
+    """The resident probe is a real job in the planned layout: one the launch refuses is said, not measured."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MOESYS_CACHE_DIR", str(cache))
+    out = run_moesys("plan", "recipe=tiny", "topology.cpu_memory_gb=0.01", "--measure", cwd=tmp_path, timeout=600)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "resident probe job failed (the plan says this run does not fit" in out.stderr
+    assert "topology.resident_mfu" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not list(cache.glob("machines/*.json"))

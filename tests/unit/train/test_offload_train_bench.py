@@ -78,7 +78,7 @@ def test_a_variant_the_launch_refuses_is_reported_by_its_one_line_and_not_run(tm
 
 
 def test_the_fit_variants_keep_as_many_layers_as_the_plan_says_the_gpu_holds(tmp_path):
-    from runtime.bench.offload_train import _variant
+    from runtime.bench.offload_train import variant_config
     from runtime.plan.planner import plan_placement
 
     model = ModelConfig(hidden_size=1024, ffn_hidden_size=4096, num_layers=8, num_heads=8, num_experts=8,
@@ -87,8 +87,8 @@ def test_the_fit_variants_keep_as_many_layers_as_the_plan_says_the_gpu_holds(tmp
                          expert_parallel=1)
     cfg = MoesysConfig(model=model, topology=gpu, train=TrainConfig(seq_len=512, micro_batch_size=1,
                                                                      precision="bf16"))
-    fit = _variant(cfg, tmp_path, "cpu_fit_delayed", 4)
+    fit = variant_config(cfg, tmp_path, "cpu_fit_delayed", 4)
     assert fit.storage.offload == "cpu" and fit.storage.delayed_update
     assert 0 < fit.storage.resident_layers == plan_placement(fit).keepable_layers < 7
     cpu_only = dataclasses.replace(cfg, topology=dataclasses.replace(gpu, gpus_per_node=0))
-    assert _variant(cpu_only, tmp_path, "cpu_fit", 4).storage.resident_layers == 0  # nothing fits off the CPU
+    assert variant_config(cpu_only, tmp_path, "cpu_fit", 4).storage.resident_layers == 0  # nothing fits off the CPU
