@@ -80,9 +80,9 @@ class Transformer(nn.Module):
     def blocks(self) -> nn.ModuleList:
         return self.layers
 
-    def moe_layers(self) -> list[nn.Module]:
+    def moe_layers(self) -> list[MoELayer]:
         """The MoE layers in block order (their dispatcher or experts can be swapped from outside)."""
-        return [block.ffn for block in self.layers if block.is_moe]
+        return [block.ffn for block in self.layers if isinstance(block.ffn, MoELayer)]
 
     def new_static_cache(self, batch: int, capacity: int) -> StaticKVCache:
         """A zeroed static KV cache of `capacity` positions for `batch` rows, in this model's dtype and device."""
