@@ -62,7 +62,7 @@ def _inside(event, names: frozenset) -> bool:
     return False
 
 
-def _counts(run: Callable[[], None], cuda: bool) -> tuple[Counter, int]:
+def _counts(run: Callable[[], object], cuda: bool) -> tuple[Counter, int]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         run()

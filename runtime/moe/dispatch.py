@@ -111,7 +111,7 @@ class LocalDispatcher:
         num_tokens, top_k = expert_ids_TK.shape
         ids_N = expert_ids_TK.reshape(-1)
         dropless = keep_TK is None or bool(keep_TK.all())
-        if not dropless:
+        if keep_TK is not None and not dropless:
             ids_N = ids_N.masked_fill(~keep_TK.reshape(-1), self.num_experts)
             weights_TK = weights_TK * keep_TK
         order_N = torch.argsort(ids_N, stable=True)
