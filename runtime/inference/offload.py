@@ -261,7 +261,6 @@ class LayerSlotOffloader(Offloader):
         raise NotImplementedError
 
 
-
 class OnDemandOffloader(LayerSlotOffloader):
     """The baseline: one slot; each layer's experts are copied synchronously just before the layer runs."""
 
