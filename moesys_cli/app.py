@@ -27,8 +27,8 @@ from runtime.errors import UserError, os_reason, unwritable
 
 try:
     from typer._click import exceptions as click_errors  # the Click that newer Typers carry inside
-except ImportError:
-    from click import exceptions as click_errors
+except ImportError:  # an older Typer: Click itself, the same exceptions (mypy sees one module bound twice)
+    from click import exceptions as click_errors  # type: ignore[no-redef]
 
 app = typer.Typer(
     name="moesys",

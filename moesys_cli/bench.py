@@ -19,9 +19,9 @@ def _moe_layer(cfg: MoesysConfig) -> dict:
     return run_moe_layer_bench()
 
 
-def _train(cfg: MoesysConfig, **steps: int) -> dict:
+def _train(cfg: MoesysConfig, steps: int | None = None) -> dict:
     from runtime.bench.train import run_train_bench
-    return run_train_bench(cfg, **steps)
+    return run_train_bench(cfg) if steps is None else run_train_bench(cfg, steps)
 
 
 def _ring(cfg: MoesysConfig) -> dict:
@@ -34,9 +34,9 @@ def _infer(cfg: MoesysConfig, size: str = "small") -> dict:
     return run_infer_bench(ring_slots=cfg.infer.ring_slots, size=size, compile=cfg.infer.compile)
 
 
-def _offload_train(cfg: MoesysConfig, **steps: int) -> dict:
+def _offload_train(cfg: MoesysConfig, steps: int | None = None) -> dict:
     from runtime.bench.offload_train import run_offload_train_bench
-    return run_offload_train_bench(cfg, **steps)
+    return run_offload_train_bench(cfg) if steps is None else run_offload_train_bench(cfg, steps)
 
 
 def _offload(cfg: MoesysConfig) -> dict:
@@ -49,9 +49,9 @@ def _embedding(cfg: MoesysConfig) -> dict:
     return run_embedding_bench(cfg)
 
 
-def _elastic(cfg: MoesysConfig, **steps: int) -> dict:
+def _elastic(cfg: MoesysConfig, steps: int | None = None) -> dict:
     from runtime.bench.elastic import run_elastic_bench
-    return run_elastic_bench(cfg, **steps)
+    return run_elastic_bench(cfg) if steps is None else run_elastic_bench(cfg, steps)
 
 
 def _beyond_memory(cfg: MoesysConfig) -> dict:

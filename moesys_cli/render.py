@@ -12,7 +12,15 @@ from contextlib import contextmanager
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.text import Text
 from typer import Exit
 
@@ -68,7 +76,7 @@ class ByteProgress:
         self.quiet, self.smallest = quiet, smallest
         self.bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                              TimeRemainingColumn(), console=console, transient=False)
-        self.tasks: dict[str, int] = {}
+        self.tasks: dict[str, TaskID] = {}
 
     def __call__(self, key: str, done: int, total: int) -> None:
         if self.quiet or total < self.smallest:

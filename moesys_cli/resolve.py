@@ -110,7 +110,7 @@ def _auto_to_zero(node: dict) -> dict:
     fields)."""
     for dotted, stored in AUTO_KEYS.items():
         *path, name = dotted.split(".")
-        parent = node
+        parent: dict | None = node
         for part in path:
             parent = parent.get(part) if isinstance(parent, dict) else None
         if isinstance(parent, dict) and str(parent.get(name)).lower() == "auto":
@@ -161,7 +161,7 @@ def check_key(key: str) -> None:
         if origin is dict:
             cls = typing.get_args(cls)[1]
             continue
-        if not dataclasses.is_dataclass(cls):
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             raise ConfigError(f"unknown config key {key}: {'.'.join(parts[:i])} has no sub-keys")
         names = [f.name for f in dataclasses.fields(cls)]
         if part not in names:

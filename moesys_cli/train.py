@@ -50,7 +50,9 @@ def run_job(job: Job, resume_command: str, quiet: bool, prepare: Callable[[Path]
     """Run the checked job (its watcher a TrainProgress); returns the run's summary. A failed or stopped job says why
     in one line (with `resume_command` when it can continue) and raises typer.Exit with its status; a SLURM job is
     submitted, said (as JSON when `quiet`), and exits 0. `prepare(run_dir)`: see Job.prepare."""
-    with job.watcher:
+    watcher = job.watcher
+    assert isinstance(watcher, TrainProgress), "the CLI's jobs are watched by a TrainProgress"
+    with watcher:
         result = job.run(prepare)
     if result.slurm is not None:
         submitted(result.slurm, result.run_dir, quiet)
@@ -60,6 +62,7 @@ def run_job(job: Job, resume_command: str, quiet: bool, prepare: Callable[[Path]
     if result.stopped is not None:  # asked for, so not an error; the exit status still says it was stopped
         notice(f"{result.stopped}; resume with: {resume_command}")
         raise typer.Exit(result.exit_code)
+    assert result.summary is not None, "a job launched here that neither failed nor stopped has its summary"
     return result.summary
 
 

@@ -122,7 +122,8 @@ def run_alltoall_bench(cfg: MoesysConfig, host_links_mbit: Sequence[float | None
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
     spec = {"model": dataclasses.asdict(model), "tokens": tokens, "processes_per_host": PER_HOST, "seed": seed,
             "rounds": rounds, "warmup": warmup}
-    cases, results = {}, []
+    cases: dict[str, dict] = {}
+    results: list[dict] = []
 
     def measure(cluster: Cluster, placement: list[Host], name: str, **rates) -> None:
         results.append(_run_case(cluster, placement, spec, Path(tmp), name))

@@ -25,6 +25,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -38,7 +39,8 @@ from runtime.launch.job import run_job
 from runtime.plan.params import count_parameters
 
 HIDDEN, FFN, LAYERS, HEADS = 1024, 512, 6, 8
-GPT_LAYOUT = {"expert_type": "gelu", "norm": "layernorm", "position": "learned", "bias": True, "tie_embeddings": True}
+GPT_LAYOUT: dict[str, Any] = {"expert_type": "gelu", "norm": "layernorm", "position": "learned", "bias": True,
+                              "tie_embeddings": True}
 """The model's layout, GPT-MoE's (recipe=tiny gives only the rest): its experts' size decides how many there are."""
 GB = 1e9
 PLANNED_SHARE = 0.85

@@ -70,13 +70,15 @@ def run_elastic_bench(base: MoesysConfig, steps: int = 8, rounds: int = 2, workd
         probe = run_job(_variant(base, root, "measure", with_gpus(counts["imbalanced"]), steps, 1)).or_raise().run_dir
         measured = workload_from_metrics(probe, {t: c.batch_size for t, c in tasks.items()})
     imbalanced, rebalanced = (statistics.median(speeds[n]) for n in ("imbalanced", "rebalanced"))
+    baseline = balanced.baseline
+    assert baseline is not None, "allocate() compares its allocation against the naive one"
     return {
         "recipe": base.recipe, "processes": NPROC, "cpu_cores": os.cpu_count(), "steps": steps, "rounds": rounds,
         "batch_sizes": {t: c.batch_size for t, c in tasks.items()},
         "imbalanced_allocation": counts["imbalanced"], "rebalanced_allocation": counts["rebalanced"],
-        "max_load_per_process": {"imbalanced": balanced.baseline.max_load_per_gpu,
+        "max_load_per_process": {"imbalanced": baseline.max_load_per_gpu,
                                  "rebalanced": balanced.max_load_per_gpu},
-        "expected_ratio_from_load": balanced.baseline.max_load_per_gpu / balanced.max_load_per_gpu,
+        "expected_ratio_from_load": baseline.max_load_per_gpu / balanced.max_load_per_gpu,
         "measured_cost_per_sample": {t: cost for t, (_, cost) in measured.items()},
         "allocation_from_measured_run": allocate(measured, NPROC, 1).gpus,
         "imbalanced_samples_per_s_per_process": imbalanced,

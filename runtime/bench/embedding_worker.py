@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,7 +80,7 @@ def main(run_dir: Path) -> int:
         "step_s": statistics.median(times),
         "tokens_per_s": world * batch * seq_len / statistics.median(times),
     }
-    gathered = [None] * world
+    gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, report)
     if rank == 0:
         report["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in gathered)  # the worst rank

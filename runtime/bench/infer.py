@@ -198,7 +198,7 @@ def run_infer_bench(ring_slots: int, shape: dict | None = None, new_tokens: int 
                                                                      "compile": compile}, isolate)
         systems["moesys_none_forward"] = _subprocess("_moesys_worker", {**common, "threads": main, "mode": "none",
                                                                          "forward_step": True}, isolate)
-        by_threads = {str(t): decode_at(t) for t in sweep if t != main}
+        by_threads: dict[str, dict[str, Any]] = {str(t): decode_at(t) for t in sweep if t != main}
         reference = systems["moesys_none"].get("tokens")
         for result in [*systems.values(), *(r for rows in by_threads.values() for r in rows.values())]:
             result["same_tokens_as_none"] = result.get("tokens") == reference

@@ -57,7 +57,10 @@ def _threads(threads: int | None) -> int:
 
     from runtime.host.topology import set_cpu_threads
 
-    return set_cpu_threads(1) if threads is None else (torch.set_num_threads(threads) or threads)
+    if threads is None:
+        return set_cpu_threads(1)
+    torch.set_num_threads(threads)
+    return threads
 
 
 def _hf_worker(checkpoint: str, slots: int, offload_dir: str | None, new_tokens: int, repeats: int,
@@ -162,6 +165,7 @@ def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repe
     offloader = make_offloader(model, mode, device, slots, source=loaded.experts)
     measured["load_s"] = time.perf_counter() - start
     _partial(measured)
+    step: DecodeStep
     if forward_step:
         step = ForwardStep(model)
     else:

@@ -11,6 +11,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -140,7 +141,7 @@ def measured_rates(cfg: MoesysConfig, device: torch.device, disk: bool = False,
     """The rates a benchmark's bound uses: `cfg`'s (keys, profile, defaults) with the host AdamW, the pinned copies
     (on a GPU) and, when `disk`, the disk measured now."""
     rates = machine_rates(cfg)
-    changes = {"adamw_params_per_s_per_core": adamw_params_per_s_per_core()}
+    changes: dict[str, Any] = {"adamw_params_per_s_per_core": adamw_params_per_s_per_core()}
     if device.type == "cuda":
         h2d, d2h = pinned_copy_gbps()
         changes.update(h2d_bytes_per_s=h2d * GB, d2h_bytes_per_s=d2h * GB)

@@ -7,13 +7,14 @@ the layer at Qwen3-MoE's shape against transformers' own block (runtime/bench/qw
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from runtime.bench.qwen3_moe_block import run_qwen3_moe_block_bench
 from runtime.bench.rounds import alternate, paired_ratios
 from runtime.config import ModelConfig
-from runtime.moe.experts import expert_ffn, reference_moe_forward
+from runtime.moe.experts import GroupedExperts, expert_ffn, reference_moe_forward
 from runtime.moe.layer import MoELayer
 
 
@@ -42,7 +43,9 @@ def run_moe_layer_bench(tokens: int = 4096, hidden: int = 512, ffn: int = 2048, 
     cfg = ModelConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, top_k=top_k,
                       expert_type=expert_type, bias=bias, capacity_factor=0.0)
     layer = MoELayer(cfg).to(dev)
-    weights = layer.experts.weights()
+    grouped = layer.experts
+    assert isinstance(grouped, GroupedExperts), "a layer built here holds its own experts"
+    weights: dict[str, Any] = grouped.weights()
     x_TD = torch.randn(tokens, hidden, device=dev, requires_grad=True)
     g_TD = torch.randn(tokens, hidden, device=dev)
     rows = tokens * top_k
@@ -56,7 +59,7 @@ def run_moe_layer_bench(tokens: int = 4096, hidden: int = 512, ffn: int = 2048, 
         torch.autograd.backward((y, stats.aux_loss), (g_TD, one))
 
     def ceiling() -> None:
-        y = expert_ffn(x_RD, counts_e, **weights, kind=expert_type, impl=layer.experts.impl)
+        y = expert_ffn(x_RD, counts_e, **weights, kind=expert_type, impl=grouped.impl)
         y.backward(g_RD)
 
     def loop() -> None:
@@ -81,7 +84,7 @@ def run_moe_layer_bench(tokens: int = 4096, hidden: int = 512, ffn: int = 2048, 
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "expert_impl": layer.experts.impl,
+        "expert_impl": grouped.impl,
         **paired_ratios(times, tokens),
         **({"fine_grained": fine} if fine is not None else {}),
     }

@@ -23,10 +23,13 @@ import dataclasses
 import multiprocessing
 import os
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from multiprocessing.context import BaseContext
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,8 +43,10 @@ from runtime.parallel.groups import build_groups
 from runtime.plan.params import count_parameters
 from runtime.plan.step_time import Rates, StepWork, step_bound
 from runtime.storage.optim import AdamWHyper, fused_adamw
+from runtime.storage.ssd_home import SSDHome
 from runtime.train.build import build_components
 from runtime.train.loop import forward_backward, optimizer_step
+from runtime.train.objective import LanguageModel
 
 CPU = torch.device("cpu")
 PRICED_STEPS = 5
@@ -71,10 +76,14 @@ class _Trainer:
             for layer in self.c.model.moe_layers():
                 w = layer.router.gate.weight
                 w.mul_(torch.tensor([skew / (e + 1) for e in range(w.shape[0])])[:, None])
-        self.c.objective.data = bench_data(data, cfg)
+        objective = self.c.objective
+        assert isinstance(objective, LanguageModel), "the bench trains a language model"
+        objective.data = bench_data(data, cfg)
         self.mgr = self.c.offload
         if mode == "fetch_all":
-            self.mgr.home.fetch_everything()
+            home = self.mgr.home if self.mgr is not None else None
+            assert isinstance(home, SSDHome), "fetch_all offloads to SSD"
+            home.fetch_everything()
         self.last_step: list[dict] = []
 
     def step(self, step: int, settle: bool = False) -> dict:
@@ -199,6 +208,7 @@ def _measure(cfg: MoesysConfig, mode: str, store_dir: str, cache_experts: int, s
     peaks = trainer.mgr.tiers.step_metrics() if trainer.mgr else {}
     host = {}
     if mode in OFFLOADED:  # the host work priced on steps whose background jobs run inline, without overlap
+        assert trainer.mgr is not None, "an offloaded mode has its engine"
         trainer.mgr.drain()
         trainer.forget_waits()
         trainer.mgr.optimizer.inline = True
@@ -324,7 +334,7 @@ def _compare(cfg: MoesysConfig, pool: ProcessPoolExecutor, tmp: Path, data: str,
 def _median_host(runs: list[dict]) -> dict:
     """The host-side figures of a mode: medians over rounds of the numbers, every round's priced ratios, the last
     round's timeline."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in runs[-1].items():
         if key == "priced_ratios":
             out[key] = [ratio for r in runs for ratio in r[key]]
@@ -361,7 +371,7 @@ def run_offload_bench(hidden: int = 128, ffn: int = 1024, experts: int = 16, lay
     total_experts = experts * cfg.model.num_moe_layers
     cache_experts = max(1, round(cache_fraction * total_experts))
     spawn = multiprocessing.get_context("spawn")
-    fresh = ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1)  # a new process for every run
+    fresh = _process_per_run(spawn)
     deadline = time.monotonic() + time_limit_s
     comparisons = len(inputs) + (load_tokens is not None)
     with tempfile.TemporaryDirectory(dir=ssd_path) as tmp, fresh as pool:
@@ -416,3 +426,10 @@ if __name__ == "__main__":
     import json
 
     print(json.dumps(run_offload_bench(), indent=2))
+
+
+def _process_per_run(context: BaseContext) -> ProcessPoolExecutor:
+    """A pool of one worker that is replaced after every run (max_tasks_per_child: Python 3.11 and later)."""
+    if sys.version_info < (3, 11):
+        raise RuntimeError("moesys bench offload runs each mode in a fresh process, which needs Python 3.11 or newer")
+    return ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1)

@@ -12,6 +12,7 @@ import copy
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,7 +28,8 @@ from runtime.plan.params import count_parameters
 from runtime.plan.planner import plan_placement
 from runtime.plan.step_time import Rates, StepBound, StepWork, compute_seconds, step_bound, tokens_per_rank
 
-VARIANTS = {"none": ("none", False, 0.0), "cpu": ("cpu", False, 0.0), "cpu_delayed": ("cpu", True, 0.0),
+VARIANTS: dict[str, tuple[str, bool, float | str]] = {
+            "none": ("none", False, 0.0), "cpu": ("cpu", False, 0.0), "cpu_delayed": ("cpu", True, 0.0),
             "ssd": ("ssd", False, 0.0), "cpu_half": ("cpu", False, 0.5), "cpu_half_delayed": ("cpu", True, 0.5),
             "cpu_fit": ("cpu", False, "fit"), "cpu_fit_delayed": ("cpu", True, "fit")}
 """Name -> (storage.offload, storage.delayed_update, MoE layers kept on the device with storage.resident_layers:
@@ -49,7 +51,7 @@ def variant_config(base: MoesysConfig, root: Path, name: str, steps: int) -> Moe
         cfg.storage.resident_layers = 0
     elif kept == "fit":
         cfg.storage.resident_layers = plan_placement(cfg).keepable_layers
-    elif kept:
+    elif isinstance(kept, float) and kept:
         cfg.storage.resident_layers = int(cfg.model.num_moe_layers * kept)
     return cfg
 
@@ -66,7 +68,8 @@ def timed_job(cfg: MoesysConfig, warmup: int, timeout_s: float) -> dict:
     run_dir = job.run_dir
     steps = read_metrics(run_dir)[warmup:]
     median = lambda key: statistics.median(m[key] for m in steps) if steps and key in steps[0] else None  # noqa
-    out = {"tokens_per_s": median("tokens_per_s"), "step_time_s": median("step_time_s"), "steps_timed": len(steps)}
+    out: dict[str, Any] = {"tokens_per_s": median("tokens_per_s"), "step_time_s": median("step_time_s"),
+                           "steps_timed": len(steps)}
     for key in ("host_cost_s", "host_hidden_share", "fetch_stall_s", "experts_active", "copied_bytes",
                 "grad_home_bytes", "ssd_read_bytes", "ssd_write_bytes"):
         value = median(f"offload/{key}")
@@ -99,6 +102,8 @@ def _offloaded_experts(cfg: MoesysConfig) -> int:
     """The experts a rank keeps off the device: its local experts of every MoE layer past storage.resident_layers
     (the share of them a step activates is Eq. 1's alpha)."""
     local = cfg.model.num_experts // cfg.topology.expert_parallel
+    if cfg.storage.resident_layers is None:  # auto: the plan picks them at launch, unknown here
+        return 0
     return local * (cfg.model.num_moe_layers - cfg.storage.resident_layers)
 
 

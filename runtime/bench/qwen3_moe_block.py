@@ -15,7 +15,7 @@ from torch import Tensor
 
 from runtime.bench.rounds import alternate, paired_ratios
 from runtime.config import ModelConfig
-from runtime.moe.experts import resolve_impl
+from runtime.moe.experts import GroupedExperts, resolve_impl
 from runtime.moe.layer import MoELayer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -35,7 +35,9 @@ def transformers_block_config(hidden: int, ffn: int, experts: int, top_k: int, e
     config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=ffn, num_experts=experts,
                             num_experts_per_tok=top_k, norm_topk_prob=True, num_hidden_layers=1, vocab_size=16,
                             intermediate_size=64, num_attention_heads=1, num_key_value_heads=1, head_dim=16,
-                            experts_implementation=experts_implementation)
+                            # transformers' config dataclass takes keys its signature does not list (stored, or read
+                            # by PreTrainedConfig): its stubs are narrower than the class
+                            experts_implementation=experts_implementation)  # type: ignore[call-arg]
     with torch.device("meta"):  # the model's __init__ checks and sets config._experts_implementation
         Qwen3MoeModel(config)
     return config
@@ -52,6 +54,8 @@ def transformers_blocks(layer: MoELayer, dtype: torch.dtype) -> dict[str, torch.
         default = Qwen3MoeSparseMoeBlock(transformers_block_config(*dims, None))
         eager = Qwen3MoeSparseMoeBlock(transformers_block_config(*dims, "eager"))
     experts = layer.experts
+    assert isinstance(experts, GroupedExperts), "a layer built here holds its own experts"
+    assert experts.w3 is not None, "Qwen3's experts are SwiGLU: they have w3"
     with torch.no_grad():
         default.gate.weight = torch.nn.Parameter(layer.router.gate.weight.detach().to(dtype, copy=True))
         default.experts.gate_up_proj = torch.nn.Parameter(torch.cat([experts.w1, experts.w3], dim=1).to(dtype))
@@ -101,6 +105,7 @@ def _compare_dtype(cfg: ModelConfig, dtype: torch.dtype, tokens: int, dev: torch
     for name, fn in runs.items():  # the same work: outputs and input gradients against moesys's
         reset()
         y = fn()
+        assert x.grad is not None, "each run's backward reaches the input"
         outputs[name] = (y.detach(), x.grad)
     reset()
     scale = float(outputs["moe"][0].abs().max())

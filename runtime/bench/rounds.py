@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 
-def alternate(runs: dict[str, Callable[[], object]], reset: Callable[[], None], sync: Callable[[], None],
+def alternate(runs: Mapping[str, Callable[[], object]], reset: Callable[[], None], sync: Callable[[], None],
               repeats: int, warmup: int) -> dict[str, list[float]]:
     """Seconds of each run per round (`warmup` rounds not kept), each run after `reset` and between `sync`s."""
     times: dict[str, list[float]] = {name: [] for name in runs}

@@ -142,6 +142,8 @@ def _start(checkpoint: Path, offload: str, batch: int, log: Path) -> tuple[subpr
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         url = urlsplit(listening_url(proc, log, START_TIMEOUT_S))
+        if url.hostname is None or url.port is None:
+            raise RuntimeError(f"the server announced {url.geturl()}, which names no host and port")
     except BaseException:
         proc.kill()
         proc.wait(10)

@@ -78,7 +78,7 @@ def config_keys(cls: type = MoesysConfig, prefix: str = "") -> list[ConfigKey]:
     keys: list[ConfigKey] = []
     for f in dataclasses.fields(cls):
         tp, dotted = hints[f.name], f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             keys += config_keys(tp, f"{dotted}.")
         elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
             keys += config_keys(typing.get_args(tp)[1], f"{dotted}.NAME.")

@@ -26,7 +26,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _convert(value, inner[0], key)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping (got {value!r})")
         return _build(tp, value, key)

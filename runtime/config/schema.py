@@ -439,7 +439,7 @@ class MoesysConfig:
         p = Problems()
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
-            if dataclasses.is_dataclass(section):
+            if isinstance(section, ConfigSection):
                 p += section.problems(f.name)
         for name, task in self.tasks.items():
             p += task.problems(f"tasks.{name}")

@@ -116,15 +116,17 @@ class ChatBatch:
     positions: torch.Tensor | None = None
     segments: torch.Tensor | None = None
 
-    def _fields(self) -> tuple[torch.Tensor | None, ...]:
-        return self.inputs, self.targets, self.positions, self.segments
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ChatBatch:
+        """This batch with `fn` applied to each of its tensors."""
+        return ChatBatch(fn(self.inputs), fn(self.targets), None if self.positions is None else fn(self.positions),
+                         None if self.segments is None else fn(self.segments))
 
     def to(self, device: torch.device) -> ChatBatch:
-        return ChatBatch(*(None if t is None else t.to(device) for t in self._fields()))
+        return self._map(lambda t: t.to(device))
 
     def rows(self, rows: slice) -> ChatBatch:
         """The rows `rows` of this batch (a micro-batch of a rank's step)."""
-        return ChatBatch(*(None if t is None else t[rows] for t in self._fields()))
+        return self._map(lambda t: t[rows])
 
     @property
     def target_count(self) -> int:

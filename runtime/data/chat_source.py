@@ -53,7 +53,8 @@ def open_chat_dataset(cfg: MoesysConfig, tokenizer: Tokenizer, key: str, path: s
 
 def chat_sources(cfg: MoesysConfig) -> dict[str, str]:
     """The run's sources that are chat data, by key."""
-    return {key: path for key, path in data_sources(cfg).items() if is_chat(path, cfg.train.data_format)}
+    return {key: path for key, path in data_sources(cfg).items()
+            if path is not None and is_chat(path, cfg.train.data_format)}
 
 
 def prepare_chat_data(cfg: MoesysConfig, tokenizer: Tokenizer) -> list[str]:
@@ -61,8 +62,11 @@ def prepare_chat_data(cfg: MoesysConfig, tokenizer: Tokenizer) -> list[str]:
     so its template) into the run's cache (malformed lines and refused samples stop it here, not in every worker).
     Returns a note per source whose long samples were cut."""
     notes = []
+    cache = run_cache_dir(cfg)
+    if cache is None:
+        raise ValueError("chat data is prepared into the run directory: set train.run_dir first")
     for key, path in chat_sources(cfg).items():
-        target = samples_cache(run_cache_dir(cfg), key, path, _digest(cfg, tokenizer))
+        target = samples_cache(cache, key, path, _digest(cfg, tokenizer))
         if target.is_file():
             samples = ChatSamples.load(target)
         else:

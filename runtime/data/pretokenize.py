@@ -26,7 +26,7 @@ from runtime.data.tokenizer import (
     token_dtype,
     tokenizer_digest,
 )
-from runtime.files.paths import TOKENIZER_FILE, TOKENS
+from runtime.files.paths import TOKENIZER_FILE, TOKENS, run_dir_of
 from runtime.host.io import atomic_write_text, remove_stale_temps
 
 BATCH_BYTES = 4 << 20
@@ -42,9 +42,10 @@ def _encode_text(tokenizer: Tokenizer, pieces: list[bytes]) -> np.ndarray:
 
 def _encode(tokenizer: Tokenizer, batch: list[bytes | None]) -> np.ndarray:
     """The ids of a batch of segments, each DOCUMENT_BREAK as the eos id (only a tokenizer with eos reads breaks)."""
-    parts, run = [], []
+    parts: list[np.ndarray] = []
+    run: list[bytes] = []
     for segment in batch:
-        if segment is DOCUMENT_BREAK:
+        if segment is None:  # DOCUMENT_BREAK
             parts += [_encode_text(tokenizer, run), np.array([tokenizer.eos_id], token_dtype(tokenizer.vocab_size))]
             run = []
         else:
@@ -122,7 +123,7 @@ def read_tokens(path: str | Path | None, tokenizer: Tokenizer, key: str = "train
                 cache_dir: Path | None = None, errors: str = "strict") -> np.ndarray:
     """A source's ids: a token file or the run's cache of a text source as a memory map, else the text encoded
     here (a process that trains without `moesys train`, as tests do)."""
-    if is_token_file(path):
+    if path is not None and is_token_file(path):
         return open_token_file(path, tokenizer.vocab_size, key)
     if cache_dir is not None:
         cached = cache_file(cache_dir, key, path, tokenizer, text_key, errors)
@@ -152,7 +153,7 @@ def prepare_run_data(cfg: MoesysConfig, progress: Callable[[str, int, int], None
     """What `moesys train` writes into the run directory before launch: its tokenizer (tokenizer.json, read by the
     workers, checkpoints and exports) and its text sources as token files (TOKENS/), documents joined by the run
     tokenizer's eos (the model's own where the run directory records train.init_from's generation facts)."""
-    run_dir = Path(cfg.train.run_dir)
+    run_dir = run_dir_of(cfg)
     atomic_write_text(run_dir / TOKENIZER_FILE, load_tokenizer(cfg.train.tokenizer, vocab_size=cfg.model.vocab_size)
                       .to_str())
     tokenizer = run_tokenizer(cfg)  # the copy just written, with the run's generation facts: as the workers read it

@@ -179,12 +179,12 @@ def _jsonl_records(path: Path, key: str, text_key: str, errors: str = "strict") 
             except ValueError as exc:
                 raise DataError(f"{key}={path} line {number} is not JSON ({exc}); a .jsonl file holds one JSON "
                                 "object a line") from None
-            text = record.get(text_key) if isinstance(record, dict) else None
-            if not isinstance(text, str):
+            value = record.get(text_key) if isinstance(record, dict) else None
+            if not isinstance(value, str):
                 keys = f" (its keys: {', '.join(sorted(record)[:8])})" if isinstance(record, dict) else ""
                 raise DataError(f"{key}={path} line {number} has no {text_key!r} string{keys}; set "
                                 "train.data_text_key to the key of its text")
-            yield text.encode("utf-8")
+            yield value.encode("utf-8")
 
 
 def segments(path: str | Path | None, key: str = "train.data", text_key: str = "text",

@@ -20,11 +20,15 @@ import re
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runtime.config import BYTE_VOCAB, MoesysConfig
 from runtime.data.generation_facts import GenerationFacts, checkpoint_facts, ending_ids, recorded_facts
 from runtime.errors import UserError
 from runtime.files.paths import CHECKPOINTS, TOKENIZER_FILE
+
+if TYPE_CHECKING:  # for annotations only: the library is imported where a JSON tokenizer is made
+    import tokenizers
 
 BYTES = "bytes"
 EOS = "<|endoftext|>"
@@ -132,7 +136,7 @@ class SpecialTokens:
     def stop_ids(self) -> tuple[int, ...]:
         """The ids a generation ends at: the model's generation config's and its eos, else the STOP_TOKENS this
         tokenizer has."""
-        stated = self.facts.eos_token_ids if self.facts is not None else None
+        stated: Sequence[int] | None = self.facts.eos_token_ids if self.facts is not None else None
         if stated is None:
             stated = [self.special_ids[t] for t in STOP_TOKENS if t in self.special_ids]
         return ending_ids([i for i in stated if i < self.vocab_size], self.eos_id)
@@ -217,7 +221,7 @@ class JsonTokenizer(SpecialTokens):
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         added = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
         self.special_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS if t in added}
-        self._plain = None
+        self._plain: tokenizers.Tokenizer | None = None
 
     def token_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
@@ -244,8 +248,9 @@ class JsonTokenizer(SpecialTokens):
 
             self._plain = Tokenizer.from_str(self.tokenizer.to_str())
             self._plain.encode_special_tokens = True
+        plain = self._plain
         texts = [p.decode("utf-8", errors="replace") for p in pieces]
-        encode = getattr(self._plain, "encode_batch_fast", self._plain.encode_batch)  # fast: no offsets
+        encode = getattr(plain, "encode_batch_fast", plain.encode_batch)  # fast: no offsets
         return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -294,6 +299,7 @@ def run_tokenizer(cfg: MoesysConfig) -> Tokenizer:
     """The tokenizer a run trains with: bytes (`byte_tokenizer` of model.vocab_size), or the copy of
     train.tokenizer `moesys train` wrote into the run directory (the file the user named may change or go while the
     run lives), else that file; with the generation facts the run directory records."""
+    tokenizer: ByteTokenizer | JsonTokenizer
     if cfg.train.tokenizer == BYTES:
         tokenizer = byte_tokenizer(cfg.model.vocab_size)
     else:
@@ -353,7 +359,7 @@ def hf_tokenizer_config(max_length: int, tokenizer: Tokenizer | None = None) -> 
     `moesys serve` renders with (the model's own, else ChatML)."""
     from runtime.data.chat_template import CHATML
 
-    named = {"bos_token": None, "eos_token": None, "pad_token": None}
+    named: dict[str, str | None] = {"bos_token": None, "eos_token": None, "pad_token": None}
     if tokenizer is not None:
         named.update({**tokenizer.template_tokens, "bos_token": tokenizer.bos_token,
                       "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token})

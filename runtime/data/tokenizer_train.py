@@ -46,7 +46,8 @@ def train_bpe(path: str | Path | None, vocab_size: int, out: str | Path, key: st
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=list(SPECIAL_TOKENS), show_progress=False)
-    texts = (segment.decode("utf-8") for segment in segments(path, key, text_key, progress, errors))
+    texts = (segment.decode("utf-8") for segment in segments(path, key, text_key, progress, errors)
+             if segment is not None)  # no DOCUMENT_BREAK: breaks=False
     tokenizer.train_from_iterator(texts, trainer=trainer)
     trained = JsonTokenizer(tokenizer, str(out))
     atomic_write_text(out, trained.to_str())

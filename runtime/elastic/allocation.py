@@ -125,6 +125,7 @@ def baseline_allocation(tasks: Mapping[str, Workload], num_gpus: int, max_tasks_
     _check(tasks, num_gpus, max_tasks_per_gpu)
     names = list(tasks)
     n = len(names)
+    parts: list[tuple[tuple[int, ...], int]]
     if n <= num_gpus:
         parts = [((i,), num_gpus // n + (1 if i < num_gpus % n else 0)) for i in range(n)]
     else:
@@ -154,9 +155,10 @@ def _min_gpus_for(bound: float, names: list[str], tasks: Mapping[str, Workload],
     for mask in range(1, full + 1):
         low = (mask & -mask).bit_length() - 1
         rest = mask ^ (1 << low)
-        options = []
-        if ded[low] is not None:
-            options.append((0, (low,), ded[low], rest))
+        options: list[tuple[int, tuple[int, ...], int, int]] = []
+        dedicated = ded[low]
+        if dedicated is not None:
+            options.append((0, (low,), dedicated, rest))
         sub = rest
         while sub:  # groups of the lowest task plus a non-empty subset of the rest, on one shared GPU
             group = sub | (1 << low)

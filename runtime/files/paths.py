@@ -122,6 +122,13 @@ def expert_store_dir(ep_rank: int, ep_size: int, edp_rank: int) -> str:
     return f"ep{ep_rank}-of-{ep_size}-edp{edp_rank}"
 
 
+def run_dir_of(cfg: MoesysConfig) -> Path:
+    """train.run_dir of a config about to run (the CLI and the job API set it before anything else reads it)."""
+    if cfg.train.run_dir is None:
+        raise ValueError("train.run_dir is not set: resolve the run directory before preparing or checking a run")
+    return Path(cfg.train.run_dir)
+
+
 def default_run_dir(cfg: MoesysConfig) -> Path:
     return Path("outputs") / f"{cfg.recipe or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
 

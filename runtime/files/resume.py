@@ -11,7 +11,7 @@ from pathlib import Path
 from runtime.config import MoesysConfig, resume_step
 from runtime.errors import UserError
 from runtime.files.checkpoint_format import latest_checkpoint
-from runtime.files.paths import CHECKPOINTS, LATEST, META, STEP_PREFIX, SUPERSEDED, step_of
+from runtime.files.paths import CHECKPOINTS, LATEST, META, STEP_PREFIX, SUPERSEDED, run_dir_of, step_of
 from runtime.host.io import atomic_write_text, fsync_dir
 
 
@@ -34,7 +34,7 @@ def _listing(steps: dict[int, Path]) -> str:
 def chosen_checkpoint(cfg: MoesysConfig) -> Path | None:
     """The checkpoint this launch starts from, None for a fresh start. A step_N the run has no complete checkpoint of
     is a UserError of one line that lists the ones it has."""
-    run_dir = Path(cfg.train.run_dir)
+    run_dir = run_dir_of(cfg)
     choice = cfg.train.resume_from
     if choice == "none":
         return None
@@ -60,11 +60,12 @@ def skip_hint(checkpoint: Path) -> str:
 def apply_resume_from(cfg: MoesysConfig) -> str | None:
     """Make the chosen checkpoint the run's newest: the later ones (all of them for none) move to
     CHECKPOINTS/superseded-TIME/ and `latest` names the chosen one (or goes). Returns what moved, as one line."""
-    run_dir = Path(cfg.train.run_dir)
+    run_dir = run_dir_of(cfg)
     if cfg.train.resume_from == "latest":
         return None
     chosen = chosen_checkpoint(cfg)
     start = -1 if chosen is None else step_of(chosen.name)
+    assert start is not None, "a chosen checkpoint is a step_N directory"
     root = run_dir / CHECKPOINTS
     later = [path for step, path in checkpoint_steps(run_dir).items() if step > start]
     if later:

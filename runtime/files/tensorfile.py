@@ -96,6 +96,7 @@ def encode(tensors: dict[str, torch.Tensor], checksum: bool = True, align: int =
     for raw in raws:
         crc = zlib.crc32(raw, crc)
     head, crc_at = _header({k: spec_of(t) for k, t in tensors.items()}, None)
+    assert crc_at is not None, "a header with a checksum has its place"
     return [head[:crc_at] + f"{crc:08x}".encode() + head[crc_at + 8:], *raws]
 
 
@@ -108,6 +109,7 @@ def write_tensors(path: str | Path, specs: dict[str, TensorSpec], tensors: Itera
     Tensors follow each other without gaps (safetensors' rule), so a tensor is aligned to its item size when
     `specs` lists larger item sizes first (save_tensors does); safetensors readers copy, so none relies on it."""
     head, crc_at = _header(specs, metadata)
+    assert crc_at is not None, "a header with a checksum has its place"
     expected = iter(specs.items())
     crc = 0
     with atomic_file(path) as f:

@@ -111,6 +111,8 @@ def tensor_names(cfg: ModelConfig, layout: TensorLayout) -> list[TensorName]:
     for name, p in params:  # experts last: the dense weights are what a loader needs first
         if is_expert_param(name):
             layer = re.fullmatch(r"layers\.(\d+)\.ffn\.experts\.(w[123])", name)
+            if layer is None:
+                raise ValueError(f"{name}: an expert parameter named otherwise than layers.N.ffn.experts.wK")
             prefix = f"model.layers.{layer[1]}.{layout.moe}.experts"
             out += [TensorName(f"{prefix}.{j}.{expert_names[layer[2]]}.weight", name, j, tuple(p.shape[1:]),
                                tuple(p.shape[1:])) for j in range(p.shape[0])]

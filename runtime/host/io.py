@@ -66,7 +66,7 @@ def remove_stale_temps(path: str | Path) -> list[Path]:
     Returns what was removed."""
     path = Path(path)
     pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)@{re.escape(_host())}\.[^/]*\.tmp")
-    removed = []
+    removed: list[Path] = []
     try:
         found = list(path.parent.iterdir())
     except OSError:

@@ -103,6 +103,7 @@ class AutoOffloader(Offloader):
     """Layers 0..K-1 resident (K-1 on CUDA, whose last slot caches fetched experts); the rest streamed."""
 
     mode = "auto"
+    source: ExpertSource
 
     def __init__(self, model: Transformer, device: torch.device, source: ExpertSource, num_slots: int,
                  streamed_policy: str | None = None, costs: ExpertCosts | None = None,
@@ -221,6 +222,7 @@ class AutoOffloader(Offloader):
             y_ND.copy_(ffn_one(x_ND, **cached, kind=self.kind))
             return
         self.streamed_bytes += self.source.expert_bytes(m, j, stored=True)
+        assert self.costs is not None, "costs are measured or given whenever a layer is hybrid"
         if self.costs.cpu_is_faster(x_ND.shape[0]):
             self.cpu_computes += 1
             weights = _cast(self.host.expert(m, j), x_host_ND.dtype)

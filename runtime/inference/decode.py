@@ -6,6 +6,7 @@ the step whole (`infer.compile`; CUDA graphs on a GPU). Prefill stays the model'
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,7 +28,7 @@ def compile_default(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def compile_options(device: torch.device) -> dict[str, bool]:
+def compile_options(device: torch.device) -> dict[str, str | int | bool | Callable[..., Any]]:
     """inductor's options for a decode step: CUDA graphs on CUDA (reduce-overhead mode's option), and eager's
     rounding of low-precision intermediates."""
     return {"triton.cudagraphs": device.type == "cuda", "emulate_precision_casts": True}

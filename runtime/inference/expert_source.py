@@ -14,7 +14,7 @@ from torch import Tensor
 from runtime.inference.cpu_bandwidth import empty_weight
 from runtime.inference.mapped import TensorFiles
 from runtime.model.transformer import Transformer
-from runtime.moe.experts import GroupedExperts
+from runtime.moe.experts import Experts, GroupedExperts
 
 ExpertWeights = dict[str, Tensor]
 """One expert's weights by GroupedExperts name: w1 [F, D], w2 [D, F], optional w3 [F, D], b1, b2, b3."""
@@ -35,7 +35,9 @@ class ExpertSource:
         """The experts a model holds (views of its parameters): the source when a model was built in memory."""
         layers, kind = [], "gelu"
         for layer in model.moe_layers():
-            experts: GroupedExperts = layer.experts
+            experts = layer.experts
+            if not isinstance(experts, GroupedExperts):
+                raise TypeError(f"the model's experts are a {type(experts).__name__}: an offloader swapped them out")
             kind = experts.expert_type
             layers.append({k: list(v.detach().unbind(0)) for k, v in experts.weights().items() if v is not None})
         return cls(layers, kind)
@@ -90,13 +92,16 @@ class ExpertSource:
             out[k] = t
         return out
 
-    def place_resident(self, experts: GroupedExperts, layer: int, device: torch.device) -> None:
+    def place_resident(self, experts: Experts, layer: int, device: torch.device) -> None:
         """Make `experts` hold this layer's weights on `device`: filled from here when they are not materialized
         yet (a checkpoint opened streamed), else left as they are (the model's own, moved with the model)."""
+        if not isinstance(experts, GroupedExperts):
+            raise TypeError(f"layer {layer}'s experts are a {type(experts).__name__}, not the model's own "
+                            "GroupedExperts: place them before an offloader swaps them")
         if experts.w1.is_meta:
             self.fill(experts, layer, device)
 
-    def fill(self, experts: GroupedExperts, layer: int, device: torch.device) -> None:
+    def fill(self, experts: Experts, layer: int, device: torch.device) -> None:
         """Give a (meta or resident) GroupedExperts this layer's weights on `device`, copied expert by expert so
         at most one layer is ever in memory twice (its mapped pages and the device copy). Parameters keep their
         requires_grad, as the dense ones loaded beside them do."""

@@ -123,6 +123,7 @@ def hf_token_ids(tokenizer: Tokenizer | None) -> tuple[dict, dict]:
     """(config.json's token ids, generation_config.json) of an export carrying `tokenizer`: its bos, eos and pad
     (moesys's own: eos, also the pad, no bos; a released model's: its own), generation ending at each of its stop
     ids; null where the tokenizer has none (transformers would otherwise take Mixtral's defaults, ids 1 and 2)."""
+    ids: dict[str, int | list[int] | None]
     if tokenizer is None:
         ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
         return ids, ids
@@ -212,10 +213,12 @@ def _export(source: Source, out: str | Path, fmt: str, to_dtype: torch.dtype | N
         raise _unwritable(out, exc) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    optimizer_state = source.hf is None and isinstance(files, TensorFiles) and any(
+        key.startswith(f"{STATE_KEYS[0]}.") for key in files.where)
     return {"checkpoint": str(source.path), "out": str(out), "format": fmt, "files": names,
             "tensors": len(entries), "bytes": sum(nbytes.values()), "tokenizer": tokenizer, "eos_token": eos_token,
             "checkpoint_bytes": sum(f.stat().st_size for f in source.path.glob("*.safetensors")),
-            "optimizer_state": source.hf is None and any(key.startswith(f"{STATE_KEYS[0]}.") for key in files.where)}
+            "optimizer_state": optimizer_state}
 
 
 def _write_tokenizer(directory: Path, source: Source, fmt: str) -> tuple[str | None, str | None, dict]:

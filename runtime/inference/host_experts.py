@@ -58,6 +58,7 @@ class HostExperts:
         the copy on the device, the host does not."""
         if not self.cuda:
             return {k: v.to(self.device, dtype, copy=True) for k, v in weights.items()}, None, None
+        assert self.stream is not None, "a CUDA device has a copy stream"
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # the rows and buffers the copy may reuse are ready
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

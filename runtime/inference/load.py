@@ -89,9 +89,10 @@ def moesys_step_dir(path: Path) -> tuple[Path, dict]:
     if (path / META).is_file():
         step = path
     else:
-        step = latest_checkpoint(path)
-        if step is None:
+        latest = latest_checkpoint(path)
+        if latest is None:
             raise InferError(f"checkpoint={path}: no complete checkpoint under {CHECKPOINTS}/ (train first)")
+        step = latest
     try:
         meta = json.loads((step / META).read_text())
     except (OSError, ValueError) as exc:
@@ -190,14 +191,16 @@ def open_moesys(path: Path, dtype: torch.dtype | None = None, device: torch.devi
     layers = []
     for prefix in _expert_prefixes(model):
         weights = {}
-        for wname, param in model.get_submodule(prefix).weights().items():
-            if param is None:
+        experts = model.get_submodule(prefix)
+        assert isinstance(experts, GroupedExperts), "the prefixes are GroupedExperts'"
+        for wname, weight in experts.weights().items():
+            if weight is None:
                 continue
-            keys = [tensor_key(MODEL, f"{prefix}.{wname}", g) for g in range(param.shape[0])]
+            keys = [tensor_key(MODEL, f"{prefix}.{wname}", g) for g in range(weight.shape[0])]
             missing = [k for k in keys if k not in files]
             if missing:
                 raise missing_tensor(step, missing[0])
-            weights[wname] = [_shape_checked(files.get(k), param[0], k, step) for k in keys]
+            weights[wname] = [_shape_checked(files.get(k), weight[0], k, step) for k in keys]
         layers.append(weights)
     model.load_state_dict({k: copy_to(v, device, dtype) for k, v in state.items()}, strict=False, assign=True)
     if any(b.is_meta for b in model.buffers()):

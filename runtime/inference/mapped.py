@@ -114,21 +114,28 @@ class MappedFile:
         offset = t.data_ptr() - self._bytes.data_ptr()
         return 0 <= offset < self._bytes.numel()
 
+    def _mapped(self) -> tuple[mmap.mmap, Tensor]:
+        """The map and its bytes; an error once closed (or for an empty file, which has no pages)."""
+        if self._map is None or self._bytes is None:
+            raise RuntimeError(f"{self.path} is not mapped (closed, or empty)")
+        return self._map, self._bytes
+
     def _pages(self, t: Tensor) -> tuple[int, int]:
         """(offset of the first page in the map, bytes up to the end of `t`) of the pages `t` lies on."""
-        offset = t.data_ptr() - self._bytes.data_ptr()
+        offset = t.data_ptr() - self._mapped()[1].data_ptr()
         begin = offset - offset % mmap.PAGESIZE
         return begin, offset + t.numel() * t.element_size() - begin
 
     def _advise(self, t: Tensor, advice: int) -> None:
-        self._map.madvise(advice, *self._pages(t))
+        self._mapped()[0].madvise(advice, *self._pages(t))
 
     def will_need(self, begin: int, length: int) -> None:
         """Start reading the pages [begin, begin + length) of this map (page-aligned offsets) that are not in memory,
         as one request; nothing when all are (asking costs the kernel a look-up per page, a tenth of reading them;
         asking whether they are in memory costs a page-table walk)."""
-        if not in_memory(self._bytes.data_ptr() + begin, length):
-            self._map.madvise(mmap.MADV_WILLNEED, begin, length)
+        mapped, data = self._mapped()
+        if not in_memory(data.data_ptr() + begin, length):
+            mapped.madvise(mmap.MADV_WILLNEED, begin, length)
 
     def random_access(self, t: Tensor) -> None:
         """Turn off readahead on `t`'s pages: it is read where it is used, not in file order (a streamed expert:

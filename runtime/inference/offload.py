@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -69,9 +69,9 @@ class LayerStore:
             self._maps.append(mm)
             region = torch.frombuffer(mm, dtype=torch.uint8, count=self.layer_bytes, offset=start)
             self.regions.append(region.pin_memory() if pin else region)
-        for name, f in self.fields.items():
-            if f.begin % f.dtype.itemsize:
-                raise InferError(f"expert store field {name} is not aligned for {f.dtype}")
+        for name, field in self.fields.items():
+            if field.begin % field.dtype.itemsize:
+                raise InferError(f"expert store field {name} is not aligned for {field.dtype}")
 
     @property
     def layer_bytes(self) -> int:
@@ -114,12 +114,12 @@ def _matches(path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], 
 class LayerSlotExperts(nn.Module):
     """Stands in for a layer's GroupedExperts: computes on the weights its offloader puts in a device layer slot."""
 
-    def __init__(self, offloader: Offloader, index: int, expert_type: str):
+    def __init__(self, offloader: LayerSlotOffloader, index: int, expert_type: str):
         super().__init__()
         self.offloader, self.index, self.expert_type = offloader, index, expert_type
 
     def forward(self, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
-        weights = self.offloader.acquire(self.index)
+        weights: dict[str, Any] = self.offloader.acquire(self.index)
         y_RD = expert_ffn(x_RD, tokens_per_expert_e, **weights, kind=self.expert_type)
         self.offloader.release(self.index)
         return y_RD
@@ -173,7 +173,7 @@ class Offloader:
         """Device memory set aside for expert weights, in the dtype placed (`peak_bytes.device.experts`): the
         budget of K layer-sized slots whatever fills them (resident layers, ring slots, auto's fetched experts)."""
         return sum(p.numel() * p.element_size() for layer in self.model.moe_layers()
-                   for p in layer.experts.parameters())
+                   for p in cast(nn.Module, layer.experts).parameters())
 
     @property
     def expert_host_bytes(self) -> int:
@@ -234,7 +234,7 @@ class LayerSlotOffloader(Offloader):
         self.slot_views = [store.views(s) for s in self.slots]
         self.slot_layer: list[int | None] = [None] * num_slots
         for m, layer in enumerate(model.moe_layers()):  # the resident experts go; the store holds them now
-            layer.experts = LayerSlotExperts(self, m, layer.experts.expert_type)
+            layer.experts = LayerSlotExperts(self, m, model.cfg.expert_type)
 
     @property
     def expert_device_bytes(self) -> int:
@@ -252,6 +252,13 @@ class LayerSlotOffloader(Offloader):
         self.slot_layer[slot] = layer
         self.copied_bytes += self.store.layer_bytes
         self.copies += 1
+
+    def acquire(self, layer: int) -> dict[str, Tensor]:
+        """The layer's experts in a device slot, kept there until `release` (each mode fills its slots its way)."""
+        raise NotImplementedError
+
+    def release(self, layer: int) -> None:
+        raise NotImplementedError
 
 
 class OnDemandOffloader(LayerSlotOffloader):

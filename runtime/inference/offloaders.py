@@ -62,15 +62,16 @@ def _store(source: ExpertSource, options: PlaceOptions, moe_layers: int,
     """The experts exported one layer at a time into the on-disk store, and what the offloader lets go of when it
     closes: the checkpoint's copy in the cache (held against eviction meanwhile), a private directory when nothing
     keys a reusable one (removed), or nothing for a directory the caller gave."""
+    hold: StoreHold | None
     if options.cache_dir is not None:
         hold, directory = None, Path(options.cache_dir)
     elif not options.fingerprint:
-        hold = ScratchStore()
-        directory = hold.directory
+        scratch = ScratchStore()
+        hold, directory = scratch, scratch.directory
     else:
         need = store_bytes(source.stacked_specs(m) for m in range(source.num_layers))
-        hold = checkout(options.cache_root or default_cache_root(), options.fingerprint, need, options.cache_gb)
-        directory = hold.directory
+        cached = checkout(options.cache_root or default_cache_root(), options.fingerprint, need, options.cache_gb)
+        hold, directory = cached, cached.directory
     try:
         LayerStore.export(source, directory, options.fingerprint)
         return LayerStore(directory, moe_layers, pin=device.type == "cuda"), hold

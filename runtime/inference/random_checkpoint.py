@@ -42,9 +42,9 @@ def write_random_mixtral(path: Path, hidden: int, ffn: int, layers: int, experts
     weight_map: dict[str, str] = {}
     written = 0
 
-    def shard(index: int, tensors: dict[str, torch.Tensor | Future]) -> None:
+    def shard(index: int, pending: dict[str, torch.Tensor | Future]) -> None:
         nonlocal written
-        tensors = {k: v.result() if isinstance(v, Future) else v for k, v in tensors.items()}
+        tensors = {k: v.result() if isinstance(v, Future) else v for k, v in pending.items()}
         name = f"model-{index:05d}-of-{layers + 1:05d}.safetensors"
         save_tensors(path / name, tensors, {"format": "pt"})  # streamed, atomic; transformers needs "format"
         weight_map.update(dict.fromkeys(tensors, name))

@@ -63,6 +63,7 @@ class RingOffloader(LayerSlotOffloader):
     def _schedule(self, slot: int, layer: int) -> None:
         self.slot_layer[slot] = layer
         if self.stream is None:
+            assert self.pool is not None, "without a copy stream the ring copies on its pool"
             self.ready[slot] = self.pool.submit(self.copy_now, slot, layer)
             return
         freed = torch.cuda.Event()

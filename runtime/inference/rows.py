@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from runtime.inference.cpu_bandwidth import decode_kernels
 from runtime.model.attention import Attention, StaticKVCache, rotate
 from runtime.model.ffn import DenseFFN
 from runtime.model.transformer import Block, Transformer
-from runtime.moe.experts import GroupedExperts
+from runtime.moe.experts import GroupedExperts, RoutedExperts
 from runtime.moe.grouped_mm_op import grouped_mm_in_place
 from runtime.moe.layer import MoELayer
 from runtime.moe.routed import combine_choices, sort_by_expert, sorted_ffn
@@ -98,6 +99,7 @@ def _attention(att: Attention, x_B1D: Tensor, cache: StaticKVCache, pos_B: Tenso
     q, k = q.view(B, KV, group, hd), k.view(B, KV, 1, hd)
     v = row_linear(x_B1D, att.wv.weight, att.wv.bias).view(B, KV, 1, hd)
     if att.rope:
+        assert rope is not None, "rotary attention decodes with its rope tables"
         q, k = rotate(torch.cat((q, k), dim=2), *rope).split((group, 1), dim=2)
     buf_k, buf_v = cache.keys[att.layer_index], cache.values[att.layer_index]
     buf_k[rows_B, :, pos_B] = k[:, :, 0]
@@ -160,7 +162,9 @@ def _grouped_ffn(x_B1D: Tensor, ids_B1K: Tensor, weights_B1K: Tensor, experts: G
     expert."""
     B, _, K = ids_B1K.shape
     w = experts.weights()
-    if grouped_mm_in_place(w["w1"], w["w2"], w["w3"]) and _grouped_is_row_wise(B * K, w["w1"], w["w2"]):
+    w1, w2 = w["w1"], w["w2"]
+    assert w1 is not None and w2 is not None, "every expert kind has w1 and w2"
+    if grouped_mm_in_place(w1, w2, w["w3"]) and _grouped_is_row_wise(B * K, w1, w2):
         y_RD = _all_grouped(x_B1D.view(B, -1), ids_B1K.reshape(-1), K, w, experts.expert_type)
     else:
         y_RD = _expert_by_expert(x_B1D.view(B, -1), ids_B1K.reshape(-1), K, w, experts.expert_type)
@@ -231,7 +235,8 @@ def _moe(layer: MoELayer, x_B1D: Tensor) -> Tensor:
     if isinstance(layer.experts, GroupedExperts):
         y = _grouped_ffn(x_B1D, ids_B1K, weights_B1K, layer.experts)
     else:
-        y = layer.experts.routed(x_B1D, ids_B1K, weights_B1K)  # an offloader's stand-in: per token already
+        stand_in = cast(RoutedExperts, layer.experts)  # an offloader's stand-in: per token already
+        y = stand_in.routed(x_B1D, ids_B1K, weights_B1K)
     return y if layer.shared_experts is None else y + _shared(layer.shared_experts, x_B1D)
 
 
@@ -245,7 +250,7 @@ def _block(block: Block, x: Tensor, cache: StaticKVCache, pos_B: Tensor, rows_B:
            spans: list[int]) -> Tensor:
     h = x + _attention(block.attention, block.attention_norm(x), cache, pos_B, rows_B, rope, mask, spans)
     normed = block.ffn_norm(h)
-    return h + (_moe(block.ffn, normed) if block.is_moe else _dense(block.ffn, normed))
+    return h + (_moe(block.ffn, normed) if isinstance(block.ffn, MoELayer) else _dense(block.ffn, normed))
 
 
 @torch.no_grad()
@@ -272,7 +277,7 @@ def _decode_rows(model: Transformer, tokens_B: Tensor, pos_B: Tensor, cache: Sta
         rope = (cos[:, None, None], sin[:, None, None])
     mask = cache.mask(pos_B)
     for block in model.layers:
-        h = _block(block, h, cache, pos_B, rows_B, rope, mask, spans)
+        h = _block(cast(Block, block), h, cache, pos_B, rows_B, rope, mask, spans)
     h = model.norm(h)
     out = model.output.weight if model.output is not None else model.tok_embeddings.weight
     return row_linear(h, out)[:, 0]

@@ -40,7 +40,8 @@ class Sampling:
 
     @classmethod
     def of(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, presence_penalty: float = 0.0,
-           frequency_penalty: float = 0.0, logit_bias: Mapping[int | str, float] | None = None) -> Sampling:
+           frequency_penalty: float = 0.0,
+           logit_bias: Mapping[int, float] | Mapping[str, float] | Mapping[int | str, float] | None = None) -> Sampling:
         """Settings whose logit_bias is a mapping of token ids (ints, or their decimal strings as JSON keys)."""
         bias = tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items()))
         return cls(float(temperature), int(top_k), float(top_p), float(presence_penalty), float(frequency_penalty),

@@ -62,7 +62,7 @@ def _inside(event, names: frozenset) -> bool:
     return False
 
 
-def _counts(run: Callable[[], None], cuda: bool) -> tuple[Counter, int]:
+def _counts(run: Callable[[], object], cuda: bool) -> tuple[Counter, int]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         run()
@@ -78,7 +78,7 @@ def _counts(run: Callable[[], None], cuda: bool) -> tuple[Counter, int]:
     return syncs, ops
 
 
-def count_decode(generate_n: Callable[[int], None], num_layers: int, tokens: int = 8,
+def count_decode(generate_n: Callable[[int], object], num_layers: int, tokens: int = 8,
                  cuda: bool = False) -> StepCounts:
     """Run generate_n(n) (n new tokens each: a prefill and n - 1 decode steps) for 2 and for 2 + tokens new tokens
     under the profiler; the difference is `tokens` decode steps and nothing else. Operators are the top-level aten

@@ -85,7 +85,8 @@ class CachedStore:
     meanwhile."""
 
     def __init__(self, directory: Path, lock: IO):
-        self.directory, self._lock = directory, lock
+        self.directory = directory
+        self._lock: IO | None = lock
 
     def close(self) -> None:
         if self._lock is not None:
@@ -157,6 +158,7 @@ def checkout(root: Path, fingerprint: str, need_bytes: int, cap_gb: float) -> Ca
             lock.close()
         raise CacheError(f"cannot use infer.cache_dir={root} ({exc.strerror or exc}); set infer.cache_dir to a "
                          "directory you can write") from None
+    assert lock is not None, "a blocking (LOCK_SH) lock is granted, never refused"
     missing = max(0, need_bytes - _size(root / key))
     if missing > free:
         lock.close()

@@ -104,7 +104,7 @@ def check_node_address(local_addr: str | None, hostname: str | None = None) -> N
 
 def _addresses(host: str) -> list[str]:
     try:
-        return sorted({info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
+        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
     except (socket.gaierror, UnicodeError):
         return []
 

@@ -76,7 +76,7 @@ def lost_node_watch(cfg: MoesysConfig, job: LauncherJob) -> LostNodeWatch | None
     # Once workers ran, a node whose workers ended and that cannot reach node 0 is lost soon; before, node 0 may
     # not be started yet (by hand), and torchrun gives up on its own after rendezvous_connect_s.
     grace_s = max(10.0, cfg.train.collective_timeout_s)
-    return LostNodeWatch(job.proc.pid, cfg.launcher.rdzv_endpoint, grace_s=grace_s,
+    return LostNodeWatch(job.started.pid, cfg.launcher.rdzv_endpoint, grace_s=grace_s,
                          join_grace_s=rendezvous_connect_s(cfg) + grace_s)
 
 
@@ -93,7 +93,8 @@ def _follow(job: LauncherJob, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConf
     if resumed and resumed[1] > 0:  # a step-0 checkpoint is a starting point (moesys distill's student)
         watcher.say(f"resumed from step {resumed[1]} ({resumed[0]})")
     restarts, stopping, fatal_at = 0, None, None
-    workers, generation_restarts = frozenset(), 0  # this node's workers now, and restarts when they started
+    workers: frozenset[int] = frozenset()
+    generation_restarts = 0  # this node's workers now, and restarts when they started
     while True:
         code = job.wait(timeout=POLL_S)
         victim = oom.victim()  # before the restart it caused is reported: there will be no other
@@ -113,7 +114,7 @@ def _follow(job: LauncherJob, logs: TorchrunLogs, run_dir: Path, cfg: MoesysConf
             point = resume_point(run_dir)
             watcher.say(f"worker restarted ({restarts} of {tr.max_restarts} restarts), back to step "
                         f"{point[1] if point else 0}")
-        pids = worker_pids(job.proc.pid) if cfg.launcher.name == "multinode" else frozenset()
+        pids = worker_pids(job.started.pid) if cfg.launcher.name == "multinode" else frozenset()
         if pids and not pids & workers:  # new workers; torchrun restarts a node's workers without counting
             if workers and logs.restarts() == generation_restarts and read_fatal(run_dir) is None:
                 point = resume_point(run_dir)  # when another node's failed: say so, as for a counted one

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from runtime.files.checkpoint_format import latest_checkpoint, read_meta
 
@@ -83,7 +85,7 @@ class LauncherJob:
         self.stop_signal: int | None = None
         """The first stop signal received (signal.SIGINT or signal.SIGTERM), or None."""
         self.proc: subprocess.Popen | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def __enter__(self) -> LauncherJob:
         if threading.current_thread() is threading.main_thread():  # only the main thread receives signals
@@ -104,22 +106,30 @@ class LauncherJob:
         if self.proc is not None:
             self.proc.send_signal(signum) if first else self.proc.kill()
 
+    @property
+    def started(self) -> subprocess.Popen:
+        """The command's process, once the with-block started it."""
+        if self.proc is None:
+            raise RuntimeError("the command has not started: use the job as a context manager")
+        return self.proc
+
     def wait(self, timeout: float) -> int | None:
         """The command's exit status, or None while it runs after `timeout` seconds."""
         try:
-            return self.proc.wait(timeout=timeout)
+            return self.started.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return None
 
     def kill(self, grace_s: float = 5.0) -> None:
         """Stop the command now: SIGTERM, then SIGKILL after grace_s (a torchrun blocked in a network call does
         not get to its SIGTERM handler)."""
-        self.proc.terminate()
+        proc = self.started
+        proc.terminate()
         try:
-            self.proc.wait(timeout=grace_s)
+            proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            proc.kill()
+            proc.wait()
 
     def __exit__(self, *exc) -> None:
         try:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.config import ModelConfig
-from runtime.model.norms import qk_norms
+from runtime.model.norms import HeadRMSNorm, qk_norms
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,6 +53,10 @@ class StaticKVCache(nn.Module):
     position a device tensor) and attends to the whole buffer under `mask`: its shapes never change and nothing is
     read on the host, so one compiled step serves every position.
     """
+
+    slots: torch.Tensor
+    cos: torch.Tensor | None
+    signed_sin: torch.Tensor | None
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, rope_theta: float | None = None):
@@ -102,6 +106,8 @@ class StaticKVCache(nn.Module):
 
     def rope(self, pos_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [S, hd] of positions pos_S, for `rotate`."""
+        if self.cos is None or self.signed_sin is None:
+            raise RuntimeError("this cache keeps no rotary tables: it was made without rope_theta")
         return self.cos.index_select(0, pos_S), self.signed_sin.index_select(0, pos_S)
 
     def mask(self, pos_S: torch.Tensor) -> torch.Tensor:
@@ -133,11 +139,13 @@ class Attention(nn.Module):
         self.wk = nn.Linear(D, KV * hd, bias=cfg.qkv_bias)
         self.wv = nn.Linear(D, KV * hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(H * hd, D, bias=cfg.out_bias)
+        self.q_norm: HeadRMSNorm | None
+        self.k_norm: HeadRMSNorm | None
         self.q_norm, self.k_norm = qk_norms(cfg)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Projected queries [..., H*hd] and keys [..., KV*hd] through the q/k norms (as they are without them)."""
-        if self.q_norm is None:
+        if self.q_norm is None or self.k_norm is None:
             return q, k
         return self.q_norm(q), self.k_norm(k)
 
@@ -157,6 +165,7 @@ class Attention(nn.Module):
         k = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.rope:
+            assert rope is not None, "rotary attention is given its (cos, sin)"
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
@@ -189,6 +198,7 @@ class Attention(nn.Module):
         k = k.view(B, KV, 1, hd)
         v = self.wv(x_B1D).view(B, KV, 1, hd)
         if self.rope:
+            assert rope is not None, "rotary attention is given its (cos, signed sin)"
             q, k = rotate(torch.cat((q, k), dim=2), *rope).split((group, 1), dim=2)
         keys, values = cache.write(self.layer_index, pos_1, k, v)
         keys, values = keys[:B], values[:B]  # rows 0..B-1 of a larger batch's cache (continuous batching)

@@ -24,6 +24,6 @@ class DenseFFN(nn.Module):
         self.w3 = nn.Linear(D, Fh, bias=cfg.bias) if self.swiglu else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
+        if self.w3 is not None:  # swiglu
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.w2(F.gelu(self.w1(x)))

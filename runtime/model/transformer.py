@@ -5,7 +5,7 @@ and the parts released families add, each chosen by the config (q/k norms, share
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,8 @@ class Block(nn.Module):
     def decode(self, x, rope, cache: StaticKVCache, pos_1: torch.Tensor, mask_1L: torch.Tensor):
         """forward for one new position per row against a static cache (Transformer.decode); x [B, 1, D]."""
         h = x + self.attention.decode(self.attention_norm(x), rope, cache, pos_1, mask_1L)
-        return h + (self.ffn.decode if self.is_moe else self.ffn)(self.ffn_norm(h))
+        normed = self.ffn_norm(h)
+        return h + (self.ffn.decode(normed) if isinstance(self.ffn, MoELayer) else self.ffn(normed))
 
 
 class Transformer(nn.Module):
@@ -80,9 +81,9 @@ class Transformer(nn.Module):
     def blocks(self) -> nn.ModuleList:
         return self.layers
 
-    def moe_layers(self) -> list[nn.Module]:
+    def moe_layers(self) -> list[MoELayer]:
         """The MoE layers in block order (their dispatcher or experts can be swapped from outside)."""
-        return [block.ffn for block in self.layers if block.is_moe]
+        return [block.ffn for block in self.layers if isinstance(block.ffn, MoELayer)]
 
     def new_static_cache(self, batch: int, capacity: int) -> StaticKVCache:
         """A zeroed static KV cache of `capacity` positions for `batch` rows, in this model's dtype and device."""
@@ -144,10 +145,10 @@ class Transformer(nn.Module):
         rope = None if self.pos_embeddings is not None else cache.rope(pos_1)
         mask_1L = cache.mask(pos_1)
         if pos_1.numel() > 1:  # one position per row: broadcast over heads (and query rows) per row
-            rope = None if rope is None else tuple(t[:, None, None] for t in rope)
+            rope = None if rope is None else (rope[0][:, None, None], rope[1][:, None, None])
             mask_1L = mask_1L[:, None, None]
         for block in self.layers:
-            h = block.decode(h, rope, cache, pos_1, mask_1L)
+            h = cast(Block, block).decode(h, rope, cache, pos_1, mask_1L)
         h = self.norm(h)[:, 0]
         return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
 

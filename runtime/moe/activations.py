@@ -84,7 +84,7 @@ def _pooled_output(ctx, like: Tensor) -> Tensor | None:
     """On CPU, a pooled buffer shaped like `like`, kept on ctx until backward gives it back; None elsewhere and in
     unpooled_activations."""
     ctx.buf = None
-    if like.device.type != "cpu" or getattr(_unpooled, "depth", 0):
+    if like.device.type != "cpu" or getattr(_unpooled, "depth", 0) > 0:
         return None
     ctx.buf, out = activation_pool.take(like)
     return out

@@ -8,6 +8,7 @@ Legend: T tokens, D model dim, E experts, K top-k, R routed rows (kept assignmen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -96,12 +97,13 @@ class LocalDispatcher:
         self.num_experts = num_experts
 
     def dispatch(self, x_TD: Tensor, routing: Routing,
-                 keep_TK: Tensor | None = None) -> tuple[Tensor, Tensor, DispatchMeta]:
+                 keep_TK: Tensor | None = None) -> tuple[Tensor, Tensor, Any]:
         """Rows of x_TD grouped by expert: (x_RD, tokens_per_expert_E, meta). Dropped assignments (keep False)
-        are left out."""
+        are left out. meta is opaque to the layer, which hands it back to `combine`: a DispatchMeta here, a
+        subclass's own type there."""
         return self.permute(x_TD, routing.expert_ids_TK, routing.weights_TK, keep_TK)
 
-    def combine(self, y_RD: Tensor, meta: DispatchMeta) -> Tensor:
+    def combine(self, y_RD: Tensor, meta: Any) -> Tensor:
         """y_TD[t] = sum of weight * y over t's kept rows; a token whose assignments were all dropped gets 0."""
         return self.unpermute(y_RD, meta)
 
@@ -111,7 +113,7 @@ class LocalDispatcher:
         num_tokens, top_k = expert_ids_TK.shape
         ids_N = expert_ids_TK.reshape(-1)
         dropless = keep_TK is None or bool(keep_TK.all())
-        if not dropless:
+        if keep_TK is not None and not dropless:
             ids_N = ids_N.masked_fill(~keep_TK.reshape(-1), self.num_experts)
             weights_TK = weights_TK * keep_TK
         order_N = torch.argsort(ids_N, stable=True)

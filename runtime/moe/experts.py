@@ -111,6 +111,11 @@ def _ffn_bmm(x_RD, counts_e, w1, w2, w3, b1, b2, b3, kind):
     return y_eCD.reshape(num_e * cap, -1).index_select(0, dest_R) if rows else y_eCD.new_zeros(0, w2.shape[1])
 
 
+def _row(t: Tensor | None, e: int) -> Tensor | None:
+    """Expert e's slice of a stacked weight, or None for a weight the experts do not have."""
+    return None if t is None else t[e]
+
+
 def ffn_one(x_ND: Tensor, w1, w2, w3=None, b1=None, b2=None, b3=None, kind: str = "gelu") -> Tensor:
     """One expert's FFN: gelu: w2(gelu(w1 x + b1)) + b2; swiglu: w2(silu(w1 x + b1) * (w3 x + b3)) + b2."""
     h = F.linear(x_ND, w1, b1)
@@ -162,7 +167,8 @@ def expert_ffn(x_RD: Tensor, tokens_per_expert_e: Tensor, w1: Tensor, w2: Tensor
     device_type = x_RD.device.type
     dtype = output_dtype(x_RD)
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
-    x_RD, w1, w2, w3, b1, b2, b3 = map(cast, (x_RD, w1, w2, w3, b1, b2, b3))
+    x_RD, w1, w2 = x_RD.to(dtype), w1.to(dtype), w2.to(dtype)
+    w3, b1, b2, b3 = map(cast, (w3, b1, b2, b3))
     if kind == "gelu":
         w3 = b3 = None
     counts_e = tokens_per_expert_e.to(device=x_RD.device, dtype=torch.long)
@@ -226,10 +232,12 @@ class GroupedExperts(nn.Module):
         return {"w1": self.w1, "w2": self.w2, "w3": self.w3, "b1": self.b1, "b2": self.b2, "b3": self.b3}
 
     def forward(self, x_RD: Tensor, tokens_per_expert_e: Tensor) -> Tensor:
-        return expert_ffn(x_RD, tokens_per_expert_e, **self.weights(), kind=self.expert_type, impl=self.impl)
+        return expert_ffn(x_RD, tokens_per_expert_e, self.w1, self.w2, self.w3, self.b1, self.b2, self.b3,
+                          kind=self.expert_type, impl=self.impl)
 
     def routed(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
-        return routed_ffn(x_TD, expert_ids_TK, weights_TK, **self.weights(), kind=self.expert_type)
+        return routed_ffn(x_TD, expert_ids_TK, weights_TK, self.w1, self.w2, self.w3, self.b1, self.b2, self.b3,
+                          kind=self.expert_type)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, ffn={self.ffn}, "
@@ -246,6 +254,6 @@ def reference_moe_forward(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tenso
         tok, slot = torch.nonzero((expert_ids_TK == e) & keep_TK, as_tuple=True)
         if tok.numel() == 0:
             continue
-        y_ND = ffn_one(x_TD[tok], w1[e], w2[e], *(None if t is None else t[e] for t in (w3, b1, b2, b3)), kind)
+        y_ND = ffn_one(x_TD[tok], w1[e], w2[e], _row(w3, e), _row(b1, e), _row(b2, e), _row(b3, e), kind)
         y_TD = y_TD.index_add(0, tok, y_ND * weights_TK[tok, slot].to(y_ND.dtype).unsqueeze(1))
     return y_TD

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 from runtime.config import ModelConfig
 from runtime.moe.capacity import expert_capacity, keep_mask
 from runtime.moe.dispatch import LocalDispatcher
-from runtime.moe.experts import Experts, GroupedExperts
+from runtime.moe.experts import Experts, GroupedExperts, RoutedExperts
 from runtime.moe.losses import ExpertLoad, expert_load, router_losses
 from runtime.moe.metrics import gate_metrics
 from runtime.moe.router import Router
@@ -81,8 +82,7 @@ class MoELayer(nn.Module):
             return y_TD.view(x.shape), None
         aux_loss, losses = router_losses(routing, cfg)
         load = expert_load(routing.probs_TE, cfg.top_k) if cfg.load_balancing == "pooled" else None
-        stats = MoEStats(aux_loss, losses, gate_metrics(routing, keep_TK), load)
-        return y_TD.view(x.shape), stats
+        return y_TD.view(x.shape), MoEStats(aux_loss, losses, gate_metrics(routing, keep_TK), load)
 
     def decode(self, x: Tensor) -> Tensor:
         """x [..., D] -> y [..., D] for a few tokens at inference (a decode step): the routed experts computed by
@@ -95,7 +95,7 @@ class MoELayer(nn.Module):
         if self.training or (capacity is not None and capacity < tokens):
             return self.forward(x)[0]
         routing = self.router(x)
-        y = self.experts.routed(x, routing.expert_ids_TK, routing.weights_TK)
+        y = cast(RoutedExperts, self.experts).routed(x, routing.expert_ids_TK, routing.weights_TK)
         return y if self.shared_experts is None else y + self.shared_experts(x)
 
 

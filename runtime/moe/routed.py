@@ -34,7 +34,8 @@ def gather_routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w
                       b3: Tensor | None = None, kind: str = "gelu") -> Tensor:
     """`routed_ffn` from the routed experts' weights gathered by index (gpt-fast's `w1[expert_ids]`)."""
     pick = lambda t: None if t is None else t[expert_ids_TK]  # noqa: E731
-    return gathered_ffn(x_TD, weights_TK, pick(w1), pick(w2), pick(w3), pick(b1), pick(b2), pick(b3), kind)
+    return gathered_ffn(x_TD, weights_TK, w1[expert_ids_TK], w2[expert_ids_TK], pick(w3), pick(b1), pick(b2), pick(b3),
+                        kind)
 
 
 @functools.lru_cache(maxsize=16)

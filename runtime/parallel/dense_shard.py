@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -83,11 +84,11 @@ class _Unit:
         self.ranges = self.layout.shard_ranges(rank)
         self.opt_params = [nn.Parameter(self.shard[a:b]) for a, b, _ in self.ranges]  # views: steps edit the shard
         self.full: torch.Tensor | None = None
-        self.gather_work = None
+        self.gather_work: _Work | None = None
         self.materialized = False
         self.grad_flat: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
-        self.reduce_work = None
+        self.reduce_work: _Work | None = None
         self.ready: set[int] = set()
         self.release()
 
@@ -98,6 +99,7 @@ class _Unit:
         self.full, self.gather_work, self.materialized = None, None, False
 
     def materialize(self) -> None:
+        assert self.full is not None, "a unit materialises from its gathered buffer"
         for p, off, shape in zip(self.params, self.layout.offsets, self.shapes, strict=True):
             p.data = self.full[off:off + shape.numel()].view(shape)
         self.materialized = True
@@ -124,8 +126,11 @@ class DenseShard:
                 parts = name.split(".")
                 key = f"layers.{parts[1]}" if parts[0] == "layers" else ROOT
                 per_block.setdefault(key, []).append((name, p))
+        layers = model.get_submodule("layers")
+        if not isinstance(layers, nn.ModuleList):
+            raise TypeError(f"dense sharding needs a model whose blocks are a ModuleList `layers`, not {type(model)}")
         self.blocks = [_Unit(f"layers.{i}", per_block.get(f"layers.{i}", []), self.world, self.rank)
-                       for i in range(len(model.layers)) if per_block.get(f"layers.{i}")]
+                       for i in range(len(layers)) if per_block.get(f"layers.{i}")]
         self.block_of = {int(u.name.split(".")[1]): k for k, u in enumerate(self.blocks)}
         self.root = _Unit(ROOT, per_block[ROOT], self.world, self.rank) if per_block[ROOT] else None
         self.units = ([self.root] if self.root else []) + self.blocks  # gather order
@@ -136,7 +141,7 @@ class DenseShard:
         self.gathered_bytes = self.peak_gathered_bytes = 0
         self._hooks = [model.register_forward_pre_hook(self._pre_forward),
                        model.register_forward_hook(self._post_forward)]
-        for i, block in enumerate(model.layers):
+        for i, block in enumerate(layers):
             if i in self.block_of:
                 self._hooks.append(block.register_forward_pre_hook(partial(self._pre_block, self.block_of[i])))
         for u in self.units:
@@ -171,6 +176,7 @@ class DenseShard:
         if u.materialized:
             return
         self._launch_gather(u)
+        assert u.gather_work is not None, "a unit not materialised has its gather launched"
         began = time.perf_counter()
         u.gather_work.wait()
         self.gather_wait_s += time.perf_counter() - began
@@ -210,6 +216,7 @@ class DenseShard:
         if u.grad_flat is None:
             u.grad_flat = torch.zeros(u.layout.padded, dtype=torch.float32, device=u.shard.device)
         off = u.layout.offsets[k]
+        assert p.grad is not None, "the hook runs once the gradient is accumulated"
         u.grad_flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
         p.grad = None
         u.ready.add(k)
@@ -235,6 +242,7 @@ class DenseShard:
         """After backward: reduce what is left, wait, average, and hand each shard its gradient."""
         self._launch_ready(force=True)
         for u in self.reduce_order:
+            assert u.reduce_work is not None and u.grad_shard is not None, "launched with force=True above"
             u.reduce_work.wait()
             if self.world > 1:
                 u.grad_shard.div_(self.world)  # sum then divide, as GradBucketReducer does
@@ -313,6 +321,12 @@ class DenseShard:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+class _Work(Protocol):
+    """A collective's work handle (torch.distributed's Work, or _Done)."""
+
+    def wait(self) -> bool: ...
 
 
 class _Done:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from runtime.moe.dispatch import DispatchMeta, LocalDispatcher
+from runtime.moe.experts import GroupedExperts
 from runtime.moe.layer import MoELayer
 from runtime.moe.router import Routing
 from runtime.parallel.alltoall import AllToAll, chunk_transpose_index, exchange_counts
@@ -80,6 +81,8 @@ def shard_experts(model: nn.Module, ep_size: int, ep_rank: int, ep_group, all_to
         if not isinstance(layer, MoELayer):
             continue
         experts, num = layer.experts, layer.cfg.num_experts
+        if not isinstance(experts, GroupedExperts):
+            raise TypeError(f"expert parallelism shards a layer's own GroupedExperts, not a {type(experts).__name__}")
         local = num // ep_size
         block = slice(ep_rank * local, (ep_rank + 1) * local)
         for name, param in list(experts.named_parameters(recurse=False)):

@@ -90,6 +90,7 @@ class GradBucketReducer:
         if bucket.launched:
             raise RuntimeError("a gradient arrived for a bucket already reduced this step; call finish() after "
                                "each synced backward and run accumulation backwards inside no_sync()")
+        assert p.grad is not None, "the hook runs once the gradient is accumulated"
         bucket.view(k).copy_(p.grad)
         bucket.ready.add(k)
         self._launch_ready()
@@ -114,6 +115,7 @@ class GradBucketReducer:
                     bucket.ready.add(k)
         self._launch_ready()
         for bucket in self.buckets:
+            assert bucket.work is not None, "every bucket was launched above"
             bucket.work.wait()
             bucket.buffer.div_(self.world)
             for k, p in enumerate(bucket.params):

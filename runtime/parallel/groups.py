@@ -53,7 +53,7 @@ def all_group_ranks(world_size: int, expert_parallel: int, nproc_per_node: int) 
     inter = [list(range(i, w, npn)) for i in range(npn)]
     # Ranks with the same local rank inside one expert-parallel group: the inter-node step of the
     # hierarchical AlltoAll over that group (equal to `inter` when ep == world_size).
-    ep_inter = []
+    ep_inter: list[list[int]] = []
     for g in ep_groups:
         by_local: dict[int, list[int]] = {}
         for r in g:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from runtime.config import MoesysConfig
+from runtime.config import MoesysConfig, StorageConfig
 from runtime.plan.modes import TierName
 from runtime.plan.params import ParamCounts
 
@@ -76,7 +76,15 @@ class Eq1Budget:
     def min_nodes(self) -> int | None:
         """Fewest nodes for which every tier holds; None when some tier holds at no node count."""
         needed = [t.nodes_needed(self.nodes) for t in self.tiers.values()]
-        return None if None in needed else max(needed)
+        known = [n for n in needed if n is not None]
+        return None if len(known) < len(needed) else max(known)
+
+
+def chosen_resident_layers(st: StorageConfig) -> int:
+    """storage.resident_layers as counted: `auto` (None) is chosen by the schedule (runtime/plan/schedule.py) first."""
+    if st.resident_layers is None:
+        raise ValueError("storage.resident_layers=auto is counted only once the schedule has chosen it")
+    return st.resident_layers
 
 
 def device_memory_per_node(cfg: MoesysConfig) -> float:
@@ -92,7 +100,7 @@ def eq1_budget(cfg: MoesysConfig, params: ParamCounts) -> Eq1Budget:
     the dense parameters on the GPU (S_r, 16 bytes each) and S, L are the offloaded experts and layers."""
     st = cfg.storage
     a, n = st.alpha, cfg.topology.nodes
-    kept = min(st.resident_layers, params.moe_layers) if st.offload in ("cpu", "ssd") else 0
+    kept = min(chosen_resident_layers(st), params.moe_layers) if st.offload in ("cpu", "ssd") else 0
     d, s_kept = params.dense, params.sparse * kept // max(params.moe_layers, 1)
     s, layers = params.sparse - s_kept, max(params.moe_layers - kept, 1)
     resident = "16(D + S_r)" if kept else "16D"

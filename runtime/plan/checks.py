@@ -3,11 +3,9 @@ expert store and the checkpoints it will write fit the free space where they go.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from runtime.config import MoesysConfig
 from runtime.errors import UserError
-from runtime.files.paths import CHECKPOINTS, STEP_PREFIX, expert_store_root, step_of
+from runtime.files.paths import CHECKPOINTS, STEP_PREFIX, expert_store_root, run_dir_of, step_of
 from runtime.plan.budget import GB
 from runtime.plan.disk import bytes_under, check_free, checkpoints_on_disk, kept_checkpoints
 from runtime.plan.modes import OffloadMode
@@ -21,7 +19,7 @@ def check_disk(cfg: MoesysConfig, plan: Plan | None = None) -> None:
     where this machine cannot see them: only its checkpoints are checked. `plan`: the launch's plan of `cfg`."""
     plan = plan or plan_placement(cfg)
     disk = plan.disk
-    checkpoints = Path(cfg.train.run_dir).resolve() / CHECKPOINTS
+    checkpoints = run_dir_of(cfg).resolve() / CHECKPOINTS
     done = sorted(p.name for p in checkpoints.glob(f"{STEP_PREFIX}*") if p.is_dir()) if checkpoints.is_dir() else []
     first = (step_of(done[-1]) or 0) if done else 0
     new = checkpoints_on_disk(cfg, existing=len(done), first_step=first) - len(done)

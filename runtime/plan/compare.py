@@ -43,9 +43,10 @@ class TierComparison:
         """Within TOLERANCE of the prediction; None when there is nothing to compare (both zero counts as within)."""
         if self.measured_bytes is None:
             return None
-        if self.predicted_bytes <= 0:
+        ratio = self.ratio
+        if ratio is None:  # nothing predicted
             return self.measured_bytes == 0
-        return abs(self.ratio - 1) <= TOLERANCE
+        return abs(ratio - 1) <= TOLERANCE
 
     @property
     def ratio_text(self) -> str:

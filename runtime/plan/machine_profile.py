@@ -129,7 +129,7 @@ def machine_rates(cfg: MoesysConfig, profile: dict | None = None) -> Rates:
     t = cfg.topology
     gpus = bool(t.gpus_per_node)
     profile = profile if profile is not None else read_profile()
-    mine = profile if profile_applies(cfg, profile) else {}
+    mine = profile if profile is not None and profile_applies(cfg, profile) else {}
     sources: dict[str, str] = {}
 
     def rate(key: str, default: float) -> float:

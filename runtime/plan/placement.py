@@ -10,6 +10,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from runtime.config import MoesysConfig
 from runtime.files.paths import PLAN
@@ -63,7 +64,7 @@ def decide(cfg: MoesysConfig, plan: Plan | None = None) -> tuple[Placement, dict
 
 def _digest(cfg: MoesysConfig) -> str:
     """What the placement depends on: the model, topology, storage and tasks sections and the batch shape."""
-    parts = {k: dataclasses.asdict(getattr(cfg, k)) for k in ("model", "topology", "storage")}
+    parts: dict[str, Any] = {k: dataclasses.asdict(getattr(cfg, k)) for k in ("model", "topology", "storage")}
     parts["tasks"] = {name: dataclasses.asdict(task) for name, task in cfg.tasks.items()}
     tr = cfg.train
     parts["batch"] = [tr.micro_batch_size, tr.seq_len, tr.precision]

@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import MoesysConfig
-from runtime.plan.budget import DENSE_STATE_BYTES, GB, STORED_SPARSE_BYTES, Eq1Budget, eq1_budget
+from runtime.plan.budget import (
+    DENSE_STATE_BYTES,
+    GB,
+    STORED_SPARSE_BYTES,
+    Eq1Budget,
+    chosen_resident_layers,
+    eq1_budget,
+)
 from runtime.plan.disk import DiskPlan, disk_plan, disk_problem, fewer_checkpoints, kept_checkpoints, store_file_bytes
 from runtime.plan.embedding_bytes import embedding_bytes_per_rank
 from runtime.plan.modes import MODES, OffloadMode, TierName, requested_modes
@@ -189,7 +196,7 @@ def _rank_estimate(cfg: MoesysConfig, p: ParamCounts, mode: OffloadMode) -> Rank
     world = world_size(cfg)
     ep = t.expert_parallel
     # storage.resident_layers: the first MoE layers' experts stay on the device, as with offload=none
-    kept = min(st.resident_layers, p.moe_layers) if mode.offloaded else p.moe_layers
+    kept = min(chosen_resident_layers(st), p.moe_layers) if mode.offloaded else p.moe_layers
     offloaded_layers = p.moe_layers - kept
     layer_experts = cfg.model.num_experts // ep
     layer_sparse = p.per_expert * layer_experts

@@ -78,6 +78,7 @@ def rebalance(cfg: MoesysConfig, from_run: str | None = None) -> Rebalance:
         if not why or "do not fit" not in str(exc):
             raise
         raise AllocationError(f"{exc}: {why}") from None
+    assert after.baseline is not None, "allocate() compares its allocation against the naive one"
     return Rebalance(workload=workload, num_gpus=gpus, max_tasks_per_gpu=per_gpu, before=after.baseline,
                      after=after, source=str(from_run) if from_run else "config")
 

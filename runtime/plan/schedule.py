@@ -68,6 +68,7 @@ class Schedule:
             return text
         if self.tokens_per_step_for_0_8 is None:
             return f"{text}; no batch reaches {TARGET}x: the copies grow with it"
+        assert self.example is not None, "a batch that reaches the target has its example"
         m, a, r = self.example
         return (f"{text}; {TARGET}x from {self.tokens_per_step_for_0_8:,} (e.g. micro_batch {m} x grad_accum {a} "
                 f"with recompute {r})")
@@ -102,7 +103,7 @@ def _accumulates(cfg: MoesysConfig) -> bool:
     return not (cfg.tasks or cfg.distill.teacher or cfg.storage.dense_shard)
 
 
-def _split(cfg: MoesysConfig, micro: int, accum: int, recompute: str, resident_layers: int) -> MoesysConfig:
+def _split(cfg: MoesysConfig, micro: int, accum: int, recompute: str, resident_layers: int | None) -> MoesysConfig:
     train = dataclasses.replace(cfg.train, micro_batch_size=micro, grad_accum_steps=accum, recompute=recompute)
     storage = dataclasses.replace(cfg.storage, resident_layers=resident_layers)
     return dataclasses.replace(cfg, train=train, storage=storage)
@@ -146,12 +147,15 @@ def choose_schedule(cfg: MoesysConfig, rates: Rates | None = None) -> Schedule:
         key = (not prediction.fits, prediction.step_s, -micro, RECOMPUTE_COST[recompute])
         if best is None or key < best[0]:
             best = (key, trial, prediction)
+    assert best is not None, "there is always a split to try"
     _, trial, prediction = best
     resident = predict(with_mode(trial, OffloadMode.NONE), rates)
     reach = _tokens_for_target(trial, prediction, rates) if prediction.mode.offloaded else None
-    tr = trial.train
-    return Schedule(tr.micro_batch_size, max(1, tr.grad_accum_steps), tr.recompute, trial.storage.resident_layers,
-                    prediction, resident, *(reach or (None, None)), chosen=auto)
+    tokens_for_target, example = reach or (None, None)
+    tr, layers = trial.train, trial.storage.resident_layers
+    assert layers is not None, "_with_layers chose storage.resident_layers=auto"
+    return Schedule(tr.micro_batch_size, max(1, tr.grad_accum_steps), tr.recompute, layers, prediction, resident,
+                    tokens_for_target, example, chosen=auto)
 
 
 def _tokens_for_target(cfg: MoesysConfig, prediction: Prediction, rates: Rates) -> tuple[int, tuple] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 
 from runtime.config import ConfigError, MoesysConfig, validate
 from runtime.plan.budget import GB, Eq1Budget
@@ -20,6 +21,11 @@ MAX_NODES = 1 << 20
 
 Problems = Callable[[MoesysConfig, OffloadMode], list]
 """Every reason a config does not fit with an offload mode (empty: it fits)."""
+
+
+def _passes(problems: Problems, base: MoesysConfig, modes: tuple, nodes: int) -> bool:
+    """Whether `base` on `nodes` nodes has no problem in one of `modes`."""
+    return any(not problems(changed(base, "topology", nodes=nodes), m) for m in modes)
 
 
 def first_passing(values: Sequence[int], ok: Callable[[int], bool]) -> int | None:
@@ -128,9 +134,7 @@ def _more_nodes(cfg: MoesysConfig, mode: OffloadMode, order: Sequence[OffloadMod
     for ep in [cfg.topology.expert_parallel, *_wider_expert_parallel(cfg)]:
         base = changed(cfg, "topology", expert_parallel=ep)
         for tried in (tuple(m for m in order if m == mode), tuple(order)):
-            nodes = first_passing(node_counts(base) if tried else [],
-                                  lambda n, base=base, tried=tried: any(
-                                      not problems(changed(base, "topology", nodes=n), m) for m in tried))
+            nodes = first_passing(node_counts(base) if tried else [], partial(_passes, problems, base, tried))
             if nodes is not None:
                 if best is None or nodes < best[0]:
                     best = (nodes, ep, changed(base, "topology", nodes=nodes))

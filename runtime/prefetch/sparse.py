@@ -14,24 +14,26 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, TypeVar
 
-Key = Hashable
+Key = TypeVar("Key", bound=Hashable)
+State = TypeVar("State")
 
 
-class SparsePrefetcher:
+class SparsePrefetcher(Generic[Key, State]):
     """Stages states of predicted experts. `read(key)` reads from SSD; `cached(key)` says the CPU cache holds it;
     `ready(layer)` blocks until the layer's states on SSD are final (its optimizer step finished); `hint(keys)`,
     if given, asks the disk for all of a layer's files at once before they are read one by one, so the disk works
     on the next ones while the first is copied."""
 
-    def __init__(self, read: Callable[[Key], object], cached: Callable[[Key], bool],
+    def __init__(self, read: Callable[[Key], State], cached: Callable[[Key], bool],
                  ready: Callable[[int], None], depth: int, lock: threading.RLock,
                  hint: Callable[[list[Key]], None] | None = None):
         self.read, self.cached, self.ready, self.hint = read, cached, ready, hint
         self.depth = depth
         self.lock = lock
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesys-prefetch")
-        self.staged: dict[Key, object] = {}
+        self.staged: dict[Key, State] = {}
         self.futures: dict[int, Future] = {}
         self.history: dict[int, list[Key]] = {}
         self.prefetched = 0
@@ -79,12 +81,12 @@ class SparsePrefetcher:
         for future in list(self.futures.values()):
             future.result()
 
-    def take(self, key: Key):
+    def take(self, key: Key) -> State | None:
         """The staged states of `key` (removed from staging), or None."""
         with self.lock:
             return self.staged.pop(key, None)
 
-    def end_step(self) -> list:
+    def end_step(self) -> list[State]:
         """Wait for outstanding staging, forget this step's schedule and return the staged states nobody
         requested (dropped)."""
         self.wait_all()

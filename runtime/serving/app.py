@@ -190,8 +190,9 @@ async def _whole(service: Service, request: Request, completion, trace: _Trace, 
             answer.cancel()
     if answer.cancelled():
         return _refused(trace, 499, "the client closed the connection")  # nobody reads it
-    if answer.exception() is not None:
-        status, content = _refusal(answer.exception())
+    error = answer.exception()
+    if error is not None:
+        status, content = _refusal(error)
         trace.end(status, content["error"]["message"])
         return JSONResponse(content, status_code=status)
     choices = answer.result()

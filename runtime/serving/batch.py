@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -70,8 +71,12 @@ class Sequence:
         return len(self.tokens) >= self.max_tokens
 
 
-class ContinuousBatch:
-    """Up to `max_rows` sequences decoding together; rows 0..len(rows)-1 of the cache are in use."""
+S = TypeVar("S", bound=Sequence)
+
+
+class ContinuousBatch(Generic[S]):
+    """Up to `max_rows` sequences decoding together; rows 0..len(rows)-1 of the cache are in use. S: the caller's
+    sequence type (a Sequence carrying what the caller needs back with each row)."""
 
     def __init__(self, model: Transformer, max_rows: int, offloader: Offloader | None = None,
                  step: BatchDecodeStep | None = None):
@@ -79,7 +84,7 @@ class ContinuousBatch:
         `decode_rows`, whose rows are lone steps' bit for bit."""
         self.model, self.max_rows, self.offloader, self.decode_step = model, max_rows, offloader, step
         self.device = model.tok_embeddings.weight.device
-        self.rows: list[Sequence] = []
+        self.rows: list[S] = []
         self.steps = 0
         self._cache: StaticKVCache | None = None
 
@@ -93,7 +98,7 @@ class ContinuousBatch:
         return self._cache
 
     @torch.no_grad()
-    def join(self, seq: Sequence) -> TokenOut | None:
+    def join(self, seq: S) -> TokenOut | None:
         """Prefill `seq` alone (a cache of the size its lone run uses), score its prompt when it echoes, and take
         the next row and return its first token; None for a sequence that generates nothing (it takes no row)."""
         if not self.free and seq.max_tokens:
@@ -135,7 +140,7 @@ class ContinuousBatch:
         self.steps += 1
         return [self._take(seq, logits_BV[b:b + 1]) for b, seq in enumerate(list(self.rows))]
 
-    def leave(self, seq: Sequence) -> None:
+    def leave(self, seq: S) -> None:
         """Free `seq`'s row: the last row moves into it, so rows in use stay 0..n-1."""
         row, last = self.rows.index(seq), len(self.rows) - 1
         if row != last:
@@ -151,6 +156,7 @@ class ContinuousBatch:
     def _take(self, seq: Sequence, logits_1V: Tensor) -> TokenOut:
         """Sample the row's next token as a lone run does (its own sampler), and its log-probabilities: the model's,
         before any sampling setting."""
+        assert seq.sampler is not None, "a sequence samples only after join() gave it its sampler"
         token = int(seq.sampler(logits_1V)[0])
         seq.tokens.append(token)
         if seq.logprobs is None and not seq.scored:

@@ -55,8 +55,10 @@ def address(sock: socket.socket) -> str:
 
 
 def _server(service: Service) -> DrainingServer:
+    # uvicorn annotates the drain timeout int, but uses it as an asyncio timeout, which takes a float.
+    drain_s: float = service.config.serve.drain_timeout_s
     config = uvicorn.Config(build_app(service), loop="asyncio", http="h11", lifespan="off", log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=service.config.serve.drain_timeout_s)
+                            access_log=False, timeout_graceful_shutdown=drain_s)  # type: ignore[arg-type]
     return DrainingServer(config)
 
 

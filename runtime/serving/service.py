@@ -7,7 +7,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,11 +45,10 @@ class Service:
     offloader: Offloader
     worker: GenerationWorker
     device: torch.device
-    metrics: ServeMetrics | None = None
+    metrics: ServeMetrics = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.metrics is None:
-            self.metrics = ServeMetrics(lambda: self.worker.queued, lambda: self.worker.running)
+        self.metrics = ServeMetrics(lambda: self.worker.queued, lambda: self.worker.running)
 
     @property
     def tokenizer(self) -> Any:

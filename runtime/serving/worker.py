@@ -65,9 +65,9 @@ class ServeJob:
     """One request inside the worker. Callbacks run on the worker thread and must not block."""
 
     request: CompletionRequest
-    finish: Callable[[list[Choice] | None, BaseException | None], None]
+    finish: Callable[[list[Choice] | None, BaseException | None], object]
     """Called once: (the choices in index order, None), or (None, the error)."""
-    on_token: Callable[[int, TokenOut, str], None] | None = None
+    on_token: Callable[[int, TokenOut, str], object] | None = None
     """Streaming: (choice index, the new token, its new piece of text) as each token is made."""
     tokenizer: Any = None
     stop_ids: tuple[int, ...] = ()
@@ -84,10 +84,10 @@ class ServeJob:
     """Sequences of this job not yet finished."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class _Seq(Sequence):
-    job: ServeJob | None = None
-    choice: Choice | None = None
+    job: ServeJob
+    choice: Choice
     text: StopText | None = None
 
 
@@ -134,7 +134,7 @@ class GenerationWorker:
         self.max_batch_size = max_batch_size if dropless else 1
         self.max_queue = max_queue
         step = BatchDecodeStep(model, self.max_batch_size, compile=True) if compile else None
-        self.batch = ContinuousBatch(model, self.max_batch_size, offloader, step)
+        self.batch = ContinuousBatch[_Seq](model, self.max_batch_size, offloader, step)
         self.completed = self.failed = self.cancelled = 0
         self.error: str | None = None
         """Why the thread died (None while it runs, and after a stop)."""

@@ -188,14 +188,14 @@ def io_slot(numel: int, compute_dtype: torch.dtype, separate_stage: bool, pin: b
         master, exp_avg, exp_avg_sq, step = states
         pad = run_of.pad
     else:
-        per_block, states = IO_BLOCK // 4, 3 if moments else 1
-        length = -(-(states * numel + 1) // per_block) * per_block
+        per_block, kept = IO_BLOCK // 4, 3 if moments else 1
+        length = -(-(kept * numel + 1) // per_block) * per_block
         raw = new(length + per_block)
         start = (-raw.data_ptr() % IO_BLOCK) // 4
         run = raw[start:start + length]
-        master, step = run[:numel], run[states * numel]
+        master, step = run[:numel], run[kept * numel]
         exp_avg, exp_avg_sq = (run[numel:2 * numel], run[2 * numel:3 * numel]) if moments else (run[:0], run[:0])
-        pad = run[states * numel + 1:]
+        pad = run[kept * numel + 1:]
         pad.zero_()  # stored with the states: no stray bytes of this process in the file
     stage = new(numel, dtype=compute_dtype, pin_memory=pin) if separate_stage else master
     return ExpertSlot(master, exp_avg, exp_avg_sq, step, stage, pad)

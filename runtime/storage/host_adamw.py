@@ -261,6 +261,7 @@ class HostOptimizer:
     def _run_states(lg: LayerGrads, start: int, stop: int) -> tuple[Tensor, ...]:
         """(master, exp_avg, exp_avg_sq, stage, gradient), flat, over slots start..stop: consecutive whole slots and
         consecutive rows of lg.flat (see slot_runs)."""
+        assert lg.flat is not None, "slot runs exist only over gradients that came home in one flat buffer"
         states = [block_of(lg.slots, start, stop, attr).reshape(-1)
                   for attr in ("master", "exp_avg", "exp_avg_sq", "stage")]
         return (*states, lg.flat[lg.rows[start]:lg.rows[start] + stop - start].reshape(-1))

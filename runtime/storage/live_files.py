@@ -56,7 +56,7 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor], durable: bool, dire
     on an IO_BLOCK boundary); else a temp file beside it is renamed over it, with `durable` fsynced first and the
     directory after."""
     layout = _direct_layout(tensors) if direct and not durable else None
-    buffers = list(layout) if layout is not None else encode(tensors, checksum=durable)
+    buffers: list[bytes | memoryview] = list(layout) if layout is not None else encode(tensors, checksum=durable)
     size = sum(len(memoryview(b).cast("B")) for b in buffers)
     if not durable and _size_of(path) == size:
         if layout is not None:
@@ -105,7 +105,7 @@ def read_file(path: Path, into: dict[str, torch.Tensor] | None = None, direct: b
     that way, header and data in one request. A malformed or truncated file, or one that does not match `into`,
     raises ChecksumError."""
     layout = _direct_layout(into) if direct and into is not None else None
-    if layout is not None and _read_expected(path, *layout):
+    if into is not None and layout is not None and _read_expected(path, *layout):
         return dict(into)
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
@@ -167,7 +167,9 @@ def _aligned_run(tensors: list[torch.Tensor]) -> memoryview | None:
         end += t.nbytes
     if start % IO_BLOCK or (end - start) % IO_BLOCK or end > storage.data_ptr() + storage.nbytes():
         return None  # (the last test: adjacent memory of another allocation is not the first tensor's to hand out)
-    run = torch.empty(0, dtype=torch.uint8).set_(storage, start - storage.data_ptr(), (end - start,))
+    # torch's stubs list set_ with a stride or with the storage alone; the stride is optional (contiguous)
+    run = torch.empty(0, dtype=torch.uint8).set_(  # type: ignore[call-overload]
+        storage, start - storage.data_ptr(), (end - start,))
     return memoryview(run.numpy())
 
 

@@ -262,7 +262,8 @@ class OffloadEngine:
             return
         summed = self._sums.get(copy.layer)
         if self.accumulating or summed:
-            self._sum_of(copy.layer).add(*copy.active, {name: leaf.grad for name, leaf in copy.leaves.items()})
+            keys, slots, rows = copy.active
+            self._sum_of(copy.layer).add(keys, slots, rows, copy.grads())
             self._copies.pop(copy.layer, None)
             if self.accumulating:  # the stages are read again by the next micro-batch: not free yet
                 self.transfers.release(copy)
@@ -270,7 +271,7 @@ class OffloadEngine:
                 self._send_sum(copy.layer)
                 self._done_reading(copy)
             return
-        sums = self._squares({name: leaf.grad for name, leaf in copy.leaves.items()})
+        sums = self._squares(copy.grads())
         grads, flat, landed, release = self.transfers.grads_home(copy)
         self._take_in(copy, grads, landed, sums, flat, release)
 

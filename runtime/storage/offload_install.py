@@ -9,11 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from runtime.model.init import drawn_in_parallel, init_expert
+from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
-from runtime.moe.layer import EXPERT_PARAM_NAMES
+from runtime.moe.layer import EXPERT_PARAM_NAMES, MoELayer
 from runtime.plan.modes import OffloadMode
 from runtime.storage.expert_slots import SlotLayout
 from runtime.storage.expert_store import ExpertStore
@@ -24,12 +24,14 @@ from runtime.storage.ssd_home import SSDHome
 from runtime.storage.tiers import Tiers
 
 
-def layer_specs(model: nn.Module) -> list[tuple[nn.Module, LayerSpec]]:
+def layer_specs(model: Transformer) -> list[tuple[MoELayer, LayerSpec]]:
     """(MoE layer, spec) for every MoE layer of `model`, in forward order (shapes only: works on the meta device)."""
     names = {id(module): name for name, module in model.named_modules()}
     out = []
     for index, layer in enumerate(model.moe_layers()):
-        experts: GroupedExperts = layer.experts
+        experts = layer.experts
+        if not isinstance(experts, GroupedExperts):
+            raise TypeError(f"MoE layer {index}'s experts are a {type(experts).__name__}: already offloaded")
         shapes = {n: tuple(getattr(experts, n).shape[1:]) for n in EXPERT_PARAM_NAMES
                   if getattr(experts, n, None) is not None}
         out.append((layer, LayerSpec(index, names[id(experts)], experts.num_experts, experts.first_expert,
@@ -51,7 +53,7 @@ def _draw_local(make: InitialExpert, spec: LayerSpec, shapes: dict, j: int) -> d
     return make(spec.param_prefix, shapes, spec.key(j)[1])
 
 
-def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.device, *, seed: int,
+def install_offload(model: Transformer, store: ExpertStore | None, device: torch.device, *, seed: int,
                     lr_schedule: Callable[[int], float], cache_experts: int = 0, hit_threshold: float = 1,
                     decay_beta: float = 0.5, decay_every: int = 10, prefetch_depth: int = 1,
                     adamw: AdamWHyper | None = None, tiers: Tiers | None = None, groups=None,
@@ -104,7 +106,7 @@ def install_offload(model: nn.Module, store: ExpertStore | None, device: torch.d
     return engine
 
 
-def offload_from_config(model: nn.Module, cfg, groups, device: torch.device, placement,
+def offload_from_config(model: Transformer, cfg, groups, device: torch.device, placement,
                         write_initial: bool = True, initial: InitialExpert | None = None,
                         trainable: bool = True) -> OffloadEngine | None:
     """The offload runtime of `placement` (runtime/plan/placement.py: RUN_DIR/plan.json, decided once by

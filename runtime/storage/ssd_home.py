@@ -181,7 +181,8 @@ class SSDHome:
     def peek(self, keys: list[ExpertKey]) -> list[ExpertSlot] | None:
         with self.cache.lock:
             slots = [self.cache.entries.get(key) for key in keys]
-        return None if any(slot is None for slot in slots) else slots
+        found = [slot for slot in slots if slot is not None]
+        return found if len(found) == len(slots) else None
 
     def restore_target(self, key: ExpertKey) -> ExpertSlot:
         return self.new_slot(key[0])

@@ -36,13 +36,20 @@ class DeviceCopy:
     """[a, P] in the compute dtype; the leaves are views of it, so freeing its storage frees them."""
     leaves: dict[str, Tensor] = field(default_factory=dict)
     resident: bool = True
-    ready: object = None
+    ready: torch.cuda.Event | None = None
     """CUDA: an event recorded after the copies into `buffer` (the computing stream waits for it)."""
     borrowed: bool = False
     """Without a GPU, slots that lie side by side in one block are the device copy themselves: nothing is
     allocated, copied or evicted."""
     grads_arrived: int = 0
     active: tuple = ()
+
+    def grads(self) -> dict[str, Tensor]:
+        """The leaves' gradients by tensor name, which backward has produced by the time they are read."""
+        missing = [name for name, leaf in self.leaves.items() if leaf.grad is None]
+        if missing:
+            raise RuntimeError(f"layer {self.layer}'s {missing[0]} has no gradient: its backward has not run")
+        return {name: leaf.grad for name, leaf in self.leaves.items() if leaf.grad is not None}
     """(keys, slots, rows): the experts that computed rows, and their rows of the buffer (the engine's record)."""
     hooks: list = field(default_factory=list)
     """Handles of hooks that refer back to this object (a cycle through C++ the collector cannot see): removed when
@@ -71,7 +78,7 @@ class TransferEngine:
         """Bytes of gradients sent home so far (without a GPU they are handed over where they lie)."""
         self.grads_sent = 0
         """Layers' gradients sent home so far (one a layer and optimizer step, however many micro-batches)."""
-        self.stage_read: dict[int, object] = {}
+        self.stage_read: dict[int, torch.cuda.Event] = {}
         """CUDA: per layer, an event after the last copy that read its host slots (an update must wait for it)."""
         self._spare: list[torch.UntypedStorage] = []
         """Without a GPU: the memory of released copies, for the next copies to take (spares and copies together
@@ -140,7 +147,13 @@ class TransferEngine:
             if self._spare:  # too small for copies from now on: freed, the new memory takes its place
                 self._spare.remove(min(self._spare, key=lambda s: s.nbytes()))
             storage = torch.UntypedStorage(self._largest, device=self.device)
-        return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, 0, shape)
+        # torch's stubs list set_ with a stride or with the storage alone; the stride is optional (contiguous)
+        return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, 0, shape)  # type: ignore[call-overload]
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The copy stream, which a CUDA device always has."""
+        assert self.stream is not None, "only a CUDA device copies on a side stream"
+        return self.stream
 
     def _on_copy_stream(self):
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
@@ -213,19 +226,20 @@ class TransferEngine:
         when they came home in one (else None), a wait for their arrival and a call that gives their buffer back
         once they are applied (each None when there is nothing to wait for or give back). Without a GPU they are
         the leaves' own gradients: nothing moves."""
-        grads = {name: leaf.grad for name, leaf in copy.leaves.items()}
+        grads = copy.grads()
         if not self.cuda:
             self._count_home(sum(g.numel() * g.element_size() for g in grads.values()))
             return grads, None, None, None
+        stream = self._side_stream()
         with self.timeline.span("d2h", True):
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
                 # packed on the device first: a tensor's rows are strided in [a, P], and a copy into strided host
                 # memory goes through a pageable bounce buffer, synchronously; one [a, P] copy is a pinned DMA
                 packed = torch.empty_like(copy.buffer)
                 for name, view in self.layouts[copy.layer].views(packed).items():
                     view.copy_(grads[name])
-                    grads[name].record_stream(self.stream)
+                    grads[name].record_stream(stream)
         return self.packed_home(copy.layer, packed)
 
     def packed_home(self, layer: int, packed: Tensor) -> tuple[dict[str, Tensor], Tensor | None,
@@ -239,12 +253,13 @@ class TransferEngine:
             return views, packed, None, None
         with self.timeline.span("d2h", True):
             base, staging = self.grad_staging.take(packed, at_least=self.layer_elements.get(layer, 0))
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
+            stream = self._side_stream()
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
                 staging.copy_(packed, non_blocking=True)
-                packed.record_stream(self.stream)
+                packed.record_stream(stream)
                 landed = torch.cuda.Event()
-                landed.record(self.stream)
+                landed.record(stream)
         self.tiers.host.moved(staging.numel() * staging.element_size())
         self.copied_bytes += staging.numel() * staging.element_size()
         self._count_home(staging.numel() * staging.element_size())
@@ -286,3 +301,4 @@ class TransferEngine:
         event = self.stage_read.get(layer)
         if event is not None:
             event.synchronize()
+

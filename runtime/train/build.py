@@ -86,7 +86,8 @@ def materialize(model: Transformer, cfg: MoesysConfig, groups: ParallelGroups, d
 def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(dense, expert) parameters, in registration order; partitioned embedding shards are in neither (their
     gradient is complete after backward and must not be all-reduced)."""
-    dense, experts = [], []
+    dense: list[nn.Parameter] = []
+    experts: list[nn.Parameter] = []
     shards = dict(partitioned_parameters(model))
     for name, p in model.named_parameters():
         if name not in shards:
@@ -156,11 +157,12 @@ def build_components(cfg: MoesysConfig, groups: ParallelGroups, device: torch.de
         parts.append(OffloadedExperts(offload, groups))
     if tasks:
         parts.append(TaskHeads(tasks.head_state, optimizer))
+    objective: Objective
     if tasks:
         objective = tasks
     elif cfg.distill.teacher:  # moesys distill: the student also matches a frozen teacher's soft targets
         objective = Distillation.from_config(cfg, groups, device)
-    elif is_chat(cfg.train.data, cfg.train.data_format):  # loss on the assistant's tokens of packed samples
+    elif cfg.train.data is not None and is_chat(cfg.train.data, cfg.train.data_format):  # assistant's tokens, packed
         objective = ChatLanguageModel(open_chat_dataset(cfg, run_tokenizer(cfg), "train.data", cfg.train.data),
                                       groups, cfg.train.micro_batch_size, cfg.train.seq_len,
                                       max(1, cfg.train.grad_accum_steps))

@@ -5,10 +5,10 @@ custom operator (runtime/moe/grouped_mm_op.py). A model converter: parameter nam
 
 from __future__ import annotations
 
-from torch import nn
+from runtime.model.transformer import Transformer
 
 
-def compile_blocks(model: nn.Module) -> None:
+def compile_blocks(model: Transformer) -> None:
     """Compile every block of `model` in place (its first call compiles; later calls reuse the graph)."""
     for block in model.layers:
         block.compile(fullgraph=True, dynamic=False)

@@ -21,6 +21,8 @@ from runtime.data.dataset import TokenDataset
 from runtime.data.pretokenize import read_tokens, run_cache_dir
 from runtime.data.text import check_token_count, source_name
 from runtime.data.tokenizer import run_tokenizer
+from runtime.errors import UserError
+from runtime.model.transformer import ModelOutput
 from runtime.parallel.groups import ParallelGroups
 from runtime.train.objective import LanguageModel
 
@@ -86,7 +88,7 @@ def compare_on_heldout(cfg: MoesysConfig, student_checkpoint: str | Path) -> dic
     windows = heldout_windows(text.heldout, cfg.train.seq_len, cfg.distill.heldout_windows)
     report: dict = {"heldout": {"source": text.source, "windows": int(windows.shape[0]),
                                 "tokens": int(windows[:, 1:].numel())}}
-    for who, checkpoint in (("teacher", cfg.distill.teacher), ("student", student_checkpoint)):
+    for who, checkpoint in (("teacher", teacher_checkpoint(cfg)), ("student", student_checkpoint)):
         model = load_frozen(checkpoint, torch.device("cpu"))
         report[f"{who}_heldout_loss"] = heldout_loss(model, windows)
         report[f"{who}_params"], report[f"{who}_bytes"] = parameter_size(model)
@@ -104,6 +106,13 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
     s_log = F.log_softmax(student_logits.float().flatten(0, -2) / temperature, dim=-1)
     t_log = F.log_softmax(teacher_logits.detach().float().flatten(0, -2) / temperature, dim=-1)
     return F.kl_div(s_log, t_log, log_target=True, reduction="batchmean") * temperature ** 2
+
+
+def teacher_checkpoint(cfg: MoesysConfig) -> str:
+    """distill.teacher, which distillation needs."""
+    if not cfg.distill.teacher:
+        raise UserError("distillation needs a teacher: set distill.teacher to its checkpoint")
+    return cfg.distill.teacher
 
 
 def load_frozen(checkpoint: str | Path, device: torch.device) -> nn.Module:
@@ -129,11 +138,12 @@ class Distillation(LanguageModel):
         tr = cfg.train
         data = TokenDataset(split_heldout(cfg).train, tr.seq_len, tr.seed, "student's training text",
                             cfg.model.vocab_size)
-        return cls(data, load_frozen(cfg.distill.teacher, device), groups, tr.micro_batch_size, tr.seq_len,
+        return cls(data, load_frozen(teacher_checkpoint(cfg), device), groups, tr.micro_batch_size, tr.seq_len,
                    cfg.distill.temperature, cfg.distill.kd_weight)
 
     def forward_backward(self, model: nn.Module, step: int, device: torch.device, autocast,
-                         scaler=None) -> tuple[torch.Tensor, object]:
+                         scaler=None, micro: int = 0) -> tuple[torch.Tensor, ModelOutput]:
+        """One micro-batch a step (`micro` is always 0): the config refuses accumulation with distillation."""
         inputs, targets = self.data.rank_batch(step, self.groups.rank, self.groups.world_size, self.micro_batch_size)
         inputs, targets = inputs.to(device), targets.to(device)
         with autocast:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -105,20 +106,32 @@ def evaluation(cfg: MoesysConfig, groups: ParallelGroups, device: torch.device) 
     tr = cfg.train
     if not tr.eval_data:
         return lambda step, model, autocast: {}
+    sums: Callable[[nn.Module, contextlib.AbstractContextManager], tuple[float, int]]
     if is_chat(tr.eval_data, tr.data_format):  # the assistant's tokens of the first rows, in file order
-        data = open_chat_dataset(cfg, run_tokenizer(cfg), "train.eval_data", tr.eval_data)
-        count, sums = min(tr.eval_windows or data.num_rows, data.num_rows), chat_heldout_sums
+        chat = open_chat_dataset(cfg, run_tokenizer(cfg), "train.eval_data", tr.eval_data)
+        rows = min(tr.eval_windows or chat.num_rows, chat.num_rows)
+        sums = partial(_chat_sums, chat, rows, groups, tr.micro_batch_size, device)
     else:
-        data = open_dataset(cfg, run_tokenizer(cfg), "train.eval_data", tr.eval_data)
-        count, sums = window_count(data, tr.eval_windows), heldout_sums
+        text = open_dataset(cfg, run_tokenizer(cfg), "train.eval_data", tr.eval_data)
+        sums = partial(_text_sums, text, window_count(text, tr.eval_windows), groups, tr.micro_batch_size, device)
 
     def evaluate(step: int, model: nn.Module, autocast: contextlib.AbstractContextManager) -> dict:
         if step != tr.max_steps and not (tr.eval_every and step % tr.eval_every == 0):
             return {}
-        result = summary(*sums(model, data, count, groups, tr.micro_batch_size, device, autocast))
+        result = summary(*sums(model, autocast))
         return {f"eval_{key}": value for key, value in result.items()}
 
     return evaluate
+
+
+def _chat_sums(data: ChatDataset, count: int, groups: ParallelGroups, micro_batch_size: int, device: torch.device,
+               model: nn.Module, autocast: contextlib.AbstractContextManager) -> tuple[float, int]:
+    return chat_heldout_sums(model, data, count, groups, micro_batch_size, device, autocast)
+
+
+def _text_sums(data: TokenDataset, count: int, groups: ParallelGroups, micro_batch_size: int, device: torch.device,
+               model: nn.Module, autocast: contextlib.AbstractContextManager) -> tuple[float, int]:
+    return heldout_sums(model, data, count, groups, micro_batch_size, device, autocast)
 
 
 EVAL_KEYS = ("seq_len", "eval_windows", "data_text_key", "data_errors", "micro_batch_size")

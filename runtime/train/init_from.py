@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -20,8 +21,12 @@ from runtime.config import ConfigError, ModelConfig, MoesysConfig
 from runtime.data.generation_facts import GenerationFacts, checkpoint_facts, hf_facts, recorded_facts, write_facts
 from runtime.errors import UserError
 from runtime.files.checkpoint_format import MODEL, CheckpointError, missing_tensor, tensor_key
-from runtime.files.paths import CONFIG, META, TOKENIZER_FILE
+from runtime.files.paths import CONFIG, META, TOKENIZER_FILE, run_dir_of
 from runtime.files.resume import chosen_checkpoint
+
+if TYPE_CHECKING:  # for annotations only: InitialWeights.__init__ imports them when it runs
+    from runtime.hf.checkpoint import HFCheckpoint
+    from runtime.inference.mapped import TensorFiles
 
 KEY = "train.init_from"
 WEIGHT_FREE_KEYS = ("capacity_factor", "drop_policy", "router_jitter", "router_input_dropout", "router_gumbel",
@@ -120,7 +125,7 @@ def record_source_facts(cfg: MoesysConfig) -> GenerationFacts | None:
     keeps what it recorded. Returns what the run now keeps."""
     from runtime.data.tokenizer import BYTES
 
-    run_dir = Path(cfg.train.run_dir)
+    run_dir = run_dir_of(cfg)
     if chosen_checkpoint(cfg) is not None:
         return recorded_facts(run_dir)
     facts = None
@@ -145,6 +150,7 @@ class InitialWeights:
         from runtime.inference.load import read_moesys
 
         self.path = Path(source).expanduser().resolve()
+        self.files: HFCheckpoint | TensorFiles
         if _kind(self.path) == "hf":
             self.files = HFCheckpoint(self.path)
         else:

@@ -19,6 +19,7 @@ from torch.profiler import record_function
 from runtime.config import MoesysConfig
 from runtime.errors import JobError
 from runtime.model.precision import PRECISION_DTYPES
+from runtime.model.transformer import ModelOutput
 from runtime.parallel.groups import ParallelGroups
 from runtime.parallel.timeouts import is_timeout, timeout_error
 from runtime.plan.placement import read as read_placement
@@ -78,7 +79,7 @@ def _autocast(device: torch.device, precision: str):
 
 
 def forward_backward(c: Components, cfg: MoesysConfig, groups: ParallelGroups, step: int, device: torch.device,
-                     scaler: DynamicLossScale | None = None) -> tuple[torch.Tensor, object]:
+                     scaler: DynamicLossScale | None = None) -> tuple[torch.Tensor, ModelOutput]:
     """Loss and complete gradients of this rank's share of `step` (its micro-batches, train.grad_accum_steps).
     Returns (lm loss, model output), averaged over the micro-batches."""
     lm_loss, out = run_micro_batches(c, step, device, _autocast(device, cfg.train.precision), scaler)

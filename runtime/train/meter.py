@@ -18,12 +18,11 @@ def _add(a: Tensor | None, b: Tensor) -> Tensor:
 
 def _sum_stats(total: list[MoEStats] | None, stats: list[MoEStats]) -> list[MoEStats]:
     """Each MoE layer's router losses and gate metrics added to `total`'s (None: the first)."""
-    if total is None:
-        total = [None] * len(stats)
-    return [MoEStats(_add(t and t.aux_loss, s.aux_loss),
-                     {n: _add(t and t.losses[n], v) for n, v in s.losses.items()},
-                     {n: _add(t and t.metrics[n], v) for n, v in s.metrics.items()})
-            for t, s in zip(total, stats, strict=True)]
+    previous: list[MoEStats | None] = [None] * len(stats) if total is None else list(total)
+    return [MoEStats(_add(t.aux_loss if t else None, s.aux_loss),
+                     {n: _add(t.losses[n] if t else None, v) for n, v in s.losses.items()},
+                     {n: _add(t.metrics[n] if t else None, v) for n, v in s.metrics.items()})
+            for t, s in zip(previous, stats, strict=True)]
 
 
 def _scaled(stats: list[MoEStats], factor: float) -> list[MoEStats]:
@@ -35,6 +34,10 @@ class OutputSum:
     """The sum of several model outputs' losses and gate metrics (detached, fp32, on their device), and their mean."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Start anew: nothing added."""
         self.count = 0
         self.lm_loss: Tensor | None = None
         self.aux_loss: Tensor | None = None
@@ -49,6 +52,8 @@ class OutputSum:
     def mean(self) -> tuple[Tensor, ModelOutput]:
         """(mean language-model loss, a ModelOutput of the mean router losses and gate metrics, without logits)."""
         factor = 1.0 / max(1, self.count)
+        if self.lm_loss is None or self.aux_loss is None:
+            raise RuntimeError("the mean of no model output: add() one first")
         return self.lm_loss * factor, ModelOutput(self.lm_loss.new_empty(0), self.aux_loss * factor,
                                                   _scaled(self.stats or [], factor))
 
@@ -60,8 +65,8 @@ class StepMeter(OutputSum):
     LOSS, NORM = 1.0, 2.0
     """What was not finite (the second entry of `bad`)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def reset(self) -> None:
+        super().reset()
         self.norm: Tensor | None = None
         self.bad: Tensor | None = None
         """float64 [step, LOSS or NORM, lm loss, router loss] of the first step that was not finite (step 0: none)."""
@@ -93,5 +98,5 @@ class StepMeter(OutputSum):
         lm_loss, out = self.mean()
         norm = float(self.norm) / self.count if self.norm is not None else 0.0
         steps = self.count
-        self.__init__()
+        self.reset()
         return lm_loss, out, norm, steps

@@ -9,10 +9,11 @@ import contextlib
 
 import torch
 
+from runtime.model.transformer import ModelOutput
 from runtime.train.meter import OutputSum
 
 
-def run_micro_batches(c, step: int, device: torch.device, autocast, scaler=None) -> tuple[torch.Tensor, object]:
+def run_micro_batches(c, step: int, device: torch.device, autocast, scaler=None) -> tuple[torch.Tensor, ModelOutput]:
     """(mean language-model loss, a model output of the mean router losses and gate metrics) of `step`'s
     micro-batches of the objective (`micro_batches`, 1 when it has none), after their backwards."""
     n = getattr(c.objective, "micro_batches", 1)

@@ -65,7 +65,7 @@ class ModelState(Part):
                 moments = _load_experts(reader, path, pname, param, globals_, keep)
             else:
                 moments = _load_dense(reader, path, pname, param, groups, pname in shards, keep)
-            if keep:
+            if keep and optimizer is not None:
                 optimizer.state[param] = {"step": count.reshape(()).to(param.device, copy=True), **moments}
 
 
@@ -104,7 +104,7 @@ def _dense_entries(model: nn.Module, optimizer, groups: ParallelGroups, held: se
                 shape = PartitionedEmbeddingPart.full_shape(shape, groups)
                 make = functools.partial(_full_table, make, groups)
             out.append((tensor_key(kind, pname), (dtype, shape), make))
-        out.append((tensor_key("step", pname), (torch.float32, (1,)), lambda p=param: _step(p, optimizer)))
+        out.append((tensor_key("step", pname), (torch.float32, (1,)), functools.partial(_step, param, optimizer)))
     return out
 
 
@@ -122,7 +122,8 @@ def _expert_entries(model: nn.Module, optimizer, groups: ParallelGroups, held: s
                     return t[j] if t is not None else torch.zeros_like(param[j])
                 out.append((tensor_key(kind, pname, g), ((t if t is not None else param).dtype,
                                                          tuple(param.shape[1:])), make))
-            out.append((tensor_key("step", pname, g), (torch.float32, (1,)), lambda p=param: _step(p, optimizer)))
+            step = functools.partial(_step, param, optimizer)
+            out.append((tensor_key("step", pname, g), (torch.float32, (1,)), step))
     return out
 
 

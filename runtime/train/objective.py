@@ -13,6 +13,7 @@ from torch import nn
 
 from runtime.data.chat_data import IGNORE, ChatBatch, ChatDataset
 from runtime.data.dataset import TokenDataset
+from runtime.model.transformer import ModelOutput
 from runtime.parallel.groups import ParallelGroups
 
 
@@ -20,11 +21,13 @@ class Objective(Protocol):
     """The loss of a step and what it reports. It owns the router losses: its backward includes the model output's
     aux_loss, so the loop only reads it back to check it is finite."""
 
-    tokens_per_step: int
-    """Tokens all ranks process in one step (the tokens/s the metrics report)."""
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens all ranks process in one step (the tokens/s the metrics report)."""
+        ...
 
     def forward_backward(self, model: nn.Module, step: int, device: torch.device, autocast,
-                         scaler=None) -> tuple[torch.Tensor, object]:
+                         scaler=None) -> tuple[torch.Tensor, ModelOutput]:
         """(this rank's loss without the router losses, detached; the model output) after backward of the loss plus
         the output's aux_loss (scaled by `scaler` with fp16)."""
         ...
@@ -35,20 +38,32 @@ class Objective(Protocol):
         ...
 
 
-class LanguageModel:
+class _RankShare:
     """A rank's share of a step is its contiguous slice of the step's global batch, micro_batch_size x micro_batches
     sequences, run as `micro_batches` micro-batches of micro_batch_size each (train.grad_accum_steps)."""
 
-    def __init__(self, data: TokenDataset, groups: ParallelGroups, micro_batch_size: int, seq_len: int,
-                 micro_batches: int = 1):
-        self.data, self.groups, self.micro_batch_size = data, groups, micro_batch_size
+    def __init__(self, groups: ParallelGroups, micro_batch_size: int, seq_len: int, micro_batches: int = 1):
+        self.groups, self.micro_batch_size = groups, micro_batch_size
         self.micro_batches = micro_batches
         """Micro-batches of a step: each one's loss counts 1/micro_batches, so their gradients sum to the step's."""
         self.tokens_per_step = groups.world_size * micro_batch_size * micro_batches * seq_len
+
+    def records(self, step: int) -> tuple[dict, list[dict]]:
+        """Objective-specific metrics and extra metrics lines (none for the language model); collective."""
+        return {}, []
+
+
+class LanguageModel(_RankShare):
+    """Next-token cross-entropy of this rank's share of the step's token windows."""
+
+    def __init__(self, data: TokenDataset, groups: ParallelGroups, micro_batch_size: int, seq_len: int,
+                 micro_batches: int = 1):
+        super().__init__(groups, micro_batch_size, seq_len, micro_batches)
+        self.data = data
         self._batch: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def forward_backward(self, model: nn.Module, step: int, device: torch.device, autocast,
-                         scaler=None, micro: int = 0) -> tuple[torch.Tensor, object]:
+                         scaler=None, micro: int = 0) -> tuple[torch.Tensor, ModelOutput]:
         """(this rank's language-model loss of micro-batch `micro`, model output) after backward of its loss plus
         router losses, over the number of micro-batches (the router losses are each micro-batch's own, as
         Megatron computes them)."""
@@ -73,31 +88,30 @@ class LanguageModel:
         rows = slice(micro * self.micro_batch_size, (micro + 1) * self.micro_batch_size)
         return self._batch[1][rows], self._batch[2][rows]
 
-    def records(self, step: int) -> tuple[dict, list[dict]]:
-        """Objective-specific metrics and extra metrics lines (none for the language model); collective."""
-        return {}, []
 
-
-class ChatLanguageModel(LanguageModel):
+class ChatLanguageModel(_RankShare):
     """Next-token cross-entropy of the assistant's tokens of packed chat rows (runtime/data/chat_data.py): this
     rank's summed loss over the tokens counted on every rank in the whole step (all its micro-batches), times the
     world size, as the reducers average the gradients over ranks; so the step is the global batch's mean over its
     counted tokens, whatever each rank's or micro-batch's share of them, and the loss reported (the mean over ranks
     and micro-batches) is that mean too."""
 
-    data: ChatDataset
-    _rows: tuple[int, ChatBatch, float] | None = None
-    """The step whose rows are held, its rows and the tokens counted on every rank (read once a step)."""
+    def __init__(self, data: ChatDataset, groups: ParallelGroups, micro_batch_size: int, seq_len: int,
+                 micro_batches: int = 1):
+        super().__init__(groups, micro_batch_size, seq_len, micro_batches)
+        self.data = data
+        self._rows: tuple[int, ChatBatch, float] | None = None
+        """The step whose rows are held, its rows and the tokens counted on every rank (read once a step)."""
 
     def forward_backward(self, model: nn.Module, step: int, device: torch.device, autocast,
-                         scaler=None, micro: int = 0) -> tuple[torch.Tensor, object]:
+                         scaler=None, micro: int = 0) -> tuple[torch.Tensor, ModelOutput]:
         g, n = self.groups, self.micro_batches
         if self._rows is None or self._rows[0] != step:  # the step's rows and its counted tokens, once a step
             batch = self.data.rank_batch(step, g.rank, g.world_size, self.micro_batch_size * n)
-            counted = torch.tensor([float(batch.target_count)])
+            counted_1 = torch.tensor([float(batch.target_count)])
             if g.world_size > 1:
-                dist.all_reduce(counted)
-            self._rows = (step, batch, max(float(counted), 1.0))
+                dist.all_reduce(counted_1)
+            self._rows = (step, batch, max(float(counted_1), 1.0))
         _, batch, counted = self._rows
         rows = batch.rows(slice(micro * self.micro_batch_size, (micro + 1) * self.micro_batch_size)).to(device)
         with autocast:

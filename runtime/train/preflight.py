@@ -23,7 +23,7 @@ from runtime.data.tokenizer import (
     tokenizer_digest,
 )
 from runtime.errors import UserError
-from runtime.files.paths import expert_store_root
+from runtime.files.paths import expert_store_root, run_dir_of
 from runtime.files.resume import chosen_checkpoint
 from runtime.plan.modes import OffloadMode, requested_modes
 
@@ -36,13 +36,13 @@ def check_before_launch(cfg: MoesysConfig) -> None:
                         "as an inference budget); serve it with moesys infer, or set purpose=train to train it")
     tokenizer = check_tokenizer(cfg)
     for key, path in data_sources(cfg).items():
-        if is_chat(path, cfg.train.data_format):
+        if path is not None and is_chat(path, cfg.train.data_format):
             for _ in read_chat(path, key):  # DataError naming the first malformed line
                 pass
             continue
         check_source(path, key, cfg, tokenizer)  # DataError: missing, empty, too short, unreadable
     if OffloadMode.SSD in requested_modes(cfg.storage.offload):
-        _check_store(expert_store_root(cfg), str(Path(cfg.train.run_dir).resolve()))
+        _check_store(expert_store_root(cfg), str(run_dir_of(cfg).resolve()))
 
 
 def check_tokenizer(cfg: MoesysConfig) -> Tokenizer:
@@ -55,7 +55,7 @@ def check_tokenizer(cfg: MoesysConfig) -> Tokenizer:
                         f"{vocab}; set model.vocab_size={tokenizer.vocab_size} (or more)")
     start = chosen_checkpoint(cfg)
     if start is not None:
-        saved = checkpoint_tokenizer_file(Path(tr.run_dir), start)
+        saved = checkpoint_tokenizer_file(run_dir_of(cfg), start)
         trained = load_tokenizer(saved, "tokenizer") if saved else byte_tokenizer(vocab)
         if tokenizer_digest(trained) != tokenizer_digest(tokenizer):
             was = saved or BYTES
@@ -69,7 +69,7 @@ def check_source(path: str | None, key: str, cfg: MoesysConfig, tokenizer: Token
     """One data source is readable and holds more than one window: a token file's size, dtype and first ids; a text
     source's first tokens (`moesys train` then tokenizes the rest before launch, which finds any later problem)."""
     name, seq_len = source_name(path, key), cfg.train.seq_len
-    if is_token_file(path):
+    if path is not None and is_token_file(path):
         tokens = open_token_file(path, tokenizer.vocab_size, key)
         check_token_count(tokens.size, seq_len, name)
         check_ids(tokens, cfg.model.vocab_size, name)

@@ -46,7 +46,8 @@ class RankMemory(PeakMemory):
 
     def start(self) -> RankMemory:
         self.write()
-        return self.__enter__()
+        self.__enter__()
+        return self
 
     def close(self) -> None:
         self.__exit__(None, None, None)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from runtime.model.transformer import Transformer
 from runtime.moe.activations import unpooled_activations
 from runtime.moe.experts import GroupedExperts
 
@@ -37,7 +37,7 @@ def recomputed(fn, preserve_rng_state: bool = True):
     return run
 
 
-def apply_recompute(model: nn.Module, mode: str, offload=None) -> None:
+def apply_recompute(model: Transformer, mode: str, offload=None) -> None:
     """Wrap `model`'s blocks (block) or its experts' FFNs (moe: the resident GroupedExperts' forward, and the
     offloaded layers' FFN, which `offload` (an OffloadEngine) runs on the weights it fetched); none does nothing."""
     if mode not in MODES:
@@ -48,6 +48,8 @@ def apply_recompute(model: nn.Module, mode: str, offload=None) -> None:
     elif mode == "moe":
         for layer in model.moe_layers():
             if isinstance(layer.experts, GroupedExperts):
-                layer.experts.forward = recomputed(layer.experts.forward, preserve_rng_state=False)
+                # an instance's forward wrapped in place (nn.Module calls self.forward); mypy forbids assigning a method
+                layer.experts.forward = recomputed(  # type: ignore[method-assign]
+                    layer.experts.forward, preserve_rng_state=False)
         if offload is not None:
             offload.ffn = recomputed(offload.ffn, preserve_rng_state=False)

@@ -37,10 +37,11 @@ def find_teacher(checkpoint: str | Path) -> Teacher:
     if (path / META).is_file():
         step, run = path, path.parent.parent if path.parent.name == CHECKPOINTS else path
     else:
-        step, run = latest_checkpoint(path), path
-        if step is None:
+        latest, run = latest_checkpoint(path), path
+        if latest is None:
             raise UserError(f"checkpoint={checkpoint}: no complete checkpoint under {CHECKPOINTS}/ (a moesys run "
                             "directory whose training wrote one)")
+        step = latest
     config = read_meta(step).get("config")
     if not isinstance(config, dict):
         raise UserError(f"{step / META}: no config; is {checkpoint} a moesys training run?")

@@ -30,7 +30,7 @@ from runtime.files.tensorfile import save_tensors, write_tensors
 from runtime.host.io import atomic_write_json
 from runtime.model.transformer import Transformer
 from runtime.moe.layer import MoELayer, is_expert_param
-from runtime.train.distill import heldout_windows, load_frozen, split_heldout
+from runtime.train.distill import heldout_windows, load_frozen, split_heldout, teacher_checkpoint
 
 
 @torch.no_grad()
@@ -76,18 +76,20 @@ def start_student(cfg: MoesysConfig, run_dir: Path) -> dict | None:
         return None
     text = split_heldout(cfg)
     windows = heldout_windows(text.heldout, cfg.train.seq_len, cfg.distill.heldout_windows)
-    teacher = load_frozen(cfg.distill.teacher, torch.device("cpu"))
+    teacher = load_frozen(teacher_checkpoint(cfg), torch.device("cpu"))
     usage = expert_usage(teacher, windows)
     k = cfg.student.num_experts
+    kept = [most_used(u, k) for u in usage]
+    layers = [{"layer": name, "usage": u.tolist(), "kept": j}
+              for name, u, j in zip(moe_layer_names(teacher), usage, kept, strict=True)]
     record = {
         "teacher": cfg.distill.teacher, "teacher_experts": int(usage[0].numel()), "student_experts": k,
         "heldout": {"source": text.source, "windows": int(windows.shape[0]), "tokens": int(windows[:, 1:].numel())},
-        "layers": [{"layer": name, "usage": u.tolist(), "kept": most_used(u, k)}
-                   for name, u in zip(moe_layer_names(teacher), usage, strict=True)],
+        "layers": layers,
     }
     del teacher
     atomic_write_json(run_dir / SELECTION, record)  # before the checkpoint: a checkpoint always has its record
-    write_student_checkpoint(Path(cfg.distill.teacher), [layer["kept"] for layer in record["layers"]], cfg, run_dir)
+    write_student_checkpoint(Path(teacher_checkpoint(cfg)), kept, cfg, run_dir)
     return record
 
 

@@ -28,6 +28,7 @@ from runtime.files.checkpoint_format import STATE_KEYS, CheckpointError, Checkpo
 from runtime.files.paths import TASKS, heads_file
 from runtime.files.tensorfile import save_tensors
 from runtime.host.io import atomic_write_json
+from runtime.model.transformer import ModelOutput
 from runtime.parallel.grad_buckets import GradBucketReducer
 from runtime.parallel.groups import ParallelGroups
 from runtime.plan.rebalance import task_gpu_counts
@@ -260,7 +261,7 @@ class MultiTask:
         return s[:, :-1], s[:, 1:], rows
 
     def forward_backward(self, model: nn.Module, step: int, device: torch.device, autocast,
-                         scaler=None) -> tuple[torch.Tensor, object]:
+                         scaler=None) -> tuple[torch.Tensor, ModelOutput]:
         """Forward this rank's samples once through the shared model, each task's rows through its head; backward.
         Returns (this rank's scaled loss, model output); the time until here is the rank's compute time."""
         began = time.perf_counter()
