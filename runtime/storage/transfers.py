@@ -150,9 +150,14 @@ class TransferEngine:
         in-place change autograd would refuse."""
         target = copy.buffer.data
         with self.timeline.span("h2d", critical), self._on_copy_stream():
-            runs = contiguous_runs(copy.slots)  # one copy per run, all in one operator
-            pieces = target.view(-1).split([(stop - start) * target.shape[1] for start, stop in runs])
-            torch._foreach_copy_(list(pieces), run_states(copy.slots, runs, "stage"), non_blocking=self.cuda)
+            runs = contiguous_runs(copy.slots)
+            pieces = list(target.view(-1).split([(stop - start) * target.shape[1] for start, stop in runs]))
+            sources = run_states(copy.slots, runs, "stage")
+            if self.cuda:  # an asynchronous copy from pinned memory per run
+                for piece, source in zip(pieces, sources, strict=True):
+                    piece.copy_(source, non_blocking=True)
+            else:  # one copy per run, all in one operator
+                torch._foreach_copy_(pieces, sources)
             if self.cuda:
                 copy.ready = torch.cuda.Event()
                 copy.ready.record(self.stream)
