@@ -92,8 +92,13 @@ class ExpertSlot:
             cache[attr] = layout.views(getattr(self, attr))
         return cache[attr]
 
+    @property
+    def separate_stage(self) -> bool:
+        """The stage is a buffer of its own (not the master itself), written from the master after each update."""
+        return self.stage.data_ptr() != self.master.data_ptr()
+
     def refresh_stage(self) -> None:
-        if self.stage.data_ptr() != self.master.data_ptr():
+        if self.separate_stage:
             self.stage.copy_(self.master)
 
     def state_tensors(self) -> dict[str, Tensor]:
@@ -110,6 +115,13 @@ class ExpertSlot:
         if self.stage.data_ptr() != self.master.data_ptr():
             own.append(self.stage)
         return sum(t.numel() * t.element_size() for t in own)
+
+
+def refresh_stages(slots: list[ExpertSlot]) -> None:
+    """Write the stages of slots that have their own from their masters, in one operator."""
+    apart = [slot for slot in slots if slot.separate_stage]
+    if apart:
+        torch._foreach_copy_([slot.stage for slot in apart], [slot.master for slot in apart])
 
 
 def slot_bytes(numel: int, compute_dtype: torch.dtype, separate_stage: bool, moments: bool = True) -> int:
@@ -163,14 +175,6 @@ def slot_runs(slots: list[ExpertSlot], rows: list[int] | None = None) -> list[tu
     return runs_where(len(slots), joins)
 
 
-def step_counts(slots: list[ExpertSlot]) -> list[float]:
-    """Each slot's step count, read a run of slots at a time (one host read per run, not one per expert)."""
-    out: list[float] = []
-    for start, stop in slot_runs(slots):
-        out += block_of(slots, start, stop, "step").reshape(-1).tolist()
-    return out
-
-
 def io_slot(numel: int, compute_dtype: torch.dtype, separate_stage: bool, pin: bool = False,
             zero: bool = True, run_of: ExpertSlot | None = None, moments: bool = True) -> ExpertSlot:
     """One slot whose master, moments and step follow each other in one run of memory that starts and ends on an
@@ -221,3 +225,39 @@ def block_of(slots: list[ExpertSlot], start: int, stop: int, attr: str = "stage"
     """The [stop - start, P] tensor over a contiguous run of slots (see contiguous_runs)."""
     first = getattr(slots[start], attr)
     return first.as_strided((stop - start, first.numel()), (first.numel(), 1))
+
+
+def step_counts(slots: list[ExpertSlot]) -> list[float]:
+    """Each slot's step count, in one host read for all of them: of the span of their block when the slots are rows
+    of one `new_slots` block (one view, however many experts), else of their counts stacked."""
+    if not slots:
+        return []
+    rows = [slot.row for slot in slots if slot.row is not None]
+    if len(rows) == len(slots) and all(row[0] == rows[0][0] for row in rows):
+        first = min(range(len(slots)), key=lambda i: rows[i][1])
+        lo, hi = rows[first][1], max(row[1] for row in rows)
+        counts = slots[first].step.as_strided((hi - lo + 1,), (1,)).tolist()
+        return [counts[row[1] - lo] for row in rows]
+    return torch.stack([slot.step for slot in slots]).tolist()
+
+
+def run_states(slots: list[ExpertSlot], runs: list[tuple[int, int]], attr: str) -> list[Tensor]:
+    """The flat `attr` tensor over each run of contiguous slots (see contiguous_runs), made so that the operators of
+    a layer's update do not grow with its experts: runs of one `new_slots` block, in the block's order, are pieces
+    of one split of the block's span (two operators, however many runs); else a lone slot's own tensor (no
+    operator) or one view over the run."""
+    rows = [row for start, _ in runs if (row := slots[start].row) is not None]
+    if len(runs) > 1 and len(rows) == len(runs) and all(row[0] == rows[0][0] for row in rows):
+        ends = [row[1] + stop - start for row, (start, stop) in zip(rows, runs, strict=True)]
+        if all(rows[i][1] >= ends[i - 1] for i in range(1, len(runs))):
+            first = getattr(slots[runs[0][0]], attr)
+            numel, sizes = first.numel(), []
+            for i, (row, end) in enumerate(zip(rows, ends, strict=True)):
+                sizes += [(row[1] - (ends[i - 1] if i else row[1])) * numel, (end - row[1]) * numel]
+            span = first.as_strided((sum(sizes),), (1,))
+            return list(span.split_with_sizes(sizes)[1::2])
+    out = []
+    for start, stop in runs:
+        first = getattr(slots[start], attr)
+        out.append(first if stop - start == 1 else first.as_strided(((stop - start) * first.numel(),), (1,)))
+    return out

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from runtime.host.timeline import Timeline
 from runtime.moe.buffer_pool import BufferPool
-from runtime.storage.expert_slots import ExpertSlot, SlotLayout, block_of, runs_where, slot_runs, step_counts
+from runtime.storage.expert_slots import ExpertSlot, SlotLayout, refresh_stages, run_states, slot_runs, step_counts
 from runtime.storage.optim import AdamWHyper, catch_up, fused_adamw_counted, square_sum
 
 
@@ -56,22 +56,14 @@ the widening and the kernel."""
 PACK_BELOW = 1 << 15
 """Elements: gradients that come home one tensor per name (without a GPU) are packed into one [a, P] buffer at intake
 when their experts' tensors are smaller than this on average (fine-grained experts: 128 x 3 tensors of a few
-thousand elements a layer). The update then makes one kernel call per run of consecutive slots instead of one per
-(expert, tensor), each of which costs microseconds (a fork and join of the intra-op threads), for one memcpy of the
-gradients."""
+thousand elements a layer), one gather per name. The update then makes one kernel call whose tensors are runs of
+consecutive slots instead of (expert, tensor) pairs, each of which costs the kernel microseconds (a fork and join of
+the intra-op threads), for one memcpy of the gradients; larger tensors are stepped where they lie."""
 
 
 def _worth_packing(layout: SlotLayout, rows: list[int]) -> bool:
-    """Pack per-name gradients (see PACK_BELOW): small tensors in a dense layout, and rows that come in runs of at
-    least four consecutive experts on average (the pack copies each run's tensors apart, the update takes each run
-    of consecutive slots in one piece)."""
-    small = layout.numel < PACK_BELOW * len(layout.names)
-    return bool(rows) and layout.dense and small and 4 * len(_consecutive(rows)) <= len(rows)
-
-
-def _consecutive(rows: list[int]) -> list[tuple[int, int]]:
-    """[start, stop) ranges of positions in `rows` over which the rows count up by one."""
-    return runs_where(len(rows), lambda i: rows[i] == rows[i - 1] + 1)
+    """Pack per-name gradients (see PACK_BELOW): small tensors in a dense layout."""
+    return bool(rows) and layout.dense and layout.numel < PACK_BELOW * len(layout.names)
 
 
 def squares(grads: dict[str, Tensor]) -> list[Tensor]:
@@ -123,29 +115,31 @@ class HostOptimizer:
             with self.timeline.span("intake", False):
                 if flat is not None and layout.dense:
                     return LayerGrads(layer, keys, slots, layout.views(flat), rows, sums, flat, release)
-                on_host = {n: g.to("cpu") for n, g in grads.items()}  # (zeros made on the device: none came home)
+                # (zeros made on the device: none came home)
+                on_host = {n: g if g.device.type == "cpu" else g.to("cpu") for n, g in grads.items()}
                 if _worth_packing(layout, rows):
-                    packed, give_back = self._pack(layout, on_host, rows)
+                    packed, views, give_back = self._pack(layout, on_host, rows)
                     if release is not None:
                         release()
-                    return LayerGrads(layer, keys, slots, layout.views(packed), list(range(len(rows))), sums,
-                                      packed, give_back)
+                    return LayerGrads(layer, keys, slots, views, list(range(len(rows))), sums, packed, give_back)
                 return LayerGrads(layer, keys, slots, on_host, rows, sums, release=release)
 
         self._taken[layer] = self._run(self._intake, job)
 
-    def _pack(self, layout: SlotLayout, grads: dict[str, Tensor], rows: list[int]) -> tuple[Tensor, Callable]:
+    def _pack(self, layout: SlotLayout, grads: dict[str, Tensor],
+              rows: list[int]) -> tuple[Tensor, dict[str, Tensor], Callable]:
         """Rows `rows` of the per-name gradients, in that order, as one pooled [len(rows), P] buffer (see
-        PACK_BELOW), and the call that gives it back."""
+        PACK_BELOW), its per-name views and the call that gives it back: one gather per tensor name, straight into
+        the buffer. A buffer is made for every row the gradients have, so that it fits the layer's next steps
+        whatever their active experts (a buffer made anew pays a page fault per page, more than the gather)."""
         first = next(iter(grads.values()))
-        buf, flat = self._packs.take(first.new_empty(1).expand(len(rows), layout.numel))
+        buf, flat = self._packs.take(first.new_empty(1).expand(len(rows), layout.numel),
+                                     at_least=first.shape[0] * layout.numel)
+        index = torch.tensor(rows)
         views = layout.views(flat)
-        at = 0
-        for start, stop in _consecutive(rows):  # one copy per run of consecutive rows and tensor, no gather
-            for name, view in views.items():
-                view[at:at + stop - start].copy_(grads[name][rows[start]:rows[start] + stop - start])
-            at += stop - start
-        return flat, lambda: self._packs.give(buf)
+        for name, view in views.items():
+            torch.index_select(grads[name], 0, index, out=view)
+        return flat, views, lambda: self._packs.give(buf)
 
     def gathered(self) -> list[LayerGrads]:
         """Every layer taken in this step, in forward order (waits for the intake to finish)."""
@@ -187,41 +181,34 @@ class HostOptimizer:
     def _update_layer(self, lg: LayerGrads, step: int, lr: float, grad_scale: Tensor | None,
                       write_stages: bool = False) -> None:
         with self.timeline.span("catch_up", False):
-            for slot, done in zip(lg.slots, step_counts(lg.slots), strict=True):
-                if done < step:
-                    self.caught_up += catch_up(slot, step, self.lr_schedule, self.adamw)
+            self.caught_up += catch_up(lg.slots, step, self.lr_schedule, self.adamw, step_counts(lg.slots))
         widening = any(g.dtype != torch.float32 for g in lg.grads.values())
         runs = slot_runs(lg.slots, lg.rows) if lg.flat is not None else []
         with self.timeline.span("adamw", False):
             if widening:
                 self._adamw_widening(lg, runs, lr, grad_scale, write_stages)
-            elif lg.flat is not None:  # one kernel call over each run of whole slots
-                self._advance(lg.slots, runs)
-                pieces = [self._run_states(lg, start, stop) for start, stop in runs]
-                fused_adamw_counted([p[0] for p in pieces], [p[4] for p in pieces], [p[1] for p in pieces],
-                                    [p[2] for p in pieces], [lg.slots[start].step for start, _ in runs], lr,
-                                    self.adamw, grad_scale)
+            elif lg.flat is not None:  # one kernel call over the runs of whole slots
+                self._advance(lg.slots)
+                fused_adamw_counted(run_states(lg.slots, runs, "master"), self._run_grads(lg, runs),
+                                    run_states(lg.slots, runs, "exp_avg"), run_states(lg.slots, runs, "exp_avg_sq"),
+                                    [lg.slots[start].step for start, _ in runs], lr, self.adamw, grad_scale)
             else:
                 self._adamw_per_tensor(lg, lr, grad_scale)
         if write_stages and not widening:
             with self.timeline.span("refresh", False):
-                for start, stop in runs or slot_runs(lg.slots):
-                    stage = block_of(lg.slots, start, stop, "stage")
-                    if stage.data_ptr() != lg.slots[start].master.data_ptr():
-                        stage.copy_(block_of(lg.slots, start, stop, "master"))
+                refresh_stages(lg.slots)
         lg.applied()
 
     @staticmethod
-    def _advance(slots: list[ExpertSlot], runs: list[tuple[int, int]]) -> None:
-        """Add 1 to the slots' step counts, one add per run (the counts of a run are equal: every expert was caught
-        up to this step first, so the run's first count serves the whole run in the kernel)."""
-        for start, stop in runs:
-            block_of(slots, start, stop, "step").add_(1)
+    def _advance(slots: list[ExpertSlot]) -> None:
+        """Add 1 to the slots' step counts in one operator (the counts of a run are then equal: every expert was
+        caught up to this step first, so the run's first count serves the whole run in the kernel)."""
+        torch._foreach_add_([slot.step for slot in slots], 1)
 
     def _adamw_per_tensor(self, lg: LayerGrads, lr: float, grad_scale: Tensor | None) -> None:
         """One kernel call over every (expert, tensor) pair."""
         names = self.layouts[lg.layer].names
-        torch._foreach_add_([slot.step for slot in lg.slots], 1)
+        self._advance(lg.slots)
         state = [slot.views(attr, self.layouts[lg.layer]) for slot in lg.slots
                  for attr in ("master", "exp_avg", "exp_avg_sq")]
         rows = {name: lg.grads[name].unbind(0) for name in names}  # one call per tensor, not per row
@@ -237,11 +224,12 @@ class HostOptimizer:
         each expert's tensors, widened to fp32 a chunk at a time into one scratch buffer, then stepped over that chunk
         of its states, whose stage is then written when `write_stages` (widening is exact and AdamW elementwise: the
         numbers of widening them all first, without their fp32 copy or a second pass over memory)."""
+        self._advance(lg.slots)
         if lg.flat is not None:
-            self._advance(lg.slots, runs)
-            groups = [([self._run_states(lg, start, stop)], lg.slots[start].step) for start, stop in runs]
+            states = zip(*(run_states(lg.slots, runs, attr) for attr in ("master", "exp_avg", "exp_avg_sq", "stage")),
+                         self._run_grads(lg, runs), strict=True)
+            groups = [([pieces], lg.slots[start].step) for pieces, (start, _) in zip(states, runs, strict=True)]
         else:
-            torch._foreach_add_([slot.step for slot in lg.slots], 1)
             groups = [(self._tensor_states(lg, slot, row), slot.step)
                       for slot, row in zip(lg.slots, lg.rows, strict=True)]
         if self._widened is None:
@@ -258,13 +246,15 @@ class HostOptimizer:
                         stage[part].copy_(master[part])
 
     @staticmethod
-    def _run_states(lg: LayerGrads, start: int, stop: int) -> tuple[Tensor, ...]:
-        """(master, exp_avg, exp_avg_sq, stage, gradient), flat, over slots start..stop: consecutive whole slots and
-        consecutive rows of lg.flat (see slot_runs)."""
-        assert lg.flat is not None, "slot runs exist only over gradients that came home in one flat buffer"
-        states = [block_of(lg.slots, start, stop, attr).reshape(-1)
-                  for attr in ("master", "exp_avg", "exp_avg_sq", "stage")]
-        return (*states, lg.flat[lg.rows[start]:lg.rows[start] + stop - start].reshape(-1))
+    def _run_grads(lg: LayerGrads, runs: list[tuple[int, int]]) -> list[Tensor]:
+        """The flat gradient of each run of slots (see slot_runs: its rows of lg.flat are consecutive too): one
+        split of the buffer when the runs fill its rows in order (packed, or come home from a GPU), else a view per
+        run."""
+        flat, rows = lg.flat, lg.rows
+        assert flat is not None, "slot runs exist only over gradients that came home in one flat buffer"
+        if rows == list(range(flat.shape[0])):
+            return list(flat.view(-1).split([(stop - start) * flat.shape[1] for start, stop in runs]))
+        return [flat[rows[start]:rows[start] + stop - start].view(-1) for start, stop in runs]
 
     def _tensor_states(self, lg: LayerGrads, slot: ExpertSlot, row: int) -> list[tuple[Tensor, ...]]:
         """(master, exp_avg, exp_avg_sq, stage, gradient), flat, for each of a slot's tensors."""

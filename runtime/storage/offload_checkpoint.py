@@ -49,7 +49,7 @@ def _caught_up_slots(engine: OffloadEngine, spec: LayerSpec, step: int) -> Itera
         key = spec.key(j)
         slot = engine.home.checkpoint_slot(key)
         with torch.no_grad():
-            if engine.trainable and catch_up(slot, step, engine.lr_schedule, engine.adamw):
+            if engine.trainable and catch_up([slot], step, engine.lr_schedule, engine.adamw):
                 slot.refresh_stage()
         yield key[1], slot
 

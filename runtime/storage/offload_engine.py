@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from runtime.host.timeline import Timeline, by_kind, host_cost
 from runtime.moe.experts import expert_ffn, output_dtype
 from runtime.plan.budget import STORED_SPARSE_BYTES
-from runtime.storage.expert_slots import ExpertSlot, SlotLayout, needs_separate_stage, step_counts
+from runtime.storage.expert_slots import ExpertSlot, SlotLayout, needs_separate_stage, refresh_stages, step_counts
 from runtime.storage.expert_store import ExpertKey
 from runtime.storage.grad_sum import LayerGradSum
 from runtime.storage.host_adamw import HostOptimizer, LayerGrads, squares
@@ -225,11 +225,12 @@ class OffloadEngine:
             return
         target = self.steps_done - 1 if self.delayed and self.steps_done else self.steps_done
         with self.timeline.span("catch_up", True), torch.no_grad():
-            for key, slot, done in zip(keys, slots, step_counts(slots), strict=True):
-                if key in self._in_flight or done >= target:
-                    continue
-                self._caught_up += catch_up(slot, target, self.lr_schedule, self.adamw)
-                slot.refresh_stage()
+            behind = [(slot, done) for key, slot, done in zip(keys, slots, step_counts(slots), strict=True)
+                      if done < target and key not in self._in_flight]
+            if behind:
+                late = [slot for slot, _ in behind]
+                self._caught_up += catch_up(late, target, self.lr_schedule, self.adamw, [d for _, d in behind])
+                refresh_stages(late)
 
     def _prefetch_after(self, layer: int) -> None:
         """Start moving the next layer's experts, predicted from its last step, while this layer computes."""
@@ -411,8 +412,7 @@ class OffloadEngine:
                 self._stage_free[lg.layer].wait()
             self.transfers.wait_stage_read(lg.layer)
             with self.timeline.span("refresh", False):
-                for slot in lg.slots:
-                    slot.refresh_stage()
+                refresh_stages(lg.slots)
         self.home.settle(lg.keys, lg.slots)
         with self._use_lock:
             self._in_use.difference_update(lg.keys)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -75,7 +76,7 @@ memory once instead of k times (the kernel is elementwise: the same numbers as k
 @functools.lru_cache(maxsize=8)
 def _zeros(numel: int) -> torch.Tensor:
     """A zero gradient of `numel` fp32 elements, kept: catch-up steps only read it (a fresh one each time pays its
-    page faults)."""
+    page faults), and one serves every expert of that size in a kernel call."""
     return torch.zeros(numel)
 
 
@@ -89,24 +90,62 @@ class AdamWStates(Protocol):
     step: torch.Tensor
 
 
-def catch_up(slot: AdamWStates, upto: int, lr_schedule, h: AdamWHyper) -> int:
-    """Apply the zero-gradient AdamW steps an expert missed while it received no tokens (its step count is below
-    `upto`): resident AdamW steps every expert every iteration, decaying its weights and moments, so an offloaded
-    expert stepped only when active must do the same to train identically. Each CATCH_UP_CHUNK of its states goes
-    through every missed step while it is in cache. Returns the steps applied; the caller refreshes the slot's
-    stage."""
-    done = int(slot.step)
-    if done >= upto:
+def catch_up(slots: Sequence[AdamWStates], upto: int, lr_schedule, h: AdamWHyper,
+             done: list[float] | None = None) -> int:
+    """Apply the zero-gradient AdamW steps experts missed while they received no tokens (those whose step count,
+    `done` when the caller has read them, is below `upto`): resident AdamW steps every expert every iteration,
+    decaying its weights and moments, so an offloaded expert stepped only when active must do the same to train
+    identically. The states go in pieces of at most CATCH_UP_CHUNK elements (a chunk of a large expert, or several
+    small experts together), each taken through all of its missed steps while it is in cache, one kernel call per
+    piece and step over all of its experts (the kernel is elementwise, with a step count per tensor: the numbers of
+    stepping each expert alone). Returns the steps applied; the caller refreshes the slots' stages."""
+    if done is None:
+        done = torch.stack([slot.step for slot in slots]).tolist() if slots else []
+    behind = [(slot, int(d)) for slot, d in zip(slots, done, strict=True) if d < upto]
+    if not behind:
         return 0
-    lrs = [lr_schedule(step) for step in range(done, upto)]
-    numel = slot.master.numel()
-    zeros = _zeros(min(numel, CATCH_UP_CHUNK))
-    for lo in range(0, numel, CATCH_UP_CHUNK):
-        part = slice(lo, min(lo + CATCH_UP_CHUNK, numel))
-        count = slot.step.clone()
-        for lr in lrs:
-            count += 1
-            fused_adamw_counted([slot.master[part]], [zeros[:part.stop - lo]], [slot.exp_avg[part]],
-                                [slot.exp_avg_sq[part]], [count], lr, h)
-    slot.step.fill_(upto)
-    return upto - done
+    lrs = [(step, lr_schedule(step)) for step in range(min(d for _, d in behind), upto)]
+    for piece in _pieces(behind):
+        counts = torch.stack([part.step for part in piece]).unbind(0)  # each piece's own count, from its slot's
+        for step, lr in lrs:
+            at = [i for i, part in enumerate(piece) if part.done <= step]
+            if not at:
+                continue
+            torch._foreach_add_([counts[i] for i in at], 1)
+            fused_adamw_counted([piece[i].master for i in at], [_zeros(piece[i].master.numel()) for i in at],
+                                [piece[i].exp_avg for i in at], [piece[i].exp_avg_sq for i in at],
+                                [counts[i] for i in at], lr, h)
+    torch._foreach_add_([slot.step for slot, _ in behind], [float(upto - d) for _, d in behind])
+    return sum(upto - d for _, d in behind)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Part of an expert's states that a catch-up takes through its missed steps: the whole slot, or a chunk."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+    done: int
+
+
+def _pieces(behind: list[tuple[AdamWStates, int]]) -> list[list[_Piece]]:
+    """Groups of at most CATCH_UP_CHUNK elements: each chunk of an expert larger than that alone, smaller experts
+    whole, several to a group."""
+    groups: list[list[_Piece]] = []
+    room = 0
+    for slot, done in behind:
+        numel = slot.master.numel()
+        if numel > CATCH_UP_CHUNK:
+            for lo in range(0, numel, CATCH_UP_CHUNK):
+                part = slice(lo, min(lo + CATCH_UP_CHUNK, numel))
+                groups.append([_Piece(slot.master[part], slot.exp_avg[part], slot.exp_avg_sq[part], slot.step, done)])
+            room = 0
+            continue
+        if numel > room:
+            groups.append([])
+            room = CATCH_UP_CHUNK
+        groups[-1].append(_Piece(slot.master, slot.exp_avg, slot.exp_avg_sq, slot.step, done))
+        room -= numel
+    return groups

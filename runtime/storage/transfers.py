@@ -21,7 +21,7 @@ from torch import Tensor
 
 from runtime.host.timeline import Timeline
 from runtime.moe.buffer_pool import BufferPool
-from runtime.storage.expert_slots import ExpertSlot, SlotLayout, block_of, contiguous_runs
+from runtime.storage.expert_slots import ExpertSlot, SlotLayout, block_of, contiguous_runs, run_states
 from runtime.storage.tiers import Tiers
 
 
@@ -163,8 +163,14 @@ class TransferEngine:
         in-place change autograd would refuse."""
         target = copy.buffer.data
         with self.timeline.span("h2d", critical), self._on_copy_stream():
-            for start, stop in contiguous_runs(copy.slots):
-                target[start:stop].copy_(block_of(copy.slots, start, stop), non_blocking=self.cuda)
+            runs = contiguous_runs(copy.slots)
+            pieces = list(target.view(-1).split([(stop - start) * target.shape[1] for start, stop in runs]))
+            sources = run_states(copy.slots, runs, "stage")
+            if self.cuda:  # an asynchronous copy from pinned memory per run
+                for piece, source in zip(pieces, sources, strict=True):
+                    piece.copy_(source, non_blocking=True)
+            else:  # one copy per run, all in one operator
+                torch._foreach_copy_(pieces, sources)
             if self.cuda:
                 copy.ready = torch.cuda.Event()
                 copy.ready.record(self.stream)

@@ -97,7 +97,36 @@ def test_catch_up_in_chunks_equals_every_missed_step_over_the_whole_slot(monkeyp
     master, exp_avg, exp_avg_sq, step = (t.clone() for t in (slot.master, slot.exp_avg, slot.exp_avg_sq, slot.step))
     for s in range(2, 7):
         optim.fused_adamw([master], [torch.zeros_like(master)], [exp_avg], [exp_avg_sq], [step], lr(s), h)
-    assert optim.catch_up(slot, 7, lr, h) == 5 and optim.catch_up(slot, 7, lr, h) == 0
+    assert optim.catch_up([slot], 7, lr, h) == 5 and optim.catch_up([slot], 7, lr, h) == 0
     assert LAYOUT.numel % 64 and float(slot.step) == float(step) == 7
     for got, want in ((slot.master, master), (slot.exp_avg, exp_avg), (slot.exp_avg_sq, exp_avg_sq)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("chunk", [optim.CATCH_UP_CHUNK, 2 * LAYOUT.numel + 1, 64],
+                         ids=["one-piece", "two-experts-a-piece", "chunks-of-64"])
+def test_a_layers_experts_caught_up_together_equal_each_caught_up_alone(monkeypatch, chunk):
+    """Experts that missed different numbers of steps (one none) are caught up in one call: a kernel call per piece
+    and step over every expert still behind at that step. The plain reference steps each expert alone, once per
+    missed step, with the resident optimizer's kernel."""
+    monkeypatch.setattr(optim, "CATCH_UP_CHUNK", chunk)
+    torch.manual_seed(0)
+    lr = lambda s: 1e-2 / (1 + s)  # noqa: E731
+    h = AdamWHyper()
+    slots = new_slots(LAYOUT.numel, 4, torch.float32, False)
+    for slot, done in zip(slots, (2, 4, 6, 7), strict=True):
+        for t in (slot.master, slot.exp_avg):
+            t.normal_()
+        slot.exp_avg_sq.uniform_()
+        slot.step.fill_(done)
+    expected = []
+    for slot in slots:
+        master, exp_avg, exp_avg_sq, step = (t.clone() for t in (slot.master, slot.exp_avg, slot.exp_avg_sq, slot.step))
+        for s in range(int(step), 7):
+            optim.fused_adamw([master], [torch.zeros_like(master)], [exp_avg], [exp_avg_sq], [step], lr(s), h)
+        expected.append((master, exp_avg, exp_avg_sq, float(step)))
+    assert optim.catch_up(slots[::-1], 7, lr, h) == 5 + 3 + 1
+    for slot, (master, exp_avg, exp_avg_sq, step) in zip(slots, expected, strict=True):
+        assert float(slot.step) == step == 7
+        assert all(torch.equal(a, b) for a, b in ((slot.master, master), (slot.exp_avg, exp_avg),
+                                                   (slot.exp_avg_sq, exp_avg_sq)))

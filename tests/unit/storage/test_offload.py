@@ -323,7 +323,7 @@ def test_fine_grained_experts_train_like_resident_with_one_update_call_per_layer
         resident = ref.model.moe_layers()[spec.index].experts
         for j in range(spec.num_local):
             slot = run.mgr.home.checkpoint_slot(spec.key(j))
-            catch_up(slot, 4, run.mgr.lr_schedule, run.mgr.adamw)
+            catch_up([slot], 4, run.mgr.lr_schedule, run.mgr.adamw)
             for name, tensor in spec.layout.views(slot.master).items():
                 assert torch.equal(tensor, getattr(resident, name)[spec.key(j)[1]]), (spec.index, j, name)
     per_expert = spec.layout.numel
