@@ -46,7 +46,7 @@ def config(overrides: Overrides = None, keys: Keys = False, json_out: Json = Fal
                "" if r["value"] is MISSING else value_text(r["value"]), r["doc"]) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(4)]
     for row in table:
-        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + "  " + row[4])
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4])
 
 
 def _lookup(values: dict, dotted: str) -> Any:
