@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from runtime.model import cpu_gemv
 from runtime.moe.grouped_mm_op import grouped_mm_in_place, grouped_mm_ok
 
 
@@ -88,7 +89,7 @@ def sorted_ffn(x_RD: Tensor, sorted_ids: Tensor, offs_e: Tensor, w1: Tensor, w2:
     """Each row's expert FFN for rows sorted by expert (`sort_by_expert`), the weights read in place: one grouped
     GEMM per projection, a bias added per row after its product."""
     def proj(a, w, b):
-        out = torch._grouped_mm(a, w.transpose(-2, -1), offs=offs_e)
+        out = cpu_gemv.grouped_mm(a, w, offs_e)
         return out if b is None else out + b.index_select(0, sorted_ids)
 
     h_RF = proj(x_RD, w1, b1)
@@ -132,7 +133,7 @@ def row_ffn(x_1D: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None, b1: 
     """One token's FFN through one expert whose weights are given where they lie (a mapped file, a slot): the
     arithmetic of gathered_ffn's per-token product (a one-row product, then the bias), with no copy."""
     def proj(a, w, b):
-        out = F.linear(a, w)
+        out = cpu_gemv.linear(a, w)
         return out if b is None else out + b
 
     h_1F = proj(x_1D, w1, b1)
