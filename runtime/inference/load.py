@@ -199,7 +199,8 @@ def open_moesys(path: Path, dtype: torch.dtype | None = None, device: torch.devi
                 raise missing_tensor(step, missing[0])
             weights[wname] = [_shape_checked(files.get(k), param[0], k, step) for k in keys]
         layers.append(weights)
-    model.load_state_dict({k: copy_to(v, device, dtype) for k, v in state.items()}, strict=True, assign=True)
+    # the experts stay on meta (placed later): not in `state`
+    model.load_state_dict({k: copy_to(v, device, dtype) for k, v in state.items()}, strict=False, assign=True)
     if any(b.is_meta for b in model.buffers()):
         raise InferError(f"{step}: a model buffer has no value in the checkpoint")
     tokenizer = checkpoint_tokenizer(path, step, cfg)  # with the checkpoint's generation facts: its stop ids
