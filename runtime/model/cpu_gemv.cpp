@@ -31,12 +31,13 @@ static inline float dot_row(const float* x, const uint16_t* w, int64_t len) {
   return _mm256_cvtss_f32(v);
 }
 
-// y[r, n] = bf16(dot(x[r], ws[r][n])): each output its own dot product, split over the intra-op threads.
-static void rows(const float* x, int64_t R, const uint16_t* const* ws, int64_t N, int64_t D, c10::BFloat16* y) {
+// y[r, n] = bf16(dot(xs[r], ws[r][n])): each output its own dot product, split over the intra-op threads.
+static void rows(const float* const* xs, const uint16_t* const* ws, int64_t R, int64_t N, int64_t D,
+                 c10::BFloat16* y) {
   at::parallel_for(0, R * N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       int64_t r = i / N;
-      y[i] = c10::BFloat16(dot_row(x + r * D, ws[r] + (i - r * N) * D, D));
+      y[i] = c10::BFloat16(dot_row(xs[r], ws[r] + (i - r * N) * D, D));
     }
   });
 }
@@ -49,14 +50,24 @@ static std::vector<float> to_float(const torch::Tensor& x) {
   return out;
 }
 
+// Row r of x (x's one row for every r when it has one) times ws[r] ([N, D] each) -> bf16 y of `sizes`.
+static torch::Tensor products(const torch::Tensor& x, const std::vector<const uint16_t*>& ws, int64_t N, int64_t D,
+                              at::IntArrayRef sizes) {
+  int64_t R = ws.size();
+  auto xf = to_float(x);
+  std::vector<const float*> xs(R);
+  for (int64_t r = 0; r < R; ++r) xs[r] = xf.data() + (x.numel() == D ? 0 : r * D);
+  auto y = torch::empty(sizes, x.options());
+  rows(xs.data(), ws.data(), R, N, D, y.data_ptr<c10::BFloat16>());
+  return y;
+}
+
 // x [..., D] (R rows) times w [N, D] -> [..., N].
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w) {
-  int64_t N = w.size(0), D = w.size(1), R = x.numel() / D;
+  int64_t N = w.size(0), D = w.size(1);
   auto sizes = x.sizes().vec(); sizes.back() = N;
-  auto y = torch::empty(sizes, x.options());
-  std::vector<const uint16_t*> ws(R, reinterpret_cast<const uint16_t*>(w.data_ptr()));
-  rows(to_float(x).data(), R, ws.data(), N, D, y.data_ptr<c10::BFloat16>());
-  return y;
+  return products(x, std::vector<const uint16_t*>(x.numel() / D, reinterpret_cast<const uint16_t*>(w.data_ptr())),
+                  N, D, sizes);
 }
 
 // x [R, D] sorted by expert (offs [E]: each expert's end row, int32) times w [E, N, D] -> [R, N].
@@ -72,12 +83,25 @@ torch::Tensor grouped_rows(torch::Tensor x, torch::Tensor w, torch::Tensor offs)
     for (int64_t r = start; r < o[e]; ++r) ws[r] = base + e * N * D;
     start = o[e];
   }
-  auto y = torch::empty({R, N}, x.options());
-  rows(to_float(x).data(), R, ws.data(), N, D, y.data_ptr<c10::BFloat16>());
-  return y;
+  return products(x, ws, N, D, {R, N});
+}
+
+// Row k: x[k] (x's one row for every k when it has one) times expert ids[k]'s matrix of w [E, N, D] -> [K, N]; the
+// ids are read here, on the host that is the device (one token's routed experts: K distinct one-row products).
+torch::Tensor routed_rows(torch::Tensor x, torch::Tensor w, torch::Tensor ids) {
+  int64_t N = w.size(1), D = w.size(2), K = ids.numel();
+  const int64_t* e = ids.data_ptr<int64_t>();
+  const uint16_t* base = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  std::vector<const uint16_t*> ws(K);
+  for (int64_t k = 0; k < K; ++k) {
+    TORCH_CHECK(e[k] >= 0 && e[k] < w.size(0), "routed_rows: expert id out of range");
+    ws[k] = base + e[k] * N * D;
+  }
+  return products(x, ws, N, D, {K, N});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_rows", &linear_rows);
   m.def("grouped_rows", &grouped_rows);
+  m.def("routed_rows", &routed_rows);
 }

@@ -84,7 +84,7 @@ def _gives_aten_bits(mod) -> bool:
         torch._C._set_mkldnn_enabled(before)
 
 
-def _applies(x: Tensor, weight: Tensor) -> bool:
+def applies(x: Tensor, weight: Tensor) -> bool:
     """The kernel's case: eager, CPU, bf16, contiguous, D a multiple of CHUNK, oneDNN off (aten's GEMV is then
     what F.linear runs), and the kernel here."""
     return (not torch.compiler.is_compiling() and _ENABLED[0] and x.device.type == "cpu"
@@ -106,7 +106,7 @@ def _call(name: str, *args: Tensor) -> Tensor:
 def linear(x_D: Tensor, weight_ND: Tensor, bias_N: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias) for x of one row ([..., D], one row in all): the kernel where it applies, else
     aten's product."""
-    if bias_N is None and x_D.numel() == x_D.shape[-1] and _applies(x_D, weight_ND):
+    if bias_N is None and x_D.numel() == x_D.shape[-1] and applies(x_D, weight_ND):
         return _call("linear_rows", x_D, weight_ND)
     return F.linear(x_D, weight_ND, bias_N)
 
@@ -115,6 +115,13 @@ def grouped_mm(x_RD: Tensor, w_END: Tensor, offs_E: Tensor) -> Tensor:
     """torch._grouped_mm(x, w.transpose(-2, -1), offs): rows sorted by expert (offs: each expert's end row, int32)
     times their expert's [N, D] matrix. The kernel where it applies and each expert has at most one row (a one-row
     product; the kernel hands several rows to aten's GEMM itself), else aten's grouped GEMM."""
-    if _applies(x_RD, w_END) and offs_E.dtype == torch.int32:
+    if applies(x_RD, w_END) and offs_E.dtype == torch.int32:
         return _call("grouped_rows", x_RD, w_END, offs_E)
     return torch._grouped_mm(x_RD, w_END.transpose(-2, -1), offs=offs_E)
+
+
+def routed_mm(x_RD: Tensor, w_END: Tensor, ids_K: Tensor) -> Tensor:
+    """[K, N]: row k is x[k] (x[0] for every k when x has one row) times expert ids_K[k]'s matrix, a one-row product
+    each: one token's routed experts read in place, in choice order, without sorting them by expert (the ids, int64,
+    distinct, are read on the host). Only where `applies` (callers check)."""
+    return _call("routed_rows", x_RD, w_END, ids_K)
