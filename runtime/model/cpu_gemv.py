@@ -1,7 +1,7 @@
 """One-row bf16 products on an x86 CPU at the memory's bandwidth, with aten's arithmetic bit for bit.
 
 aten's bf16 GEMV (what a one-row F.linear runs with oneDNN off, as a decode step runs it) converts the row to fp32
-again for every output, which bounds it near two thirds of one core's read bandwidth. `cpu_gemv.cpp` converts
+again for every output, work that keeps it below one core's read bandwidth. `cpu_gemv.cpp` converts
 the row once and keeps aten's accumulators, summation tree and final reduction, so it gives the very numbers while
 streaming the weight at the memory's pace. Built once per machine with torch's C++ extension loader (cached under
 `TORCH_EXTENSIONS_DIR`), used only where the CPU has AVX-512 and a probe on random rows finds aten's bits; anywhere
