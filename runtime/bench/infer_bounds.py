@@ -57,6 +57,13 @@ def streamed_path(system: str, bandwidth: dict[str, Any], at: dict[str, float]) 
     return None, 0.0
 
 
+def binding_term(device_bytes: float, device_bw: float, host_bytes: float, host_bw: float) -> str:
+    """The term of `decode_bound` that takes longer: "device_read" (the device tier's bytes) or "streamed" (the
+    bytes the streamed path carries)."""
+    streamed_s = host_bytes / host_bw if host_bytes and host_bw else 0.0
+    return "streamed" if streamed_s > device_bytes / device_bw else "device_read"
+
+
 def apply_bounds(systems: dict[str, dict], bandwidth: dict[str, Any]) -> dict[str, dict]:
     """Give every measured system its bound (fields `bandwidth_bound_tokens_per_s`, `share_of_bound` and `bound`:
     bytes per tier, bandwidths, the streamed path) at its own thread count; the bound table, keyed system@threads."""
@@ -80,9 +87,11 @@ def apply_bounds(systems: dict[str, dict], bandwidth: dict[str, Any]) -> dict[st
                         "device_read_bytes_per_s": at["device_read_bytes_per_s"],
                         "streamed_bytes_per_token": host_bytes, "streamed_path": path,
                         "streamed_bytes_per_s": path_bw, "token_bytes": {**source.get("token_bytes", {}),
-                                                                          "kv_cache": kv}}
+                                                                          "kv_cache": kv},
+                        "binding": binding_term(device_bytes, at["device_read_bytes_per_s"], host_bytes, path_bw)}
         table[f"{name}@{threads}"] = {
             "bytes_per_token": device_bytes + host_bytes, "read_bytes_per_s": at["device_read_bytes_per_s"],
-            "streamed_path": path, "streamed_bytes_per_s": path_bw, "bound_tokens_per_s": bound,
+            "streamed_path": path, "streamed_bytes_per_s": path_bw, "binding": row["bound"]["binding"],
+            "bound_tokens_per_s": bound,
             "measured_tokens_per_s": measured, "vs_bound": row.get("share_of_bound")}
     return table

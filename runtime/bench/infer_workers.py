@@ -156,9 +156,11 @@ def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repe
     from runtime.inference.load import open_checkpoint
     from runtime.inference.offloaders import make_offloader
     from runtime.inference.step_counts import count_decode
+    from runtime.model import cpu_gemv
 
     measured: dict[str, Any] = {"threads": _threads(threads)}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    measured["cpu_gemv"] = device.type == "cpu" and cpu_gemv.kernel() is not None  # built before the clock starts
     start = time.perf_counter()
     loaded = open_checkpoint(checkpoint, device=device)
     model = loaded.model

@@ -162,7 +162,7 @@ def open_hf_model(path: PathLike, dtype: torch.dtype | None = None, device: str 
         model = Transformer(cfg)
     state = {name: copy_to(checkpoint.get(tensor_key(MODEL, name)), device, dtype)
              for name, _ in model.named_parameters() if not is_expert_param(name)}
-    model.load_state_dict(state, strict=False, assign=True)
+    model.load_state_dict(state, strict=False, assign=True)  # the experts stay on meta: not in `state`
     leftover = [n for n, b in model.named_buffers() if b.is_meta]
     if leftover:
         raise HFCheckpointError(f"moesys buffer {leftover[0]} has no value in the checkpoint")

@@ -5,8 +5,9 @@ the DRAM bound): the weights on transparent huge pages, and one-row products thr
   boundary and every page costs a TLB walk, on 2 MiB pages neither. Weights copied onto a CPU for inference
   (`empty_weight`) get anonymous memory advised MADV_HUGEPAGE where the kernel offers it.
 - One-row products: oneDNN's bf16 matmul repacks the weight for every call, which for one row reads it at a third
-  of the bandwidth; aten's own bf16 GEMV (fp32 accumulation) streams it in place. A decode step turns oneDNN off for
-  its duration (`decode_kernels`); prompts, whose many rows oneDNN's GEMM serves well, keep it.
+  of the bandwidth; aten's own bf16 GEMV (fp32 accumulation) streams it in place, and runtime/model/cpu_gemv.py
+  gives its numbers at the memory's pace. A decode step turns oneDNN off for its duration (`decode_kernels`);
+  prompts, whose many rows oneDNN's GEMM serves well, keep it.
 """
 
 from __future__ import annotations

@@ -202,6 +202,7 @@ def open_moesys(path: Path, dtype: torch.dtype | None = None, device: torch.devi
                 raise missing_tensor(step, missing[0])
             weights[wname] = [_shape_checked(files.get(k), weight[0], k, step) for k in keys]
         layers.append(weights)
+    # the experts stay on meta (placed later): not in `state`
     model.load_state_dict({k: copy_to(v, device, dtype) for k, v in state.items()}, strict=False, assign=True)
     if any(b.is_meta for b in model.buffers()):
         raise InferError(f"{step}: a model buffer has no value in the checkpoint")

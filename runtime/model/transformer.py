@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.config import ModelConfig
+from runtime.model import cpu_gemv
 from runtime.model.attention import Attention, StaticKVCache, rope_cos_sin, segment_mask
 from runtime.model.ffn import DenseFFN
 from runtime.model.init import draw_seed, init_parameters
@@ -150,7 +151,8 @@ class Transformer(nn.Module):
         for block in self.layers:
             h = cast(Block, block).decode(h, rope, cache, pos_1, mask_1L)
         h = self.norm(h)[:, 0]
-        return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+        head = self.output.weight if self.output is not None else self.tok_embeddings.weight
+        return cpu_gemv.linear(h, head, None if self.output is None else self.output.bias)
 
     def tokens_at(self, tokens_B1: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Embeddings [B, 1, D] of tokens at positions `pos` (one for every row, or one per row), with the learned

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from runtime.model import cpu_gemv
 from runtime.moe.grouped_mm_op import grouped_mm_in_place, grouped_mm_ok
 
 
@@ -67,10 +68,33 @@ def grouped_routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, 
     in choice order and combined as gathered_ffn combines them. One row per group is the gathered per-token
     product's arithmetic (tests/unit/moe/test_experts.py checks it bit for bit), without copying the weights."""
     K = expert_ids_TK.shape[-1]
+    if expert_ids_TK.dtype == torch.int64 and all(cpu_gemv.applies(x_TD, w) for w in (w1, w2, w3) if w is not None):
+        return combine_choices(_routed_rows(x_TD.reshape(1, -1), expert_ids_TK.reshape(K), w1, w2, w3, b1, b2, b3,
+                                            kind).view(*expert_ids_TK.shape, -1), weights_TK)
     sorted_ids, order_K, offs_e = sort_by_expert(expert_ids_TK.reshape(K), w1.shape[0])
     x_KD = x_TD.reshape(1, -1).expand(K, -1).contiguous()  # every choice's row is the token itself
     y_KD = sorted_ffn(x_KD, sorted_ids, offs_e, w1, w2, w3, b1, b2, b3, kind).index_select(0, torch.argsort(order_K))
     return combine_choices(y_KD.view(*expert_ids_TK.shape, -1), weights_TK)
+
+
+def _routed_rows(x_1D: Tensor, ids_K: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, b1: Tensor | None,
+                 b2: Tensor | None, b3: Tensor | None, kind: str) -> Tensor:
+    """y_KD of one token's K distinct routed experts in choice order through `cpu_gemv.routed_mm`: the products
+    `sorted_ffn` makes (one row per expert), without sorting the choices by expert and back."""
+    def proj(a, w, b):
+        out = cpu_gemv.routed_mm(a, w, ids_K)
+        return out if b is None else out + b.index_select(0, ids_K)
+
+    return _ffn(proj, x_1D, w1, w2, w3, b1, b2, b3, kind)
+
+
+def _ffn(proj, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, b1: Tensor | None, b2: Tensor | None,
+         b3: Tensor | None, kind: str) -> Tensor:
+    """An expert FFN with `proj(a, w, b)` as each projection (product, then bias): gelu(x w1) w2, or swiglu's
+    (silu(x w1) * x w3) w2."""
+    h = proj(x, w1, b1)
+    h = F.gelu(h) if kind == "gelu" else F.silu(h) * proj(x, w3, b3)
+    return proj(h, w2, b2)
 
 
 def sort_by_expert(ids_R: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -89,12 +113,10 @@ def sorted_ffn(x_RD: Tensor, sorted_ids: Tensor, offs_e: Tensor, w1: Tensor, w2:
     """Each row's expert FFN for rows sorted by expert (`sort_by_expert`), the weights read in place: one grouped
     GEMM per projection, a bias added per row after its product."""
     def proj(a, w, b):
-        out = torch._grouped_mm(a, w.transpose(-2, -1), offs=offs_e)
+        out = cpu_gemv.grouped_mm(a, w, offs_e)
         return out if b is None else out + b.index_select(0, sorted_ids)
 
-    h_RF = proj(x_RD, w1, b1)
-    h_RF = F.gelu(h_RF) if kind == "gelu" else F.silu(h_RF) * proj(x_RD, w3, b3)
-    return proj(h_RF, w2, b2)
+    return _ffn(proj, x_RD, w1, w2, w3, b1, b2, b3, kind)
 
 
 def gathered_ffn(x_TD: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None,
@@ -133,9 +155,7 @@ def row_ffn(x_1D: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None, b1: 
     """One token's FFN through one expert whose weights are given where they lie (a mapped file, a slot): the
     arithmetic of gathered_ffn's per-token product (a one-row product, then the bias), with no copy."""
     def proj(a, w, b):
-        out = F.linear(a, w)
+        out = cpu_gemv.linear(a, w)
         return out if b is None else out + b
 
-    h_1F = proj(x_1D, w1, b1)
-    h_1F = F.gelu(h_1F) if kind == "gelu" else F.silu(h_1F) * proj(x_1D, w3, b3)
-    return proj(h_1F, w2, b2)
+    return _ffn(proj, x_1D, w1, w2, w3, b1, b2, b3, kind)

@@ -51,6 +51,7 @@ def test_every_system_decodes_the_same_tokens_and_accelerate_offloads_to_disk():
     assert auto["token_bytes"]["streamed_experts"] == 2 * routed and auto["host_read_bytes_per_token"] > 0
     assert none["kv_cache_bytes_per_token"] == 2 * 4 * 2 * 64 * 32 * 2
     assert auto["bound"]["streamed_path"] == "cpu_compute" and none["bound"]["streamed_path"] is None
+    assert none["bound"]["binding"] == r["bound_table"][f"moesys_none@{r['threads']}"]["binding"] == "device_read"
     static = systems["transformers_static"]
     assert static["eager_tokens_per_s"] > 0 and static["compiled_tokens_per_s"] > 0
     # every thread count beside the best of transformers' two rows, each against the bandwidth at its count
@@ -60,3 +61,11 @@ def test_every_system_decodes_the_same_tokens_and_accelerate_offloads_to_disk():
         assert rows["moesys_none"]["threads"] == int(t) and rows["transformers_static"]["threads"] == int(t)
         assert rows["none_vs_transformers"] > 0 and f"moesys_none@{t}" in r["bound_table"]
         assert rows["moesys_none"]["same_tokens_as_none"]
+
+
+def test_the_binding_term_is_the_one_that_takes_longer():
+    from runtime.bench.infer_bounds import binding_term
+
+    assert binding_term(100, 10, 0, 0) == "device_read"  # nothing streamed
+    assert binding_term(100, 10, 50, 10) == "device_read"
+    assert binding_term(100, 10, 50, 1) == "streamed"
