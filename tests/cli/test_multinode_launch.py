@@ -170,7 +170,7 @@ def test_the_launcher_arms_thelost_node_watch_with_the_join_wait_before_the_firs
     from runtime.launch.follow import lost_node_watch
 
     cfg = resolve_config([*NODE, "launcher.node_rank=1", "train.collective_timeout_s=5"])
-    watch = lost_node_watch(cfg, SimpleNamespace(proc=SimpleNamespace(pid=1)))
+    watch = lost_node_watch(cfg, SimpleNamespace(started=SimpleNamespace(pid=1)))
     assert watch.grace_s == 10  # the cut-link case: a node whose workers ran ends soon
     assert rendezvous_join_s(cfg) == 60
     assert watch.join_grace_s > 2 * 60  # beyond torchrun's own give-up: two connects of read_timeout each
