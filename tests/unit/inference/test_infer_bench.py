@@ -22,8 +22,14 @@ def test_every_system_decodes_the_same_tokens_and_accelerate_offloads_to_disk():
                             "moesys_ring", "moesys_none_forward"}
     for name, result in systems.items():
         assert "error" not in result, (name, result)
-        assert result["same_tokens_as_none"] and len(result["tokens"]) == 6, name
+        assert len(result["tokens"]) == 6 and 0 <= result["matching_prefix"] <= 6, name
         assert result["decode_tokens_per_s"] > 0 and result["disk_read_bytes_per_token"] >= 0
+    # moesys's modes decode none's tokens; the peers decode transformers' (this tiny random model's bf16 logits are
+    # nearly uniform, so two libraries' kernels break the ties apart from the first token: the families' fp32 parity
+    # is checked against transformers in tests/unit/inference/test_hf_mixtral.py and tests/hf_families.py)
+    assert all(systems[name]["same_tokens_as_none"] for name in systems if name.startswith("moesys_"))
+    assert systems["transformers_static"]["tokens"] == systems["accelerate_disk"]["tokens"] == \
+        systems["transformers"]["tokens"]
     expert_layer_bytes = 3 * 128 * 256 * 2 * 4  # bf16 w1, w2, w3 of 4 experts
     assert systems["accelerate_disk"]["offload_folder_bytes"] >= 2 * expert_layer_bytes  # layers 2 and 3
     assert systems["moesys_auto"]["placement"] == ["resident", "resident", "inplace", "inplace"]
