@@ -29,6 +29,7 @@ PROBE_STEPS, PROBE_WARMUP = 10, 3
 """The resident probe job's steps, and how many of them are warm-up (not timed): as `moesys bench offload-train`
 times its jobs, so that both see the same steady state."""
 PROBE_TIME_LIMIT_S = 600.0
+"""Seconds the resident probe job may run before it counts as failed."""
 ADAMW_PARAMS = 1 << 24
 """Parameters the AdamW probe steps (64 MB a tensor: past every cache, as a real step's are)."""
 COPY_BYTES = 256 << 20

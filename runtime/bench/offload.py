@@ -232,8 +232,7 @@ def _host_side(trainer: _Trainer, metrics: list[dict], floors: list[float], over
     step, floor = metrics[middle], floors[middle]
     of = lambda key, m=step: m[f"offload/{key}"]  # noqa: E731
     params = float(of("experts_active") * count_parameters(trainer.cfg.model).per_expert)
-    mean = lambda key: sum(of(key, m) for m in overlapped) / len(overlapped)  # noqa: E731
-    overlapped_cost, exposed = mean("host_cost_s"), mean("host_exposed_s")
+    overlapped_cost, exposed = _mean(overlapped, "host_cost_s"), _mean(overlapped, "host_exposed_s")
     per_param = lambda seconds: seconds / params * 1e9 if params else 0.0  # noqa: E731
     return {"host": {"cpu_side_ns_per_param": per_param(of("host_cost_s")),
                      "work_ns_per_param": per_param(of("host_work_s")),
@@ -265,6 +264,11 @@ def _traffic(mode: str, runs: list[dict], disk: DiskBandwidth) -> dict:
             f"{mode}_disk_read_bytes_per_step": statistics.median(r["disk_read_bytes"] / r["steps"] for r in runs)}
 
 
+def _mean(metrics: list[dict], key: str) -> float:
+    """The steps' mean of metric offload/`key` (0 without steps)."""
+    return sum(m.get(f"offload/{key}", 0) for m in metrics) / len(metrics) if metrics else 0.0
+
+
 def _bounds(cfg: MoesysConfig, runs: dict[str, list[dict]], rate: dict[str, float], rates: Rates) -> dict:
     """Each mode's step beside its bound (runtime/plan/step_time.py): the resident step's measured time, the host
     AdamW over the experts it activated and the store's bytes over the disk's bandwidth (one process: every core
@@ -273,13 +277,9 @@ def _bounds(cfg: MoesysConfig, runs: dict[str, list[dict]], rate: dict[str, floa
     out = {}
     for mode, rs in runs.items():
         metrics = [m for r in rs for m in r["metrics"]]
-
-        def mean(key: str, metrics: list[dict] = metrics) -> float:
-            return sum(m.get(f"offload/{key}", 0) for m in metrics) / len(metrics) if metrics else 0.0
-
-        work = StepWork(compute_s=1 / rate["none"], optimizer_params=mean("experts_active") * per_expert,
-                        host_cores=rates.cores, disk_read_bytes=mean("ssd_read_bytes"),
-                        disk_write_bytes=mean("ssd_write_bytes"))
+        work = StepWork(compute_s=1 / rate["none"], optimizer_params=_mean(metrics, "experts_active") * per_expert,
+                        host_cores=rates.cores, disk_read_bytes=_mean(metrics, "ssd_read_bytes"),
+                        disk_write_bytes=_mean(metrics, "ssd_write_bytes"))
         out[mode] = step_bound(work, rates).to_dict(1 / rate[mode])
     return out
 
@@ -306,7 +306,6 @@ def _compare(cfg: MoesysConfig, pool: ProcessPoolExecutor, tmp: Path, data: str,
     rate = {mode: statistics.median(r["steps_per_s"] for r in rs) for mode, rs in runs.items()}
     ssd = [m for r in runs["ssd"] for m in r["metrics"]]
     peaks = runs["ssd"][-1]["peaks"]
-    mean = lambda key: sum(m[f"offload/{key}"] for m in ssd) / len(ssd)  # noqa: E731
     bounds = _bounds(cfg, runs, rate, rates)
     host = {mode: _median_host([r["host"] for r in runs[mode]]) | {"steps_per_s": rate[mode],
                                                                    "vs_none": rate[mode] / rate["none"]} | bounds[mode]
@@ -322,9 +321,9 @@ def _compare(cfg: MoesysConfig, pool: ProcessPoolExecutor, tmp: Path, data: str,
     return {
         "none_steps_per_s": rate["none"], "cpu_steps_per_s": rate["cpu"], "ssd_steps_per_s": rate["ssd"],
         "cpu_vs_none": rate["cpu"] / rate["none"], "ssd_vs_none": rate["ssd"] / rate["none"],
-        "mean_active_experts": mean("experts_active"), "ssd_cache_hit_rate": mean("cache_hit_rate"),
-        "ssd_stall_s_per_step": mean("fetch_stall_s"),
-        "ssd_bytes_per_step": mean("ssd_read_bytes") + mean("ssd_write_bytes"),
+        "mean_active_experts": _mean(ssd, "experts_active"), "ssd_cache_hit_rate": _mean(ssd, "cache_hit_rate"),
+        "ssd_stall_s_per_step": _mean(ssd, "fetch_stall_s"),
+        "ssd_bytes_per_step": _mean(ssd, "ssd_read_bytes") + _mean(ssd, "ssd_write_bytes"),
         "ssd_host_peak_bytes": peaks["host_peak_bytes"], "ssd_device_peak_bytes": peaks["device_peak_bytes"],
         "none_s_per_step": 1 / rate["none"], **_traffic("ssd", runs["ssd"], disk), **fetch_all, **host,
         "bound": bounds,

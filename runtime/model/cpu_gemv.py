@@ -53,9 +53,10 @@ def kernel():
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        if not list(Path(_get_build_directory(NAME, verbose=False)).glob("*.so")):
-            print(f"moesys: building the CPU decode kernel once for this machine (about a minute; cached in "
-                  f"{_get_build_directory(NAME, verbose=False)})", file=sys.stderr, flush=True)
+        build = Path(_get_build_directory(NAME, verbose=False))
+        if not any(build.glob("*.so")):
+            print(f"moesys: building the CPU decode kernel once for this machine (about a minute; cached in {build})",
+                  file=sys.stderr, flush=True)
         mod = load(NAME, [str(Path(__file__).with_name("cpu_gemv.cpp"))],
                    extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"],
                    extra_ldflags=["-fopenmp"])
