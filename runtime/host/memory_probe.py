@@ -84,3 +84,16 @@ def cuda_peak_bytes(device: torch.device) -> int:
     import torch
 
     return int(torch.cuda.max_memory_allocated(device))
+
+
+def pinned_host_peak_bytes(device: torch.device) -> int:
+    """Page-locked host bytes CUDA's caching host allocator has held at most (its blocks, rounded up to powers of
+    two as it allocates them), 0 off CUDA. The driver maps pinned memory itself, so the anonymous RSS leaves it out."""
+    if device.type != "cuda":
+        return 0
+    import torch
+
+    try:
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0))
+    except (AttributeError, RuntimeError):  # a torch without the allocator's statistics
+        return 0

@@ -3,7 +3,7 @@ peak each rank measured (runtime/train/rank_memory.py), and their ratio. What `m
 
 Tiers: without a GPU the device pool and the host cache are one RAM pool, compared as "ram" (the plan's
 process_host_bytes: states, activations, cache and the worker's runtime); with GPUs, "device" (CUDA max allocated)
-and "host" (anonymous RSS); "ssd" is the rank's expert store files.
+and "host" (anonymous RSS and pinned host memory); "ssd" is the rank's expert store files.
 """
 
 from __future__ import annotations
@@ -20,8 +20,19 @@ from runtime.plan.planner import plan_placement, plan_to_dict
 TOLERANCE = 0.2
 """Measured within 20% of predicted is the plan's accuracy target."""
 
-MEASURED_KEY = {"ram": "memory/peak_rss_anon", "host": "memory/peak_rss_anon",
-                "device": "memory/cuda_max_allocated", "ssd": "memory/ssd_bytes"}
+MEASURED_KEYS = {"ram": ("memory/peak_rss_anon",), "host": ("memory/peak_rss_anon", "memory/pinned_host"),
+                 "device": ("memory/cuda_max_allocated",), "ssd": ("memory/ssd_bytes",)}
+"""Per tier, the per-rank metrics whose sum is its measured bytes: with a GPU the host's pinned buffers (the stages
+copies to the device read, the gradients' staging) are outside the anonymous RSS, and the host tier holds them."""
+
+
+def tier_bytes(record: dict, tier: str) -> list[int]:
+    """A metrics line's or memory file's per-rank bytes of `tier` ([] when it holds none): the sum of its keys, a
+    key the record lacks (a run from before it was measured) counted as 0."""
+    series = [record.get(key) or [] for key in MEASURED_KEYS[tier]]
+    if not series[0]:
+        return []
+    return [sum(int(s[rank]) if rank < len(s) else 0 for s in series) for rank in range(len(series[0]))]
 
 
 @dataclass(frozen=True)
@@ -76,18 +87,23 @@ def predicted_per_rank(plan: dict, gpus_per_node: int) -> dict[str, int]:
 
 
 def measured_peaks(run_dir: Path) -> dict[str, dict[int, int]]:
-    """{metrics key: {rank: peak}} over every step line of metrics.jsonl and the ranks' memory files."""
+    """{tier: {rank: peak}} over every step line of metrics.jsonl and the ranks' memory files."""
     peaks: dict[str, dict[int, int]] = {}
+
+    def see(tier: str, rank: int, value: int) -> None:
+        per_tier = peaks.setdefault(tier, {})
+        per_tier[rank] = max(per_tier.get(rank, 0), value)
+
     for record in read_metrics(run_dir):
-        for key in set(MEASURED_KEY.values()):
-            for rank, value in enumerate(record.get(key) or []):
-                per_key = peaks.setdefault(key, {})
-                per_key[rank] = max(per_key.get(rank, 0), int(value))
+        for tier in MEASURED_KEYS:
+            for rank, value in enumerate(tier_bytes(record, tier)):
+                see(tier, rank, value)
     for record in read_rank_memory(run_dir):  # a rank's last word, written after its last step line
-        for key in set(MEASURED_KEY.values()):
-            if key in record and isinstance(record.get("rank"), int):
-                per_key = peaks.setdefault(key, {})
-                per_key[record["rank"]] = max(per_key.get(record["rank"], 0), int(record[key]))
+        if isinstance(record.get("rank"), int):
+            one_rank = {key: [record[key]] for keys in MEASURED_KEYS.values() for key in keys if key in record}
+            for tier in MEASURED_KEYS:
+                for value in tier_bytes(one_rank, tier):
+                    see(tier, record["rank"], value)
     return peaks
 
 
@@ -107,12 +123,12 @@ def compare_run(run_dir: Path) -> list[TierComparison]:
     cfg = load_config(run_dir)
     plan = recorded_plan(run_dir)
     peaks = measured_peaks(run_dir)
-    if MEASURED_KEY["ram"] not in peaks:
+    if "ram" not in peaks:
         raise UserError(f"{run_dir} holds no measured memory (memory/peak_rss_anon in metrics.jsonl): let moesys train "
                         "run at least one step there")
     predicted = predicted_per_rank(plan, cfg.topology.gpus_per_node)
     world = int(plan["per_rank"]["world_size"])
-    return [TierComparison(rank, tier, nbytes, peaks.get(MEASURED_KEY[tier], {}).get(rank))
+    return [TierComparison(rank, tier, nbytes, peaks.get(tier, {}).get(rank))
             for rank in range(world) for tier, nbytes in predicted.items()]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,11 +71,12 @@ class RunData:
         points = [(s["step"], s[key]) for s in self.steps if isinstance(s.get(key), (int, float))]
         return [p[0] for p in points], [float(p[1]) for p in points]
 
-    def ranked(self, key: str) -> dict[int, tuple[list[int], list[float]]]:
-        """{rank: (steps, values)} of a per-rank list field such as memory/peak_rss_anon."""
+    def ranked_by(self, per_rank: Callable[[dict], list]) -> dict[int, tuple[list[int], list[float]]]:
+        """{rank: (steps, values)} of `per_rank(step line)`, a list with one value per rank (a per-rank field such as
+        memory/peak_rss_anon, or a sum of such fields)."""
         out: dict[int, tuple[list[int], list[float]]] = {}
         for s in self.steps:
-            for rank, value in enumerate(s.get(key) or []):
+            for rank, value in enumerate(per_rank(s)):
                 steps, values = out.setdefault(rank, ([], []))
                 steps.append(s["step"])
                 values.append(float(value))

@@ -1,5 +1,6 @@
 """What each rank measures of its own memory, to set beside the plan's per-rank estimate: peak
-anonymous RSS since the worker started, CUDA's max allocated, the bytes of its SSD expert store.
+anonymous RSS since the worker started, CUDA's max allocated, the pinned host memory CUDA's host allocator holds, the
+bytes of its SSD expert store.
 
 The record is also kept in RUN_DIR/memory/rank<R>.json, rewritten whenever the peak grows by 2%: a rank that the
 kernel's OOM killer takes mid-step never writes a metrics line, and this file is its last measured memory.
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from runtime.files.paths import MEMORY_DIR, rank_memory_file
 from runtime.host.io import atomic_write_json
-from runtime.host.memory_probe import PeakMemory, cuda_peak_bytes
+from runtime.host.memory_probe import PeakMemory, cuda_peak_bytes, pinned_host_peak_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -27,9 +28,9 @@ GROWTH = 1.02
 """The file is rewritten when the peak RSS has grown by this factor since the last write (a few dozen writes from
 start to steady state, none after)."""
 
-PER_RANK_KEYS = ("memory/peak_rss_anon", "memory/cuda_max_allocated", "memory/ssd_bytes")
+PER_RANK_KEYS = ("memory/peak_rss_anon", "memory/cuda_max_allocated", "memory/ssd_bytes", "memory/pinned_host")
 """metrics.jsonl fields, one list entry per rank: peak anonymous RSS, CUDA max allocated (0 on CPU), SSD store
-bytes (0 without storage.offload=ssd)."""
+bytes (0 without storage.offload=ssd), peak pinned host bytes (0 on CPU; outside the anonymous RSS)."""
 
 
 class RankMemory(PeakMemory):
@@ -65,14 +66,18 @@ class RankMemory(PeakMemory):
         self.sample()
         trim_heap()
         self.ssd_bytes = int(ssd_bytes)
-        return dict(zip(PER_RANK_KEYS, (self.peak, cuda_peak_bytes(self.device), self.ssd_bytes), strict=True))
+        return dict(zip(PER_RANK_KEYS, self._values(self.peak), strict=True))
+
+    def _values(self, peak: int) -> tuple[int, int, int, int]:
+        """The PER_RANK_KEYS' values, in order, with `peak` as the anonymous RSS's."""
+        return peak, cuda_peak_bytes(self.device), self.ssd_bytes, pinned_host_peak_bytes(self.device)
 
     def write(self) -> None:
         with self._lock:
             peak = self.peak
             record = {"rank": self.rank, "local_rank": int(os.environ.get("LOCAL_RANK", self.rank)),
                       "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-                      **dict(zip(PER_RANK_KEYS, (peak, cuda_peak_bytes(self.device), self.ssd_bytes), strict=True))}
+                      **dict(zip(PER_RANK_KEYS, self._values(peak), strict=True))}
             try:
                 atomic_write_json(self.path, record)
             except OSError:

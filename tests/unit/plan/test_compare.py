@@ -14,7 +14,7 @@ from runtime.config import ModelConfig, MoesysConfig, StorageConfig, TopologyCon
 from runtime.errors import UserError
 from runtime.parallel.groups import build_groups
 from runtime.files.run_dir import read_metrics, read_rank_memory, save_config
-from runtime.plan.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict
+from runtime.plan.compare import TOLERANCE, TierComparison, compare_run, comparison_to_dict, measured_peaks, tier_bytes
 from runtime.plan.placement import record
 from runtime.train.rank_memory import PER_RANK_KEYS
 
@@ -43,7 +43,7 @@ def test_every_step_line_holds_each_ranks_measured_memory(run_dir):
         for key in PER_RANK_KEYS:
             assert len(m[key]) == 1, key
         assert m["memory/peak_rss_anon"][0] > 100 * MB  # torch alone is more
-        assert m["memory/cuda_max_allocated"] == [0]
+        assert m["memory/cuda_max_allocated"] == [0] and m["memory/pinned_host"] == [0]
         assert m["memory/ssd_bytes"] == [m["offload/ssd_bytes"]] and m["offload/ssd_bytes"] > 0
     peaks = [m["memory/peak_rss_anon"][0] for m in steps]
     assert peaks == sorted(peaks)  # a peak since the worker started
@@ -92,3 +92,23 @@ def test_the_printed_ratio_agrees_with_the_verdict(predicted, measured, text, wi
         _render_compare(Path("run"), [row])
     assert f" {text} " in table.get()
     assert comparison_to_dict(Path("run"), [row])["ranks"][0]["tiers"]["device"]["ratio"] == measured / predicted
+
+
+def test_the_host_tier_holds_the_pinned_memory_the_anonymous_rss_leaves_out(tmp_path):
+    """With a GPU the stages and gradient staging are pinned: the driver maps them, so the host tier's measured bytes
+    are the anonymous RSS and the pinned allocator's peak together, per rank; a run recorded before the pinned key
+    counts the RSS alone."""
+    lines = [{"step": 1, "memory/peak_rss_anon": [10, 20], "memory/pinned_host": [5, 0],
+              "memory/cuda_max_allocated": [7, 8], "memory/ssd_bytes": [0, 0]},
+             {"step": 2, "memory/peak_rss_anon": [12, 21], "memory/pinned_host": [5, 9],
+              "memory/cuda_max_allocated": [7, 9], "memory/ssd_bytes": [0, 0]},
+             {"step": 3, "memory/peak_rss_anon": [11, 40]}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "rank0.json").write_text(json.dumps(
+        {"rank": 0, "memory/peak_rss_anon": 13, "memory/pinned_host": 6, "memory/cuda_max_allocated": 7}))
+    assert tier_bytes(lines[1], "host") == [17, 30] and tier_bytes(lines[1], "ram") == [12, 21]
+    assert tier_bytes(lines[2], "host") == [11, 40] and tier_bytes(lines[2], "device") == []
+    peaks = measured_peaks(tmp_path)
+    assert peaks["host"] == {0: 19, 1: 40} and peaks["ram"] == {0: 13, 1: 40}
+    assert peaks["device"] == {0: 7, 1: 9}
