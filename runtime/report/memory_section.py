@@ -9,8 +9,8 @@ from runtime.report.charts import Line, VMark, grouped_bars, human_bytes, line_c
 from runtime.report.page import Page
 from runtime.report.run_data import RunData
 
-TIER_NAMES = {"ram": "RAM (anonymous RSS)", "host": "host (anonymous RSS and pinned)", "device": "device (CUDA max allocated)",
-              "ssd": "SSD (expert store)"}
+TIER_NAMES = {"ram": "RAM (anonymous RSS)", "host": "host (anonymous RSS and pinned)",
+              "device": "device (CUDA max allocated)", "ssd": "SSD (expert store)"}
 
 
 def add_memory(page: Page, run: RunData, marks: list[VMark]) -> None:

@@ -30,12 +30,15 @@ SHARES = {"none": 1.4, "auto": 1.4, "transformers_static": 1.2, "ring": 1.0, "ac
 """Each system's weight in the time left when it starts: compiled steps (none, auto, transformers' static cache)
 spend most of theirs compiling; the time a system leaves unused goes to the ones after it."""
 PROFILE_TOKENS = 8
+TOP_KERNELS = 10
+"""Kernels named in the profile: the ones with the most GPU time per token."""
 
 
 def profile_compiled_token(checkpoint: str, mode: str = "none", slots: int = 4) -> dict:
     """One compiled static decode token on CUDA under torch.profiler: CUDA kernels and runtime launches per token,
-    the GPU's kernel time against the token's wall time (busy share), from the difference of two generation
-    lengths so the prefill cancels."""
+    the GPU's kernel time against the token's wall time (busy share), and the kernels that take the most of it
+    (per token: calls and seconds, by kernel name), from the difference of two generation lengths so the prefill
+    cancels."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -65,14 +68,25 @@ def profile_compiled_token(checkpoint: str, mode: str = "none", slots: int = 4) 
         launches = [e for e in prof.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",
                                                              "cuLaunchKernelEx", "cudaLaunchKernelExC")]
         graphs = [e for e in prof.events() if e.name == "cudaGraphLaunch"]
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:
+            calls_s = by_name.setdefault(e.name[:100], [0, 0.0])
+            calls_s[0] += 1
+            calls_s[1] += e.device_time_total / 1e6
         return {"wall_s": wall, "kernels": len(kernels), "launches": len(launches), "graph_launches": len(graphs),
-                "kernel_s": sum(e.device_time_total for e in kernels) / 1e6}
+                "kernel_s": sum(e.device_time_total for e in kernels) / 1e6, "by_name": by_name}
 
     short, long = measure(2), measure(2 + PROFILE_TOKENS)
-    per = {k: (long[k] - short[k]) / PROFILE_TOKENS for k in short}
+    per = {k: (long[k] - short[k]) / PROFILE_TOKENS for k in short if k != "by_name"}
+    by_name = {name: [(calls - short["by_name"].get(name, [0, 0.0])[0]) / PROFILE_TOKENS,
+                      (seconds - short["by_name"].get(name, [0, 0.0])[1]) / PROFILE_TOKENS]
+               for name, (calls, seconds) in long["by_name"].items()}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     offloader.close()
-    return {"mode": mode, "per_token": per, "gpu_busy_share": per["kernel_s"] / per["wall_s"] if per["wall_s"] else None,
-            "tokens_per_s_under_profiler": 1 / per["wall_s"] if per["wall_s"] else None}
+    return {"mode": mode, "per_token": per,
+            "gpu_busy_share": per["kernel_s"] / per["wall_s"] if per["wall_s"] else None,
+            "tokens_per_s_under_profiler": 1 / per["wall_s"] if per["wall_s"] else None,
+            "top_kernels": [{"name": name, "calls": calls, "seconds": seconds} for name, (calls, seconds) in top]}
 
 
 def _profile(checkpoint: Path, slots: int, timeout: float) -> dict:
