@@ -139,14 +139,14 @@ def _hf_worker(checkpoint: str, slots: int, offload_dir: str | None, new_tokens:
 
 def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repeats: int,
                    compile: bool | None = None, forward_step: bool = False, against_forward: bool = False,
-                   threads: int | None = None, counts: bool = True) -> dict:
+                   threads: int | None = None, counts: bool = True, experts_form: str = "auto") -> dict:
     """moesys in this process: the checkpoint opened and placed once (on the GPU when there is one), one decode
     step (compiled or not, as infer.compile says; the model's forward per token with forward_step, the static
     step's baseline) reused by timed generations, then its counts under the profiler (unless not counts) and the
     bytes its token reads. against_forward: also the static step against the forward-per-token step in this
     process, generations alternating (PAIRED_ROUNDS), the ratio `none_vs_none_forward` reports: separate processes
     differ by more than the two steps do on a shared machine. threads: torch's intra-op threads (default: every
-    usable CPU, as `moesys infer` decodes)."""
+    usable CPU, as `moesys infer` decodes); experts_form: the decode step's (runtime/inference/decode.py)."""
     import torch
 
     from runtime.bench.decode_bound import token_bytes
@@ -171,7 +171,8 @@ def _moesys_worker(checkpoint: str, mode: str, slots: int, new_tokens: int, repe
     if forward_step:
         step = ForwardStep(model)
     else:
-        step = DecodeStep(model, compile=compile_default(device) if compile is None else compile)
+        step = DecodeStep(model, compile=compile_default(device) if compile is None else compile,
+                          experts_form=experts_form)
     measured["compiled"] = step.compiled
     run = lambda n: generate(model, [PROMPT], n, offloader=offloader, step=step)  # noqa: E731
     tokens, rate = _decode_rate(lambda n: run(n).tokens[0], new_tokens, repeats, measured)

@@ -16,6 +16,7 @@ from runtime.inference.errors import InferError
 from runtime.model.attention import StaticKVCache
 from runtime.model.transformer import Transformer
 from runtime.moe.experts import GroupedExperts
+from runtime.moe.routed import ROUTED_FORMS
 
 CACHE_BUCKET = 64
 """Static caches are sized up to a multiple of this many positions, so generations of nearby lengths share one
@@ -28,10 +29,15 @@ def compile_default(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def compile_options(device: torch.device) -> dict[str, str | int | bool | Callable[..., Any]]:
+def compile_options(device: torch.device,
+                    experts_form: str = "auto") -> dict[str, str | int | bool | Callable[..., Any]]:
     """inductor's options for a decode step: CUDA graphs on CUDA (reduce-overhead mode's option), and eager's
-    rounding of low-precision intermediates."""
-    return {"triton.cudagraphs": device.type == "cuda", "emulate_precision_casts": True}
+    rounding of low-precision intermediates. With gathered experts on CUDA, gpt-fast's coordinate-descent tuning:
+    inductor then makes each one-row product a reduction of its own, which loads a routed expert's weights where
+    they lie (the gather fused into the load) instead of copying them out for a batched GEMM."""
+    cuda = device.type == "cuda"
+    return {"triton.cudagraphs": cuda, "emulate_precision_casts": True,
+            **({"coordinate_descent_tuning": True} if cuda and experts_form == "gather" else {})}
 
 
 class DecodeStep:
@@ -46,19 +52,24 @@ class DecodeStep:
     compiled tokens are eager tokens in bf16 too."""
 
     def __init__(self, model: Transformer, compile: bool = False, backend: str | Callable = "inductor",
-                 dynamic: bool | None = False):
+                 dynamic: bool | None = False, experts_form: str = "auto"):
         """backend: torch.compile's (tests check graph breaks around stand-ins with aot_eager: seconds to compile);
-        dynamic: its dynamic-shape setting (a lone step's shapes are static)."""
+        dynamic: its dynamic-shape setting (a lone step's shapes are static); experts_form: how resident experts
+        read their routed weights (runtime/moe/routed.py's ROUTED_FORMS), set on every MoE layer's experts."""
+        if experts_form not in ROUTED_FORMS:
+            raise ValueError(f"experts_form={experts_form!r} is not one of {', '.join(ROUTED_FORMS)}")
         self.model = model
         self.device = model.tok_embeddings.weight.device
         self.compiled = compile
         self.fullgraph = all(isinstance(layer.experts, GroupedExperts) for layer in model.moe_layers())
         for layer in model.moe_layers():  # routers compute in fp32: an exact fp32 gate is not cast every token
             layer.router.gate.float()
+            if isinstance(layer.experts, GroupedExperts):
+                layer.experts.routed_form = experts_form
         self.cache: StaticKVCache | None = None
         fn: Callable[[Tensor, Tensor, StaticKVCache], Tensor] = model.decode
         if compile:
-            options = compile_options(self.device) if backend == "inductor" else None
+            options = compile_options(self.device, experts_form) if backend == "inductor" else None
             fn = torch.compile(model.decode, fullgraph=self.fullgraph, dynamic=dynamic, backend=backend,
                                options=options)
         self._decode = fn

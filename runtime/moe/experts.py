@@ -213,6 +213,9 @@ class GroupedExperts(nn.Module):
         self.first_expert = 0
         """Global index of row 0: expert parallelism keeps a block of a layer's experts on each rank."""
         self.expert_type, self.impl = expert_type, impl
+        self.routed_form = "auto"
+        """`routed_ffn`'s form for a decode step's few tokens (runtime/moe/routed.py's ROUTED_FORMS); the decode
+        step sets it."""
         swiglu = expert_type == "swiglu"
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
@@ -237,7 +240,7 @@ class GroupedExperts(nn.Module):
 
     def routed(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
         return routed_ffn(x_TD, expert_ids_TK, weights_TK, self.w1, self.w2, self.w3, self.b1, self.b2, self.b3,
-                          kind=self.expert_type)
+                          kind=self.expert_type, form=self.routed_form)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, ffn={self.ffn}, "

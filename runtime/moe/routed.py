@@ -18,15 +18,21 @@ from torch import Tensor
 from runtime.model import cpu_gemv
 from runtime.moe.grouped_mm_op import grouped_mm_in_place, grouped_mm_ok
 
+ROUTED_FORMS = ("auto", "gather")
+"""How `routed_ffn` reads the routed experts' weights: auto (in place for one token where a grouped GEMM takes
+them, else gathered) or gather (always gathered by index: what a compiler fuses into its own one-row reductions)."""
+
 
 def routed_ffn(x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, w1: Tensor, w2: Tensor,
                w3: Tensor | None = None, b1: Tensor | None = None, b2: Tensor | None = None,
-               b3: Tensor | None = None, kind: str = "gelu") -> Tensor:
+               b3: Tensor | None = None, kind: str = "gelu", form: str = "auto") -> Tensor:
     """y_TD = sum over k of weights_TK[t, k] * expert expert_ids_TK[t, k]'s FFN of x_TD[t] (leading dims of x, ids
     and weights may be any, e.g. [B, 1]). Reads only routed experts and never the host, so it is for a few tokens:
-    one token in eager mode reads its experts' weights in place (`grouped_routed_ffn`), else each token gathers its
-    own K experts' weights (`gather_routed_ffn`); the same numbers either way."""
-    ffn = grouped_routed_ffn if one_token_in_place(x_TD, w1, w2, w3) else gather_routed_ffn
+    with form auto one token reads its experts' weights in place (`grouped_routed_ffn`) where a grouped GEMM takes
+    them, else (and with form gather) each token gathers its own K experts' weights (`gather_routed_ffn`); the same
+    numbers either way."""
+    in_place = form == "auto" and one_token_in_place(x_TD, w1, w2, w3)
+    ffn = grouped_routed_ffn if in_place else gather_routed_ffn
     return ffn(x_TD, expert_ids_TK, weights_TK, w1, w2, w3, b1, b2, b3, kind)
 
 

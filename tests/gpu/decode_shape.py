@@ -2,7 +2,9 @@
 its large shape (a 16-layer random bf16 Mixtral, 11.9 GB), each in a fresh process with its share of a time limit,
 beside its bandwidth bound, and a CUDA profile of the compiled static step (kernels, launches and GPU-busy share
 per token). Usage: python tests/gpu/decode_shape.py LIMIT_S SYSTEMS [SLOTS [SIZE]], SYSTEMS a comma list of none,
-auto, ring, transformers, accelerate and profile (the compiled step under the CUDA profiler), run in that order; SIZE one of bench infer's (default large)."""
+none_gather (the static step with gathered experts: `DecodeStep`'s experts_form), auto, ring, transformers,
+transformers_static, accelerate, profile and profile_gather (the compiled step under the CUDA profiler), run in that
+order; SIZE one of bench infer's (default large)."""
 
 from __future__ import annotations
 
@@ -21,20 +23,22 @@ WORKERS = {"transformers": ("_hf_worker", {"offload_dir": None}),
            "transformers_static": ("_hf_worker", {"offload_dir": None, "static": True}),
            "accelerate": ("_hf_worker", {"offload_dir": "offload"}),
            "none": ("_moesys_worker", {"mode": "none", "counts": False}),
+           "none_gather": ("_moesys_worker", {"mode": "none", "counts": False, "experts_form": "gather"}),
            "auto": ("_moesys_worker", {"mode": "auto", "counts": False}),
            "ring": ("_moesys_worker", {"mode": "ring", "counts": False})}
 REPEATS = 2
 """Generations timed per system: on a GPU each takes a second or less; loading and compiling take the time."""
-SHARES = {"none": 1.4, "auto": 1.4, "transformers_static": 1.2, "ring": 1.0, "accelerate": 0.8, "transformers": 0.6,
-          "profile": 0.8}
+SHARES = {"none": 1.4, "none_gather": 1.6, "auto": 1.4, "transformers_static": 1.2, "ring": 1.0, "accelerate": 0.8,
+          "transformers": 0.6, "profile": 0.8, "profile_gather": 1.0}
 """Each system's weight in the time left when it starts: compiled steps (none, auto, transformers' static cache)
-spend most of theirs compiling; the time a system leaves unused goes to the ones after it."""
+spend most of theirs compiling (gathered experts longer: inductor tunes each reduction); the time a system leaves
+unused goes to the ones after it."""
 PROFILE_TOKENS = 8
 TOP_KERNELS = 10
 """Kernels named in the profile: the ones with the most GPU time per token."""
 
 
-def profile_compiled_token(checkpoint: str, mode: str = "none", slots: int = 4) -> dict:
+def profile_compiled_token(checkpoint: str, mode: str = "none", slots: int = 4, experts_form: str = "auto") -> dict:
     """One compiled static decode token on CUDA under torch.profiler: CUDA kernels and runtime launches per token,
     the GPU's kernel time against the token's wall time (busy share), and the kernels that take the most of it
     (per token: calls and seconds, by kernel name), from the difference of two generation lengths so the prefill
@@ -51,7 +55,7 @@ def profile_compiled_token(checkpoint: str, mode: str = "none", slots: int = 4) 
     device = torch.device("cuda" if cuda else "cpu")
     loaded = open_checkpoint(checkpoint, device=device)
     offloader = make_offloader(loaded.model, mode, device, slots, source=loaded.experts)
-    step = DecodeStep(loaded.model, compile=cuda)
+    step = DecodeStep(loaded.model, compile=cuda, experts_form=experts_form)
     run = lambda n: generate(loaded.model, [bench.PROMPT], n, offloader=offloader, step=step)  # noqa: E731
     run(4)
     run(2 + PROFILE_TOKENS)
@@ -83,19 +87,19 @@ def profile_compiled_token(checkpoint: str, mode: str = "none", slots: int = 4) 
                for name, (calls, seconds) in long["by_name"].items()}
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     offloader.close()
-    return {"mode": mode, "per_token": per,
+    return {"mode": mode, "experts_form": experts_form, "per_token": per,
             "gpu_busy_share": per["kernel_s"] / per["wall_s"] if per["wall_s"] else None,
             "tokens_per_s_under_profiler": 1 / per["wall_s"] if per["wall_s"] else None,
             "top_kernels": [{"name": name, "calls": calls, "seconds": seconds} for name, (calls, seconds) in top]}
 
 
-def _profile(checkpoint: Path, slots: int, timeout: float) -> dict:
+def _profile(checkpoint: Path, slots: int, timeout: float, experts_form: str = "auto") -> dict:
     """profile_compiled_token in a fresh process, or {"error": ...}."""
     code = ("import json, sys; from tests.gpu.decode_shape import profile_compiled_token as p; "
-            "print(json.dumps(p(sys.argv[1], slots=int(sys.argv[2]))))")
+            "print(json.dumps(p(sys.argv[1], slots=int(sys.argv[2]), experts_form=sys.argv[3])))")
     try:
-        done = subprocess.run([sys.executable, "-c", code, str(checkpoint), str(slots)], capture_output=True,
-                              text=True, timeout=timeout)
+        done = subprocess.run([sys.executable, "-c", code, str(checkpoint), str(slots), experts_form],
+                              capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"ran past {timeout:.0f} s"}
     if done.returncode != 0:
@@ -126,9 +130,9 @@ def main(limit_s: float, systems: list[str], slots: int, size: str = "large") ->
             weight = SHARES.get(name, 1.0) / sum(SHARES.get(n, 1.0) for n in systems[i:])
             budget = max(30.0, (deadline - time.monotonic() - 10) * weight)
             start = time.monotonic()
-            if name == "profile":
-                out["profile"] = _profile(checkpoint, slots, budget)
-                print("profile", json.dumps(out["profile"]), flush=True)
+            if name.startswith("profile"):
+                out[name] = _profile(checkpoint, slots, budget, "gather" if name == "profile_gather" else "auto")
+                print(name, json.dumps(out[name]), flush=True)
                 continue
             call, extra = WORKERS[name]
             extra = {k: (str(root / v) if k == "offload_dir" and v else v) for k, v in extra.items()}

@@ -156,6 +156,25 @@ def test_decode_step_on_cuda_has_no_synchronisation_and_cuda_graphs_give_the_eag
     assert count_decode(lambda n: generate(model, prompt, n, step=step), 4, cuda=True).host_syncs_per_token == 0
 
 
+def test_gathered_experts_compile_into_cuda_graphs_with_the_eager_tokens():
+    """experts_form=gather on CUDA: inductor's coordinate-descent reductions in place of the grouped GEMM, one graph
+    replayed at every position, no host sync, greedy tokens as the eager step's (bf16, the bench's dtype)."""
+    from torch._dynamo.utils import counters
+
+    from runtime.inference.decode import DecodeStep
+    from runtime.inference.step_counts import count_decode
+
+    model = _mixtral(CUDA).to(torch.bfloat16)
+    prompt = [[3, 14, 15, 92, 65, 35]]
+    eager = generate(model, prompt, 17, step=DecodeStep(model)).tokens
+    step = DecodeStep(model, compile=True, experts_form="gather")
+    generate(model, prompt, 3, step=step)
+    counters.clear()
+    assert generate(model, prompt, 17, step=step).tokens == eager
+    assert counters["frames"]["total"] == 0
+    assert count_decode(lambda n: generate(model, prompt, n, step=step), 4, cuda=True).host_syncs_per_token == 0
+
+
 @pytest.mark.parametrize("costs", [ExpertCosts(0.0, 0.0, 1.0), ExpertCosts(1.0, 0.0, 0.0)], ids=["cpu", "fetch"])
 def test_hybrid_decode_synchronises_at_most_once_per_streamed_layer(costs):
     """Streamed experts pinned in host memory; routed ones computed on the CPU (rows back without a wait) or copied

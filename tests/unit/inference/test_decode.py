@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from runtime.bench.forward_step import ForwardStep
 from runtime.config import ModelConfig
 from runtime.inference.auto import AutoOffloader, ExpertCosts
-from runtime.inference.decode import DecodeStep
+from runtime.inference.decode import DecodeStep, compile_options
 from runtime.inference.expert_source import ExpertSource
 from runtime.inference.generate import generate
 from runtime.inference.sampling import sample_next
@@ -140,6 +140,28 @@ def test_compiled_step_is_one_graph_for_every_position_and_gives_the_eager_token
     assert counters["frames"]["total"] == 0 and not counters["recompiles"]
     if dtype == torch.bfloat16:
         assert torch.equal(compiled.logits[0], eager.logits[0])
+
+
+def test_gathered_experts_give_the_in_place_tokens_eager_and_compiled():
+    """experts_form=gather reads each token's routed experts by index where auto reads one token's in place: eager,
+    the same products, so the same bf16 logits; compiled whole, inductor's own products (not the grouped GEMM eager
+    runs), so the same tokens with logits a bf16 rounding apart. Only CUDA adds coordinate-descent tuning (which
+    makes inductor fuse the gather into its one-row reductions)."""
+    model = _model(dtype=torch.bfloat16)
+    in_place = generate(model, PROMPT, 17, keep_logits=True)
+    gathered = DecodeStep(model, experts_form="gather")
+    assert {layer.experts.routed_form for layer in model.moe_layers()} == {"gather"}
+    eager = generate(model, PROMPT, 17, step=gathered, keep_logits=True)
+    assert eager.tokens == in_place.tokens and torch.equal(eager.logits[0], in_place.logits[0])
+    compiled = generate(model, PROMPT, 17, step=DecodeStep(model, compile=True, experts_form="gather"),
+                        keep_logits=True)
+    assert compiled.tokens == in_place.tokens
+    torch.testing.assert_close(compiled.logits[0], in_place.logits[0], rtol=0, atol=0.02)
+    assert "coordinate_descent_tuning" not in compile_options(CPU, "gather")
+    assert compile_options(torch.device("cuda"), "gather")["coordinate_descent_tuning"] is True
+    assert "coordinate_descent_tuning" not in compile_options(torch.device("cuda"))
+    with pytest.raises(ValueError, match="experts_form='grouped' is not one of auto, gather"):
+        DecodeStep(model, experts_form="grouped")
 
 
 @pytest.mark.parametrize("mode,slots", [("ring", 2), ("ondemand", 1), ("auto", 1)])
