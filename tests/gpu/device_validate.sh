@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # GPU validation on a lent device machine (the device tool's `run`), in calls of under 9 minutes each, most important
-# first (a lease is 15 minutes of device time, starts included: G, then E, then A, then C where time is left):
+# first (a lease is 15 minutes of device time, starts included: G, then H, then E, then A, then C where time is left):
 #   bash tests/gpu/device_validate.sh G   # decode's open question first: the compiled static step with its experts
 #                                         # read in place (grouped GEMM) against gathered (coordinate-descent
 #                                         # reductions), each with its CUDA profile, beside transformers' static
 #                                         # cache and auto at 4 of 16 layers; then bench serve
+#   bash tests/gpu/device_validate.sh H   # fine-tuning: a Qwen3-30B-A3B-shaped model (real dims, 4 of its 48
+#                                         # layers, random bf16 weights written by transformers) on chat data with
+#                                         # recipe=finetune, storage none / cpu / cpu_delayed, each beside the plan
 #   bash tests/gpu/device_validate.sh A   # env, tests/gpu, offload-train at its 2.43B Mixtral shape (also
 #                                         # with as many MoE layers as the plan fits kept on the GPU)
 #   bash tests/gpu/device_validate.sh E   # offloaded training's other GPU check: a model whose training states
@@ -99,6 +102,9 @@ elif [ "$PART" = G ]; then
   step env 15 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g'
   step decode_forms 420 'python3 tests/gpu/decode_shape.py 400 none,none_gather,profile,profile_gather,transformers_static,auto 4'
   step bench_serve 110 'moesys bench serve --json'
+elif [ "$PART" = H ]; then
+  step env 15 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g; df -h /tmp'
+  step finetune_qwen3 480 'python3 tests/gpu/finetune_shape.py 450 4 none,cpu,cpu_delayed'
 elif [ "$PART" = C ]; then
   step env 15 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g'
   step decode_large 390 'python3 tests/gpu/decode_shape.py 370 none,auto,transformers_static,accelerate,transformers,profile 4'
