@@ -127,7 +127,7 @@ class LayerSlotExperts(nn.Module):
     @torch.compiler.disable  # waits on and schedules copies: runs outside a compiled decode step
     def routed(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
         """RoutedExperts: the routed experts gathered from the slot's stacked weights; no host read."""
-        weights = self.offloader.acquire(self.index)
+        weights: dict[str, Any] = self.offloader.acquire(self.index)
         y_TD = routed_ffn(x_TD, expert_ids_TK, weights_TK, **weights, kind=self.expert_type)
         self.offloader.release(self.index)
         return y_TD

@@ -26,7 +26,7 @@ MEASURED_KEYS = {"ram": ("memory/peak_rss_anon",), "host": ("memory/peak_rss_ano
 copies to the device read, the gradients' staging) are outside the anonymous RSS, and the host tier holds them."""
 
 
-def tier_bytes(record: dict, tier: str) -> list[int]:
+def tier_bytes(tier: str, record: dict) -> list[int]:
     """A metrics line's or memory file's per-rank bytes of `tier` ([] when it holds none): the sum of its keys, a
     key the record lacks (a run from before it was measured) counted as 0."""
     series = [record.get(key) or [] for key in MEASURED_KEYS[tier]]
@@ -96,13 +96,13 @@ def measured_peaks(run_dir: Path) -> dict[str, dict[int, int]]:
 
     for record in read_metrics(run_dir):
         for tier in MEASURED_KEYS:
-            for rank, value in enumerate(tier_bytes(record, tier)):
+            for rank, value in enumerate(tier_bytes(tier, record)):
                 see(tier, rank, value)
     for record in read_rank_memory(run_dir):  # a rank's last word, written after its last step line
         if isinstance(record.get("rank"), int):
             one_rank = {key: [record[key]] for keys in MEASURED_KEYS.values() for key in keys if key in record}
             for tier in MEASURED_KEYS:
-                for value in tier_bytes(one_rank, tier):
+                for value in tier_bytes(tier, one_rank):
                     see(tier, record["rank"], value)
     return peaks
 

@@ -3,6 +3,8 @@ per-rank, per-tier comparison `moesys plan --compare` prints (runtime/plan/compa
 
 from __future__ import annotations
 
+import functools
+
 from runtime.errors import UserError
 from runtime.plan.compare import TOLERANCE, compare_run, tier_bytes
 from runtime.report.charts import Line, VMark, grouped_bars, human_bytes, line_chart
@@ -22,7 +24,7 @@ def add_memory(page: Page, run: RunData, marks: list[VMark]) -> None:
         return
     planned = {(r.rank, r.tier): r.predicted_bytes for r in rows}
     for tier in dict.fromkeys(r.tier for r in rows if r.tier != "ssd"):
-        per_rank = run.ranked_by(lambda record, tier=tier: tier_bytes(record, tier))
+        per_rank = run.ranked_by(functools.partial(tier_bytes, tier))
         if not per_rank:
             continue
         lines = [Line(f"rank {rank}", xs, ys) for rank, (xs, ys) in per_rank.items()]

@@ -107,8 +107,8 @@ def test_the_host_tier_holds_the_pinned_memory_the_anonymous_rss_leaves_out(tmp_
     (tmp_path / "memory").mkdir()
     (tmp_path / "memory" / "rank0.json").write_text(json.dumps(
         {"rank": 0, "memory/peak_rss_anon": 13, "memory/pinned_host": 6, "memory/cuda_max_allocated": 7}))
-    assert tier_bytes(lines[1], "host") == [17, 30] and tier_bytes(lines[1], "ram") == [12, 21]
-    assert tier_bytes(lines[2], "host") == [11, 40] and tier_bytes(lines[2], "device") == []
+    assert tier_bytes("host", lines[1]) == [17, 30] and tier_bytes("ram", lines[1]) == [12, 21]
+    assert tier_bytes("host", lines[2]) == [11, 40] and tier_bytes("device", lines[2]) == []
     peaks = measured_peaks(tmp_path)
     assert peaks["host"] == {0: 19, 1: 40} and peaks["ram"] == {0: 13, 1: 40}
     assert peaks["device"] == {0: 7, 1: 9}
