@@ -216,8 +216,18 @@ class TensorFiles:
         request for views that lie next to each other: under a memory cap whose page cache holds less than a token's
         experts, a request of several experts' bytes reads at a fraction of the disk's pace (bench infer's capped
         runs)."""
-        for file, t in self._mapped(tensors):
-            file.will_need(*file._pages(t))
+        self.will_need_pages(self.pages(tensors))
+
+    def pages(self, tensors: Iterable[Tensor]) -> list[tuple[MappedFile, int, int]]:
+        """(file, offset of the first page, bytes) of each of these views (other tensors skipped): what `will_need`
+        asks for, worked out once by a caller that asks for the same views again."""
+        return [(file, *file._pages(t)) for file, t in self._mapped(tensors)]
+
+    def will_need_pages(self, pages: Iterable[tuple[MappedFile, int, int]]) -> None:
+        """`will_need` for ranges from `pages`, one request a range; nothing for a file closed since."""
+        for file, begin, length in pages:
+            if file._bytes is not None:
+                file.will_need(begin, length)
 
     def random_access(self, tensors: Iterable[Tensor]) -> None:
         """Turn off readahead on these views' pages (read piecemeal where they are used; a no-op for others)."""
