@@ -6,6 +6,7 @@ access leaves the bytes read unchanged."""
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 
 import pytest
@@ -75,6 +76,19 @@ def test_closing_keeps_views_valid_and_refuses_new_ones(tmp_path):
         files.get("a")
     files.will_need([view])  # no longer one of this object's maps: nothing to do
     files.random_access([view])
+
+
+def test_page_ranges_worked_out_once_are_asked_for_while_open_and_skipped_once_closed(tmp_path):
+    tensors = {"a": torch.arange(3000, dtype=torch.float32), "b": torch.ones(5000, dtype=torch.bfloat16)}
+    files = TensorFiles([save_tensors(tmp_path / "x.safetensors", tensors)])
+    views = [files.get(name) for name in tensors]
+    pages = files.pages([*views, torch.ones(3)])  # a tensor of no map: skipped
+    assert [(file, length >= v.numel() * v.element_size()) for (file, begin, length), v in zip(pages, views)] == \
+        [(files.files[0], True)] * 2 and all(begin % mmap.PAGESIZE == 0 for _, begin, _ in pages)
+    files.will_need_pages(pages)
+    files.close()
+    files.will_need_pages(pages)  # closed since: nothing to ask
+    assert all(torch.equal(v, tensors[name]) for v, name in zip(views, tensors))
 
 
 def test_random_access_and_will_need_leave_the_bytes_unchanged(tmp_path):
