@@ -223,10 +223,20 @@ class TensorFiles:
         asks for, worked out once by a caller that asks for the same views again."""
         return [(file, *file._pages(t)) for file, t in self._mapped(tensors)]
 
-    def will_need_pages(self, pages: Iterable[tuple[MappedFile, int, int]]) -> None:
-        """`will_need` for ranges from `pages`, one request a range; nothing for a file closed since."""
+    def will_need_pages(self, pages: list[tuple[MappedFile, int, int]]) -> None:
+        """`will_need` for ranges from `pages`, one request a range; nothing for a file closed since. Ranges in one
+        file are first looked up together, over the span from the first to the last (an expert's weights usually
+        lie next to each other): nothing more is asked when all of it is in memory, the usual case."""
+        by_file: dict[MappedFile, list[tuple[int, int]]] = {}
         for file, begin, length in pages:
             if file._bytes is not None:
+                by_file.setdefault(file, []).append((begin, length))
+        for file, ranges in by_file.items():
+            if len(ranges) > 1:
+                begin = min(b for b, _ in ranges)
+                if in_memory(file._mapped()[1].data_ptr() + begin, max(b + n for b, n in ranges) - begin):
+                    continue
+            for begin, length in ranges:
                 file.will_need(begin, length)
 
     def random_access(self, tensors: Iterable[Tensor]) -> None:

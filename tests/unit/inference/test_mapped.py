@@ -122,3 +122,26 @@ def test_will_need_reads_pages_not_in_memory_and_asks_nothing_of_pages_that_are(
     assert in_memory(address, length)
     files.will_need([view])
     assert in_memory(address, length)
+
+
+def test_will_need_pages_asks_for_the_ranges_of_a_span_not_in_memory(tmp_path):
+    """Two views of one file looked up together: after eviction their span is not in memory, so each range is asked
+    for, and the kernel brings them in without anything reading them."""
+    import time
+
+    from runtime.host.page_cache import evict
+    from runtime.inference.mapped import in_memory
+
+    tensors = {"a": torch.arange(1 << 18, dtype=torch.float32), "b": torch.arange(1 << 18, dtype=torch.float32)}
+    path = save_tensors(tmp_path / "x.safetensors", tensors)
+    files = TensorFiles([path])
+    pages = files.pages([files.get("a"), files.get("b")])
+    if not evict(path):
+        pytest.skip("this system cannot evict a file from the page cache")
+    addresses = [(file._bytes.data_ptr() + begin, length) for file, begin, length in pages]
+    assert not any(in_memory(*a) for a in addresses)
+    files.will_need_pages(pages)
+    deadline = time.monotonic() + 30  # a wait for the kernel's reads, not a timing
+    while not all(in_memory(*a) for a in addresses):
+        assert time.monotonic() < deadline, "the ranges asked for were never read"
+        time.sleep(0.01)
