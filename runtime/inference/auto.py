@@ -171,8 +171,9 @@ class AutoOffloader(Offloader):
     def routed(self, m: int, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
         """A decode step's few tokens. inplace: each (token, choice) computed on its expert's weights where the
         mapped files hold them (`row_ffn`, or for one token `listed_ffn`, its K experts in one kernel call per
-        projection: the arithmetic of a resident layer's decode, so that every mode gives the same tokens). hybrid: rows grouped by expert, as prefill groups them, then `compute`. Either reads the
-        host once: the routed ids, or the row counts."""
+        projection: the arithmetic of a resident layer's decode, so that every mode gives the same tokens). hybrid:
+        rows grouped by expert, as prefill groups them, then `compute`. Either reads the host once: the routed ids,
+        or the row counts."""
         if self.placement[m] != INPLACE:
             x_RD, tokens_per_expert_E, meta = self.dispatcher.permute(
                 x_TD.reshape(-1, x_TD.shape[-1]), expert_ids_TK.reshape(-1, expert_ids_TK.shape[-1]),

@@ -6,13 +6,6 @@
 //
 // Legend: R rows, N out features, D in features (a multiple of 64), E experts.
 
-// One row's dot product with the arithmetic of aten's bf16 dot on x86 (its AVX2 kernel: fp32 FMAs into eight 8-lane
-// accumulators over 64-element chunks, the accumulators summed as a tree, then the 8-lane shuffle reduction), in
-// 16-lane registers, with x already in fp32 (aten converts it again for every row: the work that bounds its speed).
-// Each chunk position keeps its own fp32 accumulator lane, but the lanes are laid out even/odd (a 32-bit word of two
-// bf16 values gives the even one by a shift and the odd one by a mask: two instructions per 32 values where widening
-// takes four); x comes in that layout (`to_float`), and the lanes are put back in order before the tree, so every
-// sum is the one in chunk order.
 // 32 bf16 values from w: one 64-byte load where w is 64-byte aligned, else two 32-byte loads (a mapped file's tensors
 // may sit 32 bytes off a cache line, where one 64-byte load would straddle two lines).
 template <bool kAligned>
@@ -22,6 +15,13 @@ static inline __m512i load32(const uint16_t* w) {
                             _mm256_loadu_si256((const __m256i*)(w + 16)), 1);
 }
 
+// One row's dot product with the arithmetic of aten's bf16 dot on x86 (its AVX2 kernel: fp32 FMAs into eight 8-lane
+// accumulators over 64-element chunks, the accumulators summed as a tree, then the 8-lane shuffle reduction), in
+// 16-lane registers, with x already in fp32 (aten converts it again for every row: the work that bounds its speed).
+// Each chunk position keeps its own fp32 accumulator lane, but the lanes are laid out even/odd (a 32-bit word of two
+// bf16 values gives the even one by a shift and the odd one by a mask: two instructions per 32 values where widening
+// takes four); x comes in that layout (`to_float`), and the lanes are put back in order before the tree, so every
+// sum is the one in chunk order.
 template <bool kAligned>
 static inline float dot_row(const float* x, const uint16_t* w, int64_t len) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));

@@ -83,12 +83,13 @@ def test_page_ranges_worked_out_once_are_asked_for_while_open_and_skipped_once_c
     files = TensorFiles([save_tensors(tmp_path / "x.safetensors", tensors)])
     views = [files.get(name) for name in tensors]
     pages = files.pages([*views, torch.ones(3)])  # a tensor of no map: skipped
-    assert [(file, length >= v.numel() * v.element_size()) for (file, begin, length), v in zip(pages, views)] == \
-        [(files.files[0], True)] * 2 and all(begin % mmap.PAGESIZE == 0 for _, begin, _ in pages)
+    assert [file for file, _, _ in pages] == [files.files[0]] * 2
+    for (_, begin, length), v in zip(pages, views, strict=True):
+        assert begin % mmap.PAGESIZE == 0 and length >= v.numel() * v.element_size()
     files.will_need_pages(pages)
     files.close()
     files.will_need_pages(pages)  # closed since: nothing to ask
-    assert all(torch.equal(v, tensors[name]) for v, name in zip(views, tensors))
+    assert all(torch.equal(v, tensors[name]) for v, name in zip(views, tensors, strict=True))
 
 
 def test_random_access_and_will_need_leave_the_bytes_unchanged(tmp_path):
