@@ -5,8 +5,8 @@ Layers 0..K-1 keep their experts resident on the device. Every other layer is *s
 the experts its tokens were routed to, reading their weights from the checkpoint's memory map.
 - Without a GPU the host tier and the device are the same RAM, so a streamed expert is read where it lies, the
   mapped file, whose page cache holds what is hot (policy `inplace`): a prompt computes on the mapped pages; a
-  decode token reads its routed experts into the gathered layout a resident layer's decode computes on, the same
-  arithmetic, so every mode gives the same tokens.
+  decode token computes its routed experts there too, with the arithmetic of a resident layer's decode, so every
+  mode gives the same tokens.
 - On CUDA a streamed layer keeps one slot as a cache of fetched experts (so K-1 layers are resident) and each
   routed expert missing from it is either computed on the CPU from pinned host memory, with only its rows crossing
   the bus (as llama.cpp's --n-cpu-moe and Fiddler do), or copied to the device on a side stream, whichever a cost
@@ -34,7 +34,7 @@ from runtime.inference.step_counts import host_list
 from runtime.model.transformer import Transformer
 from runtime.moe.dispatch import LocalDispatcher
 from runtime.moe.experts import ffn_one
-from runtime.moe.routed import combine_choices, row_ffn
+from runtime.moe.routed import combine_choices, listed_ffn, row_ffn
 
 RESIDENT, INPLACE, HYBRID = "resident", "inplace", "hybrid"
 
@@ -170,9 +170,10 @@ class AutoOffloader(Offloader):
 
     def routed(self, m: int, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
         """A decode step's few tokens. inplace: each (token, choice) computed on its expert's weights where the
-        mapped files hold them (`row_ffn`: the arithmetic of a resident layer's decode, so that every mode gives
-        the same tokens). hybrid: rows grouped by expert, as prefill groups them, then `compute`. Either reads the
-        host once: the routed ids, or the row counts."""
+        mapped files hold them (`row_ffn`, or for one token `listed_ffn`, its K experts in one kernel call per
+        projection: the arithmetic of a resident layer's decode, so that every mode gives the same tokens). hybrid:
+        rows grouped by expert, as prefill groups them, then `compute`. Either reads the host once: the routed ids,
+        or the row counts."""
         if self.placement[m] != INPLACE:
             x_RD, tokens_per_expert_E, meta = self.dispatcher.permute(
                 x_TD.reshape(-1, x_TD.shape[-1]), expert_ids_TK.reshape(-1, expert_ids_TK.shape[-1]),
@@ -188,8 +189,10 @@ class AutoOffloader(Offloader):
         self.inplace_computes += len(routed)
         x_ND = x_TD.reshape(-1, x_TD.shape[-1])
         K = expert_ids_TK.shape[-1]
-        y_RD = torch.cat([row_ffn(x_ND[i // K:i // K + 1], **_cast(self.source.expert(m, j), x_TD.dtype),
-                                  kind=self.kind) for i, j in enumerate(chosen)])
+        experts = [_cast(self.source.expert(m, j), x_TD.dtype) for j in chosen]
+        y_RD = listed_ffn(x_ND, experts, self.kind) if x_ND.shape[0] == 1 else None
+        if y_RD is None:
+            y_RD = torch.cat([row_ffn(x_ND[i // K:i // K + 1], **e, kind=self.kind) for i, e in enumerate(experts)])
         return combine_choices(y_RD.view(*expert_ids_TK.shape, -1), weights_TK)
 
     def _prefetch_predicted(self, m: int, x_RD: Tensor) -> None:

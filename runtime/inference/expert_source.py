@@ -29,6 +29,9 @@ class ExpertSource:
         self.dtype = dtype
         """The dtype experts are placed and computed in; None keeps the stored one."""
         self.num_experts = len(next(iter(layers[0].values()))) if layers else 0
+        self._pages: dict[tuple[int, int], list] = {}
+        """(layer, expert) -> its views' page ranges in the files, for `will_need` (a streamed layer asks for its
+        routed experts every token); at most one entry per expert."""
 
     @classmethod
     def from_model(cls, model: Transformer) -> ExpertSource:
@@ -52,8 +55,13 @@ class ExpertSource:
     def will_need(self, layer: int, experts: list[int]) -> None:
         """Start reading these experts' bytes from the files (when they are mapped files) all at once, so the
         compute that follows faults on pages already on their way instead of reading them one by one."""
-        if self.files is not None:
-            self.files.will_need(v[j] for v in self.layers[layer].values() for j in experts)
+        if self.files is None:
+            return
+        for j in experts:
+            pages = self._pages.get((layer, j))
+            if pages is None:
+                pages = self._pages[(layer, j)] = self.files.pages(v[j] for v in self.layers[layer].values())
+            self.files.will_need_pages(pages)
 
     def random_access(self, layer: int) -> None:
         """Mark a layer whose experts are read piecemeal (streamed) for random access: no readahead into its

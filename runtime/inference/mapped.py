@@ -216,8 +216,28 @@ class TensorFiles:
         request for views that lie next to each other: under a memory cap whose page cache holds less than a token's
         experts, a request of several experts' bytes reads at a fraction of the disk's pace (bench infer's capped
         runs)."""
-        for file, t in self._mapped(tensors):
-            file.will_need(*file._pages(t))
+        self.will_need_pages(self.pages(tensors))
+
+    def pages(self, tensors: Iterable[Tensor]) -> list[tuple[MappedFile, int, int]]:
+        """(file, offset of the first page, bytes) of each of these views (other tensors skipped): what `will_need`
+        asks for, worked out once by a caller that asks for the same views again."""
+        return [(file, *file._pages(t)) for file, t in self._mapped(tensors)]
+
+    def will_need_pages(self, pages: list[tuple[MappedFile, int, int]]) -> None:
+        """`will_need` for ranges from `pages`, one request a range; nothing for a file closed since. Ranges in one
+        file are first looked up together, over the span from the first to the last (an expert's weights usually
+        lie next to each other): nothing more is asked when all of it is in memory, the usual case."""
+        by_file: dict[MappedFile, list[tuple[int, int]]] = {}
+        for file, begin, length in pages:
+            if file._bytes is not None:
+                by_file.setdefault(file, []).append((begin, length))
+        for file, ranges in by_file.items():
+            if len(ranges) > 1:
+                begin = min(b for b, _ in ranges)
+                if in_memory(file._mapped()[1].data_ptr() + begin, max(b + n for b, n in ranges) - begin):
+                    continue
+            for begin, length in ranges:
+                file.will_need(begin, length)
 
     def random_access(self, tensors: Iterable[Tensor]) -> None:
         """Turn off readahead on these views' pages (read piecemeal where they are used; a no-op for others)."""

@@ -76,7 +76,10 @@ def _gives_aten_bits(mod) -> bool:
         for n, d, scale in ((512, 1024, 0.02), (384, 3584, 0.5), (64, 128, 3.0)):
             w = (torch.randn(n, d, generator=gen) * scale).to(torch.bfloat16)
             x = torch.randn(1, 1, d, generator=gen).to(torch.bfloat16)
-            if not torch.equal(mod.linear_rows(x, w), F.linear(x, w)):
+            off_line = torch.cat((w.new_zeros(16), w.flatten()))[16:].view(n, d)  # 32 bytes off a cache line
+            aten = F.linear(x, w)
+            if not all(torch.equal(y, aten) for y in (mod.linear_rows(x, w), mod.linear_rows(x, off_line))) or \
+                    not torch.equal(mod.list_rows(x[0], [off_line, w]), torch.cat((aten[0], aten[0]))):
                 log.info("cpu_gemv: the kernel's bits differ from aten's here; one-row products stay aten's")
                 return False
             e = torch.randint(0, 4, (3,), generator=gen).unique()
@@ -100,7 +103,7 @@ def applies(x: Tensor, weight: Tensor) -> bool:
             and kernel() is not None)
 
 
-def _call(name: str, *args: Tensor) -> Tensor:
+def _call(name: str, *args: Tensor | list[Tensor]) -> Tensor:
     """The kernel's function `name`, named for torch.profiler while it records (a profile shows its time, and an
     operator count counts it once)."""
     fn = getattr(kernel(), name)
@@ -132,3 +135,10 @@ def routed_mm(x_RD: Tensor, w_END: Tensor, ids_K: Tensor) -> Tensor:
     each: one token's routed experts read in place, in choice order, without sorting them by expert (the ids, int64,
     distinct, are read on the host). Only where `applies` (callers check)."""
     return _call("routed_rows", x_RD, w_END, ids_K)
+
+
+def listed_mm(x_RD: Tensor, w_KND: list[Tensor]) -> Tensor:
+    """[K, N]: row k is x[k] (x[0] for every k when x has one row) times w_KND[k], a one-row product each: one
+    token's routed experts where each lies apart (a streamed layer's views of a mapped file), in one call. Only where
+    `applies` to every weight (callers check)."""
+    return _call("list_rows", x_RD, w_KND)

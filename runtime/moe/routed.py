@@ -156,6 +156,19 @@ def combine_choices(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
     return y_TD if y_TD.dtype == y_TKD.dtype else y_TD.to(y_TKD.dtype)
 
 
+def listed_ffn(x_1D: Tensor, experts: list[dict[str, Tensor | None]], kind: str = "gelu") -> Tensor | None:
+    """y_KD: one token through each of its K routed experts, experts[k] the k-th's weights where they lie (w1, w2, w3;
+    no biases): `row_ffn`'s arithmetic for each, one kernel call per projection for all K (`cpu_gemv.listed_mm`).
+    None where the kernel does not apply (the caller runs `row_ffn` per expert)."""
+    names = ("w1", "w2") if kind == "gelu" else ("w1", "w2", "w3")
+    if x_1D.numel() != x_1D.shape[-1] or any(e.get(b) is not None for e in experts for b in ("b1", "b2", "b3")) or \
+            not all(cpu_gemv.applies(x_1D, e[n]) for e in experts for n in names):
+        return None
+    by_name = {n: [e[n] for e in experts] for n in names}
+    return _ffn(lambda a, w, b: cpu_gemv.listed_mm(a, w), x_1D.reshape(1, -1), by_name["w1"], by_name["w2"],
+                by_name.get("w3"), None, None, None, kind)
+
+
 def row_ffn(x_1D: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None = None, b1: Tensor | None = None,
             b2: Tensor | None = None, b3: Tensor | None = None, kind: str = "gelu") -> Tensor:
     """One token's FFN through one expert whose weights are given where they lie (a mapped file, a slot): the

@@ -6,6 +6,7 @@ access leaves the bytes read unchanged."""
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 
 import pytest
@@ -77,6 +78,20 @@ def test_closing_keeps_views_valid_and_refuses_new_ones(tmp_path):
     files.random_access([view])
 
 
+def test_page_ranges_worked_out_once_are_asked_for_while_open_and_skipped_once_closed(tmp_path):
+    tensors = {"a": torch.arange(3000, dtype=torch.float32), "b": torch.ones(5000, dtype=torch.bfloat16)}
+    files = TensorFiles([save_tensors(tmp_path / "x.safetensors", tensors)])
+    views = [files.get(name) for name in tensors]
+    pages = files.pages([*views, torch.ones(3)])  # a tensor of no map: skipped
+    assert [file for file, _, _ in pages] == [files.files[0]] * 2
+    for (_, begin, length), v in zip(pages, views, strict=True):
+        assert begin % mmap.PAGESIZE == 0 and length >= v.numel() * v.element_size()
+    files.will_need_pages(pages)
+    files.close()
+    files.will_need_pages(pages)  # closed since: nothing to ask
+    assert all(torch.equal(v, tensors[name]) for v, name in zip(views, tensors, strict=True))
+
+
 def test_random_access_and_will_need_leave_the_bytes_unchanged(tmp_path):
     g = torch.Generator().manual_seed(0)
     tensors = {f"e{j}": torch.randn(300, 7, generator=g) for j in range(5)}  # ranges not page aligned
@@ -108,3 +123,26 @@ def test_will_need_reads_pages_not_in_memory_and_asks_nothing_of_pages_that_are(
     assert in_memory(address, length)
     files.will_need([view])
     assert in_memory(address, length)
+
+
+def test_will_need_pages_asks_for_the_ranges_of_a_span_not_in_memory(tmp_path):
+    """Two views of one file looked up together: after eviction their span is not in memory, so each range is asked
+    for, and the kernel brings them in without anything reading them."""
+    import time
+
+    from runtime.host.page_cache import evict
+    from runtime.inference.mapped import in_memory
+
+    tensors = {"a": torch.arange(1 << 18, dtype=torch.float32), "b": torch.arange(1 << 18, dtype=torch.float32)}
+    path = save_tensors(tmp_path / "x.safetensors", tensors)
+    files = TensorFiles([path])
+    pages = files.pages([files.get("a"), files.get("b")])
+    if not evict(path):
+        pytest.skip("this system cannot evict a file from the page cache")
+    addresses = [(file._bytes.data_ptr() + begin, length) for file, begin, length in pages]
+    assert not any(in_memory(*a) for a in addresses)
+    files.will_need_pages(pages)
+    deadline = time.monotonic() + 30  # a wait for the kernel's reads, not a timing
+    while not all(in_memory(*a) for a in addresses):
+        assert time.monotonic() < deadline, "the ranges asked for were never read"
+        time.sleep(0.01)

@@ -79,3 +79,44 @@ def test_one_tokens_routed_experts_through_the_kernel_are_the_grouped_gemms_bits
         finally:
             cpu_gemv.set_enabled(True)
     assert torch.equal(got, want)
+
+
+def _off_line(w: torch.Tensor, elements: int) -> torch.Tensor:
+    """w's values in a view `elements` bf16 values past a cache line (a mapped file's tensors sit where the file
+    puts them)."""
+    flat = torch.cat((w.new_zeros(elements), w.flatten()))
+    return flat[elements:].view(w.shape)
+
+
+@needs_kernel
+@pytest.mark.parametrize("elements", [16, 8, 1])
+def test_weights_off_a_cache_line_give_aten_gemv_bits(elements):
+    w, x = _bf16(384, 1024, scale=0.5, seed=4), _bf16(1, 1, 1024, seed=5)
+    view = _off_line(w, elements)
+    assert view.data_ptr() % 64 != 0
+    with decode_kernels(CPU):
+        assert torch.equal(cpu_gemv.linear(x, view), F.linear(x, w))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["swiglu", "gelu"])
+def test_listed_experts_are_row_ffn_per_expert(kind):
+    """One token through K experts lying apart, one kernel call per projection: row_ffn's rows with aten's products
+    (the reference), expert by expert."""
+    from runtime.moe.routed import listed_ffn, row_ffn
+
+    D, Fh = 256, 384
+    experts = [{"w1": _off_line(_bf16(Fh, D, scale=0.05, seed=10 + k), 16 * k),
+                "w2": _bf16(D, Fh, scale=0.05, seed=20 + k),
+                "w3": _bf16(Fh, D, scale=0.05, seed=30 + k) if kind == "swiglu" else None} for k in range(2)]
+    x = _bf16(1, D, seed=6)
+    with decode_kernels(CPU), torch.no_grad():
+        got = listed_ffn(x, experts, kind)
+        cpu_gemv.set_enabled(False)
+        try:
+            want = torch.cat([row_ffn(x, **e, kind=kind) for e in experts])
+        finally:
+            cpu_gemv.set_enabled(True)
+        assert got is not None and torch.equal(got, want)
+        biased = [{**e, "b2": torch.zeros(D, dtype=torch.bfloat16)} for e in experts]
+        assert listed_ffn(x, biased, kind) is None  # biases: row_ffn per expert serves
