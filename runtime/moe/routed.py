@@ -10,6 +10,8 @@ Weights follow nn.Linear's [out, in] layout: w1 [e, F, D], w2 [e, D, F], w3 [e, 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,9 @@ from torch import Tensor
 
 from runtime.model import cpu_gemv
 from runtime.moe.grouped_mm_op import grouped_mm_in_place, grouped_mm_ok
+
+W = TypeVar("W", Tensor, list[Tensor])
+"""A projection's weight: one expert's matrix, or a token's K experts' matrices (`listed_ffn`)."""
 
 ROUTED_FORMS = ("auto", "gather")
 """How `routed_ffn` reads the routed experts' weights: auto (in place for one token where a grouped GEMM takes
@@ -94,12 +99,16 @@ def _routed_rows(x_1D: Tensor, ids_K: Tensor, w1: Tensor, w2: Tensor, w3: Tensor
     return _ffn(proj, x_1D, w1, w2, w3, b1, b2, b3, kind)
 
 
-def _ffn(proj, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, b1: Tensor | None, b2: Tensor | None,
-         b3: Tensor | None, kind: str) -> Tensor:
+def _ffn(proj: Callable[[Tensor, W, Tensor | None], Tensor], x: Tensor, w1: W, w2: W, w3: W | None,
+         b1: Tensor | None, b2: Tensor | None, b3: Tensor | None, kind: str) -> Tensor:
     """An expert FFN with `proj(a, w, b)` as each projection (product, then bias): gelu(x w1) w2, or swiglu's
     (silu(x w1) * x w3) w2."""
     h = proj(x, w1, b1)
-    h = F.gelu(h) if kind == "gelu" else F.silu(h) * proj(x, w3, b3)
+    if kind == "gelu":
+        h = F.gelu(h)
+    else:
+        assert w3 is not None, "a swiglu expert has w3"
+        h = F.silu(h) * proj(x, w3, b3)
     return proj(h, w2, b2)
 
 
@@ -156,15 +165,15 @@ def combine_choices(y_TKD: Tensor, weights_TK: Tensor) -> Tensor:
     return y_TD if y_TD.dtype == y_TKD.dtype else y_TD.to(y_TKD.dtype)
 
 
-def listed_ffn(x_1D: Tensor, experts: list[dict[str, Tensor | None]], kind: str = "gelu") -> Tensor | None:
+def listed_ffn(x_1D: Tensor, experts: Sequence[Mapping[str, Tensor | None]], kind: str = "gelu") -> Tensor | None:
     """y_KD: one token through each of its K routed experts, experts[k] the k-th's weights where they lie (w1, w2, w3;
     no biases): `row_ffn`'s arithmetic for each, one kernel call per projection for all K (`cpu_gemv.listed_mm`).
     None where the kernel does not apply (the caller runs `row_ffn` per expert)."""
     names = ("w1", "w2") if kind == "gelu" else ("w1", "w2", "w3")
+    by_name = {n: [w for e in experts if (w := e.get(n)) is not None] for n in names}
     if x_1D.numel() != x_1D.shape[-1] or any(e.get(b) is not None for e in experts for b in ("b1", "b2", "b3")) or \
-            not all(cpu_gemv.applies(x_1D, e[n]) for e in experts for n in names):
+            not all(len(ws) == len(experts) and all(cpu_gemv.applies(x_1D, w) for w in ws) for ws in by_name.values()):
         return None
-    by_name = {n: [e[n] for e in experts] for n in names}
     return _ffn(lambda a, w, b: cpu_gemv.listed_mm(a, w), x_1D.reshape(1, -1), by_name["w1"], by_name["w2"],
                 by_name.get("w3"), None, None, None, kind)
 
