@@ -23,7 +23,7 @@ QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_
 TINY = dict(QWEN3_30B_A3B, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, vocab_size=512,
             max_position_embeddings=512)
-TRAIN = {"real": ["train.seq_len=2048", "train.micro_batch_size=4", "train.precision=bf16", "model.max_seq_len=4096"],
+TRAIN = {"real": ["train.seq_len=2048", "train.micro_batch_size=4", "train.precision=bf16"],
          "tiny": ["train.seq_len=64", "train.micro_batch_size=2"]}
 """Each size's batch: 8,192 tokens a step at the real dims."""
 WORDS = ("the expert router sends each token to eight of its experts and the host keeps their states while the "
