@@ -3,8 +3,8 @@ its large shape (a 16-layer random bf16 Mixtral, 11.9 GB), each in a fresh proce
 beside its bandwidth bound, and a CUDA profile of the compiled static step (kernels, launches and GPU-busy share
 per token). Usage: python tests/gpu/decode_shape.py LIMIT_S SYSTEMS [SLOTS [SIZE]], SYSTEMS a comma list of none,
 none_gather (the static step with gathered experts: `DecodeStep`'s experts_form), auto, ring, transformers,
-transformers_static, accelerate, profile and profile_gather (the compiled step under the CUDA profiler), run in that
-order; SIZE one of bench infer's (default large)."""
+transformers_static, accelerate, profile, profile_gather and profile_auto (the compiled step under the CUDA
+profiler), run in that order; SIZE one of bench infer's (default large)."""
 
 from __future__ import annotations
 
@@ -29,20 +29,21 @@ WORKERS = {"transformers": ("_hf_worker", {"offload_dir": None}),
 REPEATS = 2
 """Generations timed per system: on a GPU each takes a second or less; loading and compiling take the time."""
 SHARES = {"none": 1.4, "none_gather": 1.6, "auto": 1.4, "transformers_static": 1.2, "ring": 1.0, "accelerate": 0.8,
-          "transformers": 0.6, "profile": 0.8, "profile_gather": 1.0}
+          "transformers": 0.6, "profile": 0.8, "profile_gather": 1.0, "profile_auto": 0.8}
 """Each system's weight in the time left when it starts: compiled steps (none, auto, transformers' static cache)
 spend most of theirs compiling (gathered experts longer: inductor tunes each reduction); the time a system leaves
 unused goes to the ones after it."""
 PROFILE_TOKENS = 8
 TOP_KERNELS = 10
-"""Kernels named in the profile: the ones with the most GPU time per token."""
+"""Kernels (and CPU operators) named in the profile: the ones with the most time per token (GPU time; self CPU
+time)."""
 
 
 def profile_compiled_token(checkpoint: str, mode: str = "none", slots: int = 4, experts_form: str = "auto") -> dict:
     """One compiled static decode token on CUDA under torch.profiler: CUDA kernels and runtime launches per token,
-    the GPU's kernel time against the token's wall time (busy share), and the kernels that take the most of it
-    (per token: calls and seconds, by kernel name), from the difference of two generation lengths so the prefill
-    cancels."""
+    the GPU's kernel time against the token's wall time (busy share), and the kernels and CPU operators that take
+    the most of it (per token: calls and seconds, by name; an offloaded mode's CPU work shows in the latter), from the
+    difference of two generation lengths so the prefill cancels."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -68,37 +69,56 @@ def profile_compiled_token(checkpoint: str, mode: str = "none", slots: int = 4, 
             run(n)
             sync()
             wall = time.perf_counter() - start
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        launches = [e for e in prof.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",
-                                                             "cuLaunchKernelEx", "cudaLaunchKernelExC")]
-        graphs = [e for e in prof.events() if e.name == "cudaGraphLaunch"]
-        by_name: dict[str, list[float]] = {}
-        for e in kernels:
-            calls_s = by_name.setdefault(e.name[:100], [0, 0.0])
-            calls_s[0] += 1
-            calls_s[1] += e.device_time_total / 1e6
+        events = prof.events()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        cpu_ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+        launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",
+                                                    "cuLaunchKernelEx", "cudaLaunchKernelExC")]
+        graphs = [e for e in events if e.name == "cudaGraphLaunch"]
         return {"wall_s": wall, "kernels": len(kernels), "launches": len(launches), "graph_launches": len(graphs),
-                "kernel_s": sum(e.device_time_total for e in kernels) / 1e6, "by_name": by_name}
+                "kernel_s": sum(e.device_time_total for e in kernels) / 1e6,
+                "kernels_by_name": _by_name(kernels, lambda e: e.device_time_total),
+                "cpu_ops_by_name": _by_name(cpu_ops, lambda e: e.self_cpu_time_total)}
 
     short, long = measure(2), measure(2 + PROFILE_TOKENS)
-    per = {k: (long[k] - short[k]) / PROFILE_TOKENS for k in short if k != "by_name"}
-    by_name = {name: [(calls - short["by_name"].get(name, [0, 0.0])[0]) / PROFILE_TOKENS,
-                      (seconds - short["by_name"].get(name, [0, 0.0])[1]) / PROFILE_TOKENS]
-               for name, (calls, seconds) in long["by_name"].items()}
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    per = {k: (long[k] - short[k]) / PROFILE_TOKENS for k in short if not k.endswith("_by_name")}
     offloader.close()
     return {"mode": mode, "experts_form": experts_form, "per_token": per,
             "gpu_busy_share": per["kernel_s"] / per["wall_s"] if per["wall_s"] else None,
             "tokens_per_s_under_profiler": 1 / per["wall_s"] if per["wall_s"] else None,
-            "top_kernels": [{"name": name, "calls": calls, "seconds": seconds} for name, (calls, seconds) in top]}
+            "top_kernels": _top_per_token(short["kernels_by_name"], long["kernels_by_name"]),
+            "top_cpu_ops": _top_per_token(short["cpu_ops_by_name"], long["cpu_ops_by_name"])}
 
 
-def _profile(checkpoint: Path, slots: int, timeout: float, experts_form: str = "auto") -> dict:
+def _by_name(events, time_us) -> dict[str, list[float]]:
+    """{name (first 100 characters): [calls, seconds]} of profiler events, each event's time by `time_us`."""
+    out: dict[str, list[float]] = {}
+    for e in events:
+        calls_s = out.setdefault(e.name[:100], [0, 0.0])
+        calls_s[0] += 1
+        calls_s[1] += time_us(e) / 1e6
+    return out
+
+
+def _top_per_token(short: dict[str, list[float]], long: dict[str, list[float]]) -> list[dict]:
+    """The TOP_KERNELS names with the most time per token: the two generations' difference over PROFILE_TOKENS."""
+    per = {name: [(calls - short.get(name, [0, 0.0])[0]) / PROFILE_TOKENS,
+                  (seconds - short.get(name, [0, 0.0])[1]) / PROFILE_TOKENS]
+           for name, (calls, seconds) in long.items()}
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    return [{"name": name, "calls": calls, "seconds": seconds} for name, (calls, seconds) in top]
+
+
+PROFILES = {"profile": ("none", "auto"), "profile_gather": ("none", "gather"), "profile_auto": ("auto", "auto")}
+"""Profile systems: the offload mode and experts_form each profiles."""
+
+
+def _profile(checkpoint: Path, slots: int, timeout: float, mode: str = "none", experts_form: str = "auto") -> dict:
     """profile_compiled_token in a fresh process, or {"error": ...}."""
     code = ("import json, sys; from tests.gpu.decode_shape import profile_compiled_token as p; "
-            "print(json.dumps(p(sys.argv[1], slots=int(sys.argv[2]), experts_form=sys.argv[3])))")
+            "print(json.dumps(p(sys.argv[1], mode=sys.argv[4], slots=int(sys.argv[2]), experts_form=sys.argv[3])))")
     try:
-        done = subprocess.run([sys.executable, "-c", code, str(checkpoint), str(slots), experts_form],
+        done = subprocess.run([sys.executable, "-c", code, str(checkpoint), str(slots), experts_form, mode],
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"ran past {timeout:.0f} s"}
@@ -130,8 +150,8 @@ def main(limit_s: float, systems: list[str], slots: int, size: str = "large") ->
             weight = SHARES.get(name, 1.0) / sum(SHARES.get(n, 1.0) for n in systems[i:])
             budget = max(30.0, (deadline - time.monotonic() - 10) * weight)
             start = time.monotonic()
-            if name.startswith("profile"):
-                out[name] = _profile(checkpoint, slots, budget, "gather" if name == "profile_gather" else "auto")
+            if name in PROFILES:
+                out[name] = _profile(checkpoint, slots, budget, *PROFILES[name])
                 print(name, json.dumps(out[name]), flush=True)
                 continue
             call, extra = WORKERS[name]

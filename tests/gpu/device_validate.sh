@@ -3,8 +3,8 @@
 # first (a lease is 15 minutes of device time, starts included: G, then H, then E, then A, then C where time is left):
 #   bash tests/gpu/device_validate.sh G   # decode's open question first: the compiled static step with its experts
 #                                         # read in place (grouped GEMM) against gathered (coordinate-descent
-#                                         # reductions), each with its CUDA profile, beside transformers' static
-#                                         # cache and auto at 4 of 16 layers; then bench serve
+#                                         # reductions), each with its CUDA profile, auto at 4 of 16 layers with its
+#                                         # profile (where its CPU time goes), transformers' static cache
 #   bash tests/gpu/device_validate.sh H   # fine-tuning: a Qwen3-30B-A3B-shaped model (real dims, 4 of its 48
 #                                         # layers, random bf16 weights written by transformers) on chat data with
 #                                         # recipe=finetune, storage none / cpu / cpu_delayed, each beside the plan
@@ -100,8 +100,7 @@ elif [ "$PART" = F ]; then
   step decode_large 225 'python3 tests/gpu/decode_shape.py 205 none,profile,auto,transformers 4'
 elif [ "$PART" = G ]; then
   step env 15 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g'
-  step decode_forms 420 'python3 tests/gpu/decode_shape.py 400 none,none_gather,profile,profile_gather,transformers_static,auto 4'
-  step bench_serve 110 'moesys bench serve --json'
+  step decode_forms 540 'python3 tests/gpu/decode_shape.py 520 none,none_gather,profile,profile_gather,auto,profile_auto,transformers_static 4'
 elif [ "$PART" = H ]; then
   step env 15 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g; df -h /tmp'
   step finetune_qwen3 480 'python3 tests/gpu/finetune_shape.py 450 4 none,cpu,cpu_delayed'
