@@ -14,6 +14,7 @@ import torch
 
 from runtime.inference.mapped import MappedFile, MappedFileError, TensorFiles, read_header
 from runtime.files.tensorfile import save_tensors
+from tests.waiting import wait_until
 
 
 def raw_file(path, header: dict, data: bytes = b""):
@@ -128,8 +129,6 @@ def test_will_need_reads_pages_not_in_memory_and_asks_nothing_of_pages_that_are(
 def test_will_need_pages_asks_for_the_ranges_of_a_span_not_in_memory(tmp_path):
     """Two views of one file looked up together: after eviction their span is not in memory, so each range is asked
     for, and the kernel brings them in without anything reading them."""
-    import time
-
     from runtime.host.page_cache import evict
     from runtime.inference.mapped import in_memory
 
@@ -142,7 +141,5 @@ def test_will_need_pages_asks_for_the_ranges_of_a_span_not_in_memory(tmp_path):
     addresses = [(file._bytes.data_ptr() + begin, length) for file, begin, length in pages]
     assert not any(in_memory(*a) for a in addresses)
     files.will_need_pages(pages)
-    deadline = time.monotonic() + 30  # a wait for the kernel's reads, not a timing
-    while not all(in_memory(*a) for a in addresses):
-        assert time.monotonic() < deadline, "the ranges asked for were never read"
-        time.sleep(0.01)
+    wait_until(lambda: all(in_memory(*a) for a in addresses), what="the kernel to read the ranges asked for",
+               timeout=30)
