@@ -43,13 +43,6 @@ class DeviceCopy:
     allocated, copied or evicted."""
     grads_arrived: int = 0
     active: tuple = ()
-
-    def grads(self) -> dict[str, Tensor]:
-        """The leaves' gradients by tensor name, which backward has produced by the time they are read."""
-        missing = [name for name, leaf in self.leaves.items() if leaf.grad is None]
-        if missing:
-            raise RuntimeError(f"layer {self.layer}'s {missing[0]} has no gradient: its backward has not run")
-        return {name: leaf.grad for name, leaf in self.leaves.items() if leaf.grad is not None}
     """(keys, slots, rows): the experts that computed rows, and their rows of the buffer (the engine's record)."""
     hooks: list = field(default_factory=list)
     """Handles of hooks that refer back to this object (a cycle through C++ the collector cannot see): removed when
@@ -58,6 +51,13 @@ class DeviceCopy:
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
+
+    def grads(self) -> dict[str, Tensor]:
+        """The leaves' gradients by tensor name, which backward has produced by the time they are read."""
+        missing = [name for name, leaf in self.leaves.items() if leaf.grad is None]
+        if missing:
+            raise RuntimeError(f"layer {self.layer}'s {missing[0]} has no gradient: its backward has not run")
+        return {name: leaf.grad for name, leaf in self.leaves.items() if leaf.grad is not None}
 
 
 class TransferEngine:
