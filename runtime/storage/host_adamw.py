@@ -272,6 +272,13 @@ class HostOptimizer:
             done.set_exception(error)
         return done
 
+    def raise_if_failed(self) -> None:
+        """Raise the error of the update in flight if it ended with one: the layers it did not finish are never
+        marked updated, so whoever waits for them must learn of it here rather than wait forever."""
+        job = self._job
+        if job is not None and job.done() and job.exception() is not None:
+            job.result()
+
     def wait(self) -> None:
         """Block until the update in flight finished (raises its error)."""
         if self._job is not None:

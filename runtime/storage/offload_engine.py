@@ -39,6 +39,8 @@ InitialExpert = Callable[[str, dict, int], dict]
 """initial(experts module name, {tensor: per-expert shape}, global expert) -> the expert's fp32 tensors by name."""
 STALLS = ("wait_update", "wait_prefetch", "acquire", "h2d")
 """Critical spans that count as the forward or backward waiting for experts (offload/fetch_stall_s)."""
+UPDATE_POLL_S = 0.1
+"""Seconds between looks at whether the update a forward waits for failed (it returns at once when it is done)."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,10 @@ class OffloadEngine:
     # ---- what the homes ask ----
 
     def wait_updated(self, layer: int) -> None:
-        self._updated[layer].wait()
+        """Block until the layer's last update is done; raise instead if the update failed (its layer would never
+        be done)."""
+        while not self._updated[layer].wait(UPDATE_POLL_S):
+            self.optimizer.raise_if_failed()
 
     def in_use(self, key: ExpertKey) -> bool:
         with self._use_lock:
@@ -181,7 +186,7 @@ class OffloadEngine:
             return x_RD[:0].to(output_dtype(x_RD)) * 0
         if not self.delayed:
             with self.timeline.span("wait_update", True):
-                self._updated[layer].wait()
+                self.wait_updated(layer)
         with self._use_lock:  # before the acquire: an expert it loads and then evicts for the next is still in use
             self._in_use.update(keys)
         slots = self._acquire(keys) if training else self.home.acquire(keys)

@@ -333,3 +333,35 @@ def test_fine_grained_experts_train_like_resident_with_one_update_call_per_layer
         active = numel // per_expert
         assert active > 64 and (tensors * 4 <= active if home == "cpu" else tensors == active)
     run.close()
+
+
+def test_a_failed_update_raises_in_the_next_forward_instead_of_hanging(monkeypatch):
+    """The update runs on its own thread and marks each layer updated as it finishes it; one that fails marks none,
+    and the next forward, which waits for its layer, raised nothing and waited forever."""
+    import threading
+
+    import runtime.storage.host_adamw as host_adamw
+
+    run = Run(config(), "cpu", cache=4)
+    run.train(1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the kernel failed")
+
+    monkeypatch.setattr(host_adamw, "fused_adamw_counted", broken)
+    raised: list[BaseException] = []
+
+    def steps() -> None:
+        try:
+            run.train(3, start=1)
+        except RuntimeError as error:
+            raised.append(error)
+
+    trainer = threading.Thread(target=steps, daemon=True)
+    trainer.start()
+    trainer.join(timeout=60)
+    assert not trainer.is_alive(), "the forward still waits for the failed update"
+    assert [str(e) for e in raised] == ["the kernel failed"]
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="the kernel failed"):
+        run.close()
