@@ -9,7 +9,8 @@ For cpu and ssd it also prices the host side of the offloaded step, what decides
 with nothing else running) in ns per active expert parameter, taken on steps whose optimizer runs inline and whose
 background I/O is settled before the next step (on two cores, work overlapped with the model's compute is slowed by
 it, which a GPU's host would not be), against the floor measured in the same process (torch's fused AdamW over as
-many parameters, plus a memcpy of the bytes the step moved between host and device and to and from the store);
+many parameters, plus a memcpy of the bytes the step moved between host and device and to and from the store, each
+from memory rather than cache, as the step finds them);
 beside it the disk's own floor for the store's bytes (ssd waits for its disk: that time is no CPU's); and, from the
 timed steps, the share of that work hidden behind the forward and backward passes. Each mode's step is set beside
 its bound (runtime/plan/step_time.py: the resident step plus the host AdamW at the fused rate over the experts it
@@ -38,7 +39,7 @@ from runtime.bench.machine import measured_rates
 from runtime.bench.offload_fine_grained import VARIANTS, run_fine_grained
 from runtime.config import ModelConfig, MoesysConfig, TrainConfig
 from runtime.data.dataset import TokenDataset
-from runtime.host.topology import usable_cpus
+from runtime.host.topology import last_level_cache_bytes, usable_cpus
 from runtime.parallel.groups import build_groups
 from runtime.plan.params import count_parameters
 from runtime.plan.step_time import Rates, StepWork, step_bound
@@ -127,17 +128,23 @@ class _Trainer:
 
 def host_floor(params: int, copied_bytes: int, repeats: int = 3) -> float:
     """Seconds of the least host work an offloaded step over `params` active expert parameters could do: torch's
-    fused AdamW over that many fp32 parameters, plus a memcpy of the bytes it copied (median of `repeats`)."""
+    fused AdamW over that many fp32 parameters, plus a memcpy of the bytes it copied (median of `repeats`), each
+    timed with its tensors out of the CPU's caches, where a step finds its experts' states (they were last touched
+    a step ago, and the model's work since has passed through the caches many times): a floor small enough to stay
+    in the last-level cache would otherwise run from it, and the work of few active experts be priced against a
+    faster floor than that of many."""
     p, g, m, v = (torch.randn(max(params, 1)) for _ in range(4))
     v.abs_()
     step = torch.zeros(())
     buf = torch.empty(max(copied_bytes, 1), dtype=torch.uint8)
     dst = torch.empty_like(buf)
+    evict = torch.empty(2 * last_level_cache_bytes(), dtype=torch.uint8)
 
     def best(fn) -> float:
         fn()  # pages touched, kernels chosen
         times = []
-        for _ in range(repeats):
+        for i in range(repeats):
+            evict.fill_(i)
             began = time.perf_counter()
             fn()
             times.append(time.perf_counter() - began)

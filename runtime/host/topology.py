@@ -101,6 +101,30 @@ def detect_machine(ssd_path: str) -> Machine:
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
 
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+LAST_LEVEL_CACHE_FALLBACK = 64 << 20
+"""Bytes assumed for the last-level cache where the kernel does not say (larger than most server CPUs' share)."""
+
+
+def last_level_cache_bytes(caches: Path = CPU_CACHES) -> int:
+    """Bytes of the largest data cache the first CPU sees (its L3 on most machines), from the kernel's cache
+    description; LAST_LEVEL_CACHE_FALLBACK where there is none."""
+    sizes = []
+    for index in caches.glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[-1:] in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=LAST_LEVEL_CACHE_FALLBACK)
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on: its affinity mask (os.cpu_count counts the whole machine), capped by a
     cgroup v2 CPU quota (a container limited to 2 CPUs of a 64-core host)."""

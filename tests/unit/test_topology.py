@@ -51,3 +51,15 @@ def test_host_memory_is_the_cgroup_limit_when_lower():
         out = subprocess.run([sys.executable, "-c", probe], preexec_fn=cap.preexec, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) == round(3 * 2**30 / 1e9, 2)
+
+
+def test_last_level_cache_is_the_largest_data_cache_the_kernel_describes(tmp_path):
+    from runtime.host.topology import LAST_LEVEL_CACHE_FALLBACK, last_level_cache_bytes
+
+    for index, (kind, size) in enumerate([("Data", "32K"), ("Instruction", "64M"), ("Unified", "1024K"),
+                                          ("Unified", "32768K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "type").write_text(kind + "\n")
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(tmp_path) == 32 << 20
+    assert last_level_cache_bytes(tmp_path / "absent") == LAST_LEVEL_CACHE_FALLBACK
