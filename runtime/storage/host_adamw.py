@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 from runtime.host.timeline import Timeline
-from runtime.moe.buffer_pool import BufferPool
 from runtime.storage.expert_slots import ExpertSlot, SlotLayout, refresh_stages, run_states, slot_runs, step_counts
 from runtime.storage.optim import AdamWHyper, catch_up, fused_adamw_counted, square_sum
 
@@ -96,8 +95,9 @@ class HostOptimizer:
         self.calls = {"take_in": 0, "submit": 0}
         """Layers' gradients taken in and updates started so far (one of each a layer and optimizer step)."""
         self._widened: Tensor | None = None
-        self._packs = BufferPool()
-        """The buffers small gradients are packed into at intake (see PACK_BELOW), reused from step to step."""
+        self._packs: dict[int, list[tuple[Tensor, dict[str, Tensor]]]] = {}
+        """Per layer, the free buffers small gradients are packed into at intake (see PACK_BELOW) with their
+        per-name views, reused from step to step (one a layer, two while a delayed update reads one)."""
 
     def take_in(self, layer: int, keys: list, slots: list[ExpertSlot], grads: dict[str, Tensor], rows: list[int],
                 landed: Callable[[], None] | None, sums: list[Tensor], flat: Tensor | None = None,
@@ -118,7 +118,7 @@ class HostOptimizer:
                 # (zeros made on the device: none came home)
                 on_host = {n: g if g.device.type == "cpu" else g.to("cpu") for n, g in grads.items()}
                 if _worth_packing(layout, rows):
-                    packed, views, give_back = self._pack(layout, on_host, rows)
+                    packed, views, give_back = self._pack(layer, on_host, rows)
                     if release is not None:
                         release()
                     return LayerGrads(layer, keys, slots, views, list(range(len(rows))), sums, packed, give_back)
@@ -126,20 +126,24 @@ class HostOptimizer:
 
         self._taken[layer] = self._run(self._intake, job)
 
-    def _pack(self, layout: SlotLayout, grads: dict[str, Tensor],
+    def _pack(self, layer: int, grads: dict[str, Tensor],
               rows: list[int]) -> tuple[Tensor, dict[str, Tensor], Callable]:
-        """Rows `rows` of the per-name gradients, in that order, as one pooled [len(rows), P] buffer (see
-        PACK_BELOW), its per-name views and the call that gives it back: one gather per tensor name, straight into
-        the buffer. A buffer is made for every row the gradients have, so that it fits the layer's next steps
-        whatever their active experts (a buffer made anew pays a page fault per page, more than the gather)."""
-        first = next(iter(grads.values()))
-        buf, flat = self._packs.take(first.new_empty(1).expand(len(rows), layout.numel),
-                                     at_least=first.shape[0] * layout.numel)
+        """Rows `rows` of the per-name gradients, in that order, as the first rows of one of the layer's pack
+        buffers, with their per-name views and the call that gives the buffer back: one gather per tensor name,
+        straight into the buffer, and a handful of operators however many rows. A buffer has a row for every row
+        the gradients have (all local experts, when the device computed them all), so that it fits the layer's next
+        steps whatever their active experts: it is made once, as a buffer made anew pays a page fault per page, more
+        than the gather."""
+        free, a = self._packs.setdefault(layer, []), len(rows)
+        packs = free.pop() if free else None
+        if packs is None or packs[0].shape[0] < a:  # (a smaller one is dropped: the layer's active experts grew)
+            first = next(iter(grads.values()))
+            flat = first.new_empty(max(a, first.shape[0]), self.layouts[layer].numel)
+            packs = (flat, self.layouts[layer].views(flat))
+        flat, whole = packs
         index = torch.tensor(rows)
-        views = layout.views(flat)
-        for name, view in views.items():
-            torch.index_select(grads[name], 0, index, out=view)
-        return flat, views, lambda: self._packs.give(buf)
+        views = {name: torch.index_select(grads[name], 0, index, out=view[:a]) for name, view in whole.items()}
+        return flat[:a], views, lambda: free.append(packs)
 
     def gathered(self) -> list[LayerGrads]:
         """Every layer taken in this step, in forward order (waits for the intake to finish)."""
