@@ -104,6 +104,8 @@ CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 LAST_LEVEL_CACHE_FALLBACK = 64 << 20
 """Bytes assumed for the last-level cache where the kernel does not say (larger than most server CPUs' share)."""
+SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+"""The suffixes of the kernel's cache sizes ("32768K")."""
 
 
 def last_level_cache_bytes(caches: Path = CPU_CACHES) -> int:
@@ -117,9 +119,8 @@ def last_level_cache_bytes(caches: Path = CPU_CACHES) -> int:
             text = (index / "size").read_text().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        if text[-1:] in units and text[:-1].isdigit():
-            sizes.append(int(text[:-1]) * units[text[-1]])
+        if text[-1:] in SIZE_UNITS and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * SIZE_UNITS[text[-1]])
         elif text.isdigit():
             sizes.append(int(text))
     return max(sizes, default=LAST_LEVEL_CACHE_FALLBACK)
