@@ -106,16 +106,17 @@ def catch_up(slots: Sequence[AdamWStates], upto: int, lr_schedule, h: AdamWHyper
         return 0
     lrs = [(step, lr_schedule(step)) for step in range(min(d for _, d in behind), upto)]
     for piece in _pieces(behind):
-        counts = torch.stack([part.step for part in piece]).unbind(0)  # each piece's own count, from its slot's
         for step, lr in lrs:
-            at = [i for i, part in enumerate(piece) if part.done <= step]
+            at = [part for part in piece if part.done <= step]
             if not at:
                 continue
-            torch._foreach_add_([counts[i] for i in at], 1)
-            fused_adamw_counted([piece[i].master for i in at], [_zeros(piece[i].master.numel()) for i in at],
-                                [piece[i].exp_avg for i in at], [piece[i].exp_avg_sq for i in at],
-                                [counts[i] for i in at], lr, h)
-    torch._foreach_add_([slot.step for slot, _ in behind], [float(upto - d) for _, d in behind])
+            counts = [part.step for part in at]
+            torch._foreach_add_(counts, 1)
+            fused_adamw_counted([part.master for part in at], [_zeros(part.master.numel()) for part in at],
+                                [part.exp_avg for part in at], [part.exp_avg_sq for part in at], counts, lr, h)
+    chunked = [(slot, d) for slot, d in behind if slot.master.numel() > CATCH_UP_CHUNK]
+    if chunked:  # a whole slot's piece counted on the slot's own step; each chunk on a copy of it
+        torch._foreach_add_([slot.step for slot, _ in chunked], [float(upto - d) for _, d in chunked])
     return sum(upto - d for _, d in behind)
 
 
@@ -127,6 +128,8 @@ class _Piece:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: torch.Tensor
+    """The count the kernel reads and advances: a whole slot's own step, or a copy of it for each chunk (the
+    chunks of one slot go through the same steps one after another)."""
     done: int
 
 
@@ -140,7 +143,8 @@ def _pieces(behind: list[tuple[AdamWStates, int]]) -> list[list[_Piece]]:
         if numel > CATCH_UP_CHUNK:
             for lo in range(0, numel, CATCH_UP_CHUNK):
                 part = slice(lo, min(lo + CATCH_UP_CHUNK, numel))
-                groups.append([_Piece(slot.master[part], slot.exp_avg[part], slot.exp_avg_sq[part], slot.step, done)])
+                groups.append([_Piece(slot.master[part], slot.exp_avg[part], slot.exp_avg_sq[part],
+                                      slot.step.clone(), done)])
             room = 0
             continue
         if numel > room:
