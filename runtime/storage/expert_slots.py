@@ -241,23 +241,29 @@ def step_counts(slots: list[ExpertSlot]) -> list[float]:
     return torch.stack([slot.step for slot in slots]).tolist()
 
 
-def run_states(slots: list[ExpertSlot], runs: list[tuple[int, int]], attr: str) -> list[Tensor]:
-    """The flat `attr` tensor over each run of contiguous slots (see contiguous_runs), made so that the operators of
-    a layer's update do not grow with its experts: runs of one `new_slots` block, in the block's order, are pieces
-    of one split of the block's span (two operators, however many runs); else a lone slot's own tensor (no
-    operator) or one view over the run."""
+def run_states(slots: list[ExpertSlot], runs: list[tuple[int, int]], *attrs: str) -> list[list[Tensor]]:
+    """For each of `attrs` (master, exp_avg, exp_avg_sq, stage, step), the flat tensor of that state over each run of
+    contiguous slots (see contiguous_runs), made so that the operators of a layer's update do not grow with its
+    experts: runs of one `new_slots` block, in the block's order, are pieces of one split of the block's span (two
+    operators a state, however many runs; the split's sizes worked out once for all of them); else a lone slot's own
+    tensor (no operator) or one view over the run."""
     rows = [row for start, _ in runs if (row := slots[start].row) is not None]
     if len(runs) > 1 and len(rows) == len(runs) and all(row[0] == rows[0][0] for row in rows):
         ends = [row[1] + stop - start for row, (start, stop) in zip(rows, runs, strict=True)]
         if all(rows[i][1] >= ends[i - 1] for i in range(1, len(runs))):
-            first = getattr(slots[runs[0][0]], attr)
-            numel, sizes = first.numel(), []
+            gaps_and_runs = []  # in slots: the gap before each run, then the run
             for i, (row, end) in enumerate(zip(rows, ends, strict=True)):
-                sizes += [(row[1] - (ends[i - 1] if i else row[1])) * numel, (end - row[1]) * numel]
-            span = first.as_strided((sum(sizes),), (1,))
-            return list(span.split_with_sizes(sizes)[1::2])
+                gaps_and_runs += [row[1] - (ends[i - 1] if i else row[1]), end - row[1]]
+            out = []
+            for attr in attrs:
+                first = getattr(slots[runs[0][0]], attr)
+                sizes = [n * first.numel() for n in gaps_and_runs]
+                out.append(list(first.as_strided((sum(sizes),), (1,)).split_with_sizes(sizes)[1::2]))
+            return out
     out = []
-    for start, stop in runs:
-        first = getattr(slots[start], attr)
-        out.append(first if stop - start == 1 else first.as_strided(((stop - start) * first.numel(),), (1,)))
+    for attr in attrs:
+        out.append([])
+        for start, stop in runs:
+            first = getattr(slots[start], attr)
+            out[-1].append(first if stop - start == 1 else first.as_strided(((stop - start) * first.numel(),), (1,)))
     return out

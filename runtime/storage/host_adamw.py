@@ -193,8 +193,8 @@ class HostOptimizer:
                 self._adamw_widening(lg, runs, lr, grad_scale, write_stages)
             elif lg.flat is not None:  # one kernel call over the runs of whole slots
                 self._advance(lg.slots)
-                fused_adamw_counted(run_states(lg.slots, runs, "master"), self._run_grads(lg, runs),
-                                    run_states(lg.slots, runs, "exp_avg"), run_states(lg.slots, runs, "exp_avg_sq"),
+                master, exp_avg, exp_avg_sq = run_states(lg.slots, runs, "master", "exp_avg", "exp_avg_sq")
+                fused_adamw_counted(master, self._run_grads(lg, runs), exp_avg, exp_avg_sq,
                                     [lg.slots[start].step for start, _ in runs], lr, self.adamw, grad_scale)
             else:
                 self._adamw_per_tensor(lg, lr, grad_scale)
@@ -230,7 +230,7 @@ class HostOptimizer:
         numbers of widening them all first, without their fp32 copy or a second pass over memory)."""
         self._advance(lg.slots)
         if lg.flat is not None:
-            states = zip(*(run_states(lg.slots, runs, attr) for attr in ("master", "exp_avg", "exp_avg_sq", "stage")),
+            states = zip(*run_states(lg.slots, runs, "master", "exp_avg", "exp_avg_sq", "stage"),
                          self._run_grads(lg, runs), strict=True)
             groups = [([pieces], lg.slots[start].step) for pieces, (start, _) in zip(states, runs, strict=True)]
         else:

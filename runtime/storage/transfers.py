@@ -165,7 +165,7 @@ class TransferEngine:
         with self.timeline.span("h2d", critical), self._on_copy_stream():
             runs = contiguous_runs(copy.slots)
             pieces = list(target.view(-1).split([(stop - start) * target.shape[1] for start, stop in runs]))
-            sources = run_states(copy.slots, runs, "stage")
+            (sources,) = run_states(copy.slots, runs, "stage")
             if self.cuda:  # an asynchronous copy from pinned memory per run
                 for piece, source in zip(pieces, sources, strict=True):
                     piece.copy_(source, non_blocking=True)
