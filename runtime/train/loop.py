@@ -242,11 +242,12 @@ def train(cfg: MoesysConfig, run_dir: Path, groups: ParallelGroups, device: torc
         if is_timeout(exc):  # one line naming the collective and the step, not gloo's
             raise timeout_error(exc, step, tr.collective_timeout_s) from exc
         raise
-    finally:  # also on an error: no background work may outlive the run
-        for part in c.parts:
-            part.close()
-        memory.close()
-        if board:
-            board.close()
+    finally:  # also on an error: no background work may outlive the run, and a close that raises skips no other
+        with contextlib.ExitStack() as closing:
+            if board:
+                closing.callback(board.close)
+            closing.callback(memory.close)
+            for part in reversed(c.parts):  # (the stack runs them last in first out: the parts first, in order)
+                closing.callback(part.close)
     return {"steps": step, "stopped_early": step < tr.max_steps,
             "checkpoint": str(last_ckpt) if last_ckpt else None}
