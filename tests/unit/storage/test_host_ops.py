@@ -57,9 +57,10 @@ def coarse_config() -> MoesysConfig:
         train=fine.train)
 
 
-def host_ops_per_layer_step(cfg: MoesysConfig, home, monkeypatch, steps: int = 4) -> tuple[float, float]:
-    """(host operators, active experts) per offloaded layer and step, the optimizer run inline (every job on the
-    training thread, so each operator is seen), after a first step that makes the buffers."""
+def host_ops_per_layer_step(cfg: MoesysConfig, home, monkeypatch, steps: int = 4) -> tuple[float, float, dict]:
+    """(host operators, active experts, host operators by span kind) per offloaded layer and step, the optimizer
+    run inline (every job on the training thread, so each operator is seen), after a first step that makes the
+    buffers."""
     run = Run(cfg, home, cache=64)
     run.mgr.optimizer.inline = True
     run.train(1)
@@ -69,15 +70,18 @@ def host_ops_per_layer_step(cfg: MoesysConfig, home, monkeypatch, steps: int = 4
     run.close()
     layer_steps = steps * len(run.mgr.specs)
     active = sum(m["offload/experts_active"] for m in run.metrics[1:]) / layer_steps
-    return sum(counter.by_kind.values()) / layer_steps, active
+    by_kind = {kind: count / layer_steps for kind, count in counter.by_kind.items()}
+    return sum(counter.by_kind.values()) / layer_steps, active, by_kind
 
 
 @pytest.mark.parametrize("home", ["cpu", "ssd"])
 def test_host_operators_do_not_grow_with_the_active_experts(tmp_path, home, monkeypatch):
-    fine_ops, fine_active = host_ops_per_layer_step(fine_grained_config(), "cpu" if home == "cpu" else tmp_path / "f",
-                                                    monkeypatch)
-    coarse_ops, coarse_active = host_ops_per_layer_step(coarse_config(), "cpu" if home == "cpu" else tmp_path / "c",
-                                                        monkeypatch)
+    fine_ops, fine_active, fine_kinds = host_ops_per_layer_step(
+        fine_grained_config(), "cpu" if home == "cpu" else tmp_path / "f", monkeypatch)
+    coarse_ops, coarse_active, _ = host_ops_per_layer_step(
+        coarse_config(), "cpu" if home == "cpu" else tmp_path / "c", monkeypatch)
     assert fine_active > 8 * coarse_active / 2 and fine_active > 32  # many more experts active a layer
     assert fine_ops < 0.5 * fine_active, (fine_ops, fine_active)  # one operator per expert was the old cost
     assert fine_ops < 2 * coarse_ops, (fine_ops, coarse_ops)
+    if home == "cpu":  # packed into the layer's own buffer: the index, a slice a name and the buffer's, a gather a name
+        assert fine_kinds["intake"] <= 8, fine_kinds
