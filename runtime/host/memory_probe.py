@@ -87,8 +87,9 @@ def cuda_peak_bytes(device: torch.device) -> int:
 
 
 def pinned_host_peak_bytes(device: torch.device) -> int:
-    """Page-locked host bytes CUDA's caching host allocator has held at most (its blocks, rounded up to powers of
-    two as it allocates them), 0 off CUDA. The driver maps pinned memory itself, so the anonymous RSS leaves it out."""
+    """Page-locked host bytes CUDA's caching host allocator has held at most (its blocks as it allocates them:
+    rounded up to powers of two below runtime/host/pinned.py's threshold), 0 off CUDA. The driver maps pinned memory
+    itself, so the anonymous RSS leaves it out."""
     if device.type != "cuda":
         return 0
     import torch

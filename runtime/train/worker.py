@@ -18,6 +18,7 @@ from runtime.files.checkpoint_format import remove_partial_checkpoints
 from runtime.files.paths import PLAN, SUMMARY
 from runtime.files.run_dir import load_config, read_fatal, record_fatal
 from runtime.host.io import atomic_write_json
+from runtime.host.pinned import exact_large_pinned_blocks
 from runtime.host.topology import set_cpu_threads
 from runtime.launch.oom import OUT_OF_MEMORY_EXIT, OutOfMemory, cuda_oom_message
 from runtime.launch.process import die_with_parent
@@ -38,6 +39,7 @@ def init_distributed(timeout_s: float = 600.0, gpus: bool | None = None) -> tupl
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if (torch.cuda.is_available() if gpus is None else gpus):
+        exact_large_pinned_blocks()  # before a layer's stages are pinned
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:

@@ -261,3 +261,31 @@ def test_bench_infer_bounds_a_gpu_token_by_hbm_and_its_streamed_path():
     path, rate = streamed_path("moesys_auto", bandwidth, bandwidth)
     assert rate == max(bandwidth["host_read_bytes_per_s"], bandwidth["host_to_device_bytes_per_s"])
     assert streamed_path("moesys_ring", bandwidth, bandwidth) == ("pcie_copy", bandwidth["host_to_device_bytes_per_s"])
+
+
+LARGE_PINNED_PROBE = """
+import torch
+from runtime.host.pinned import exact_large_pinned_blocks
+exact_large_pinned_blocks()
+torch.cuda.init()
+allocated = lambda: torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+before = allocated()
+large = torch.empty(1200 << 20, dtype=torch.uint8, pin_memory=True)
+small = torch.empty(600 << 20, dtype=torch.uint8, pin_memory=True)
+held = allocated() - before
+del large
+print(held, allocated() - before)
+"""
+
+
+def test_a_layer_sized_pinned_block_takes_its_size_and_goes_back_when_freed():
+    """A block above runtime/host/pinned.py's threshold is allocated at its size (torch's host allocator would round
+    1200 MiB up to 2048) and given back when freed; a smaller one keeps the power-of-two rounding and the cache."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", LARGE_PINNED_PROBE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    held, after_free = map(int, out.stdout.split())
+    assert held == (1200 << 20) + (1024 << 20), held
+    assert after_free == 1024 << 20, after_free
