@@ -1,9 +1,10 @@
 """How torch's caching host allocator treats moesys's large pinned blocks.
 
 The allocator rounds every pinned block up to a power of two, so that a freed block serves the next request of its
-size class, and keeps freed blocks for reuse. A layer's stages or its gradients' staging are one block each,
-allocated once and held for the whole run: rounding them only wastes host memory, the tier offloading runs short of
-(a 1.2 GB layer of Qwen3-30B-A3B's bf16 stages would take 2 GB, its staging as much again). Above
+size class, and keeps freed blocks for reuse. A layer's stages or its gradients' staging in training, a layer's
+pinned experts in inference, are one block each, allocated once and held for the whole run: rounding them only
+wastes host memory, the tier offloading runs short of (a 1.2 GB layer of Qwen3-30B-A3B's bf16 stages would take
+2 GB, its staging as much again). Above
 EXACT_PINNED_ABOVE_MB a block is therefore allocated at its size and given back when freed; smaller ones (an SSD
 cache slot's stage, which comes and goes with the slot) keep the allocator's reuse.
 """

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from runtime.host.pinned import exact_large_pinned_blocks
 from runtime.host.topology import set_cpu_threads
 from runtime.inference.auto import AutoOffloader
 from runtime.inference.errors import InferError
@@ -119,6 +120,8 @@ def make_offloader(model: Transformer, mode: str, device: torch.device, ring_slo
     """
     if mode not in OFFLOADERS:
         raise InferError(f"--offload {mode!r} is not one of {', '.join(MODES)}")
+    if torch.device(device).type == "cuda":
+        exact_large_pinned_blocks()  # a layer's pinned experts at their size
     source = source if source is not None else ExpertSource.from_model(model)
     options = PlaceOptions(ring_slots, cache_dir, fingerprint, prefetch, cache_root, cache_gb)
     return OFFLOADERS[mode](model, torch.device(device), source, options)
