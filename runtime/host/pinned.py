@@ -11,6 +11,8 @@ cache slot's stage, which comes and goes with the slot) keep the allocator's reu
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 EXACT_PINNED_ABOVE_MB = 1024
@@ -21,10 +23,12 @@ PINNED_KEYS = ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
 
 def exact_large_pinned_blocks() -> str:
     """Set PINNED_KEYS to EXACT_PINNED_ABOVE_MB in torch's allocator settings, beside whatever the user's
-    PYTORCH_ALLOC_CONF (or PYTORCH_CUDA_ALLOC_CONF) holds; a user's own value of either key is left as it is. Call
-    before the first pinned allocation. Returns the settings in force."""
+    PYTORCH_ALLOC_CONF (or PYTORCH_CUDA_ALLOC_CONF) holds; a user's own value of either key is left as it is, and
+    settings torch refuses to take again at run time leave the allocator as it was (the blocks rounded, nothing
+    else changed). Call before the first pinned allocation. Returns the settings in force."""
     current = torch._C._accelerator_getAllocatorSettings()
     if not any(key in current for key in PINNED_KEYS):
         ours = ",".join(f"{key}:{EXACT_PINNED_ABOVE_MB}" for key in PINNED_KEYS)
-        torch._C._accelerator_setAllocatorSettings(f"{current},{ours}" if current else ours)
+        with contextlib.suppress(RuntimeError):
+            torch._C._accelerator_setAllocatorSettings(f"{current},{ours}" if current else ours)
     return torch._C._accelerator_getAllocatorSettings()

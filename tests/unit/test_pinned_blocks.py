@@ -32,3 +32,16 @@ def test_without_settings_only_the_pinned_keys():
 
 def test_a_users_own_pinned_setting_is_left_alone():
     assert settings_after({"PYTORCH_ALLOC_CONF": "pinned_max_cached_size_mb:64"}) == "pinned_max_cached_size_mb:64"
+
+
+def test_settings_torch_refuses_leave_the_allocator_as_it_was(monkeypatch):
+    import torch
+
+    from runtime.host.pinned import exact_large_pinned_blocks
+
+    def refuse(settings: str) -> None:
+        raise RuntimeError("backend can only be chosen at start")
+
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "backend:cudaMallocAsync")
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse)
+    assert exact_large_pinned_blocks() == "backend:cudaMallocAsync"
