@@ -114,7 +114,7 @@ def catch_up(slots: Sequence[AdamWStates], upto: int, lr_schedule, h: AdamWHyper
             torch._foreach_add_(counts, 1)
             fused_adamw_counted([part.master for part in at], [_zeros(part.master.numel()) for part in at],
                                 [part.exp_avg for part in at], [part.exp_avg_sq for part in at], counts, lr, h)
-    chunked = [(slot, d) for slot, d in behind if slot.master.numel() > CATCH_UP_CHUNK]
+    chunked = [(slot, d) for slot, d in behind if _in_chunks(slot)]
     if chunked:  # a whole slot's piece counted on the slot's own step; each chunk on a copy of it
         torch._foreach_add_([slot.step for slot, _ in chunked], [float(upto - d) for _, d in chunked])
     return sum(upto - d for _, d in behind)
@@ -133,6 +133,11 @@ class _Piece:
     done: int
 
 
+def _in_chunks(slot: AdamWStates) -> bool:
+    """Whether a catch-up takes the slot's states in chunks (each counting on a copy of its step), not whole."""
+    return slot.master.numel() > CATCH_UP_CHUNK
+
+
 def _pieces(behind: list[tuple[AdamWStates, int]]) -> list[list[_Piece]]:
     """Groups of at most CATCH_UP_CHUNK elements: each chunk of an expert larger than that alone, smaller experts
     whole, several to a group."""
@@ -140,7 +145,7 @@ def _pieces(behind: list[tuple[AdamWStates, int]]) -> list[list[_Piece]]:
     room = 0
     for slot, done in behind:
         numel = slot.master.numel()
-        if numel > CATCH_UP_CHUNK:
+        if _in_chunks(slot):
             for lo in range(0, numel, CATCH_UP_CHUNK):
                 part = slice(lo, min(lo + CATCH_UP_CHUNK, numel))
                 groups.append([_Piece(slot.master[part], slot.exp_avg[part], slot.exp_avg_sq[part],
